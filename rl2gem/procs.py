@@ -1,0 +1,133 @@
+"""Child service processes: start, wait for a ready line, stop without orphans.
+
+The retrieval service, the embedded engine server and the sglang-router are
+all started the same way: a subprocess that prints ``<PREFIX> <url>`` on
+stdout when it listens, and exits when its stdin closes (so a crashed parent
+never leaves it running).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+
+__all__ = ["ServiceProcess", "stop_on_stdin_eof"]
+
+
+class ServiceProcess:
+    """A started service.
+
+    Args:
+        cmd: the command line.
+        ready_prefix: the first stdout line starting with it carries the URL
+            (``<prefix> <url>``); with ``url`` given, readiness is instead
+            polled at ``<url><health_path>``.
+        timeout: seconds to wait for readiness.
+        url / health_path: see ``ready_prefix``.
+
+    Raises:
+        RuntimeError: the process exited or was not ready in time (the message
+            has the tail of its output).
+    """
+
+    def __init__(
+        self,
+        cmd: list[str],
+        *,
+        ready_prefix: str | None = None,
+        timeout: float = 120.0,
+        url: str | None = None,
+        health_path: str = "/health",
+        env: dict[str, str] | None = None,
+    ):
+        self.cmd = cmd
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            start_new_session=True,
+        )
+        self.output: deque[str] = deque(maxlen=200)
+        self.url = url
+        found = threading.Event()
+
+        def pump():
+            for line in self.proc.stdout:
+                self.output.append(line.rstrip("\n"))
+                if ready_prefix and not found.is_set() and line.startswith(ready_prefix):
+                    self.url = line.split()[1]
+                    found.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            if ready_prefix and found.wait(0.1):
+                return
+            if not ready_prefix and url and _healthy(url + health_path):
+                return
+            if not ready_prefix:
+                time.sleep(0.1)
+        tail = "\n".join(list(self.output)[-30:])
+        self.kill()
+        raise RuntimeError(f"{' '.join(cmd[:4])}... did not become ready (exit code {self.proc.poll()}):\n{tail}")
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Close stdin (graceful), then SIGTERM, then SIGKILL the process group."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=timeout / 2)
+            except Exception:  # noqa: BLE001
+                pass
+        if self.proc.poll() is None:
+            self._signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout / 2)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (no orphans)."""
+        self._signal(signal.SIGKILL)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def _signal(self, sig) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _healthy(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=1) as r:
+            return r.status == 200
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def stop_on_stdin_eof(stop: asyncio.Event) -> None:
+    """Set ``stop`` (from a daemon thread) when this process's stdin closes."""
+    loop = asyncio.get_running_loop()
+    threading.Thread(target=lambda: (sys.stdin.read(), loop.call_soon_threadsafe(stop.set)), daemon=True).start()

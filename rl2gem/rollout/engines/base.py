@@ -1,0 +1,189 @@
+"""The engine interface every rollout engine implements.
+
+An engine turns token ids into token ids: ``generate(input_ids, sampling_params)``
+returns the generated ids exactly as sampled, the log-probability of each, and
+why generation stopped. Nothing is decoded and re-tokenised on the way (TITO,
+token-in/token-out). Three engines implement it: the in-process
+:class:`~rl2gem.rollout.engines.embedded.EmbeddedEngine`, the HTTP client
+:class:`~rl2gem.rollout.engines.http.HTTPEngine` (our embedded server, SGLang
+servers, or an sglang-router in front of either), and
+:class:`~rl2gem.rollout.engines.sglang.SGLangEngine` (launches SGLang on GPUs).
+
+Field names follow SGLang's native ``/generate`` API so one vocabulary is used
+end to end: ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``,
+``stop_token_ids``, ``ignore_eos``, ``no_stop_trim``; finish reasons
+``{"type": "stop", "matched": id}``, ``{"type": "length", "length": n}`` and
+``{"type": "abort", "message": ...}``.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import difflib
+from typing import Any, Iterable, Mapping
+
+__all__ = ["SamplingParams", "GenerateOutput", "Engine", "EngineError"]
+
+
+class EngineError(RuntimeError):
+    """An engine could not serve a request (bad parameters, server gone, ...)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one completion.
+
+    Attributes:
+        max_new_tokens: upper bound on generated tokens (>= 0).
+        temperature: softmax temperature; 0 means greedy (argmax).
+        top_p: nucleus sampling mass in (0, 1].
+        top_k: keep the k most likely tokens; -1 (or 0) keeps all.
+        stop_token_ids: extra token ids that end generation (the model's EOS
+            always does unless ``ignore_eos``). The stop token is kept in the
+            output ids: it is part of the action the trainer learns from.
+        ignore_eos: do not stop at the EOS token.
+        no_stop_trim: accepted for SGLang compatibility; output ids always
+            keep the stop token.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    no_stop_trim: bool = False
+
+    def __post_init__(self):
+        if int(self.max_new_tokens) < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if float(self.temperature) < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < float(self.top_p) <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+
+    @classmethod
+    def from_dict(cls, params: Mapping[str, Any] | "SamplingParams" | None) -> "SamplingParams":
+        """Build from a dict with SGLang's key names.
+
+        Raises:
+            ValueError: an unknown key (the message names the closest valid key)
+                or an out-of-range value.
+        """
+        if params is None:
+            return cls()
+        if isinstance(params, SamplingParams):
+            return params
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = [k for k in params if k not in names]
+        if unknown:
+            hint = difflib.get_close_matches(unknown[0], sorted(names), n=1)
+            raise ValueError(
+                f"unknown sampling parameter {unknown[0]!r}"
+                + (f"; did you mean {hint[0]!r}?" if hint else f"; valid: {sorted(names)}")
+            )
+        return cls(**{k: v for k, v in params.items() if v is not None})
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["stop_token_ids"] = list(self.stop_token_ids)
+        return d
+
+
+@dataclasses.dataclass
+class GenerateOutput:
+    """One completion.
+
+    Attributes:
+        output_ids: generated token ids, as sampled (stop token included).
+        output_logprobs: float log-probability of each generated token under the
+            temperature-scaled distribution ``log_softmax(logits / T)`` (T = 1
+            for greedy), before top-k/top-p truncation; same length as
+            ``output_ids``. This is what a trainer computing
+            ``log_softmax(logits / T)`` reproduces.
+        finish_reason: ``{"type": "stop", "matched": id}``,
+            ``{"type": "length", "length": n}`` or ``{"type": "abort", ...}``.
+        prompt_tokens: number of input tokens.
+        weight_version: the engine's weight version that produced every output
+            token (engines abort in-flight requests before loading weights, so
+            one request never spans two versions).
+        input_logprobs: when requested, the log-probability of each input token
+            from ``logprob_start_len`` on given its prefix (``None`` for a token
+            with no prefix).
+        meta: anything else the engine reports (request id, cached tokens...).
+    """
+
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: dict[str, Any]
+    prompt_tokens: int
+    weight_version: int = 0
+    input_logprobs: list[float | None] | None = None
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason.get("type") == "abort"
+
+
+class Engine(abc.ABC):
+    """Async generation engine (see module docstring).
+
+    All methods are coroutines and safe to call from many coroutines at once.
+    """
+
+    #: incremented by every weight update
+    weight_version: int = 0
+
+    @abc.abstractmethod
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: SamplingParams | Mapping[str, Any] | None = None,
+        *,
+        return_logprob: bool = True,
+        logprob_start_len: int = -1,
+        rid: str | None = None,
+    ) -> GenerateOutput:
+        """Sample a completion of ``input_ids``.
+
+        Raises:
+            ValueError: empty or out-of-vocabulary input, bad sampling parameters.
+            EngineError: the engine is closed or unreachable.
+        """
+
+    @abc.abstractmethod
+    async def pause(self, mode: str = "abort") -> None:
+        """Stop generating. ``mode="abort"``: in-flight requests return at once with
+        the tokens generated so far and ``finish_reason["type"] == "abort"``; queued
+        and new requests wait until :meth:`resume`. ``mode="in_place"``: in-flight
+        requests keep their state and continue on resume."""
+
+    @abc.abstractmethod
+    async def resume(self) -> None:
+        """Continue after :meth:`pause`."""
+
+    @abc.abstractmethod
+    async def abort(self, rid: str | None = None) -> None:
+        """Abort one request by id, or all in-flight and queued requests."""
+
+    @abc.abstractmethod
+    async def update_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]] | str, version: int | None = None) -> int:
+        """Load new weights: a state dict / iterable of ``(name, tensor)``, or a
+        folder of safetensors files. In-flight requests are aborted first.
+        Returns the new weight version."""
+
+    @abc.abstractmethod
+    async def health(self) -> bool:
+        """True when the engine answers."""
+
+    async def close(self) -> None:
+        """Release resources; idempotent."""
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()

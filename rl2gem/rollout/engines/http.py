@@ -1,0 +1,200 @@
+"""Client of SGLang's native HTTP API: our embedded server, SGLang servers, or a router.
+
+``HTTPEngine(url, workers=[...])``: ``generate`` goes to ``url`` (a server, or an
+sglang-router that balances over ``workers``); pause / continue / abort /
+weight updates go to every worker directly, because the router does not
+forward them. With no ``workers`` the URL is the only worker.
+
+Failures: a connection error, a timeout or a 5xx answer is retried
+(``retries`` times, exponential backoff), which is how a request that was
+routed to a worker that died is served by another one once the router has
+dropped it. A 4xx answer raises ``ValueError`` at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import weakref
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from rl2gem.rollout.engines.base import Engine, EngineError, GenerateOutput, SamplingParams
+
+__all__ = ["HTTPEngine", "parse_generate_response"]
+
+
+def parse_generate_response(body: Mapping[str, Any], prompt_tokens: int | None = None) -> GenerateOutput:
+    """A ``/generate`` answer (SGLang's format) as a :class:`GenerateOutput`.
+
+    Raises:
+        EngineError: the answer lacks ``output_ids`` / ``meta_info``.
+    """
+    try:
+        meta = body["meta_info"]
+        ids = [int(t) for t in body["output_ids"]]
+    except (KeyError, TypeError) as e:
+        raise EngineError(f"malformed /generate answer (missing {e}): {str(body)[:200]}") from None
+    lps = meta.get("output_token_logprobs")
+    logprobs = [float(x[0]) for x in lps] if lps else [0.0] * len(ids)
+    if len(logprobs) != len(ids):
+        raise EngineError(f"/generate answered {len(ids)} ids but {len(logprobs)} logprobs")
+    inp = meta.get("input_token_logprobs")
+    finish = meta.get("finish_reason") or {"type": "stop"}
+    if isinstance(finish, str):
+        finish = {"type": finish}
+    version = meta.get("weight_version", 0)
+    try:
+        version = int(version)
+    except (TypeError, ValueError):
+        version = 0
+    return GenerateOutput(
+        output_ids=ids,
+        output_logprobs=logprobs,
+        finish_reason=dict(finish),
+        prompt_tokens=int(meta.get("prompt_tokens", prompt_tokens or 0)),
+        weight_version=version,
+        input_logprobs=[None if x[0] is None else float(x[0]) for x in inp] if inp else None,
+        meta={k: meta[k] for k in ("id", "e2e_latency", "cached_tokens") if k in meta},
+    )
+
+
+class HTTPEngine(Engine):
+    """SGLang-API client (see module docstring).
+
+    Args:
+        url: where ``/generate`` goes (server or router).
+        workers: the engine servers behind ``url`` (for control calls).
+        timeout: seconds per request attempt.
+        retries: extra attempts on connection errors / 5xx.
+        backoff: first retry delay in seconds (doubles).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        workers: list[str] | None = None,
+        *,
+        timeout: float = 600.0,
+        retries: int = 5,
+        backoff: float = 0.25,
+    ):
+        self.url = url.rstrip("/")
+        self.workers = [w.rstrip("/") for w in (workers or [self.url])]
+        self.timeout, self.retries, self.backoff = timeout, retries, backoff
+        self.weight_version = 0
+        self.retried = 0
+        self._sessions: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any]" = weakref.WeakKeyDictionary()
+
+    def _session(self):
+        import aiohttp
+
+        loop = asyncio.get_running_loop()
+        s = self._sessions.get(loop)
+        if s is None or s.closed:
+            s = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout),
+                connector=aiohttp.TCPConnector(limit=0, force_close=False),
+            )
+            self._sessions[loop] = s
+        return s
+
+    async def _call(self, method: str, url: str, payload: Any = None, *, retry: bool = True) -> Any:
+        import aiohttp
+
+        delay = self.backoff
+        attempts = 1 + (self.retries if retry else 0)
+        last: Exception | None = None
+        for attempt in range(attempts):
+            try:
+                async with self._session().request(method, url, json=payload) as r:
+                    if r.status >= 500:
+                        last = EngineError(f"{method} {url}: HTTP {r.status}: {(await r.text())[:300]}")
+                    elif r.status >= 400:
+                        text = await r.text()
+                        raise ValueError(f"{method} {url}: HTTP {r.status}: {text[:500]}")
+                    else:
+                        ctype = r.headers.get("Content-Type", "")
+                        return await r.json() if "json" in ctype else await r.text()
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+                last = EngineError(f"{method} {url}: {type(e).__name__}: {e}")
+            if attempt + 1 < attempts:
+                self.retried += 1
+                await asyncio.sleep(delay)
+                delay *= 2
+        raise last  # type: ignore[misc]
+
+    async def generate(self, input_ids, sampling_params=None, *, return_logprob=True, logprob_start_len=-1, rid=None):
+        params = SamplingParams.from_dict(sampling_params)
+        ids = [int(t) for t in input_ids]
+        if not ids:
+            raise ValueError("input_ids is empty")
+        payload: dict[str, Any] = {
+            "input_ids": ids,
+            "sampling_params": params.to_dict(),
+            "return_logprob": bool(return_logprob),
+        }
+        if return_logprob:
+            payload["logprob_start_len"] = int(logprob_start_len)
+        if rid is not None:
+            payload["rid"] = rid
+        body = await self._call("POST", self.url + "/generate", payload)
+        out = parse_generate_response(body, len(ids))
+        return out
+
+    async def _all(self, method: str, path: str, payload: Any = None) -> list[Any]:
+        return list(await asyncio.gather(*(self._call(method, w + path, payload, retry=False) for w in self.workers)))
+
+    async def pause(self, mode: str = "abort") -> None:
+        await self._all("POST", "/pause_generation", {"mode": mode})
+
+    async def resume(self) -> None:
+        await self._all("POST", "/continue_generation", {})
+
+    async def abort(self, rid: str | None = None) -> None:
+        await self._all("POST", "/abort_request", {"abort_all": True} if rid is None else {"rid": rid})
+
+    async def flush_cache(self) -> None:
+        await self._all("POST", "/flush_cache")
+
+    async def update_weights(self, weights, version: int | None = None) -> int:
+        """Weights from a folder (``update_weights_from_disk`` on every worker), or a
+        state dict saved to a temporary safetensors folder first (the folder must
+        be visible to the workers: same machine or shared disk)."""
+        new_version = self.weight_version + 1 if version is None else int(version)
+        if isinstance(weights, (str, Path)):
+            await self._update_from_disk(str(weights), new_version)
+        else:
+            from safetensors.torch import save_file
+
+            items = dict(weights.items() if isinstance(weights, Mapping) else weights)
+            with tempfile.TemporaryDirectory(prefix="rl2gem-weights-") as d:
+                tensors = {k: v.detach().to("cpu").contiguous() for k, v in items.items()}
+                await asyncio.to_thread(save_file, tensors, os.path.join(d, "model.safetensors"))
+                await self._update_from_disk(d, new_version)
+        self.weight_version = new_version
+        return new_version
+
+    async def _update_from_disk(self, path: str, version: int) -> None:
+        res = await self._all("POST", "/update_weights_from_disk", {"model_path": path, "weight_version": str(version)})
+        bad = [r for r in res if isinstance(r, dict) and not r.get("success", True)]
+        if bad:
+            raise EngineError(f"update_weights_from_disk failed: {bad[0].get('message')}")
+
+    async def health(self) -> bool:
+        try:
+            await self._call("GET", self.url + "/health", retry=False)
+            return True
+        except (EngineError, ValueError):
+            return False
+
+    async def get_load(self) -> list[dict[str, Any]]:
+        """Each worker's ``/get_load`` answer (SGLang's list format), in worker order."""
+        return await self._all("GET", "/get_load")
+
+    async def close(self) -> None:
+        loop = asyncio.get_running_loop()
+        s = self._sessions.pop(loop, None)
+        if s is not None and not s.closed:
+            await s.close()

@@ -1,0 +1,366 @@
+"""Multi-turn rollouts over rl2gem envs: GRPO groups, TITO sequences, partial rollouts.
+
+Every episode runs as its own coroutine (``env.areset`` / ``engine.generate`` /
+``env.astep`` ...), so a slow env or a long answer never holds up the others.
+``responses_per_prompt`` episodes share one initial state (same env seed): the
+group a GRPO-style estimator normalises over. A global semaphore bounds the
+generate calls in flight.
+
+Partial rollouts (``partial_rollout=True``): :meth:`Rollout.collect` returns as
+soon as ``num_groups`` groups are complete, keeping ``num_groups`` groups in
+flight until then. It then pauses the engine: in-flight requests come back with
+the tokens generated so far (``finish_reason == "abort"``), their episodes keep
+those tokens and log-probabilities and wait; the next ``collect`` resumes them
+(under whatever weights the engine has by then) and they finish. Every action
+token records the weight version that produced it, so the trainer can correct
+off-policy tokens with importance sampling against the rollout log-probs; a
+group whose oldest token is more than ``max_staleness`` versions behind is
+dropped (counted in ``rollout/dropped_stale``).
+
+Dynamic filtering (``dynamic_filter=True``, DAPO): a group whose rewards are
+all equal carries no GRPO signal; it is dropped, more groups are sampled (at
+most ``max_groups_factor`` x ``num_groups`` per call) and the filtered ratio
+is logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections import Counter
+from typing import Any, Callable
+
+from rl2gem.rollout.engines.base import Engine, EngineError, SamplingParams
+from rl2gem.rollout.tito import ChatRenderer, Episode, Sequence
+
+__all__ = ["RolloutConfig", "Rollout", "RolloutBatch"]
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    """Rollout settings (names follow RL2 / verl).
+
+    Attributes:
+        responses_per_prompt: episodes per group (GRPO group size).
+        max_new_tokens: token budget of one action.
+        max_length: token budget of one sequence (prompt + actions + replies);
+            an episode that reaches it is truncated (``truncated_reason="max_length"``).
+        temperature, top_p, top_k: sampling (see :class:`SamplingParams`).
+        concurrency: generate calls in flight at once.
+        partial_rollout: see module docstring.
+        max_staleness: versions an episode's oldest token may lag behind.
+        dynamic_filter: drop groups with equal rewards (DAPO).
+        max_groups_factor: bound on groups started per call with dynamic filtering.
+        system_prompt: system message of every conversation.
+        seed: base of the per-group env seeds.
+        progress: show a tqdm bar.
+    """
+
+    responses_per_prompt: int = 4
+    max_new_tokens: int = 256
+    max_length: int = 2048
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    concurrency: int = 64
+    partial_rollout: bool = False
+    max_staleness: int = 1
+    dynamic_filter: bool = False
+    max_groups_factor: float = 4.0
+    system_prompt: str | None = None
+    seed: int = 0
+    progress: bool = False
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """The result of one :meth:`Rollout.collect`: complete groups and metrics."""
+
+    groups: list[list[Episode]]
+    metrics: dict[str, float]
+
+    @property
+    def episodes(self) -> list[Episode]:
+        return [e for g in self.groups for e in g]
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        return [s for e in self.episodes for s in e.sequences]
+
+
+class _Group:
+    __slots__ = ("gid", "episodes", "task")
+
+    def __init__(self, gid: int):
+        self.gid = gid
+        self.episodes: list[Episode] = []
+        self.task: asyncio.Task | None = None
+
+    def min_version(self) -> int | None:
+        vs = [min(e.versions) for e in self.episodes if e.versions]
+        pend = [min(e.info["_pending_versions"]) for e in self.episodes if e.info.get("_pending_versions")]
+        vs += pend
+        return min(vs) if vs else None
+
+
+class Rollout:
+    """Collects groups of multi-turn episodes from an engine and an env.
+
+    Args:
+        engine: any :class:`~rl2gem.rollout.engines.base.Engine`.
+        tokenizer: the policy's tokenizer (its chat template renders turns).
+        env: a registered env id (``"rl2/GSM8K-v0"``) or a zero-argument factory.
+        config: :class:`RolloutConfig`.
+        env_kwargs: keyword arguments of ``rl2gem.make``.
+        chat_template: overrides the tokenizer's template.
+
+    Use it from one event loop (episodes carried over by partial rollouts live
+    on it between calls).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer,
+        env: str | Callable[[], Any],
+        config: RolloutConfig | None = None,
+        *,
+        env_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
+    ):
+        self.engine = engine
+        self.config = config or RolloutConfig()
+        if self.config.responses_per_prompt < 1:
+            raise ValueError("responses_per_prompt must be >= 1")
+        self.renderer = ChatRenderer(tokenizer, chat_template, self.config.system_prompt)
+        if isinstance(env, str):
+            import rl2gem
+
+            env_id, kwargs = env, dict(env_kwargs or {})
+            self._env_fn = lambda: rl2gem.make(env_id, **kwargs)
+        else:
+            self._env_fn = env
+        self._pool: list[Any] = []
+        self._all_envs: list[Any] = []
+        self._next_gid = 0
+        self._inflight: dict[int, _Group] = {}
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._sem: asyncio.Semaphore | None = None
+        self.stats: Counter = Counter()
+        c = self.config
+        self._params = SamplingParams(max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k)
+
+    # ------------------------------------------------------------------ envs
+    def _env(self):
+        if self._pool:
+            return self._pool.pop()
+        env = self._env_fn()
+        self._all_envs.append(env)
+        return env
+
+    async def close(self) -> None:
+        """Cancel carried-over episodes and close every env."""
+        for g in list(self._inflight.values()):
+            if g.task is not None:
+                g.task.cancel()
+        await asyncio.gather(*(g.task for g in self._inflight.values() if g.task), return_exceptions=True)
+        self._inflight.clear()
+        for env in self._all_envs:
+            await env.aclose()
+        self._all_envs.clear()
+        self._pool.clear()
+
+    # ------------------------------------------------------------------ episodes
+    async def _generate(self, ids: list[int], max_new: int, ep: Episode):
+        out_ids: list[int] = []
+        out_lp: list[float] = []
+        out_ver: list[int] = []
+        failures = 0
+        while True:
+            await self._gate.wait()
+            params = dataclasses.replace(self._params, max_new_tokens=max_new - len(out_ids))
+            async with self._sem:
+                if not self._gate.is_set():
+                    continue
+                self.stats["requests"] += 1
+                out = await self.engine.generate(ids + out_ids, params)
+            out_ids += out.output_ids
+            out_lp += out.output_logprobs
+            out_ver += [out.weight_version] * len(out.output_ids)
+            ep.info["_pending_versions"] = out_ver
+            if out.aborted and len(out_ids) < max_new:
+                self.stats["aborted_requests"] += 1
+                ep.aborts += 1
+                if self._gate.is_set():  # not our pause: the engine failed the request
+                    failures += 1
+                    if failures > 3:
+                        raise EngineError(f"generation aborted repeatedly: {out.finish_reason}")
+                continue
+            ep.info.pop("_pending_versions", None)
+            return out_ids, out_lp, out_ver, out.finish_reason.get("type", "stop")
+
+    async def _episode(self, env, obs: str, info: dict, ep: Episode) -> Episode:
+        c, r = self.config, self.renderer
+        msgs = r.initial_messages(obs, info.get("role", "user"))
+        seq = Sequence()
+        seq.extend_context(r.prompt_ids(msgs))
+        ep.sequences.append(seq)
+        while True:
+            budget = c.max_length - len(seq)
+            if budget <= 0:
+                ep.truncated = True
+                ep.info = {**ep.info, "truncated_reason": "max_length"}
+                break
+            ids, lps, vers, finish = await self._generate(seq.input_ids, min(c.max_new_tokens, budget), ep)
+            seq.extend_action(ids, lps, vers)
+            text = r.decode(ids)
+            obs, reward, terminated, truncated, info = await env.astep(text)
+            ep.turns += 1
+            ep.turn_rewards.append(float(reward))
+            ep.finish_reasons.append(finish)
+            seq.rewards[-1] += float(reward)
+            ep.info = {k: v for k, v in info.items()}
+            asst = {"role": "assistant", "content": text}
+            if terminated or truncated:
+                ep.terminated, ep.truncated = bool(terminated), bool(truncated)
+                ep.messages = msgs + [asst]
+                break
+            replies = [{"role": info.get("role", "user"), "content": obs}]
+            stop = ids[-1] if finish == "stop" and ids else None
+            delta = r.delta(msgs, text, replies, stop)
+            msgs = msgs + [asst] + replies
+            if delta.split:
+                ep.splits += 1
+                seq = Sequence()
+                ep.sequences.append(seq)
+            seq.extend_context(delta.ids)
+        ep.messages = ep.messages or msgs
+        return ep
+
+    async def _group(self, g: _Group) -> _Group:
+        n = self.config.responses_per_prompt
+        seed = (self.config.seed * 1_000_003 + g.gid) % (2**31)
+        envs = [self._env() for _ in range(n)]
+        try:
+            resets = await asyncio.gather(*(e.areset(seed=seed) for e in envs))
+            g.episodes = [Episode(group=g.gid) for _ in range(n)]
+            await asyncio.gather(*(self._episode(e, o, i, ep) for e, (o, i), ep in zip(envs, resets, g.episodes)))
+        finally:
+            self._pool.extend(envs)
+        return g
+
+    def _launch(self) -> _Group:
+        g = _Group(self._next_gid)
+        self._next_gid += 1
+        g.task = asyncio.ensure_future(self._group(g))
+        self._inflight[g.gid] = g
+        return g
+
+    # ------------------------------------------------------------------ collect
+    async def collect(self, num_groups: int) -> RolloutBatch:
+        """Run until ``num_groups`` complete groups are ready (see module docstring).
+
+        Returns:
+            :class:`RolloutBatch` with ``num_groups`` groups (fewer only when
+            dynamic filtering hit ``max_groups_factor``) and its metrics.
+
+        Raises:
+            ValueError: ``num_groups < 1``.
+            EngineError: the engine failed a request repeatedly.
+        """
+        if num_groups < 1:
+            raise ValueError("num_groups must be >= 1")
+        c = self.config
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(c.concurrency)
+        t0 = time.perf_counter()
+        before = Counter(self.stats)
+        version = int(getattr(self.engine, "weight_version", 0))
+        m = Counter()
+        # carried-over groups that are already too stale are dropped now
+        for g in list(self._inflight.values()):
+            mv = g.min_version()
+            if mv is not None and version - mv > c.max_staleness:
+                g.task.cancel()
+                del self._inflight[g.gid]
+                m["dropped_stale"] += 1
+        m["carried_over"] = len(self._inflight)
+        if not self._gate.is_set():
+            await self.engine.resume()
+            self._gate.set()
+        kept: list[list[Episode]] = []
+        launched = 0
+        budget = max(num_groups, int(c.max_groups_factor * num_groups)) if c.dynamic_filter else num_groups
+        bar = None
+        if c.progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=num_groups, desc="rollout", unit="group", leave=False)
+        try:
+            while len(kept) < num_groups:
+                want = num_groups if c.partial_rollout else num_groups - len(kept)
+                while len(self._inflight) < want and launched < budget:
+                    self._launch()
+                    launched += 1
+                if not self._inflight:
+                    break
+                done, _ = await asyncio.wait([g.task for g in self._inflight.values()], return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    g = next(x for x in self._inflight.values() if x.task is task)
+                    del self._inflight[g.gid]
+                    g = task.result()
+                    mv = g.min_version()
+                    if mv is not None and version - mv > c.max_staleness:
+                        m["dropped_stale"] += 1
+                        continue
+                    rewards = {e.reward for e in g.episodes}
+                    if c.dynamic_filter and len(rewards) == 1 and len(g.episodes) > 1:
+                        m["filtered"] += 1
+                        continue
+                    if len(kept) < num_groups:
+                        kept.append(g.episodes)
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        if self._inflight:
+            if c.partial_rollout:
+                self._gate.clear()
+                await self.engine.pause("abort")
+            else:  # only with dynamic filtering: surplus groups are not needed
+                for g in self._inflight.values():
+                    g.task.cancel()
+                await asyncio.gather(*(g.task for g in self._inflight.values()), return_exceptions=True)
+                self._inflight.clear()
+        return RolloutBatch(kept, self._metrics(kept, m, before, launched, time.perf_counter() - t0))
+
+    def _metrics(self, groups, m: Counter, before: Counter, launched: int, seconds: float) -> dict[str, float]:
+        eps = [e for g in groups for e in g]
+        n = max(len(eps), 1)
+        done = len(groups) + m["filtered"] + m["dropped_stale"]
+        delta = self.stats - before
+        out = {
+            "rollout/groups": float(len(groups)),
+            "rollout/episodes": float(len(eps)),
+            "rollout/reward": sum(e.reward for e in eps) / n,
+            "rollout/success": sum(e.reward > 0 for e in eps) / n,
+            "rollout/response_length": sum(e.num_action_tokens for e in eps) / n,
+            "rollout/turns": sum(e.turns for e in eps) / n,
+            "rollout/tokens": float(sum(e.num_tokens for e in eps)),
+            "rollout/action_tokens": float(sum(e.num_action_tokens for e in eps)),
+            "rollout/sequences": float(sum(len(e.sequences) for e in eps)),
+            "rollout/splits": float(sum(e.splits for e in eps)),
+            "rollout/truncated": sum(e.truncated for e in eps) / n,
+            "rollout/filtered_ratio": m["filtered"] / done if done else 0.0,
+            "rollout/dropped_stale": float(m["dropped_stale"]),
+            "rollout/carried_over": float(m["carried_over"]),
+            "rollout/in_flight_after": float(len(self._inflight)),
+            "rollout/requests": float(delta["requests"]),
+            "rollout/aborted_requests": float(delta["aborted_requests"]),
+            "rollout/groups_started": float(launched),
+            "time/rollout": seconds,
+        }
+        return out

@@ -1,0 +1,271 @@
+"""HTTP server for the embedded engine, speaking SGLang's native API.
+
+``python -m rl2gem.serve --model smollm2-135m-instruct --port 30000`` serves
+:class:`~rl2gem.rollout.engines.embedded.EmbeddedEngine` with the subset of
+SGLang's HTTP API that RL needs, so the same client
+(:class:`~rl2gem.rollout.engines.http.HTTPEngine`) and the real
+``sglang-router`` work in front of it or of real SGLang servers:
+
+==============================  ==========================================================
+``POST /generate``              ``input_ids`` (one list, or a batch of lists), ``sampling_params``
+                                (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``,
+                                ``stop_token_ids``, ``ignore_eos``, ``no_stop_trim``),
+                                ``return_logprob``, ``logprob_start_len``, ``rid``; answers
+                                ``text``, ``output_ids`` and ``meta_info`` (``id``,
+                                ``finish_reason``, ``prompt_tokens``, ``completion_tokens``,
+                                ``output_token_logprobs`` as ``[logprob, token_id, null]``,
+                                ``weight_version``, ``e2e_latency``)
+``GET /health``                 200 while the engine runs (``/health_generate`` too)
+``GET /get_load``               ``[{"dp_rank": 0, "num_reqs": .., "num_waiting_reqs": .., "num_tokens": ..}]``
+``GET /get_model_info``         ``model_path``, ``tokenizer_path``, ``is_generation``, ``weight_version``
+``GET /get_server_info``        limits and engine counters
+``POST /pause_generation``      ``{"mode": "abort" | "in_place"}``
+``POST /continue_generation``
+``POST /abort_request``         ``{"rid": ..}`` or ``{"abort_all": true}``
+``POST /flush_cache``
+``POST /update_weights_from_disk``  ``{"model_path": folder, "weight_version": ..}``
+==============================  ==========================================================
+
+Bad requests get HTTP 400 with ``{"error": {"message": ...}}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import Any
+
+__all__ = ["make_app", "main", "READY_PREFIX"]
+
+READY_PREFIX = "RL2GEM_SERVE_READY"
+
+
+def _bad(message: str, status: int = 400):
+    from aiohttp import web
+
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+def _output_json(out, tokenizer, return_logprob: bool) -> dict[str, Any]:
+    meta = {
+        "id": out.meta.get("id"),
+        "finish_reason": out.finish_reason,
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": len(out.output_ids),
+        "cached_tokens": 0,
+        "weight_version": str(out.weight_version),
+        "e2e_latency": out.meta.get("e2e_latency"),
+    }
+    if return_logprob:
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(out.output_logprobs, out.output_ids)]
+        if out.input_logprobs is not None:
+            meta["input_token_logprobs"] = [[lp, None, None] for lp in out.input_logprobs]
+    text = tokenizer.decode(out.output_ids, skip_special_tokens=True) if tokenizer is not None else ""
+    return {"text": text, "output_ids": list(out.output_ids), "meta_info": meta}
+
+
+def make_app(engine, *, model_path: str = "", tokenizer=None):
+    """The aiohttp application serving ``engine`` (an :class:`EmbeddedEngine`)."""
+    from aiohttp import web
+
+    from rl2gem.rollout.engines.base import SamplingParams
+
+    routes = web.RouteTableDef()
+
+    @routes.get("/health")
+    @routes.get("/health_generate")
+    async def health(_):
+        ok = await engine.health()
+        return web.Response(status=200 if ok else 503)
+
+    @routes.get("/get_load")
+    async def get_load(_):
+        load = engine.load()
+        return web.json_response([{"dp_rank": 0, "num_reqs": load["num_running_reqs"] + load["num_waiting_reqs"], **load}])
+
+    @routes.get("/get_model_info")
+    async def model_info(_):
+        return web.json_response(
+            {
+                "model_path": model_path,
+                "tokenizer_path": model_path,
+                "is_generation": True,
+                "weight_version": str(engine.weight_version),
+                "preferred_sampling_params": None,
+            }
+        )
+
+    @routes.get("/get_server_info")
+    async def server_info(_):
+        return web.json_response(
+            {
+                "model_path": model_path,
+                "engine": "rl2gem-embedded",
+                "context_length": engine.context_length,
+                "max_running_requests": engine.max_batch_size,
+                "max_total_num_tokens": engine.max_cached_tokens,
+                "weight_version": str(engine.weight_version),
+                "paused": engine.paused,
+                "internal_states": [dict(engine.stats)],
+            }
+        )
+
+    @routes.get("/get_weight_version")
+    async def weight_version(_):
+        return web.json_response({"weight_version": str(engine.weight_version)})
+
+    async def _json(request) -> dict:
+        if not request.can_read_body:
+            return {}
+        try:
+            body = await request.json()
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"request body is not JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise ValueError("request body must be a JSON object")
+        return body
+
+    @routes.post("/generate")
+    async def generate(request):
+        try:
+            body = await _json(request)
+            ids = body.get("input_ids")
+            if ids is None and "text" in body:
+                if tokenizer is None:
+                    raise ValueError("this server needs input_ids")
+                text = body["text"]
+                ids = [tokenizer.encode(t) for t in text] if isinstance(text, list) else tokenizer.encode(text)
+            if not isinstance(ids, list) or not ids:
+                raise ValueError("input_ids must be a non-empty list of token ids (or of such lists)")
+            batch = isinstance(ids[0], list)
+            prompts = ids if batch else [ids]
+            sp = body.get("sampling_params") or {}
+            sps = sp if isinstance(sp, list) else [sp] * len(prompts)
+            if len(sps) != len(prompts):
+                raise ValueError("sampling_params list must match the batch size")
+            params = [SamplingParams.from_dict(p) for p in sps]
+            for p in prompts:
+                if not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                    raise ValueError("input_ids must contain integers")
+            rid = body.get("rid")
+            rids = (rid if isinstance(rid, list) else [None] * len(prompts)) if batch else [rid]
+            return_logprob = bool(body.get("return_logprob", False))
+            start = int(body.get("logprob_start_len", -1)) if return_logprob else -1
+            outs = await asyncio.gather(
+                *(
+                    engine.generate(p, s, return_logprob=return_logprob, logprob_start_len=start, rid=r)
+                    for p, s, r in zip(prompts, params, rids)
+                )
+            )
+        except (ValueError, TypeError) as e:
+            return _bad(str(e))
+        res = [_output_json(o, tokenizer, return_logprob) for o in outs]
+        return web.json_response(res if batch else res[0])
+
+    @routes.post("/pause_generation")
+    async def pause(request):
+        try:
+            body = await _json(request)
+            await engine.pause(body.get("mode", "abort"))
+        except ValueError as e:
+            return _bad(str(e))
+        return web.json_response({"status": "ok", "message": "generation paused"})
+
+    @routes.post("/continue_generation")
+    async def resume(_):
+        await engine.resume()
+        return web.json_response({"status": "ok", "message": "generation continued"})
+
+    @routes.post("/abort_request")
+    async def abort(request):
+        try:
+            body = await _json(request)
+        except ValueError as e:
+            return _bad(str(e))
+        rid = None if body.get("abort_all") else body.get("rid")
+        if rid is None and not body.get("abort_all"):
+            return _bad("give rid or abort_all=true")
+        await engine.abort(rid)
+        return web.json_response({"status": "ok"})
+
+    @routes.post("/flush_cache")
+    @routes.get("/flush_cache")
+    async def flush(_):
+        await engine.flush_cache()
+        return web.Response(text="Cache flushed.")
+
+    @routes.post("/update_weights_from_disk")
+    async def update_from_disk(request):
+        try:
+            body = await _json(request)
+            path = body.get("model_path")
+            if not path:
+                raise ValueError("model_path is required")
+            v = body.get("weight_version")
+            version = await engine.update_weights(path, version=int(v) if v is not None else None)
+        except (ValueError, KeyError, FileNotFoundError, OSError) as e:
+            return web.json_response({"success": False, "message": f"{type(e).__name__}: {e}"}, status=400)
+        return web.json_response({"success": True, "message": "weights updated", "weight_version": str(version)})
+
+    app = web.Application(client_max_size=256 * 1024 * 1024)
+    app.add_routes(routes)
+
+    async def _close(_app):
+        await engine.close()
+
+    app.on_cleanup.append(_close)
+    return app
+
+
+async def _serve(args) -> None:
+    from aiohttp import web
+
+    from rl2gem.procs import stop_on_stdin_eof
+    from rl2gem.rollout.engines.embedded import EmbeddedEngine
+    from rl2gem.models import load_model, resolve_model
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model)
+    engine = EmbeddedEngine(
+        model, tokenizer, max_batch_size=args.max_batch_size, max_cached_tokens=args.max_cached_tokens, seed=args.seed
+    )
+    app = make_app(engine, model_path=resolve_model(args.model), tokenizer=tokenizer)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    print(f"{READY_PREFIX} http://{args.host}:{port}", flush=True)
+    stop = asyncio.Event()
+    if args.exit_on_stdin_eof:
+        stop_on_stdin_eof(stop)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m rl2gem.serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="built-in name, folder or hub id (no download at run time)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000, help="0 picks a free port (printed in the ready line)")
+    p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument("--max-cached-tokens", type=int, default=1 << 17)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--exit-on-stdin-eof", action="store_true", help="stop when stdin closes (used by launchers)")
+    args = p.parse_args(argv)
+    try:
+        asyncio.run(_serve(args))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
