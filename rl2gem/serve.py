@@ -82,7 +82,7 @@ def make_app(engine, *, model_path: str = "", tokenizer=None):
     @routes.get("/get_load")
     async def get_load(_):
         load = engine.load()
-        return web.json_response([{"dp_rank": 0, "num_reqs": load["num_running_reqs"] + load["num_waiting_reqs"], **load}])
+        return web.json_response([{"dp_rank": 0, **load}])
 
     @routes.get("/get_model_info")
     async def model_info(_):

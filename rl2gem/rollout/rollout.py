@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 from collections import Counter
 from typing import Any, Callable
@@ -49,6 +50,8 @@ class RolloutConfig:
         temperature, top_p, top_k: sampling (see :class:`SamplingParams`).
         concurrency: generate calls in flight at once.
         partial_rollout: see module docstring.
+        partial_oversample: with partial rollouts, keep ``(1 + x) * num_groups``
+            groups in flight (more overlap between steps, more carried over).
         max_staleness: versions an episode's oldest token may lag behind.
         dynamic_filter: drop groups with equal rewards (DAPO).
         max_groups_factor: bound on groups started per call with dynamic filtering.
@@ -65,6 +68,7 @@ class RolloutConfig:
     top_k: int = -1
     concurrency: int = 64
     partial_rollout: bool = False
+    partial_oversample: float = 0.0
     max_staleness: int = 1
     dynamic_filter: bool = False
     max_groups_factor: float = 4.0
@@ -145,6 +149,7 @@ class Rollout:
         self._all_envs: list[Any] = []
         self._next_gid = 0
         self._inflight: dict[int, _Group] = {}
+        self._ready: list[_Group] = []  # completed but not yet returned (partial rollouts)
         self._gate = asyncio.Event()
         self._gate.set()
         self._sem: asyncio.Semaphore | None = None
@@ -292,7 +297,11 @@ class Rollout:
             self._gate.set()
         kept: list[list[Episode]] = []
         launched = 0
-        budget = max(num_groups, int(c.max_groups_factor * num_groups)) if c.dynamic_filter else num_groups
+        ready, self._ready = self._ready, []
+        if c.dynamic_filter:
+            budget = max(num_groups, int(c.max_groups_factor * num_groups))
+        else:  # partial rollouts refill as groups complete; the in-flight target bounds them
+            budget = math.inf if c.partial_rollout else num_groups
         bar = None
         if c.progress:
             from tqdm.auto import tqdm
@@ -300,17 +309,26 @@ class Rollout:
             bar = tqdm(total=num_groups, desc="rollout", unit="group", leave=False)
         try:
             while len(kept) < num_groups:
-                want = num_groups if c.partial_rollout else num_groups - len(kept)
-                while len(self._inflight) < want and launched < budget:
+                if c.partial_rollout:
+                    want = math.ceil(num_groups * (1 + c.partial_oversample)) - len(kept)
+                else:
+                    want = num_groups - len(kept)
+                while not ready and len(self._inflight) < want and launched < budget:
                     self._launch()
                     launched += 1
-                if not self._inflight:
-                    break
-                done, _ = await asyncio.wait([g.task for g in self._inflight.values()], return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    g = next(x for x in self._inflight.values() if x.task is task)
-                    del self._inflight[g.gid]
-                    g = task.result()
+                if not ready:
+                    if not self._inflight:
+                        break
+                    done, _ = await asyncio.wait([g.task for g in self._inflight.values()], return_when=asyncio.FIRST_COMPLETED)
+                    for task in done:
+                        g = next(x for x in self._inflight.values() if x.task is task)
+                        del self._inflight[g.gid]
+                        ready.append(task.result())
+                while ready:
+                    g = ready.pop(0)
+                    if len(kept) >= num_groups:
+                        self._ready.append(g)  # surplus: first in line next time
+                        continue
                     mv = g.min_version()
                     if mv is not None and version - mv > c.max_staleness:
                         m["dropped_stale"] += 1
@@ -319,10 +337,9 @@ class Rollout:
                     if c.dynamic_filter and len(rewards) == 1 and len(g.episodes) > 1:
                         m["filtered"] += 1
                         continue
-                    if len(kept) < num_groups:
-                        kept.append(g.episodes)
-                        if bar is not None:
-                            bar.update(1)
+                    kept.append(g.episodes)
+                    if bar is not None:
+                        bar.update(1)
         finally:
             if bar is not None:
                 bar.close()
@@ -358,6 +375,7 @@ class Rollout:
             "rollout/dropped_stale": float(m["dropped_stale"]),
             "rollout/carried_over": float(m["carried_over"]),
             "rollout/in_flight_after": float(len(self._inflight)),
+            "rollout/ready_after": float(len(self._ready)),
             "rollout/requests": float(delta["requests"]),
             "rollout/aborted_requests": float(delta["aborted_requests"]),
             "rollout/groups_started": float(launched),

@@ -333,8 +333,7 @@ class EmbeddedEngine(Engine):
             for r in list(self._running):
                 self._finish(r, {"type": "abort", "message": "weight update"})
             self._store.clear()
-            params = dict(self.model.named_parameters())
-            params.update(dict(self.model.named_buffers()))
+            params = self.model.state_dict(keep_vars=True)  # tied weights appear under every name
             unknown = [n for n, _ in items if n not in params]
             if unknown:
                 raise KeyError(f"unknown parameter names in weight update: {unknown[:5]}")
@@ -357,8 +356,9 @@ class EmbeddedEngine(Engine):
         return not self._closed and self._thread.is_alive()
 
     def load(self) -> dict[str, int]:
-        """Current load: running and queued requests, tokens in the KV cache."""
+        """Current load: unanswered, running and queued requests, tokens in the KV cache."""
         return {
+            "num_reqs": self.stats["requests"] - self.stats["finished"],  # submitted, not yet answered
             "num_running_reqs": len(self._running),
             "num_waiting_reqs": len(self._waiting),
             "num_tokens": self._store.slots * self._store.window,

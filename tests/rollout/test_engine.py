@@ -1,0 +1,246 @@
+import asyncio
+
+import pytest
+import torch
+
+from rl2gem.rollout.engines.base import SamplingParams
+from rl2gem.rollout.engines.embedded import EmbeddedEngine
+
+from conftest import tiny_model  # noqa: F401  (tests/rollout/conftest.py)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def teacher_logprobs(model, prompt, output, temperature=1.0):
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    lp = torch.log_softmax(logits[len(prompt) - 1 : -1] / temperature, -1)
+    return lp.gather(1, torch.tensor(output)[:, None]).flatten()
+
+
+PROMPTS = [[1, 100 + i, 200 + 3 * i, 300 + 7 * i][: 2 + i % 3] + list(range(400, 400 + i)) for i in range(10)]
+
+
+def test_greedy_matches_model_generate_under_staggered_arrivals(model):
+    ref = []
+    for p in PROMPTS:
+        out = model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=2)
+        ref.append(out[0, len(p) :].tolist())
+
+    async def main():
+        eng = EmbeddedEngine(model, max_batch_size=4)
+
+        async def one(i, p):
+            await asyncio.sleep(0.01 * (i % 4))
+            return await eng.generate(p, {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True})
+
+        outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
+        stats = dict(eng.stats)
+        await eng.close()
+        return outs, stats
+
+    outs, stats = run(main())
+    assert [o.output_ids for o in outs] == ref
+    assert all(o.finish_reason == {"type": "length", "length": 12} for o in outs)
+    # more requests than slots: admitted in several prefills, decoded together
+    assert stats["prefill_forwards"] >= 3 and stats["decode_steps"] < 10 * 11
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_output_logprobs_equal_teacher_forced(model, temperature):
+    async def main():
+        eng = EmbeddedEngine(model, seed=1)
+        outs = await asyncio.gather(
+            *(eng.generate(p, {"max_new_tokens": 10 + i, "temperature": temperature, "ignore_eos": True}) for i, p in enumerate(PROMPTS))
+        )
+        await eng.close()
+        return outs
+
+    for p, o in zip(PROMPTS, run(main())):
+        ref = teacher_logprobs(model, p, o.output_ids, temperature)
+        assert torch.allclose(torch.tensor(o.output_logprobs), ref, atol=1e-4)
+
+
+def test_sampling_frequencies_follow_softmax(model):
+    prompt = [1, 500, 600]
+    with torch.no_grad():
+        probs = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].float() / 1.5, -1)
+    n = 3000
+
+    async def main():
+        eng = EmbeddedEngine(model, seed=3, max_batch_size=256)
+        outs = await asyncio.gather(*(eng.generate(prompt, {"max_new_tokens": 1, "temperature": 1.5}) for _ in range(n)))
+        await eng.close()
+        return outs
+
+    counts = torch.zeros_like(probs)
+    for o in run(main()):
+        counts[o.output_ids[0]] += 1
+    top = probs.topk(5).indices
+    for t in top:  # each of the 5 likeliest tokens within 4 standard deviations
+        p = probs[t].item()
+        assert abs(counts[t].item() / n - p) < 4 * (p * (1 - p) / n) ** 0.5 + 1e-3
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(model):
+    async def main():
+        eng = EmbeddedEngine(model)
+        g = await eng.generate(PROMPTS[3], {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
+        k = await eng.generate(PROMPTS[3], {"max_new_tokens": 8, "temperature": 1.0, "top_k": 1, "ignore_eos": True})
+        p = await eng.generate(PROMPTS[3], {"max_new_tokens": 8, "temperature": 1.0, "top_p": 1e-6, "ignore_eos": True})
+        await eng.close()
+        return g, k, p
+
+    g, k, p = run(main())
+    assert g.output_ids == k.output_ids == p.output_ids
+
+
+def test_stop_tokens_lengths_and_bad_input(model):
+    async def main():
+        eng = EmbeddedEngine(model, context_length=64)
+        free = await eng.generate(PROMPTS[0], {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+        stop_at = free.output_ids[2]
+        stopped = await eng.generate(PROMPTS[0], {"max_new_tokens": 6, "temperature": 0, "stop_token_ids": [stop_at], "ignore_eos": True})
+        zero = await eng.generate(PROMPTS[0], {"max_new_tokens": 0})
+        ctx = await eng.generate(list(range(10, 60)), {"max_new_tokens": 100, "temperature": 0, "ignore_eos": True})
+        errors = []
+        for bad in ([], [1, 10**6], list(range(70))):
+            try:
+                await eng.generate(bad, {"max_new_tokens": 2})
+            except ValueError as e:
+                errors.append(str(e))
+        try:
+            await eng.generate([1, 2], {"max_new_tokenz": 2})
+        except ValueError as e:
+            errors.append(str(e))
+        await eng.close()
+        return free, stopped, zero, ctx, errors
+
+    free, stopped, zero, ctx, errors = run(main())
+    first = free.output_ids.index(free.output_ids[2])
+    assert stopped.output_ids == free.output_ids[: first + 1]  # stop token kept in the output
+    assert stopped.finish_reason == {"type": "stop", "matched": free.output_ids[2]}
+    assert zero.output_ids == [] and zero.finish_reason["type"] == "length"
+    assert 50 + len(ctx.output_ids) == 64 and ctx.finish_reason["type"] == "length"
+    assert len(errors) == 4 and "max_new_tokens" in errors[-1]
+
+
+def test_short_requests_do_not_wait_for_long_ones(model):
+    """Continuous batching: a short request submitted with a long one returns first."""
+
+    async def main():
+        eng = EmbeddedEngine(model)
+        order = []
+
+        async def one(name, n):
+            await eng.generate(PROMPTS[1], {"max_new_tokens": n, "ignore_eos": True})
+            order.append(name)
+
+        await asyncio.gather(one("long", 300), one("short", 5))
+        await eng.close()
+        return order
+
+    assert run(main()) == ["short", "long"]
+
+
+def test_pause_abort_returns_partial_tokens_and_queues_new_requests(model):
+    async def main():
+        eng = EmbeddedEngine(model)
+        long = asyncio.ensure_future(eng.generate(PROMPTS[2], {"max_new_tokens": 1500, "ignore_eos": True}))
+        while not eng.stats["decode_steps"]:
+            await asyncio.sleep(0.005)
+        await eng.pause()
+        partial = await long
+        queued = asyncio.ensure_future(eng.generate(PROMPTS[2], {"max_new_tokens": 3, "ignore_eos": True}))
+        await asyncio.sleep(0.2)
+        waited = not queued.done()
+        await eng.resume()
+        done = await queued
+        await eng.close()
+        return partial, waited, done
+
+    partial, waited, done = run(main())
+    assert partial.aborted and 0 < len(partial.output_ids) < 1500
+    assert len(partial.output_logprobs) == len(partial.output_ids)
+    assert waited and len(done.output_ids) == 3
+
+
+def test_pause_in_place_keeps_requests(model):
+    async def main():
+        eng = EmbeddedEngine(model)
+        t = asyncio.ensure_future(eng.generate(PROMPTS[2], {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}))
+        while not eng.stats["decode_steps"]:
+            await asyncio.sleep(0.005)
+        await eng.pause("in_place")
+        await asyncio.sleep(0.1)
+        assert not t.done()
+        await eng.resume()
+        out = await t
+        ref = await eng.generate(PROMPTS[2], {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True})
+        await eng.close()
+        return out, ref
+
+    out, ref = run(main())
+    assert out.output_ids == ref.output_ids and not out.aborted
+
+
+def test_abort_by_rid_and_cancellation(model):
+    async def main():
+        eng = EmbeddedEngine(model)
+        a = asyncio.ensure_future(eng.generate(PROMPTS[0], {"max_new_tokens": 2000, "ignore_eos": True}, rid="A"))
+        b = asyncio.ensure_future(eng.generate(PROMPTS[0], {"max_new_tokens": 2000, "ignore_eos": True}, rid="B"))
+        while eng.load()["num_running_reqs"] < 2:
+            await asyncio.sleep(0.005)
+        await eng.abort("A")
+        ra = await a
+        b.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await b
+        for _ in range(100):
+            if eng.load()["num_running_reqs"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        load = eng.load()
+        await eng.close()
+        return ra, load
+
+    ra, load = run(main())
+    assert ra.aborted and ra.meta["id"] == "A"
+    assert load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0
+
+
+def test_weight_sync_engine_logprobs_equal_trainer(model):
+    """After update_weights the engine scores a fixed sequence like the trainer's model (fp32, 1e-4)."""
+    trainer = tiny_model(seed=0)
+    opt = torch.optim.SGD(trainer.parameters(), lr=0.5)
+    seq = PROMPTS[5] + [700, 800, 900, 1000]
+    loss = -torch.log_softmax(trainer(torch.tensor([seq])).logits[0, :-1], -1).gather(1, torch.tensor(seq[1:])[:, None]).mean()
+    loss.backward()
+    opt.step()
+    ref = teacher_logprobs(trainer, seq[:1], seq[1:])
+
+    async def main():
+        eng = EmbeddedEngine(model)
+        before = await eng.generate(seq, {"max_new_tokens": 0}, logprob_start_len=1)
+        version = await eng.update_weights(trainer.state_dict())
+        after = await eng.generate(seq, {"max_new_tokens": 1}, logprob_start_len=1)
+        with pytest.raises(KeyError):
+            await eng.update_weights({"no.such.weight": torch.zeros(1)})
+        await eng.close()
+        return before, after, version
+
+    before, after, version = run(main())
+    assert version == 1 and after.weight_version == 1 and before.weight_version == 0
+    assert not torch.allclose(torch.tensor(before.input_logprobs), ref, atol=1e-3)
+    assert torch.allclose(torch.tensor(after.input_logprobs), ref, atol=1e-4)
+
+
+def test_sampling_params_validation():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    assert SamplingParams.from_dict({"stop_token_ids": [3, 4]}).stop_token_ids == (3, 4)

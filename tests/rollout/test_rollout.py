@@ -1,0 +1,165 @@
+"""Group rollouts, dynamic filtering, partial rollouts across pause/resume and weight updates."""
+
+import asyncio
+
+import pytest
+
+from rl2gem.rollout import EmbeddedEngine, Rollout, RolloutConfig
+
+from conftest import tiny_model
+
+ENV = "rl2/GuessTheNumber-Easy-v0"  # 4 turns; the random tiny model never answers validly
+
+
+def test_groups_share_their_initial_state_and_record_everything(tokenizer):
+    async def main():
+        eng = EmbeddedEngine(tiny_model())
+        ro = Rollout(eng, tokenizer, ENV, RolloutConfig(responses_per_prompt=3, max_new_tokens=8, concurrency=5, seed=7))
+        batch = await ro.collect(3)
+        await ro.close()
+        await eng.close()
+        return batch
+
+    batch = asyncio.run(main())
+    assert len(batch.groups) == 3 and all(len(g) == 3 for g in batch.groups)
+    prompts = []
+    for g in batch.groups:
+        first = {tuple(e.sequences[0].input_ids[: e.sequences[0].action_mask.index(1)]) for e in g}
+        assert len(first) == 1  # same initial observation in a group
+        prompts.append(first.pop())
+        assert len({e.group for e in g}) == 1
+    for e in batch.episodes:
+        s = e.sequences[0]
+        assert len(s.input_ids) == len(s.action_mask) == len(s.logprobs) == len(s.versions) == len(s.rewards)
+        assert e.turns == 4 and e.truncated and len(e.finish_reasons) == 4
+        assert all(v == 0 for v, m in zip(s.versions, s.action_mask) if m)
+        assert all(lp <= 0 for lp, m in zip(s.logprobs, s.action_mask) if m)
+        assert e.num_action_tokens == 4 * 8
+    m = batch.metrics
+    assert m["rollout/episodes"] == 9 and m["rollout/requests"] == 36 and m["rollout/response_length"] == 32
+    assert m["rollout/splits"] == 0 and m["rollout/sequences"] == 9
+
+
+def test_groups_get_different_tasks(tokenizer):
+    async def main():
+        eng = EmbeddedEngine(tiny_model())
+        ro = Rollout(eng, tokenizer, "rl2/Countdown-v0", RolloutConfig(responses_per_prompt=2, max_new_tokens=4))
+        batch = await ro.collect(4)
+        await ro.close()
+        await eng.close()
+        return batch
+
+    batch = asyncio.run(main())
+    prompts = [{tuple(e.sequences[0].input_ids[: e.sequences[0].action_mask.index(1)]) for e in g} for g in batch.groups]
+    assert all(len(p) == 1 for p in prompts)
+    assert len(set().union(*prompts)) == 4
+
+
+def test_max_length_truncates_the_episode(tokenizer):
+    async def main():
+        eng = EmbeddedEngine(tiny_model())
+        ro = Rollout(eng, tokenizer, ENV, RolloutConfig(responses_per_prompt=1, max_new_tokens=64, max_length=200))
+        batch = await ro.collect(1)
+        await ro.close()
+        await eng.close()
+        return batch.episodes[0]
+
+    ep = asyncio.run(main())
+    assert ep.truncated and ep.info.get("truncated_reason") == "max_length"
+    assert len(ep.sequences[0]) <= 200 + 64
+
+
+def test_dynamic_filter_drops_equal_reward_groups(tokenizer):
+    async def main():
+        eng = EmbeddedEngine(tiny_model())
+        cfg = RolloutConfig(responses_per_prompt=2, max_new_tokens=4, dynamic_filter=True, max_groups_factor=2)
+        ro = Rollout(eng, tokenizer, ENV, cfg)
+        batch = await ro.collect(2)
+        await ro.close()
+        await eng.close()
+        return batch
+
+    batch = asyncio.run(main())
+    # the random model loses every game: every group has equal rewards and is filtered
+    assert batch.groups == []
+    assert batch.metrics["rollout/filtered_ratio"] == 1.0 and batch.metrics["rollout/groups_started"] == 4
+
+
+def test_partial_rollouts_keep_every_token_across_pause_and_weight_update(tokenizer):
+    max_new = 48
+
+    async def main():
+        eng = EmbeddedEngine(tiny_model(), max_batch_size=8)
+        cfg = RolloutConfig(
+            responses_per_prompt=2, max_new_tokens=max_new, partial_rollout=True, partial_oversample=1.0, max_staleness=1, concurrency=3
+        )
+        ro = Rollout(eng, tokenizer, ENV, cfg)
+        first = await ro.collect(2)
+        carried = len(ro._inflight)
+        paused = eng.paused
+        await eng.update_weights(tiny_model(seed=1).state_dict())
+        second = await ro.collect(2)
+        third = await ro.collect(2)
+        # drain: requests that slipped into the engine's queue as it paused run now
+        await eng.resume()
+        while eng.load()["num_reqs"]:
+            await asyncio.sleep(0.01)
+        stats = dict(eng.stats)
+        left = len(ro._inflight) + len(ro._ready)
+        await ro.close()
+        await eng.close()
+        return first, carried, paused, second, third, stats, left, ro
+
+    first, carried, paused, second, third, stats, left, ro = asyncio.run(main())
+    assert paused and carried > 0 and first.metrics["rollout/in_flight_after"] == carried
+    assert second.metrics["rollout/carried_over"] == carried
+    batches = [first, second, third]
+    # no request lost: every request the rollout sent came back (finished or aborted by the pause)
+    assert stats["requests"] == stats["finished"] == ro.stats["requests"]
+    assert ro.stats["aborted_requests"] == stats.get("finish_abort", 0) > 0  # the pauses cut some actions
+    # no token lost or duplicated: every action of the never-stopping model has exactly max_new tokens
+    for b in batches:
+        for e in b.episodes:
+            s = e.sequences[0]
+            runs, n = [], 0
+            for m in s.action_mask + [0]:
+                if m:
+                    n += 1
+                elif n:
+                    runs.append(n)
+                    n = 0
+            assert runs == [max_new] * e.turns
+    # every group started is accounted for: returned, dropped as stale, or still in flight
+    started = sum(b.metrics["rollout/groups_started"] for b in batches)
+    returned = sum(len(b.groups) for b in batches)
+    dropped = sum(b.metrics["rollout/dropped_stale"] for b in batches)
+    assert started == returned + dropped + left
+    # episodes resumed after the update mix policy versions, each token tagged
+    mixed = [e for e in second.episodes if set(e.versions) == {0, 1}]
+    assert mixed, "a carried-over episode should hold tokens of both versions"
+
+
+def test_staleness_bound_drops_carried_groups(tokenizer):
+    async def main():
+        eng = EmbeddedEngine(tiny_model(), max_batch_size=8)
+        cfg = RolloutConfig(
+            responses_per_prompt=2, max_new_tokens=32, partial_rollout=True, partial_oversample=1.0, max_staleness=0, concurrency=3
+        )
+        ro = Rollout(eng, tokenizer, ENV, cfg)
+        await ro.collect(1)
+        carried = len(ro._inflight)
+        await eng.update_weights(tiny_model(seed=2).state_dict())
+        second = await ro.collect(1)
+        await ro.close()
+        await eng.close()
+        return carried, second
+
+    carried, second = asyncio.run(main())
+    assert carried > 0
+    assert second.metrics["rollout/dropped_stale"] >= 1
+    assert all(set(e.versions) == {1} for e in second.episodes)
+
+
+def test_bad_config():
+    with pytest.raises(ValueError):
+        Rollout(None, None, ENV, RolloutConfig(responses_per_prompt=0))

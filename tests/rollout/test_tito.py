@@ -1,0 +1,132 @@
+"""Token-in/token-out episodes: prefix merging with real chat templates, splits where the template rewrites history."""
+
+import asyncio
+
+import pytest
+
+from rl2gem.rollout import Rollout, RolloutConfig
+from rl2gem.rollout.engines.base import Engine, GenerateOutput, SamplingParams
+from rl2gem.rollout.tito import ChatRenderer
+
+THINK_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- set content = m['content'] -%}"
+    "{%- if m['role'] == 'assistant' and not loop.last -%}{%- set content = content.split('</think>')[-1] -%}{%- endif -%}"
+    "<|im_start|>{{ m['role'] }}\n{{ content }}<|im_end|>\n"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
+)
+
+
+class ScriptedEngine(Engine):
+    """Answers each request with the next scripted token ids (deterministic, for TITO tests)."""
+
+    def __init__(self, scripts, finish="stop"):
+        self.scripts = list(scripts)
+        self.finish = finish
+        self.calls = []
+        self.weight_version = 0
+
+    async def generate(self, input_ids, sampling_params=None, **kw):
+        ids = self.scripts[len(self.calls) % len(self.scripts)]
+        self.calls.append(list(input_ids))
+        lps = [-0.01 * (i + 1) for i in range(len(ids))]
+        reason = {"type": "stop", "matched": ids[-1]} if self.finish == "stop" else {"type": "length", "length": len(ids)}
+        return GenerateOutput(list(ids), lps, reason, len(input_ids), self.weight_version)
+
+    async def pause(self, mode="abort"): ...
+    async def resume(self): ...
+    async def abort(self, rid=None): ...
+    async def update_weights(self, weights, version=None): ...
+    async def health(self):
+        return True
+
+
+def episode(tokenizer, scripts, *, chat_template=None, finish="stop", env="rl2/GuessTheNumber-Easy-v0"):
+    eng = ScriptedEngine(scripts, finish)
+
+    async def main():
+        ro = Rollout(eng, tokenizer, env, RolloutConfig(responses_per_prompt=1, max_new_tokens=64), chat_template=chat_template)
+        batch = await ro.collect(1)
+        await ro.close()
+        return batch.episodes[0], ro
+
+    ep, ro = asyncio.run(main())
+    return ep, eng, ro
+
+
+def action_ids(tokenizer, text):
+    return tokenizer.encode(text, add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+
+
+def test_smollm2_episode_is_one_sequence_equal_to_the_render(tokenizer):
+    guesses = [action_ids(tokenizer, f"I guess \\boxed{{{g}}}") for g in (1, 2, 3, 4)]
+    ep, eng, ro = episode(tokenizer, guesses)
+    assert ep.turns == 4 and len(ep.sequences) == 1 and ep.splits == 0
+    seq = ep.sequences[0]
+    # every request's input is a prefix of the final sequence: each token processed once
+    for call in eng.calls:
+        assert seq.input_ids[: len(call)] == call
+    # the action tokens are the generated ids, untouched, with their logprobs and rewards on the last token
+    acts, lps, pos = [], [], []
+    for i, (t, m) in enumerate(zip(seq.input_ids, seq.action_mask)):
+        if m:
+            acts.append(t)
+            lps.append(seq.logprobs[i])
+            pos.append(i)
+    assert acts == [t for g in guesses[: ep.turns] for t in g]
+    assert lps == pytest.approx([-0.01 * (i + 1) for g in guesses[: ep.turns] for i in range(len(g))])
+    ends = [i for i in pos if i + 1 not in pos]
+    assert [seq.rewards[i] for i in ends] == pytest.approx(ep.turn_rewards)
+    assert sum(seq.rewards) == pytest.approx(ep.reward)
+    # the merged sequence reads exactly like the chat template's rendering of the conversation
+    rendered = ChatRenderer(tokenizer).render(ep.messages)
+    assert tokenizer.decode(seq.input_ids) + "\n" == rendered
+
+
+def test_tokens_are_never_retokenised(tokenizer):
+    """Non-canonical token ids (one per character) stay as generated."""
+    text = "\\boxed{3}"
+    odd = [tokenizer.convert_tokens_to_ids(c) for c in text] + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    assert odd != action_ids(tokenizer, text)  # the canonical tokenisation differs
+    ep, eng, _ = episode(tokenizer, [odd])
+    seq = ep.sequences[0]
+    acts = [t for t, m in zip(seq.input_ids, seq.action_mask) if m]
+    assert acts == odd * ep.turns
+
+
+def test_truncated_action_gets_the_templates_closing_as_context(tokenizer):
+    cut = tokenizer.encode("I think the answer", add_special_tokens=False)  # no end-of-turn token
+    ep, _, _ = episode(tokenizer, [cut], finish="length")
+    seq = ep.sequences[0]
+    first_end = seq.action_mask.index(1) + len(cut)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert seq.input_ids[first_end] == im_end and seq.action_mask[first_end] == 0
+    # the last action was cut too: the render closes it, the episode does not need to
+    assert tokenizer.decode(seq.input_ids) + "<|im_end|>\n" == ChatRenderer(tokenizer).render(ep.messages)
+
+
+def test_think_stripping_template_splits_and_counts(tokenizer):
+    guesses = [action_ids(tokenizer, f"<think>maybe {g}</think>\\boxed{{{g}}}") for g in (1, 2, 3, 4)]
+    ep, eng, ro = episode(tokenizer, guesses, chat_template=THINK_TEMPLATE)
+    assert ep.turns >= 2
+    assert ep.splits == ep.turns - 1 and len(ep.sequences) == ep.turns
+    r = ChatRenderer(tokenizer, THINK_TEMPLATE)
+    # each sequence is the render of the conversation up to its turn (earlier thinking stripped) + one action
+    for k, seq in enumerate(ep.sequences):
+        prompt = [t for t, m in zip(seq.input_ids, seq.action_mask) if not m]
+        msgs = ep.messages[: 1 + 2 * k]
+        assert prompt == r.prompt_ids(msgs)
+        assert [t for t, m in zip(seq.input_ids, seq.action_mask) if m] == guesses[k]
+        assert eng.calls[k] == prompt
+
+
+def test_renderer_delta_is_the_render_difference(tokenizer):
+    r = ChatRenderer(tokenizer, system_prompt="Be brief.")
+    prev = r.initial_messages("What is 2+2?")
+    d = r.delta(prev, "4", [{"role": "user", "content": "Sure?"}], stop_token=tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    assert not d.split
+    ids = r.prompt_ids(prev) + action_ids(tokenizer, "4") + d.ids
+    assert tokenizer.decode(ids) == r.render(prev + [{"role": "assistant", "content": "4"}, {"role": "user", "content": "Sure?"}], add_generation_prompt=True)
+    with pytest.raises(ValueError, match="chat template"):
+        ChatRenderer(type("T", (), {"chat_template": None})())
