@@ -36,7 +36,7 @@ import asyncio
 import sys
 from typing import Any
 
-__all__ = ["make_app", "main", "READY_PREFIX"]
+__all__ = ["make_app", "launch", "main", "READY_PREFIX"]
 
 READY_PREFIX = "RL2GEM_SERVE_READY"
 
@@ -247,6 +247,25 @@ async def _serve(args) -> None:
         await stop.wait()
     finally:
         await runner.cleanup()
+
+
+def launch(model: str, *, port: int = 0, threads: int = 0, max_batch_size: int = 64, seed: int = 0, timeout: float = 300.0):
+    """Start ``python -m rl2gem.serve`` as a child process and wait until it listens.
+
+    Returns:
+        a :class:`rl2gem.procs.ServiceProcess` (``.url``, ``.stop()``, ``.kill()``);
+        the server exits when that object's stdin pipe closes.
+
+    Raises:
+        RuntimeError: the server did not start (the message has its output).
+    """
+    from rl2gem.procs import ServiceProcess
+
+    cmd = [
+        sys.executable, "-m", "rl2gem.serve", "--model", str(model), "--port", str(port),
+        "--threads", str(threads), "--max-batch-size", str(max_batch_size), "--seed", str(seed), "--exit-on-stdin-eof",
+    ]
+    return ServiceProcess(cmd, ready_prefix=READY_PREFIX, timeout=timeout)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -170,7 +170,13 @@ class HTTPEngine(Engine):
 
             items = dict(weights.items() if isinstance(weights, Mapping) else weights)
             with tempfile.TemporaryDirectory(prefix="rl2gem-weights-") as d:
-                tensors = {k: v.detach().to("cpu").contiguous() for k, v in items.items()}
+                tensors, seen = {}, set()
+                for k, v in items.items():  # tied weights (embeddings = lm_head) are saved once
+                    key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    tensors[k] = v.detach().to("cpu").contiguous()
                 await asyncio.to_thread(save_file, tensors, os.path.join(d, "model.safetensors"))
                 await self._update_from_disk(d, new_version)
         self.weight_version = new_version

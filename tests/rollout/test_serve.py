@@ -1,0 +1,133 @@
+"""The embedded server speaks SGLang's native API (real processes on 127.0.0.1)."""
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from rl2gem.rollout import HTTPEngine
+from rl2gem.serve import launch
+
+from conftest import tiny_model
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    srv = launch(str(tiny_model_dir), threads=1)
+    yield srv
+    srv.stop()
+
+
+def post(url, body, raw=False):
+    data = body if raw else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read().decode() or "null")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read().decode() or "null")
+
+
+def get(url):
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read().decode())
+
+
+def test_generate_answers_in_sglangs_format(server):
+    model = tiny_model()
+    prompt = [1, 1000, 2000, 3000]
+    status, body = post(server.url + "/generate", {
+        "input_ids": prompt, "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}, "return_logprob": True,
+    })
+    assert status == 200
+    ref = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=2)[0, 4:].tolist()
+    assert body["output_ids"] == ref
+    meta = body["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 6}
+    assert meta["prompt_tokens"] == 4 and meta["completion_tokens"] == 6
+    assert [x[1] for x in meta["output_token_logprobs"]] == ref
+    assert all(isinstance(x[0], float) and x[0] <= 0 for x in meta["output_token_logprobs"])
+    assert isinstance(body["text"], str) and meta["weight_version"] == "0"
+    # batch form
+    status, batch = post(server.url + "/generate", {"input_ids": [prompt, prompt[:2]], "sampling_params": {"max_new_tokens": 2}})
+    assert status == 200 and len(batch) == 2 and all(len(b["output_ids"]) <= 2 for b in batch)
+
+
+def test_bad_requests_get_400_with_a_message(server):
+    for body in ({"input_ids": []}, {"input_ids": [1, "x"]}, {"input_ids": [1, 2], "sampling_params": {"temprature": 1}},
+                 {"input_ids": [1, 10**7]}):
+        status, ans = post(server.url + "/generate", body)
+        assert status == 400 and ans["error"]["message"]
+    status, ans = post(server.url + "/generate", b"{not json", raw=True)
+    assert status == 400
+    status, ans = post(server.url + "/update_weights_from_disk", {"model_path": "/no/such/dir"})
+    assert status == 400 and ans["success"] is False
+
+
+def test_info_load_and_health_endpoints(server):
+    assert urllib.request.urlopen(server.url + "/health", timeout=5).status == 200
+    load = get(server.url + "/get_load")
+    assert isinstance(load, list) and load[0]["dp_rank"] == 0 and {"num_reqs", "num_waiting_reqs", "num_tokens"} <= set(load[0])
+    info = get(server.url + "/get_model_info")
+    assert info["is_generation"] is True and "weight_version" in info
+    sinfo = get(server.url + "/get_server_info")
+    assert sinfo["context_length"] == 2048 and "internal_states" in sinfo
+
+
+def test_client_pause_abort_continue_and_weight_update_from_disk(server, tmp_path):
+    other = tiny_model(seed=5)
+    other.save_pretrained(tmp_path)
+    seq = [1, 5, 6, 7, 8, 9]
+    with torch.no_grad():
+        ref = torch.log_softmax(other(torch.tensor([seq])).logits[0, :-1], -1).gather(1, torch.tensor(seq[1:])[:, None]).flatten()
+
+    async def main():
+        eng = HTTPEngine(server.url)
+        assert await eng.health()
+        long = asyncio.ensure_future(eng.generate([1, 2, 3], {"max_new_tokens": 1900, "ignore_eos": True}))
+        await asyncio.sleep(0.5)
+        await eng.pause()
+        partial = await long
+        queued = asyncio.ensure_future(eng.generate([1, 2, 3], {"max_new_tokens": 2}))
+        await asyncio.sleep(0.3)
+        waited = not queued.done()
+        version = await eng.update_weights(str(tmp_path))
+        await eng.resume()
+        done = await queued
+        scored = await eng.generate(seq, {"max_new_tokens": 1}, logprob_start_len=1)
+        # abort by rid
+        t = asyncio.ensure_future(eng.generate([1, 2], {"max_new_tokens": 1900, "ignore_eos": True}, rid="xyz"))
+        await asyncio.sleep(0.3)
+        await eng.abort("xyz")
+        aborted = await t
+        await eng.close()
+        return partial, waited, version, done, scored, aborted
+
+    partial, waited, version, done, scored, aborted = asyncio.run(main())
+    assert partial.aborted and 0 < len(partial.output_ids) < 1900
+    assert waited and len(done.output_ids) == 2 and done.weight_version == version == 1
+    assert scored.weight_version == 1
+    assert torch.allclose(torch.tensor(scored.input_logprobs), ref, atol=1e-4)
+    assert aborted.aborted and aborted.meta["id"] == "xyz"
+
+
+def test_state_dict_weight_sync_through_disk(server):
+    trainer = tiny_model(seed=9)
+    seq = [1, 50, 60, 70]
+    with torch.no_grad():
+        ref = torch.log_softmax(trainer(torch.tensor([seq])).logits[0, :-1], -1).gather(1, torch.tensor(seq[1:])[:, None]).flatten()
+
+    async def main():
+        eng = HTTPEngine(server.url)
+        eng.weight_version = 10
+        v = await eng.update_weights(trainer.state_dict())
+        out = await eng.generate(seq, {"max_new_tokens": 1}, logprob_start_len=1)
+        await eng.close()
+        return v, out
+
+    v, out = asyncio.run(main())
+    assert v == 11 and out.weight_version == 11
+    assert torch.allclose(torch.tensor(out.input_logprobs), ref, atol=1e-4)
