@@ -131,3 +131,24 @@ def test_state_dict_weight_sync_through_disk(server):
     v, out = asyncio.run(main())
     assert v == 11 and out.weight_version == 11
     assert torch.allclose(torch.tensor(out.input_logprobs), ref, atol=1e-4)
+
+
+def test_sglang_engine_shares_the_client_and_launch_needs_sglang(server, monkeypatch):
+    import sys
+
+    from rl2gem.rollout.engines.sglang import SGLangEngine, sglang_server_command
+
+    async def main():
+        eng = SGLangEngine(server.url)
+        out = await eng.generate([1, 2, 3], {"max_new_tokens": 3, "ignore_eos": True})
+        v = await eng.update_weights(tiny_model().state_dict())  # CPU tensors: through disk
+        await eng.close()
+        return out, v
+
+    out, v = asyncio.run(main())
+    assert len(out.output_ids) == 3 and v >= 1
+    monkeypatch.setitem(sys.modules, "sglang", None)
+    with pytest.raises(ImportError, match="rl2gem\\[gpu\\]"):
+        SGLangEngine.launch("some/model")
+    cmd = sglang_server_command("m", 31000, base_gpu_id=2, tp_size=2)
+    assert cmd[1:3] == ["-m", "sglang.launch_server"] and "--base-gpu-id" in cmd and cmd[cmd.index("--tp-size") + 1] == "2"
