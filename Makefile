@@ -31,6 +31,7 @@ test-fast: setup
 bench: setup
 	$(BIN)/python benchmarks/env_throughput.py
 	$(BIN)/python benchmarks/retrieval.py
+	$(BIN)/python benchmarks/rollout.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -114,3 +114,11 @@ def test_readme_shell_commands_run(tmp_path):
         args = cmd.split()[1:]
         r = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, cmd + "\n" + r.stderr
+
+
+@pytest.mark.slow
+def test_rollout_benchmark_smoke():
+    stdout = run("benchmarks/rollout.py", "--quick")
+    rows = [line for line in stdout.splitlines() if line.startswith("| ") and line.rstrip().endswith("x |")]
+    assert len(rows) == 3 + 2 + 2 + 2, stdout
+    assert "prefix merging" in stdout and "partial rollouts" in stdout

@@ -244,3 +244,33 @@ def test_sampling_params_validation():
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
     assert SamplingParams.from_dict({"stop_token_ids": [3, 4]}).stop_token_ids == (3, 4)
+
+
+def test_prefix_cache_serves_the_next_turn_with_identical_results(model):
+    """A request extending a finished one (next turn) reuses its KV: same greedy tokens and logprobs."""
+    first = PROMPTS[4]
+
+    async def main(cache_tokens):
+        eng = EmbeddedEngine(model, prefix_cache_tokens=cache_tokens)
+        a = await eng.generate(first, {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True})
+        turn2 = first + a.output_ids + [900, 901, 902]
+        # two concurrent requests: one extends the cached episode, one does not
+        b, c = await asyncio.gather(
+            eng.generate(turn2, {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}),
+            eng.generate(PROMPTS[7], {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}),
+        )
+        stats = dict(eng.stats)
+        await eng.flush_cache()
+        d = await eng.generate(turn2, {"max_new_tokens": 1, "temperature": 0})
+        await eng.close()
+        return turn2, b, c, stats, d
+
+    turn2, b, c, stats, d = run(main(1 << 15))
+    _, b0, c0, stats0, _ = run(main(0))
+    assert b.meta["cached_tokens"] == len(PROMPTS[4]) + 9 and stats["cached_tokens"] >= b.meta["cached_tokens"]
+    assert stats0["cached_tokens"] == 0 and d.meta["cached_tokens"] == 0
+    assert b.output_ids == b0.output_ids and c.output_ids == c0.output_ids
+    ref = teacher_logprobs(model, turn2, b.output_ids)
+    assert torch.allclose(torch.tensor(b.output_logprobs), ref, atol=1e-4)
+    greedy = model.generate(torch.tensor([turn2]), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=2)
+    assert b.output_ids == greedy[0, len(turn2) :].tolist()

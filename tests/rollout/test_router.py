@@ -57,9 +57,10 @@ def test_a_dead_worker_is_dropped_and_the_rollout_completes(servers, tokenizer):
 
         async def main():
             eng = HTTPEngine(router.url, workers=router.workers)
-            ro = Rollout(eng, tokenizer, "rl2/GuessTheNumber-Easy-v0", RolloutConfig(responses_per_prompt=2, max_new_tokens=24))
-            task = asyncio.ensure_future(ro.collect(4))
-            await asyncio.sleep(1.5)
+            ro = Rollout(eng, tokenizer, "rl2/GuessTheNumber-Easy-v0", RolloutConfig(responses_per_prompt=2, max_new_tokens=64))
+            task = asyncio.ensure_future(ro.collect(8))
+            while ro.stats["requests"] < 20:  # mid-rollout
+                await asyncio.sleep(0.05)
             assert not task.done()
             servers[0].kill()  # SIGKILL mid-rollout
             batch = await task
@@ -71,7 +72,7 @@ def test_a_dead_worker_is_dropped_and_the_rollout_completes(servers, tokenizer):
         batch, after = asyncio.run(main())
         healthy = router.readiness()["healthy_workers"]
     assert not servers[0].alive
-    assert len(batch.groups) == 4 and all(e.turns == 4 for e in batch.episodes)
+    assert len(batch.groups) == 8 and all(e.turns == 4 for e in batch.episodes)
     assert all(r.endswith(("length", "stop")) for e in batch.episodes for r in e.finish_reasons)
     assert len(after.groups) == 1 and healthy == 1
 

@@ -127,10 +127,10 @@ def _step_cache(store: _KVStore):
 
             def update(self, key_states, value_states, *args, **kwargs):
                 s = self.store
-                n = s.slots
-                s.keys[self.idx][:n, :, s.hi] = key_states[:, :, 0]
-                s.values[self.idx][:n, :, s.hi] = value_states[:, :, 0]
-                return s.keys[self.idx][:n, :, s.lo : s.hi + 1], s.values[self.idx][:n, :, s.lo : s.hi + 1]
+                n, q = s.slots, key_states.shape[2]
+                s.keys[self.idx][:n, :, s.hi : s.hi + q] = key_states
+                s.values[self.idx][:n, :, s.hi : s.hi + q] = value_states
+                return s.keys[self.idx][:n, :, s.lo : s.hi + q], s.values[self.idx][:n, :, s.lo : s.hi + q]
 
             def get_seq_length(self) -> int:
                 return self.store.window
@@ -153,7 +153,7 @@ def _step_cache(store: _KVStore):
 class _Request:
     __slots__ = (
         "rid", "input_ids", "params", "logprob_start_len", "loop", "future", "out_ids", "out_lp",
-        "length", "stop_ids", "input_lp", "t_submit", "version",
+        "length", "span", "stop_ids", "input_lp", "t_submit", "version", "cached",
     )
 
     def __init__(self, rid, input_ids, params, logprob_start_len, loop, future, stop_ids):
@@ -162,7 +162,9 @@ class _Request:
         self.loop, self.future, self.stop_ids = loop, future, stop_ids
         self.out_ids: list[int] = []
         self.out_lp: list[float] = []
-        self.length = 0  # tokens in the KV cache
+        self.length = 0  # tokens in the KV cache (= position of the next token)
+        self.span = 0  # columns from its first cached token to the window's end (>= length: masked holes)
+        self.cached = 0  # prompt tokens served from the prefix cache
         self.input_lp = None
         self.t_submit = time.perf_counter()
         self.version = 0
@@ -220,6 +222,9 @@ class EmbeddedEngine(Engine):
         context_length: longest sequence (prompt + output); defaults to the
             model's ``max_position_embeddings``.
         seed: seed of the sampling generator.
+        prefix_cache_tokens: tokens of finished requests' KV kept (LRU) so a request that extends
+            one (the next turn of an episode, a resumed partial rollout) prefills only its new
+            tokens; 0 disables it. Flushed by weight updates and :meth:`flush_cache`.
     """
 
     def __init__(
@@ -233,6 +238,7 @@ class EmbeddedEngine(Engine):
         context_length: int | None = None,
         seed: int = 0,
         dtype=None,
+        prefix_cache_tokens: int = 1 << 15,
     ):
         if isinstance(model, (str, Path)):
             from rl2gem.models import load_model
@@ -252,6 +258,9 @@ class EmbeddedEngine(Engine):
         self.max_batch_size = int(max_batch_size)
         self.max_prefill_tokens = int(max_prefill_tokens)
         self.max_cached_tokens = int(max_cached_tokens)
+        self.prefix_cache_tokens = int(prefix_cache_tokens)
+        self._prefix: "collections.OrderedDict[tuple[int, ...], list]" = collections.OrderedDict()
+        self._prefix_size = 0
         p = next(model.parameters())
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self._store = _KVStore(
@@ -333,6 +342,7 @@ class EmbeddedEngine(Engine):
             for r in list(self._running):
                 self._finish(r, {"type": "abort", "message": "weight update"})
             self._store.clear()
+            self._clear_prefix()
             params = self.model.state_dict(keep_vars=True)  # tied weights appear under every name
             unknown = [n for n, _ in items if n not in params]
             if unknown:
@@ -350,7 +360,8 @@ class EmbeddedEngine(Engine):
         return await self._acommand(do)
 
     async def flush_cache(self) -> None:
-        """Drop cached KV (nothing is kept across requests today; kept for API parity)."""
+        """Drop the prefix cache."""
+        await self._acommand(self._clear_prefix)
 
     async def health(self) -> bool:
         return not self._closed and self._thread.is_alive()
@@ -419,6 +430,7 @@ class EmbeddedEngine(Engine):
     def _finish(self, req: _Request, reason: dict):
         if req in self._running:
             i = self._running.index(req)
+            self._save_prefix(req, i)
             last = len(self._running) - 1
             if i != last:
                 self._store.move(last, i)
@@ -426,8 +438,7 @@ class EmbeddedEngine(Engine):
             self._running.pop()
             self._store.slots -= 1
             if self._running:
-                longest = max(r.length for r in self._running)
-                self._store.lo = self._store.hi - longest
+                self._store.lo = self._store.hi - max(r.span for r in self._running)
         out = GenerateOutput(
             output_ids=req.out_ids,
             output_logprobs=req.out_lp,
@@ -435,7 +446,7 @@ class EmbeddedEngine(Engine):
             prompt_tokens=len(req.input_ids),
             weight_version=req.version,
             input_logprobs=req.input_lp,
-            meta={"id": req.rid, "e2e_latency": time.perf_counter() - req.t_submit},
+            meta={"id": req.rid, "e2e_latency": time.perf_counter() - req.t_submit, "cached_tokens": req.cached},
         )
         self.stats["finished"] += 1
         self.stats[f"finish_{reason['type']}"] += 1
@@ -502,44 +513,101 @@ class EmbeddedEngine(Engine):
         full = [None] + lp
         r.input_lp = full[r.logprob_start_len :]
 
-    def _prefill(self, take: list[_Request]):
-        from transformers import DynamicCache
-
+    # ------------------------------------------------------------------ prefix cache
+    def _save_prefix(self, req: _Request, slot: int) -> None:
+        """Keep the KV of a finished row so a later request that extends it (the next turn of the
+        episode, or a partial rollout resuming) prefills only its new tokens."""
+        if self.prefix_cache_tokens <= 0 or req.length < 2:
+            return
         st = self._store
-        lens = [len(r.input_ids) for r in take]
-        L = max(lens)
+        cols = st.mask[slot, st.lo : st.hi].nonzero().flatten() + st.lo
+        if len(cols) != req.length:
+            return
+        tokens = tuple((req.input_ids + req.out_ids)[: req.length])
+        if tokens in self._prefix:
+            self._prefix.move_to_end(tokens)
+            return
+        kv = [(k[slot][:, cols].clone(), v[slot][:, cols].clone()) for k, v in zip(st.keys, st.values)]
+        self._prefix[tokens] = kv
+        self._prefix_size += len(tokens)
+        while self._prefix_size > self.prefix_cache_tokens and self._prefix:
+            old, _ = self._prefix.popitem(last=False)
+            self._prefix_size -= len(old)
+
+    def _lookup_prefix(self, ids: list[int]):
+        best, best_len = None, 0
+        for tokens in reversed(self._prefix):
+            n = len(tokens)
+            if best_len < n < len(ids) and tuple(ids[:n]) == tokens:
+                best, best_len = tokens, n
+        if best is None:
+            return 0, None
+        self._prefix.move_to_end(best)
+        return best_len, self._prefix[best]
+
+    def _clear_prefix(self) -> None:
+        self._prefix.clear()
+        self._prefix_size = 0
+
+    def _prefill(self, take: list[_Request]):
+        """Prefill admitted requests together: each row = cached prefix (if any) + the rest of its prompt.
+
+        A temporary store holds the rows: cached prefixes right-aligned in ``[0, P)``, the uncached
+        suffixes left-padded in ``[P, P + Q)``; one forward extends all of them. The rows then join
+        the running batch, holes (masked columns) included.
+        """
         n = len(take)
-        ids = torch.zeros(n, L, dtype=torch.long)
-        mask = torch.zeros(n, L, dtype=torch.long)
+        hits = [self._lookup_prefix(r.input_ids) for r in take]
+        pre = [h[0] for h in hits]
+        suf = [len(r.input_ids) - p for r, p in zip(take, pre)]
+        P, Q = max(pre), max(suf)
+        tmp = _KVStore(self._store.num_layers, self._store.kv_heads, self._store.head_dim, self._store.dtype, self._device)
+        tmp.reserve(n, 0, P + Q)
+        tmp.lo = tmp.hi = 0
+        tmp.slots = n
+        for j, (p, kv) in enumerate(hits):
+            if p:
+                for li, (k, v) in enumerate(kv):
+                    tmp.keys[li][j, :, P - p : P] = k
+                    tmp.values[li][j, :, P - p : P] = v
+                tmp.mask[j, P - p : P] = True
+        tmp.hi = P
+        ids = torch.zeros(n, Q, dtype=torch.long)
+        pos = torch.zeros(n, Q, dtype=torch.long)
         for j, r in enumerate(take):
-            ids[j, L - lens[j] :] = torch.tensor(r.input_ids)
-            mask[j, L - lens[j] :] = 1
-        pos = (mask.cumsum(1) - 1).clamp(min=0)
-        cache = DynamicCache()
+            ids[j, Q - suf[j] :] = torch.tensor(r.input_ids[pre[j] :])
+            pos[j, Q - suf[j] :] = torch.arange(pre[j], pre[j] + suf[j])
+            tmp.mask[j, P + Q - suf[j] : P + Q] = True
+        attn = tmp.mask[:n, : P + Q]
         out = self._forward(
-            input_ids=ids.to(self._device), attention_mask=mask.to(self._device), position_ids=pos.to(self._device),
-            past_key_values=cache, logits_to_keep=1,
+            input_ids=ids.to(self._device), attention_mask=attn, position_ids=pos.to(self._device),
+            past_key_values=_step_cache(tmp), logits_to_keep=1,
         )
-        self.stats["prefill_tokens"] += sum(lens)
+        tmp.hi = P + Q
+        self.stats["prefill_tokens"] += sum(suf)
+        self.stats["cached_tokens"] += sum(pre)
         self.stats["prefill_forwards"] += 1
-        logits = out.logits[:, -1].float()
-        tokens, lps = _sample(logits, [r.params for r in take], self._gen)
-        # place into the running batch
+        tokens, lps = _sample(out.logits[:, -1].float(), [r.params for r in take], self._gen)
+        # join the running batch: rows right-aligned at the window's end
+        st = self._store
         if not self._running:
             st.clear()
-        need_left = max(0, L - st.window)
-        st.reserve(st.slots + n, need_left, 1)
-        st.lo = min(st.lo, st.hi - L)
+        W = P + Q
+        st.reserve(st.slots + n, max(0, W - st.window), 1)
+        st.lo = min(st.lo, st.hi - W)
         for j, r in enumerate(take):
             s = st.slots
             st.slots += 1
             self._running.append(r)
-            for li, layer in enumerate(cache.layers):
-                st.keys[li][s, :, st.hi - lens[j] : st.hi] = layer.keys[j, :, L - lens[j] :]
-                st.values[li][s, :, st.hi - lens[j] : st.hi] = layer.values[j, :, L - lens[j] :]
+            for li in range(st.num_layers):
+                st.keys[li][s, :, st.hi - W : st.hi] = tmp.keys[li][j, :, :W]
+                st.values[li][s, :, st.hi - W : st.hi] = tmp.values[li][j, :, :W]
             st.mask[s] = False
-            st.mask[s, st.hi - lens[j] : st.hi] = True
-            r.length = lens[j]
+            st.mask[s, st.hi - W : st.hi] = tmp.mask[j, :W]
+            first = int(tmp.mask[j, :W].nonzero()[0])
+            r.length = len(r.input_ids)
+            r.span = W - first
+            r.cached = pre[j]
         self._append_tokens(list(take), tokens.tolist(), lps.tolist())
 
     def _append_tokens(self, reqs: list[_Request], tokens: list[int], lps: list[float]):
@@ -566,6 +634,7 @@ class EmbeddedEngine(Engine):
         st.hi += 1
         for r in reqs:
             r.length += 1
+            r.span += 1
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += n
         tokens, lps = _sample(out.logits[:, -1].float(), [r.params for r in reqs], self._gen)

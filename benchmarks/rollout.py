@@ -1,0 +1,218 @@
+"""Rollout benchmarks on SmolLM2-135M-Instruct (CPU, fp32), each ratio measured side by side in one run.
+
+1. engine: the embedded continuous-batching engine vs ``model.generate`` static
+   batching (batches of 16 and of all prompts) on the same prompts, same
+   sampling (temperature 1, same max_new_tokens); generated tokens/second,
+   counting each completion up to and including its EOS.
+2. router: the same requests through sglang-router over 1 vs 2 embedded
+   servers (``python -m rl2gem.serve``); with 2 cores, 1 server gets 2 torch
+   threads and 2 servers get 1 each.
+3. tokens: a multi-turn game rolled out once; tokens the trainer is fed with
+   prefix merging (one sequence per episode) vs re-rendering every turn as a
+   new sequence (prompt-so-far + action per turn).
+4. partial: a single-turn task with a long tail of answer lengths; wall time of
+   ``steps`` rollout steps of ``groups`` groups with and without partial
+   rollouts (partial: the step ends when the groups are done, stragglers carry
+   over to the next step).
+
+Run: ``python benchmarks/rollout.py`` (``--quick`` for a smoke run;
+``--only engine,tokens`` to pick sections).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+
+import torch
+
+from rl2gem.models import load_model, resolve_model
+from rl2gem.rollout import EmbeddedEngine, HTTPEngine, Rollout, RolloutConfig
+from rl2gem.rollout.router import Router
+from rl2gem.serve import launch
+
+MODEL = "smollm2-135m-instruct"
+
+
+def prompts_for(tokenizer, n: int) -> list[list[int]]:
+    from rl2gem.envs.math import load_problems
+
+    from rl2gem.rollout.tito import ChatRenderer
+
+    r = ChatRenderer(tokenizer)
+    out = [r.prompt_ids([{"role": "user", "content": p["question"]}]) for p in load_problems("gsm8k", "test")[:n]]
+    return out
+
+
+def count_until_eos(row: list[int], eos: int) -> int:
+    return row.index(eos) + 1 if eos in row else len(row)
+
+
+def static_generate(model, prompts, batch: int, max_new: int, eos: int, seed: int) -> tuple[int, float]:
+    torch.manual_seed(seed)
+    tokens, t0 = 0, time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i : i + batch]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[eos] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=True,
+                                 temperature=1.0, top_p=1.0, top_k=0, pad_token_id=eos, eos_token_id=eos)
+        tokens += sum(count_until_eos(r, eos) for r in out[:, width:].tolist())
+    return tokens, time.perf_counter() - t0
+
+
+async def engine_generate(engine, prompts, max_new: int) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    outs = await asyncio.gather(*(engine.generate(p, {"max_new_tokens": max_new, "temperature": 1.0}) for p in prompts))
+    return sum(len(o.output_ids) for o in outs), time.perf_counter() - t0
+
+
+def bench_engine(model, tokenizer, n: int, max_new: int) -> list[tuple[str, float, float]]:
+    prompts = prompts_for(tokenizer, n)
+    eos = tokenizer.eos_token_id
+    rows = []
+    for batch in sorted({16, n}):
+        tok, sec = static_generate(model, prompts, batch, max_new, eos, 0)
+        rows.append((f"model.generate static batch {batch}", tok, sec))
+
+    async def run():
+        eng = EmbeddedEngine(model, tokenizer, max_batch_size=max(64, n))
+        res = await engine_generate(eng, prompts, max_new)
+        await eng.close()
+        return res
+
+    tok, sec = asyncio.run(run())
+    rows.append(("rl2gem EmbeddedEngine (continuous batching)", tok, sec))
+    return rows
+
+
+def bench_router(tokenizer, n: int, max_new: int) -> list[tuple[str, float, float]]:
+    prompts = prompts_for(tokenizer, n)
+    rows = []
+    for servers, threads in ((1, 2), (2, 1)):
+        procs = [launch(MODEL, threads=threads, seed=i) for i in range(servers)]
+        try:
+            with Router([p.url for p in procs], policy="round_robin") as router:
+
+                async def run():
+                    eng = HTTPEngine(router.url, workers=router.workers)
+                    await engine_generate(eng, prompts[:2], 4)  # warm-up
+                    res = await engine_generate(eng, prompts, max_new)
+                    await eng.close()
+                    return res
+
+                tok, sec = asyncio.run(run())
+        finally:
+            for p in procs:
+                p.stop()
+        rows.append((f"{servers} server(s) x {threads} thread(s) behind sglang-router", tok, sec))
+    return rows
+
+
+def bench_tokens(model, tokenizer, groups: int, max_new: int) -> dict[str, float]:
+    async def run():
+        eng = EmbeddedEngine(model, tokenizer)
+        cfg = RolloutConfig(responses_per_prompt=4, max_new_tokens=max_new, max_length=4096, seed=1)
+        ro = Rollout(eng, tokenizer, "rl2/GuessTheNumber-v0", cfg)
+        batch = await ro.collect(groups)
+        await ro.close()
+        await eng.close()
+        return batch
+
+    batch = asyncio.run(run())
+    merged = rerender = 0
+    for e in batch.episodes:
+        for s in e.sequences:
+            merged += len(s)
+            # re-rendering each turn as its own sequence feeds the prefix again for every action
+            i = 0
+            while i < len(s):
+                if s.action_mask[i]:
+                    j = i
+                    while j < len(s) and s.action_mask[j]:
+                        j += 1
+                    rerender += j  # prompt so far + this action
+                    i = j
+                else:
+                    i += 1
+    return {"episodes": len(batch.episodes), "turns": batch.metrics["rollout/turns"], "merged": merged,
+            "rerender": rerender, "splits": batch.metrics["rollout/splits"]}
+
+
+def bench_partial(model, tokenizer, steps: int, groups: int, max_new: int) -> list[tuple[str, list[float], int]]:
+    rows = []
+    for partial in (False, True):
+
+        async def run():
+            eng = EmbeddedEngine(model, tokenizer, seed=0)
+            cfg = RolloutConfig(responses_per_prompt=4, max_new_tokens=max_new, partial_rollout=partial,
+                                partial_oversample=0.5 if partial else 0.0, max_staleness=2, seed=3)
+            ro = Rollout(eng, tokenizer, "rl2/GSM8K-v0", cfg)
+            times, eps = [], 0
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                b = await ro.collect(groups)
+                times.append(time.perf_counter() - t0)
+                eps += len(b.episodes)
+            await ro.close()
+            await eng.close()
+            return times, eps
+
+        times, eps = asyncio.run(run())
+        rows.append(("partial rollouts" if partial else "synchronous (wait for every episode)", times, eps))
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
+    ap.add_argument("--only", default="engine,router,tokens,partial")
+    args = ap.parse_args(argv)
+    only = set(args.only.split(","))
+    q = args.quick
+    model, tokenizer = load_model(resolve_model(MODEL))
+    print(f"# rollout benchmarks: SmolLM2-135M-Instruct, CPU fp32, torch threads {torch.get_num_threads()}\n")
+    if "engine" in only:
+        n, max_new = (8, 16) if q else (64, 128)
+        rows = bench_engine(model, tokenizer, n, max_new)
+        base = rows[0][1] / rows[0][2]
+        print(f"## 1. generation throughput: {n} GSM8K prompts, temperature 1, max_new_tokens {max_new}\n")
+        print("| engine | tokens | seconds | tokens/s | vs static batch 16 |\n|---|---:|---:|---:|---:|")
+        for name, tok, sec in rows:
+            print(f"| {name} | {tok} | {sec:.1f} | {tok / sec:.1f} | {tok / sec / base:.2f}x |")
+        print()
+    if "router" in only:
+        n, max_new = (4, 8) if q else (64, 64)
+        rows = bench_router(tokenizer, n, max_new)
+        base = rows[0][1] / rows[0][2]
+        print(f"## 2. sglang-router (round_robin): {n} requests, max_new_tokens {max_new}\n")
+        print("| setup | tokens | seconds | tokens/s | ratio |\n|---|---:|---:|---:|---:|")
+        for name, tok, sec in rows:
+            print(f"| {name} | {tok} | {sec:.1f} | {tok / sec:.1f} | {tok / sec / base:.2f}x |")
+        print()
+    if "tokens" in only:
+        g, max_new = (1, 16) if q else (4, 64)
+        r = bench_tokens(model, tokenizer, g, max_new)
+        print(f"## 3. tokens fed to training, rl2/GuessTheNumber-v0, {r['episodes']} episodes, {r['turns']:.1f} turns on average\n")
+        print("| layout | tokens | ratio |\n|---|---:|---:|")
+        print(f"| prefix merging (one sequence per episode, {r['splits']:.0f} splits) | {r['merged']} | 1.00x |")
+        print(f"| re-render every turn as a new sequence | {r['rerender']} | {r['rerender'] / r['merged']:.2f}x |\n")
+    if "partial" in only:
+        steps, g, max_new = (2, 1, 16) if q else (4, 4, 256)
+        rows = bench_partial(model, tokenizer, steps, g, max_new)
+        base = sum(rows[0][1])
+        print(f"## 4. rollout wall time, rl2/GSM8K-v0, {steps} steps x {g} groups x 4, max_new_tokens {max_new}\n")
+        print("| mode | seconds per step (each) | total | median step | vs synchronous |\n|---|---|---:|---:|---:|")
+        for name, times, eps in rows:
+            each = ", ".join(f"{t:.1f}" for t in times)
+            print(f"| {name} | {each} | {sum(times):.1f} | {statistics.median(times):.1f} | {base / sum(times):.2f}x |")
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
