@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import subprocess
 import sys
 import time
@@ -25,12 +24,7 @@ import numpy as np
 
 from rl2gem.envs.search_qa import load_questions
 from rl2gem.retrieval import BM25Index, RetrievalClient
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from rl2gem.procs import free_port
 
 
 async def _load(url: str, queries: list[str], concurrency: int, duration: float) -> tuple[float, float, float]:
@@ -77,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
 
     questions = load_questions("train") + load_questions("test")
     index = BM25Index.load_or_build()
-    port = _port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "rl2gem.retrieval", "serve", "--port", str(port), "--exit-on-stdin-eof"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,

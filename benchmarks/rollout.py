@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     model, tokenizer = load_model(resolve_model(MODEL))
     print(f"# rollout benchmarks: SmolLM2-135M-Instruct, CPU fp32, torch threads {torch.get_num_threads()}\n")
     if "engine" in only:
-        n, max_new = (8, 16) if q else (64, 128)
+        n, max_new = (8, 16) if q else (64, 512)
         rows = bench_engine(model, tokenizer, n, max_new)
         base = rows[0][1] / rows[0][2]
         print(f"## 1. generation throughput: {n} GSM8K prompts, temperature 1, max_new_tokens {max_new}\n")

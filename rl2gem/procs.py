@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections import deque
 
-__all__ = ["ServiceProcess", "stop_on_stdin_eof"]
+__all__ = ["ServiceProcess", "free_port", "stop_on_stdin_eof"]
 
 
 class ServiceProcess:
@@ -115,6 +116,13 @@ class ServiceProcess:
             os.killpg(self.proc.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _healthy(url: str) -> bool:

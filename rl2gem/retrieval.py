@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -36,6 +35,7 @@ import weakref
 from typing import Any
 
 from rl2gem.assets import ASSETS, asset_path, build_dir, cache_dir, locked
+from rl2gem.procs import ServiceProcess, stop_on_stdin_eof
 
 __all__ = [
     "load_corpus",
@@ -204,8 +204,7 @@ async def _serve(host: str, port: int, topk: int, exit_on_stdin_eof: bool) -> No
     print(f"RL2GEM_RETRIEVAL_READY http://{host}:{bound}", flush=True)
     stop = asyncio.Event()
     if exit_on_stdin_eof:
-        loop = asyncio.get_running_loop()
-        threading.Thread(target=lambda: (sys.stdin.read(), loop.call_soon_threadsafe(stop.set)), daemon=True).start()
+        stop_on_stdin_eof(stop)
     try:
         await stop.wait()
     finally:
@@ -296,6 +295,7 @@ class EmbeddedService:
     """One shared ``python -m rl2gem.retrieval serve`` process per Python process, reference-counted."""
 
     _lock = threading.Lock()
+    _service: ServiceProcess | None = None
     _proc: subprocess.Popen | None = None
     _url: str | None = None
     _users = 0
@@ -308,7 +308,7 @@ class EmbeddedService:
             RuntimeError: the service did not start.
         """
         with cls._lock:
-            if cls._proc is None or cls._proc.poll() is not None:
+            if cls._service is None or not cls._service.alive:
                 cls._start(startup_timeout)
             cls._users += 1
             return cls._url  # type: ignore[return-value]
@@ -316,41 +316,26 @@ class EmbeddedService:
     @classmethod
     def _start(cls, startup_timeout: float) -> None:
         BM25Index.load_or_build()  # build the cache here, where errors are visible
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "rl2gem.retrieval", "serve", "--host", "127.0.0.1", "--port", "0", "--exit-on-stdin-eof"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        ready: list[str] = []
-        reader = threading.Thread(target=lambda: ready.append(proc.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(startup_timeout)
-        line = ready[0] if ready else ""
-        if not line.startswith("RL2GEM_RETRIEVAL_READY"):
-            proc.kill()
-            err = proc.stderr.read()[-1000:] if proc.stderr else ""
-            raise RuntimeError(f"the embedded retrieval service did not start: {line!r} {err}")
-        cls._proc, cls._url = proc, line.split()[1]
+        cmd = [sys.executable, "-m", "rl2gem.retrieval", "serve", "--host", "127.0.0.1", "--port", "0", "--exit-on-stdin-eof"]
+        try:
+            svc = ServiceProcess(cmd, ready_prefix="RL2GEM_RETRIEVAL_READY", timeout=startup_timeout)
+        except RuntimeError as e:
+            raise RuntimeError(f"the embedded retrieval service did not start: {e}") from None
+        cls._service, cls._proc, cls._url = svc, svc.proc, svc.url
 
     @classmethod
     def release(cls) -> None:
         """Drop one user; the last one stops the service."""
         with cls._lock:
             cls._users = max(0, cls._users - 1)
-            if cls._users == 0 and cls._proc is not None:
+            if cls._users == 0 and cls._service is not None:
                 cls._stop()
 
     @classmethod
     def _stop(cls) -> None:
-        proc, cls._proc, cls._url = cls._proc, None, None
-        if proc is None:
-            return
-        try:
-            proc.stdin.close()  # the server exits on stdin EOF
-            proc.wait(timeout=5)
-        except Exception:  # noqa: BLE001
-            proc.kill()
-            proc.wait()
+        svc, cls._service, cls._proc, cls._url = cls._service, None, None, None
+        if svc is not None:
+            svc.stop()  # closes stdin (the server exits on EOF), then signals if needed
 
 
 def main(argv: list[str] | None = None) -> int:

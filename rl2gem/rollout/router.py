@@ -24,23 +24,15 @@ worker, balanced when loads diverge), ``round_robin`` (even spread),
 from __future__ import annotations
 
 import json
-import socket
 import sys
 import time
 import urllib.request
 
-from rl2gem.procs import ServiceProcess
+from rl2gem.procs import ServiceProcess, free_port
 
-__all__ = ["Router", "free_port", "POLICIES"]
+__all__ = ["Router", "POLICIES"]
 
 POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get_json(url: str, timeout: float = 2.0):

@@ -76,7 +76,8 @@ class SGLangEngine(HTTPEngine):
             import sglang  # noqa: F401
         except ImportError as e:
             raise ImportError("SGLangEngine.launch needs sglang: pip install 'rl2gem[gpu]'") from e
-        from rl2gem.rollout.router import Router, free_port
+        from rl2gem.procs import free_port
+        from rl2gem.rollout.router import Router
 
         procs = []
         try:

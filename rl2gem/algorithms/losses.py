@@ -1,0 +1,170 @@
+"""PPO-family losses over token-level batches.
+
+Shapes: ``[B, T]`` float32 per-token tensors and an ``action_mask`` ``[B, T]``
+(bool or 0/1); only action tokens enter a loss. Functions return a scalar
+loss (float32, ``[]``) and a dict of float metrics.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "LOSS_AGGREGATIONS", "KL_ESTIMATORS", "aggregate", "kl_estimate", "importance_weights", "policy_loss", "value_loss",
+    "entropy_from_logits",
+]
+
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token_mean", norm: float | None = None) -> torch.Tensor:
+    """Reduce a ``[B, T]`` per-token loss to a scalar.
+
+    * ``token_mean``: mean over all action tokens of the batch (DAPO);
+    * ``seq_mean_token_sum``: sum over each sequence's tokens, mean over sequences;
+    * ``seq_mean_token_mean``: mean over each sequence's tokens, mean over sequences (original GRPO);
+    * ``seq_mean_token_sum_norm``: token sum divided by a constant ``norm`` (default ``T``),
+      mean over sequences (Dr. GRPO: no length bias).
+
+    Sequences without action tokens count as zero in the sequence means.
+
+    Raises:
+        ValueError: unknown mode.
+    """
+    m = mask.float()
+    if mode == "token_mean":
+        return (loss * m).sum() / m.sum().clamp(min=1)
+    if mode == "seq_mean_token_sum":
+        return (loss * m).sum(-1).mean()
+    if mode == "seq_mean_token_mean":
+        return ((loss * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()
+    if mode == "seq_mean_token_sum_norm":
+        return ((loss * m).sum(-1) / float(norm or loss.shape[-1])).mean()
+    raise ValueError(f"unknown loss aggregation {mode!r}; choose from {LOSS_AGGREGATIONS}")
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL
+    divergence", 2020): with ``d = logprobs - ref_logprobs``, ``k1 = d``, ``k2 = d**2 / 2``,
+    ``k3 = exp(-d) - 1 + d`` (unbiased and non-negative). ``[B, T]``.
+
+    Raises:
+        ValueError: unknown estimator.
+    """
+    d = logprobs.float() - ref_logprobs.float()
+    if kind == "k1":
+        return d
+    if kind == "k2":
+        return 0.5 * d * d
+    if kind == "k3":
+        return torch.exp(-d) - 1 + d
+    raise ValueError(f"unknown KL estimator {kind!r}; choose from {KL_ESTIMATORS}")
+
+
+def importance_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
+                       mode: str = "truncated", cap: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Off-policy correction of tokens sampled by the rollout engine (another numeric stack, or an
+    older policy version with partial rollouts) for the trainer's policy ``old_logprobs``.
+
+    ``w = exp(old_logprobs - rollout_logprobs)``. ``truncated`` (TIS, Yao et al. 2025, "Your
+    efficient RL framework secretly brings you off-policy RL training"): ``min(w, cap)``.
+    ``masked`` (MIS): tokens with ``w`` outside ``[1 / cap, cap]`` leave the loss (weight 0),
+    others keep ``w``. ``none``: all ones.
+
+    Returns:
+        ``(weights [B, T] float32, detached; new mask [B, T] bool)``.
+
+    Raises:
+        ValueError: unknown mode or ``cap <= 1``.
+    """
+    m = mask.bool()
+    if mode == "none":
+        return torch.ones_like(old_logprobs, dtype=torch.float32), m
+    if cap <= 1:
+        raise ValueError(f"importance sampling cap must be > 1, got {cap}")
+    w = torch.exp((old_logprobs.float() - rollout_logprobs.float()).detach())
+    if mode == "truncated":
+        return torch.clamp(w, max=cap), m
+    if mode == "masked":
+        keep = m & (w <= cap) & (w >= 1.0 / cap)
+        return torch.where(keep, w, torch.zeros_like(w)), keep
+    raise ValueError(f"unknown importance sampling mode {mode!r}; choose from ('none', 'truncated', 'masked')")
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    loss_agg: str = "token_mean",
+    norm: float | None = None,
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO clipped surrogate (Schulman et al. 2017) with asymmetric clipping (DAPO's clip-higher,
+    Yu et al. 2025: ``ratio`` clipped to ``[1 - clip_low, 1 + clip_high]``) and dual clip (Ye et
+    al. 2020: for negative advantages the loss is capped at ``-A * dual_clip``, ``dual_clip > 1``).
+
+    Args:
+        logprobs: current policy log-probs ``[B, T]`` (with grad).
+        old_logprobs: log-probs when the batch was made ``[B, T]``.
+        advantages: ``[B, T]``.
+        mask: action mask ``[B, T]``.
+        is_weights: optional off-policy weights from :func:`importance_weights`.
+
+    Returns:
+        ``(loss, {"pg_loss", "clip_ratio", "dual_clip_ratio", "approx_kl"})``; ``approx_kl`` is the
+        k3 estimate of KL(old || new) over action tokens.
+    """
+    if dual_clip is not None and dual_clip <= 1:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    m = mask.bool()
+    log_ratio = logprobs - old_logprobs.detach()
+    ratio = torch.exp(log_ratio)
+    adv = advantages.detach()
+    pg1 = -adv * ratio
+    pg2 = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    pg = torch.maximum(pg1, pg2)
+    clipped = (pg2 > pg1) & m
+    dual = torch.zeros_like(m)
+    if dual_clip is not None:
+        cap = -adv * dual_clip
+        dual = (adv < 0) & (pg > cap) & m
+        pg = torch.where(adv < 0, torch.minimum(pg, cap), pg)
+    if is_weights is not None:
+        pg = pg * is_weights.detach()
+    loss = aggregate(pg, m, loss_agg, norm)
+    n = m.sum().clamp(min=1)
+    with torch.no_grad():
+        approx_kl = ((torch.exp(-log_ratio) - 1 + log_ratio) * m).sum() / n
+    metrics = {
+        "pg_loss": float(loss.detach()),
+        "clip_ratio": float(clipped.sum() / n),
+        "dual_clip_ratio": float(dual.sum() / n),
+        "approx_kl": float(approx_kl),
+    }
+    return loss, metrics
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               clip: float | None = 0.2, loss_agg: str = "token_mean") -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped value loss (PPO): ``0.5 * max((V - R)^2, (V_old + clip(V - V_old, +-clip) - R)^2)``."""
+    err = (values - returns) ** 2
+    if clip is not None:
+        v_clip = old_values + torch.clamp(values - old_values, -clip, clip)
+        err = torch.maximum(err, (v_clip - returns) ** 2)
+    loss = 0.5 * aggregate(err, mask, loss_agg)
+    m = mask.bool()
+    n = m.sum().clamp(min=1)
+    return loss, {"vf_loss": float(loss.detach()), "vf_clip_ratio": float((((values - old_values).abs() > (clip or float("inf"))) & m).sum() / n)}
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the softmax of ``logits`` ``[..., V]`` -> ``[...]`` (nats)."""
+    logits = logits.float()
+    logz = torch.logsumexp(logits, -1)
+    return logz - (torch.softmax(logits, -1) * logits).sum(-1)
