@@ -6,9 +6,10 @@
 Arguments are ``key=value`` pairs (OmegaConf dot-list); see :data:`DEFAULTS`.
 ``model`` is a built-in name (``smollm2-135m-instruct``, see
 :mod:`rl2gem.models`), a local folder or a hub id; without it ``policy``
-(``solver`` or ``random``) plays. Generation uses plain transformers
-``generate`` in left-padded batches (greedy unless ``temperature > 0``), on
-the chat template of the conversation so far; episodes can be multi-turn.
+(``solver`` or ``random``) plays. A model plays through the rollout machinery
+of :mod:`rl2gem.rollout`: the embedded continuous-batching engine
+(``batch_size`` sequences decoded together), token-in/token-out multi-turn
+episodes on the model's chat template, greedy unless ``temperature > 0``.
 
 Episodes: an env with a data set (``len(env)``) plays its first ``n`` items in
 order (``reset(options={"index": i})``), so runs are comparable across
@@ -20,7 +21,6 @@ a summary table is printed at the end.
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import json
 import sys
@@ -31,7 +31,6 @@ from typing import Any, Callable
 
 import gymnasium as gym
 import numpy as np
-from omegaconf import OmegaConf
 from tqdm import tqdm
 
 __all__ = ["DEFAULTS", "EpisodeRecord", "evaluate", "summarize", "main"]
@@ -73,42 +72,6 @@ class EpisodeRecord:
     final_info: dict[str, Any] = field(default_factory=dict)
 
 
-class ModelPolicy:
-    """Batched chat generation with transformers ``generate``."""
-
-    def __init__(self, name: str, *, max_new_tokens: int, temperature: float, top_p: float, seed: int):
-        import torch
-
-        from rl2gem.models import load_model
-
-        torch.manual_seed(seed)
-        self.model, self.tokenizer = load_model(name)
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.kw = {"max_new_tokens": max_new_tokens, "pad_token_id": self.tokenizer.pad_token_id}
-        self.kw.update({"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {"do_sample": False})
-
-    def __call__(self, conversations: list[list[dict[str, str]]]) -> list[tuple[str, int]]:
-        import torch
-
-        prompts = [
-            self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in conversations
-        ]
-        batch = self.tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-        with torch.inference_mode():
-            out = self.model.generate(**batch, **self.kw)
-        new = out[:, batch["input_ids"].shape[1]:]
-        results = []
-        for row in new:
-            ids = row.tolist()
-            n = len(ids)
-            while n and ids[n - 1] == self.tokenizer.pad_token_id:
-                n -= 1
-            text = self.tokenizer.decode(ids[:n], skip_special_tokens=True)
-            results.append((text, n))
-        return results
-
-
 def _scripted(policy: str, env: gym.Env, rng: np.random.Generator) -> Callable[[], Callable[[str], str]]:
     base = env.unwrapped
     if policy == "solver":
@@ -133,6 +96,72 @@ def _make_env(cfg) -> gym.Env:
     return gym.make(cfg.env, **kwargs)
 
 
+def _plain(info: dict) -> dict:
+    return {k: v for k, v in info.items() if isinstance(v, (str, int, float, bool, type(None))) and not k.startswith("_")}
+
+
+def _evaluate_model(cfg, resets, emit) -> None:
+    import asyncio
+
+    from rl2gem.models import load_model
+    from rl2gem.rollout import EmbeddedEngine, Rollout, RolloutConfig
+
+    model, tokenizer = load_model(cfg.model)
+    rcfg = RolloutConfig(
+        responses_per_prompt=1, max_new_tokens=cfg.max_new_tokens, max_length=max(4096, 2 * cfg.max_new_tokens),
+        temperature=cfg.temperature, top_p=cfg.top_p, concurrency=cfg.batch_size, system_prompt=cfg.system_prompt,
+        seed=cfg.seed,
+    )
+
+    def record(i: int, ep) -> None:
+        info = ep.info
+        emit(EpisodeRecord(
+            episode=i, seed=info.get("seed", resets[i][0]), index=info.get("index"), reward=ep.reward, turns=ep.turns,
+            success=bool(info.get("success", ep.reward > 0)), terminated=ep.terminated, truncated=ep.truncated,
+            invalid_actions=info.get("num_invalid_actions", 0), format_ok=info.get("format_ok"),
+            generated_tokens=ep.num_action_tokens, messages=ep.messages, final_info=_plain(info),
+        ))
+
+    async def run() -> None:
+        engine = EmbeddedEngine(model, tokenizer, max_batch_size=cfg.batch_size, seed=cfg.seed)
+        rollout = Rollout(engine, tokenizer, lambda: _make_env(cfg), rcfg)
+        try:
+            await rollout.play(resets, record)
+        finally:
+            await rollout.close()
+            await engine.close()
+
+    asyncio.run(run())
+
+
+def _evaluate_scripted(cfg, env, resets, emit) -> None:
+    rng = np.random.default_rng(cfg.seed)
+    make_policy = _scripted(cfg.policy, env, rng)
+    try:
+        for i, (seed, options) in enumerate(resets):
+            obs, info = env.reset(seed=seed, options=options)
+            messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+            messages.append({"role": info.get("role", "user"), "content": obs})
+            policy, total, done = make_policy(), 0.0, False
+            ep_seed, index = info["seed"], info.get("index")
+            while not done:
+                action = policy(obs)
+                obs, r, term, trunc, info = env.step(action)
+                messages.append({"role": "assistant", "content": action})
+                if obs:
+                    messages.append({"role": info.get("role", "user"), "content": obs})
+                total += r
+                done = term or trunc
+            emit(EpisodeRecord(
+                episode=i, seed=ep_seed, index=index, reward=total, turns=info["turn"],
+                success=bool(info.get("success", total > 0)), terminated=term, truncated=trunc,
+                invalid_actions=info.get("num_invalid_actions", 0), format_ok=info.get("format_ok"),
+                generated_tokens=0, messages=messages, final_info=_plain(info),
+            ))
+    finally:
+        env.close()
+
+
 def evaluate(cfg) -> list[EpisodeRecord]:
     """Play ``cfg.n`` episodes (see the module doc); returns their records."""
     import rl2gem  # noqa: F401  (registers the envs)
@@ -140,69 +169,31 @@ def evaluate(cfg) -> list[EpisodeRecord]:
     probe = _make_env(cfg)
     indexed = hasattr(probe.unwrapped, "__len__")
     n = min(cfg.n, len(probe.unwrapped)) if indexed else cfg.n
-    model = (
-        ModelPolicy(cfg.model, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed)
-        if cfg.model
-        else None
-    )
-    rng = np.random.default_rng(cfg.seed)
-    scripted = None if model else _scripted(cfg.policy, probe, rng)
-    width = cfg.batch_size if model else 1
-    envs = [probe] + [_make_env(cfg) for _ in range(min(width, n) - 1)]
+    resets = [(cfg.seed + ep, {"index": ep} if indexed else None) for ep in range(n)]
     out_path = Path(cfg.output) if cfg.output else None
     if out_path:
         out_path.parent.mkdir(parents=True, exist_ok=True)
     sink = open(out_path, "a", encoding="utf-8") if out_path else None
     records: list[EpisodeRecord] = []
     bar = tqdm(total=n, desc=cfg.env, disable=not cfg.progress, file=sys.stderr)
+
+    def emit(rec: EpisodeRecord) -> None:
+        records.append(rec)
+        if sink:
+            sink.write(json.dumps(asdict(rec), ensure_ascii=False) + "\n")
+            sink.flush()
+        bar.update(1)
+
     try:
-        for start in range(0, n, len(envs)):
-            chunk = list(range(start, min(n, start + len(envs))))
-            state = []
-            for env, ep in zip(envs, chunk):
-                if indexed:
-                    obs, info = env.reset(seed=cfg.seed + ep, options={"index": ep})
-                else:
-                    obs, info = env.reset(seed=cfg.seed + ep)
-                messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
-                messages.append({"role": info.get("role", "user"), "content": obs})
-                state.append({
-                    "env": env, "ep": ep, "seed": info["seed"], "index": info.get("index"), "messages": messages,
-                    "obs": obs, "reward": 0.0, "tokens": 0, "done": False,
-                    "policy": scripted() if scripted else None,
-                })
-            while not all(s["done"] for s in state):
-                live = [s for s in state if not s["done"]]
-                if model:
-                    actions = model([s["messages"] for s in live])
-                else:
-                    actions = [(s["policy"](s["obs"]), 0) for s in live]
-                for s, (action, ntok) in zip(live, actions):
-                    obs, r, term, trunc, info = s["env"].step(action)
-                    s["messages"].append({"role": "assistant", "content": action})
-                    if obs:
-                        s["messages"].append({"role": info.get("role", "user"), "content": obs})
-                    s["obs"], s["reward"], s["tokens"] = obs, s["reward"] + r, s["tokens"] + ntok
-                    if term or trunc:
-                        s["done"] = True
-                        final = {k: v for k, v in info.items() if isinstance(v, (str, int, float, bool, type(None)))}
-                        rec = EpisodeRecord(
-                            episode=s["ep"], seed=s["seed"], index=s["index"], reward=s["reward"], turns=info["turn"],
-                            success=bool(info.get("success", s["reward"] > 0)), terminated=term, truncated=trunc,
-                            invalid_actions=info.get("num_invalid_actions", 0), format_ok=info.get("format_ok"),
-                            generated_tokens=s["tokens"], messages=s["messages"], final_info=final,
-                        )
-                        records.append(rec)
-                        if sink:
-                            sink.write(json.dumps(asdict(rec), ensure_ascii=False) + "\n")
-                            sink.flush()
-                        bar.update(1)
+        if cfg.model:
+            probe.close()
+            _evaluate_model(cfg, resets, emit)
+        else:
+            _evaluate_scripted(cfg, probe, resets, emit)
     finally:
         bar.close()
         if sink:
             sink.close()
-        for env in envs:
-            env.close()
     records.sort(key=lambda r: r.episode)
     return records
 
@@ -234,15 +225,12 @@ def summarize(records: list[EpisodeRecord], seconds: float) -> str:
 
 def parse_args(argv: list[str]):
     """Merge ``key=value`` arguments over :data:`DEFAULTS`; an unknown key names the closest valid one."""
-    for arg in argv:
-        if "=" not in arg:
-            raise SystemExit(f"arguments are key=value pairs, got {arg!r} (e.g. env=rl2/GSM8K-v0 n=50)")
-        key = arg.split("=", 1)[0].lstrip("+")
-        top = key.split(".", 1)[0]
-        if top not in DEFAULTS:
-            close = difflib.get_close_matches(top, DEFAULTS, n=1)
-            raise SystemExit(f"unknown key {top!r}" + (f"; did you mean {close[0]!r}?" if close else f"; valid: {sorted(DEFAULTS)}"))
-    cfg = OmegaConf.merge(OmegaConf.create(DEFAULTS), OmegaConf.from_dotlist(argv))
+    from rl2gem.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(DEFAULTS, argv)
+    except ConfigError as e:
+        raise SystemExit(f"{e} (e.g. env=rl2/GSM8K-v0 n=50)") from None
     if cfg.output is None:
         tag = (cfg.model or cfg.policy).replace("/", "_")
         cfg.output = f"runs/evaluate/{cfg.env.replace('/', '_')}-{tag}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"

@@ -104,6 +104,7 @@ def policy_loss(
     loss_agg: str = "token_mean",
     norm: float | None = None,
     is_weights: torch.Tensor | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate (Schulman et al. 2017) with asymmetric clipping (DAPO's clip-higher,
     Yu et al. 2025: ``ratio`` clipped to ``[1 - clip_low, 1 + clip_high]``) and dual clip (Ye et
@@ -115,6 +116,8 @@ def policy_loss(
         advantages: ``[B, T]``.
         mask: action mask ``[B, T]``.
         is_weights: optional off-policy weights from :func:`importance_weights`.
+        token_weights: optional ``[B, T]`` per-token weights replacing ``loss_agg`` (a trainer that
+            splits a batch into micro-batches passes weights normalised over the whole batch).
 
     Returns:
         ``(loss, {"pg_loss", "clip_ratio", "dual_clip_ratio", "approx_kl"})``; ``approx_kl`` is the
@@ -137,7 +140,10 @@ def policy_loss(
         pg = torch.where(adv < 0, torch.minimum(pg, cap), pg)
     if is_weights is not None:
         pg = pg * is_weights.detach()
-    loss = aggregate(pg, m, loss_agg, norm)
+    if token_weights is not None:
+        loss = (pg * token_weights * m).sum()
+    else:
+        loss = aggregate(pg, m, loss_agg, norm)
     n = m.sum().clamp(min=1)
     with torch.no_grad():
         approx_kl = ((torch.exp(-log_ratio) - 1 + log_ratio) * m).sum() / n

@@ -226,7 +226,7 @@ class Rollout:
             ep.turn_rewards.append(float(reward))
             ep.finish_reasons.append(finish)
             seq.rewards[-1] += float(reward)
-            ep.info = {k: v for k, v in info.items()}
+            ep.info = {**{k: v for k, v in ep.info.items() if k in ("seed", "index")}, **info}
             asst = {"role": "assistant", "content": text}
             if terminated or truncated:
                 ep.terminated, ep.truncated = bool(terminated), bool(truncated)
@@ -247,14 +247,42 @@ class Rollout:
     async def _group(self, g: _Group) -> _Group:
         n = self.config.responses_per_prompt
         seed = (self.config.seed * 1_000_003 + g.gid) % (2**31)
-        envs = [self._env() for _ in range(n)]
-        try:
-            resets = await asyncio.gather(*(e.areset(seed=seed) for e in envs))
-            g.episodes = [Episode(group=g.gid) for _ in range(n)]
-            await asyncio.gather(*(self._episode(e, o, i, ep) for e, (o, i), ep in zip(envs, resets, g.episodes)))
-        finally:
-            self._pool.extend(envs)
+        g.episodes = [Episode(group=g.gid) for _ in range(n)]
+        await asyncio.gather(*(self._play(seed, None, ep) for ep in g.episodes))
         return g
+
+    async def _play(self, seed: int | None, options: dict | None, ep: Episode) -> Episode:
+        env = self._env()
+        try:
+            obs, info = await env.areset(seed=seed, options=options)
+            ep.info = {"seed": info.get("seed"), **({"index": info["index"]} if "index" in info else {})}
+            return await self._episode(env, obs, info, ep)
+        finally:
+            self._pool.append(env)
+
+    async def play(self, resets: list[tuple[int | None, dict | None]], on_episode: Callable[[int, Episode], None] | None = None) -> list[Episode]:
+        """Play one episode per ``(seed, options)`` (evaluation: ``options={"index": i}`` walks a
+        data set in order), each as its own coroutine under the concurrency limit.
+
+        Args:
+            on_episode: called with ``(position, episode)`` as each one finishes (stream results to disk).
+
+        Returns:
+            the episodes, in the order of ``resets``.
+        """
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self.config.concurrency)
+        if not self._gate.is_set():
+            await self.engine.resume()
+            self._gate.set()
+
+        async def one(i, seed, options):
+            ep = await self._play(seed, options, Episode(group=i))
+            if on_episode is not None:
+                on_episode(i, ep)
+            return ep
+
+        return list(await asyncio.gather(*(one(i, s, o) for i, (s, o) in enumerate(resets))))
 
     def _launch(self) -> _Group:
         g = _Group(self._next_gid)

@@ -274,3 +274,21 @@ def test_prefix_cache_serves_the_next_turn_with_identical_results(model):
     assert torch.allclose(torch.tensor(b.output_logprobs), ref, atol=1e-4)
     greedy = model.generate(torch.tensor([turn2]), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=2)
     assert b.output_ids == greedy[0, len(turn2) :].tolist()
+
+
+def test_a_groups_identical_prompts_are_prefilled_once(model):
+    async def main():
+        eng = EmbeddedEngine(model, seed=4)
+        params = {"max_new_tokens": 6, "ignore_eos": True, "temperature": 8.0}
+        outs = await asyncio.gather(*(eng.generate(PROMPTS[9], params) for _ in range(4)))
+        stats = dict(eng.stats)
+        await eng.close()
+        return outs, stats
+
+    outs, stats = run(main())
+    n = len(PROMPTS[9])
+    # prefilled once (plus at most its last token again, when the first request was admitted alone)
+    assert stats["prefill_tokens"] <= n + 1 and stats["prefill_tokens"] + stats["cached_tokens"] == 4 * n
+    assert len({tuple(o.output_ids) for o in outs}) > 1  # still independent samples
+    for o in outs:
+        assert torch.allclose(torch.tensor(o.output_logprobs), teacher_logprobs(model, PROMPTS[9], o.output_ids, 8.0), atol=1e-4)

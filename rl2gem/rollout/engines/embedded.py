@@ -259,6 +259,7 @@ class EmbeddedEngine(Engine):
         self.max_prefill_tokens = int(max_prefill_tokens)
         self.max_cached_tokens = int(max_cached_tokens)
         self.prefix_cache_tokens = int(prefix_cache_tokens)
+        self.min_prefix_match = 8  # shorter shared prefixes are not worth the copy
         self._prefix: "collections.OrderedDict[tuple[int, ...], list]" = collections.OrderedDict()
         self._prefix_size = 0
         p = next(model.parameters())
@@ -464,9 +465,13 @@ class EmbeddedEngine(Engine):
             if self._paused:
                 continue
             try:
+                t0 = time.perf_counter()
                 self._admit()
+                t1 = time.perf_counter()
                 if self._running:
                     self._decode()
+                self.stats["time_admit_ms"] += int(1000 * (t1 - t0))
+                self.stats["time_decode_ms"] += int(1000 * (time.perf_counter() - t1))
             except Exception as e:  # a model error fails the requests, not the engine
                 for r in list(self._running):
                     self._finish(r, {"type": "abort", "message": f"engine error: {type(e).__name__}: {e}"})
@@ -527,23 +532,54 @@ class EmbeddedEngine(Engine):
         if tokens in self._prefix:
             self._prefix.move_to_end(tokens)
             return
+        import numpy as np
+
         kv = [(k[slot][:, cols].clone(), v[slot][:, cols].clone()) for k, v in zip(st.keys, st.values)]
-        self._prefix[tokens] = kv
+        self._prefix[tokens] = (kv, np.asarray(tokens))
         self._prefix_size += len(tokens)
         while self._prefix_size > self.prefix_cache_tokens and self._prefix:
             old, _ = self._prefix.popitem(last=False)
             self._prefix_size -= len(old)
 
     def _lookup_prefix(self, ids: list[int]):
-        best, best_len = None, 0
-        for tokens in reversed(self._prefix):
-            n = len(tokens)
-            if best_len < n < len(ids) and tuple(ids[:n]) == tokens:
-                best, best_len = tokens, n
-        if best is None:
+        """Longest common prefix of ``ids`` with any cached sequence (KV of a causal model depends only
+        on the tokens before it, so any shared prefix is reusable: the system prompt, a GRPO group's
+        prompt, the conversation so far). Returns ``(length, per-layer (K, V) or None)``."""
+        if not self._prefix and not self._running:
             return 0, None
+        import numpy as np
+
+        query = np.asarray(ids[: len(ids) - 1])  # keep at least one token to prefill (its logits)
+        best, best_len = None, 0
+        for tokens, entry in reversed(self._prefix.items()):
+            arr = entry[1]
+            n = min(len(arr), len(query))
+            if n <= best_len:
+                continue
+            diff = np.flatnonzero(arr[:n] != query[:n])
+            lcp = int(diff[0]) if len(diff) else n
+            if lcp > best_len:
+                best, best_len = tokens, lcp
+        # running sequences too: a GRPO group's first request may already be decoding
+        running_best = None
+        for slot, r in enumerate(self._running):
+            n = min(len(r.input_ids), len(query))
+            if n <= best_len:
+                continue
+            arr = np.asarray(r.input_ids[:n])
+            diff = np.flatnonzero(arr != query[:n])
+            lcp = int(diff[0]) if len(diff) else n
+            if lcp > best_len:
+                running_best, best_len = slot, lcp
+        if best_len < self.min_prefix_match:
+            return 0, None
+        if running_best is not None:
+            st = self._store
+            cols = (st.mask[running_best, st.lo : st.hi].nonzero().flatten() + st.lo)[:best_len]
+            return best_len, [(k[running_best][:, cols], v[running_best][:, cols]) for k, v in zip(st.keys, st.values)]
         self._prefix.move_to_end(best)
-        return best_len, self._prefix[best]
+        kv = self._prefix[best][0]
+        return best_len, [(k[:, :best_len], v[:, :best_len]) for k, v in kv]
 
     def _clear_prefix(self) -> None:
         self._prefix.clear()
@@ -556,6 +592,14 @@ class EmbeddedEngine(Engine):
         suffixes left-padded in ``[P, P + Q)``; one forward extends all of them. The rows then join
         the running batch, holes (masked columns) included.
         """
+        # identical prompts (a GRPO group) are prefilled once and their KV copied
+        first_of: dict[tuple[int, ...], int] = {}
+        dup = []
+        for j, r in enumerate(take):
+            dup.append(first_of.setdefault(tuple(r.input_ids), j))
+        uniq = [j for j in range(len(take)) if dup[j] == j]
+        rows = {j: i for i, j in enumerate(uniq)}
+        all_take, take = take, [take[j] for j in uniq]
         n = len(take)
         hits = [self._lookup_prefix(r.input_ids) for r in take]
         pre = [h[0] for h in hits]
@@ -585,17 +629,19 @@ class EmbeddedEngine(Engine):
         )
         tmp.hi = P + Q
         self.stats["prefill_tokens"] += sum(suf)
-        self.stats["cached_tokens"] += sum(pre)
+        self.stats["cached_tokens"] += sum(pre) + sum(len(r.input_ids) for j, r in enumerate(all_take) if dup[j] != j)
         self.stats["prefill_forwards"] += 1
-        tokens, lps = _sample(out.logits[:, -1].float(), [r.params for r in take], self._gen)
+        logits = out.logits[:, -1].float()[[rows[dup[j]] for j in range(len(all_take))]]
+        tokens, lps = _sample(logits, [r.params for r in all_take], self._gen)
         # join the running batch: rows right-aligned at the window's end
         st = self._store
         if not self._running:
             st.clear()
         W = P + Q
-        st.reserve(st.slots + n, max(0, W - st.window), 1)
+        st.reserve(st.slots + len(all_take), max(0, W - st.window), 1)
         st.lo = min(st.lo, st.hi - W)
-        for j, r in enumerate(take):
+        for jj, r in enumerate(all_take):
+            j = rows[dup[jj]]
             s = st.slots
             st.slots += 1
             self._running.append(r)
@@ -607,8 +653,8 @@ class EmbeddedEngine(Engine):
             first = int(tmp.mask[j, :W].nonzero()[0])
             r.length = len(r.input_ids)
             r.span = W - first
-            r.cached = pre[j]
-        self._append_tokens(list(take), tokens.tolist(), lps.tolist())
+            r.cached = pre[j] if dup[jj] == jj else len(r.input_ids)
+        self._append_tokens(list(all_take), tokens.tolist(), lps.tolist())
 
     def _append_tokens(self, reqs: list[_Request], tokens: list[int], lps: list[float]):
         for r, t, lp in zip(reqs, tokens, lps):
@@ -630,7 +676,9 @@ class EmbeddedEngine(Engine):
         pos = torch.tensor([[r.length] for r in reqs], dtype=torch.long, device=self._device)
         st.mask[:n, st.hi] = True
         attn = st.mask[:n, st.lo : st.hi + 1]
+        t0 = time.perf_counter()
         out = self._forward(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=_step_cache(st), logits_to_keep=1)
+        self.stats["time_decode_forward_ms"] += int(1000 * (time.perf_counter() - t0))
         st.hi += 1
         for r in reqs:
             r.length += 1

@@ -1,0 +1,150 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) for causal LMs, on CPU (gloo) and GPU (NCCL).
+
+* :func:`init_distributed`: the process group from torchrun's environment (gloo
+  + fp32 on CPU, NCCL on GPU); a single process works without torchrun.
+* :func:`shard_model`: every decoder layer and the root become FSDP units over
+  a device mesh; ``ddp_size > 1`` makes a 2-D mesh ``(ddp, fsdp)``: parameters
+  are sharded within a group of ``world / ddp_size`` ranks and replicated across
+  groups (HSDP, ZeRO-3 inside a group, DDP across them); ``cpu_offload`` keeps
+  parameters and gradients in host memory (``CPUOffloadPolicy(pin_memory=False)``
+  on CPU); ``reshard_after_forward=False`` keeps gathered parameters until the
+  backward (ZeRO-2 style, more memory, fewer all-gathers).
+* :func:`load_sharded`: the model is created on the meta device on every rank,
+  sharded, materialised empty, and filled from rank 0's checkpoint by broadcast
+  (no rank but 0 ever holds a full copy from disk); tied input/output
+  embeddings are re-tied before sharding.
+* :func:`full_state_dict`: full tensors on every rank (for weight sync into a
+  rollout engine and for ``save_pretrained``).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["init_distributed", "device_mesh", "shard_model", "load_sharded", "full_state_dict", "decoder_layers"]
+
+
+def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device]:
+    """Join the torchrun process group (or make a 1-process one). Returns ``(rank, world_size, device)``."""
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(backend, timeout=timedelta(minutes=30))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if dist.get_backend() == "nccl" else torch.device("cpu")
+    return rank, world, device
+
+
+def _free_port() -> int:
+    from rl2gem.procs import free_port
+
+    return free_port()
+
+
+def device_mesh(ddp_size: int = 1):
+    """1-D ``("fsdp",)`` mesh, or 2-D ``("ddp", "fsdp")`` for HSDP.
+
+    Raises:
+        ValueError: ``world_size`` is not a multiple of ``ddp_size``.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    kind = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    if ddp_size < 1 or world % ddp_size:
+        raise ValueError(f"ddp_size={ddp_size} must divide the world size {world}")
+    if ddp_size == 1:
+        return init_device_mesh(kind, (world,), mesh_dim_names=("fsdp",))
+    return init_device_mesh(kind, (ddp_size, world // ddp_size), mesh_dim_names=("ddp", "fsdp"))
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The transformer blocks of a transformers causal LM (``model.model.layers`` and kin)."""
+    for path in ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers"):
+        obj = model
+        try:
+            for part in path.split("."):
+                obj = getattr(obj, part)
+            return list(obj)
+        except AttributeError:
+            continue
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+
+
+def shard_model(model, mesh, *, cpu_offload: bool = False, reshard_after_forward: bool = True, param_dtype=None):
+    """Apply ``fully_shard`` to each decoder layer and to the root. Returns the model (now FSDP)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    kw = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if cpu_offload:
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    if param_dtype is not None:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def load_sharded(name_or_path: str, mesh, *, device: torch.device, dtype=torch.float32, cpu_offload: bool = False,
+                 reshard_after_forward: bool = True, param_dtype=None, gradient_checkpointing: bool = False):
+    """Meta-device init on every rank, shard, then broadcast rank 0's weights into the shards.
+
+    Returns the FSDP-wrapped model (train mode) with ``dtype`` parameters.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rl2gem.models import resolve_model
+
+    path = resolve_model(name_or_path)
+    config = AutoConfig.from_pretrained(path)
+    full = None
+    if dist.get_rank() == 0:
+        full = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).state_dict()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    shard_model(model, mesh, cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype)
+    model.to_empty(device="cpu" if cpu_offload else device)
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    set_model_state_dict(model, full or {}, options=opts)
+    _init_buffers(model, config, device)
+    model.config.use_cache = False
+    return model.train()
+
+
+def _init_buffers(model, config, device) -> None:
+    """Non-persistent buffers (rotary inv_freq) are not in checkpoints: recompute them after to_empty."""
+    for module in model.modules():
+        if hasattr(module, "inv_freq") and hasattr(module, "rope_init_fn"):
+            inv_freq, scaling = module.rope_init_fn(module.config, device)
+            module.inv_freq = inv_freq
+            if hasattr(module, "original_inv_freq"):
+                module.original_inv_freq = inv_freq
+            module.attention_scaling = scaling
+
+
+def full_state_dict(model) -> dict[str, torch.Tensor]:
+    """Full (unsharded) CPU tensors of every parameter and persistent buffer, on every rank."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, t in model.state_dict().items():
+        if isinstance(t, DTensor):
+            t = t.full_tensor()
+        out[name] = t.detach().to("cpu")
+    return out

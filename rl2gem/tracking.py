@@ -1,0 +1,101 @@
+"""Metric logging: stdout, JSON lines, wandb (offline by default) or TensorBoard; a PNG of the curves.
+
+Metric names follow the field: ``rollout/reward``, ``actor/pg_loss``,
+``actor/kl``, ``perf/tokens_per_second``, ``time/rollout`` ...
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+__all__ = ["Tracker", "plot_metrics"]
+
+LOGGERS = ("stdout", "jsonl", "wandb", "tensorboard")
+
+
+class Tracker:
+    """Fan-out of ``log(metrics, step)`` to the chosen loggers (only rank 0 should make one).
+
+    Args:
+        loggers: subset of ``("stdout", "jsonl", "wandb", "tensorboard")``.
+        output_dir: where ``metrics.jsonl`` / TensorBoard events / wandb files go.
+        config: the run's resolved config (stored by wandb).
+
+    Raises:
+        ValueError: unknown logger.
+    """
+
+    def __init__(self, loggers, output_dir: str | Path, config: Mapping[str, Any] | None = None, project: str = "rl2gem"):
+        bad = [x for x in loggers if x not in LOGGERS]
+        if bad:
+            raise ValueError(f"unknown logger {bad[0]!r}; choose from {LOGGERS}")
+        self.loggers = list(loggers)
+        self.dir = Path(output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / "metrics.jsonl"
+        self._jsonl = open(self.path, "a", encoding="utf-8") if "jsonl" in self.loggers else None
+        self._wandb = None
+        self._tb = None
+        if "wandb" in self.loggers:
+            import wandb
+
+            os.environ.setdefault("WANDB_MODE", "offline")
+            self._wandb = wandb.init(project=project, dir=str(self.dir), config=dict(config or {}))
+        if "tensorboard" in self.loggers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.dir / "tensorboard"))
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
+        if "stdout" in self.loggers:
+            keys = [k for k in clean if k.split("/")[0] in ("rollout", "actor", "eval", "perf")]
+            shown = "  ".join(f"{k}={clean[k]:.4g}" for k in keys[:14])
+            print(f"step {step}: {shown}", file=sys.stdout, flush=True)
+        if self._jsonl:
+            self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
+            self._jsonl.flush()
+        if self._wandb is not None:
+            self._wandb.log(clean, step=step)
+        if self._tb is not None:
+            for k, v in clean.items():
+                self._tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if self._jsonl:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def plot_metrics(jsonl: str | Path, out_png: str | Path, keys=("rollout/reward", "eval/success")) -> Path:
+    """Plot ``keys`` against step from a ``metrics.jsonl`` into a PNG (matplotlib, Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in Path(jsonl).read_text().splitlines() if line.strip()]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key in keys:
+        pts = [(r["step"], r[key]) for r in rows if key in r]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=key)
+    ax.set_xlabel("step")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out = Path(out_png)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
