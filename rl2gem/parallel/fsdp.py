@@ -128,14 +128,17 @@ def load_sharded(name_or_path: str, mesh, *, device: torch.device, dtype=torch.f
 
 
 def _init_buffers(model, config, device) -> None:
-    """Non-persistent buffers (rotary inv_freq) are not in checkpoints: recompute them after to_empty."""
+    """Non-persistent buffers (rotary ``inv_freq``) are not in checkpoints and ``to_empty`` leaves them
+    uninitialised: rebuild each rotary module from the config and take its buffers."""
     for module in model.modules():
-        if hasattr(module, "inv_freq") and hasattr(module, "rope_init_fn"):
-            inv_freq, scaling = module.rope_init_fn(module.config, device)
-            module.inv_freq = inv_freq
-            if hasattr(module, "original_inv_freq"):
-                module.original_inv_freq = inv_freq
-            module.attention_scaling = scaling
+        if "inv_freq" not in dict(module.named_buffers(recurse=False)):
+            continue
+        with torch.device("cpu"):
+            fresh = type(module)(config=getattr(module, "config", config))
+        for name, buf in fresh.named_buffers(recurse=False):
+            setattr(module, name, buf.to(device))
+        if hasattr(fresh, "attention_scaling"):
+            module.attention_scaling = fresh.attention_scaling
 
 
 def full_state_dict(model) -> dict[str, torch.Tensor]:

@@ -10,7 +10,6 @@ from rl2gem.algorithms import policy_loss
 from rl2gem.parallel.fsdp import device_mesh, full_state_dict, init_distributed, load_sharded
 from rl2gem.parallel.packing import plan
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "trainers"))
 
 
 def main(model_dir: str, out: str) -> None:
@@ -23,7 +22,7 @@ def main(model_dir: str, out: str) -> None:
     advs = [[float(i % 3 - 1)] * len(s) for i, s in enumerate(seqs)]
     total = float(sum(sum(m) for m in masks))
     mbs = plan([len(s) for s in seqs], world, 64)[rank]
-    from ppo import Sample, token_logprobs, token_weights  # trainers/ppo.py
+    from rl2gem.trainers.ppo import Sample, token_logprobs, token_weights
 
     samples = [Sample(s, m, [0.0] * len(s), a, [0.0] * len(s), [0] * len(s)) for s, m, a in zip(seqs, masks, advs)]
     loss_sum = torch.zeros(())
@@ -44,9 +43,9 @@ def main(model_dir: str, out: str) -> None:
     for name, p in model.named_parameters():
         gr = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         grads[name] = gr.flatten()[:50].tolist() + [float(gr.norm())]
+    params = {k: float(v.norm()) for k, v in full_state_dict(model).items()}  # a collective: every rank
     if rank == 0:
-        json.dump({"loss": float(loss_sum), "grads": grads, "params": {k: float(v.norm()) for k, v in full_state_dict(model).items()}},
-                  open(out, "w"))
+        json.dump({"loss": float(loss_sum), "grads": grads, "params": params}, open(out, "w"))
     dist.destroy_process_group()
 
 

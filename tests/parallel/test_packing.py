@@ -10,8 +10,7 @@ import torch
 
 from rl2gem.parallel.packing import karmarkar_karp, pack_micro_batches, packed_attention_mask, packed_batch, plan, seq_cost, unpack
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "rollout"))
-from conftest import tiny_model  # noqa: E402
+from tiny import tiny_model  # noqa: E402
 
 
 def brute_force_best(costs, k):

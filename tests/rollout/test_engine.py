@@ -6,7 +6,7 @@ import torch
 from rl2gem.rollout.engines.base import SamplingParams
 from rl2gem.rollout.engines.embedded import EmbeddedEngine
 
-from conftest import tiny_model  # noqa: F401  (tests/rollout/conftest.py)
+from tiny import tiny_model
 
 
 def run(coro):

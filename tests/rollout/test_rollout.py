@@ -6,7 +6,7 @@ import pytest
 
 from rl2gem.rollout import EmbeddedEngine, Rollout, RolloutConfig
 
-from conftest import tiny_model
+from tiny import tiny_model
 
 ENV = "rl2/GuessTheNumber-Easy-v0"  # 4 turns; the random tiny model never answers validly
 

@@ -11,7 +11,7 @@ import torch
 from rl2gem.rollout import HTTPEngine
 from rl2gem.serve import launch
 
-from conftest import tiny_model
+from tiny import tiny_model
 
 
 @pytest.fixture(scope="module")

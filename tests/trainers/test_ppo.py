@@ -12,7 +12,7 @@ ROOT = Path(__file__).parents[2]
 
 
 def torchrun(nproc, *args, timeout=600, cwd=None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=0", *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
@@ -28,8 +28,7 @@ def test_unknown_config_key_names_the_closest():
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    sys.path.insert(0, str(ROOT / "tests" / "rollout"))
-    from conftest import tiny_model
+    from tiny import tiny_model
     from transformers import AutoTokenizer
 
     from rl2gem.models import resolve_model
