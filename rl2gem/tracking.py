@@ -16,6 +16,11 @@ from typing import Any, Mapping
 __all__ = ["Tracker", "plot_metrics"]
 
 LOGGERS = ("stdout", "jsonl", "wandb", "tensorboard")
+#: what one stdout line shows (everything goes to the other loggers)
+STDOUT_KEYS = (
+    "rollout/reward", "rollout/response_length", "actor/pg_loss", "actor/kl", "actor/entropy", "actor/clip_ratio",
+    "actor/grad_norm", "perf/tokens_per_second", "perf/mfu", "time/step", "eval/success", "eval/reward",
+)
 
 
 class Tracker:
@@ -54,8 +59,8 @@ class Tracker:
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
         if "stdout" in self.loggers:
-            keys = [k for k in clean if k.split("/")[0] in ("rollout", "actor", "eval", "perf")]
-            shown = "  ".join(f"{k}={clean[k]:.4g}" for k in keys[:14])
+            keys = [k for k in STDOUT_KEYS if k in clean] or [k for k in clean if not k.startswith("time/")][:12]
+            shown = "  ".join(f"{k}={clean[k]:.4g}" for k in keys)
             print(f"step {step}: {shown}", file=sys.stdout, flush=True)
         if self._jsonl:
             self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
