@@ -11,10 +11,12 @@
 3. tokens: a multi-turn game rolled out once; tokens the trainer is fed with
    prefix merging (one sequence per episode) vs re-rendering every turn as a
    new sequence (prompt-so-far + action per turn).
-4. partial: a single-turn task with a long tail of answer lengths; wall time of
-   ``steps`` rollout steps of ``groups`` groups with and without partial
-   rollouts (partial: the step ends when the groups are done, stragglers carry
-   over to the next step).
+4. partial: GSM8K with max_new_tokens 1024 (most answers take 100-300 tokens,
+   the rambling ones run to the limit: a long tail); wall time of ``steps``
+   rollout steps of ``groups`` groups with and without partial rollouts
+   (partial: the step ends when its groups are done, stragglers carry over to
+   the next step; the work still in flight after the last step is not counted
+   as returned episodes, so the episodes/s column charges it to partial).
 
 Run: ``python benchmarks/rollout.py`` (``--quick`` for a smoke run;
 ``--only engine,tokens`` to pick sections).
@@ -168,6 +170,15 @@ def bench_partial(model, tokenizer, steps: int, groups: int, max_new: int) -> li
     return rows
 
 
+def throughput_table(what: str, ratio: str, rows: list[tuple[str, float, float]]) -> None:
+    """Print ``(name, tokens, seconds)`` rows with tokens/s and the ratio to the first row."""
+    base = rows[0][1] / rows[0][2]
+    print(f"| {what} | tokens | seconds | tokens/s | {ratio} |\n|---|---:|---:|---:|---:|")
+    for name, tok, sec in rows:
+        print(f"| {name} | {tok} | {sec:.1f} | {tok / sec:.1f} | {tok / sec / base:.2f}x |")
+    print()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
@@ -179,22 +190,12 @@ def main(argv=None) -> int:
     print(f"# rollout benchmarks: SmolLM2-135M-Instruct, CPU fp32, torch threads {torch.get_num_threads()}\n")
     if "engine" in only:
         n, max_new = (8, 16) if q else (128, 256)
-        rows = bench_engine(model, tokenizer, n, max_new)
-        base = rows[0][1] / rows[0][2]
         print(f"## 1. generation throughput: {n} GSM8K prompts, temperature 1, max_new_tokens {max_new}, 64 in flight\n")
-        print("| engine | tokens | seconds | tokens/s | vs static batch 16 |\n|---|---:|---:|---:|---:|")
-        for name, tok, sec in rows:
-            print(f"| {name} | {tok} | {sec:.1f} | {tok / sec:.1f} | {tok / sec / base:.2f}x |")
-        print()
+        throughput_table("engine", "vs static batch 16", bench_engine(model, tokenizer, n, max_new))
     if "router" in only:
         n, max_new = (4, 8) if q else (64, 64)
-        rows = bench_router(tokenizer, n, max_new)
-        base = rows[0][1] / rows[0][2]
         print(f"## 2. sglang-router (round_robin): {n} requests, max_new_tokens {max_new}\n")
-        print("| setup | tokens | seconds | tokens/s | ratio |\n|---|---:|---:|---:|---:|")
-        for name, tok, sec in rows:
-            print(f"| {name} | {tok} | {sec:.1f} | {tok / sec:.1f} | {tok / sec / base:.2f}x |")
-        print()
+        throughput_table("setup", "ratio", bench_router(tokenizer, n, max_new))
     if "tokens" in only:
         g, max_new = (1, 16) if q else (4, 64)
         r = bench_tokens(model, tokenizer, g, max_new)
@@ -203,14 +204,14 @@ def main(argv=None) -> int:
         print(f"| prefix merging (one sequence per episode, {r['splits']:.0f} splits) | {r['merged']} | 1.00x |")
         print(f"| re-render every turn as a new sequence | {r['rerender']} | {r['rerender'] / r['merged']:.2f}x |\n")
     if "partial" in only:
-        steps, g, max_new = (2, 1, 16) if q else (4, 4, 256)
+        steps, g, max_new = (2, 1, 16) if q else (4, 4, 1024)
         rows = bench_partial(model, tokenizer, steps, g, max_new)
         base = sum(rows[0][1])
         print(f"## 4. rollout wall time, rl2/GSM8K-v0, {steps} steps x {g} groups x 4, max_new_tokens {max_new}\n")
-        print("| mode | seconds per step (each) | total | median step | vs synchronous |\n|---|---|---:|---:|---:|")
+        print("| mode | seconds per step (each) | total | median step | episodes/s | vs synchronous |\n|---|---|---:|---:|---:|---:|")
         for name, times, eps in rows:
             each = ", ".join(f"{t:.1f}" for t in times)
-            print(f"| {name} | {each} | {sum(times):.1f} | {statistics.median(times):.1f} | {base / sum(times):.2f}x |")
+            print(f"| {name} | {each} | {sum(times):.1f} | {statistics.median(times):.1f} | {eps / sum(times):.2f} | {base / sum(times):.2f}x |")
         print()
     return 0
 

@@ -31,10 +31,10 @@ import json
 import subprocess
 import sys
 import threading
-import weakref
 from typing import Any
 
 from rl2gem.assets import ASSETS, asset_path, build_dir, cache_dir, locked
+from rl2gem.aio import LoopSessions
 from rl2gem.procs import ServiceProcess, stop_on_stdin_eof
 
 __all__ = [
@@ -231,20 +231,10 @@ class RetrievalClient:
     def __init__(self, url: str, *, timeout: float = 10.0, retries: int = 2, backoff: float = 0.2):
         self.url = url.rstrip("/")
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
-        self._sessions: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any]" = weakref.WeakKeyDictionary()
+        self._sessions = LoopSessions(timeout)
 
     def _session(self):
-        import aiohttp
-
-        loop = asyncio.get_running_loop()
-        session = self._sessions.get(loop)
-        if session is None or session.closed:
-            session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self.timeout),
-                connector=aiohttp.TCPConnector(limit=256),
-            )
-            self._sessions[loop] = session
-        return session
+        return self._sessions.get()
 
     async def retrieve(self, queries: list[str], topk: int = 3) -> list[list[dict[str, Any]]]:
         """Per query, the hits (``{"document": {...}, "score": float}``), best first.
@@ -275,10 +265,7 @@ class RetrievalClient:
 
     async def aclose(self) -> None:
         """Close this loop's session (call on the loop that used the client)."""
-        loop = asyncio.get_running_loop()
-        session = self._sessions.pop(loop, None)
-        if session is not None:
-            await session.close()
+        await self._sessions.close()
 
 
 def format_passages(hits: list[dict[str, Any]]) -> str:

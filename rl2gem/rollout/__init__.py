@@ -3,11 +3,9 @@
 Heavy modules (torch, transformers, aiohttp) are imported on first use of a name.
 """
 
-from __future__ import annotations
+from rl2gem._lazy import lazy_exports
 
-import importlib
-
-_EXPORTS = {
+__all__, __getattr__ = lazy_exports(__name__, {
     "Engine": "rl2gem.rollout.engines.base",
     "EngineError": "rl2gem.rollout.engines.base",
     "GenerateOutput": "rl2gem.rollout.engines.base",
@@ -22,12 +20,4 @@ _EXPORTS = {
     "Rollout": "rl2gem.rollout.rollout",
     "RolloutBatch": "rl2gem.rollout.rollout",
     "RolloutConfig": "rl2gem.rollout.rollout",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'rl2gem.rollout' has no attribute {name!r}")
+})

@@ -1,26 +1,11 @@
-"""Rollout engines: one async generate interface, three implementations.
+"""Rollout engines: one async generate interface (:mod:`.base`), three implementations."""
 
-Heavy modules (torch, transformers, aiohttp) are imported on first use of a name.
-"""
+from rl2gem._lazy import lazy_exports
 
-from __future__ import annotations
-
-import importlib
-
-_EXPORTS = {
-    "Engine": "rl2gem.rollout.engines.base",
-    "EngineError": "rl2gem.rollout.engines.base",
-    "GenerateOutput": "rl2gem.rollout.engines.base",
-    "SamplingParams": "rl2gem.rollout.engines.base",
-    "EmbeddedEngine": "rl2gem.rollout.engines.embedded",
-    "HTTPEngine": "rl2gem.rollout.engines.http",
-    "SGLangEngine": "rl2gem.rollout.engines.sglang",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'rl2gem.rollout.engines' has no attribute {name!r}")
+__all__, __getattr__ = lazy_exports(__name__, {
+    name: f"rl2gem.rollout.engines.{mod}"
+    for name, mod in {
+        "Engine": "base", "EngineError": "base", "GenerateOutput": "base", "SamplingParams": "base",
+        "EmbeddedEngine": "embedded", "HTTPEngine": "http", "SGLangEngine": "sglang",
+    }.items()
+})

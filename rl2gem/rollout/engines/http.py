@@ -16,10 +16,10 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
-import weakref
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from rl2gem.aio import LoopSessions
 from rl2gem.rollout.engines.base import Engine, EngineError, GenerateOutput, SamplingParams
 
 __all__ = ["HTTPEngine", "parse_generate_response"]
@@ -85,20 +85,10 @@ class HTTPEngine(Engine):
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
         self.weight_version = 0
         self.retried = 0
-        self._sessions: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any]" = weakref.WeakKeyDictionary()
+        self._sessions = LoopSessions(timeout, limit=0)
 
     def _session(self):
-        import aiohttp
-
-        loop = asyncio.get_running_loop()
-        s = self._sessions.get(loop)
-        if s is None or s.closed:
-            s = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self.timeout),
-                connector=aiohttp.TCPConnector(limit=0, force_close=False),
-            )
-            self._sessions[loop] = s
-        return s
+        return self._sessions.get()
 
     async def _call(self, method: str, url: str, payload: Any = None, *, retry: bool = True) -> Any:
         import aiohttp
@@ -200,7 +190,4 @@ class HTTPEngine(Engine):
         return await self._all("GET", "/get_load")
 
     async def close(self) -> None:
-        loop = asyncio.get_running_loop()
-        s = self._sessions.pop(loop, None)
-        if s is not None and not s.closed:
-            await s.close()
+        await self._sessions.close()
