@@ -51,6 +51,8 @@ class ReasoningGymEnv(Env):
         split: ``"train"`` or ``"test"``.
         size: items per split (generated lazily).
         reward: ``"binary"`` or ``"raw"`` (see the module doc).
+        instructions: the text after the question (default: think step by step, answer in
+            ``<answer></answer>``); the answer tag is always what is scored.
         **config: passed to ``reasoning_gym.create_dataset`` (task options such as ``min_numbers``).
 
     Raises:
@@ -66,10 +68,12 @@ class ReasoningGymEnv(Env):
         *,
         size: int = 100_000,
         reward: str = "binary",
+        instructions: str = FORMAT,
         render_mode: str | None = None,
         **config: Any,
     ):
         super().__init__(max_turns=1, render_mode=render_mode)
+        self.instructions = str(instructions)
         if task not in task_names():
             import difflib
 
@@ -90,7 +94,7 @@ class ReasoningGymEnv(Env):
     def _reset(self, options: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
         index = self.task_index(self.size, options)
         self.item = self.dataset[index]
-        return f"{self.item['question']}\n\n{FORMAT}", {"index": index, "task": self.task, "split": self.split}
+        return f"{self.item['question']}\n\n{self.instructions}", {"index": index, "task": self.task, "split": self.split}
 
     def _step(self, action: str) -> StepResult:
         from reasoning_gym.utils import extract_answer

@@ -47,3 +47,13 @@ def test_bad_arguments():
         ReasoningGymEnv("countdown", "dev")
     with pytest.raises(ValueError, match="reward"):
         ReasoningGymEnv("countdown", reward="shaped")
+
+
+def test_instructions_replace_the_default_format_text():
+    import rl2gem
+
+    env = rl2gem.make("rl2/ReasoningGym-v0", task="basic_arithmetic", instructions="Answer with just the number in <answer></answer>.")
+    obs, _ = env.reset(seed=0)
+    assert obs.endswith("Answer with just the number in <answer></answer>.") and "Think step by step" not in obs
+    _, reward, *_ = env.step(f"<answer>{env.unwrapped.item['answer']}</answer>")
+    assert reward == 1.0
