@@ -27,6 +27,7 @@ __all__ = ["ReasoningGymEnv", "task_names"]
 
 SPLIT_SEEDS = {"train": 1, "test": 2}
 FORMAT = "Think step by step, then give only the final answer inside <answer></answer>."
+PLAIN_FORMAT = "Answer with just the final answer, nothing else."
 
 
 def task_names() -> list[str]:
@@ -51,8 +52,9 @@ class ReasoningGymEnv(Env):
         split: ``"train"`` or ``"test"``.
         size: items per split (generated lazily).
         reward: ``"binary"`` or ``"raw"`` (see the module doc).
-        instructions: the text after the question (default: think step by step, answer in
-            ``<answer></answer>``); the answer tag is always what is scored.
+        instructions: the text after the question (default: :data:`FORMAT` or :data:`PLAIN_FORMAT`).
+        answer: ``"tag"`` scores what is inside ``<answer></answer>`` (missing tags: invalid
+            action); ``"plain"`` scores the whole stripped reply ("answer with just the number").
         **config: passed to ``reasoning_gym.create_dataset`` (task options such as ``min_numbers``).
 
     Raises:
@@ -68,12 +70,16 @@ class ReasoningGymEnv(Env):
         *,
         size: int = 100_000,
         reward: str = "binary",
-        instructions: str = FORMAT,
+        instructions: str | None = None,
+        answer: str = "tag",
         render_mode: str | None = None,
         **config: Any,
     ):
         super().__init__(max_turns=1, render_mode=render_mode)
-        self.instructions = str(instructions)
+        if answer not in ("tag", "plain"):
+            raise ValueError(f"answer must be 'tag' or 'plain', got {answer!r}")
+        self.answer_mode = answer
+        self.instructions = str(instructions) if instructions is not None else (FORMAT if answer == "tag" else PLAIN_FORMAT)
         if task not in task_names():
             import difflib
 
@@ -100,7 +106,7 @@ class ReasoningGymEnv(Env):
         from reasoning_gym.utils import extract_answer
 
         assert self.item is not None
-        answer = extract_answer(action, tag_name="answer")
+        answer = extract_answer(action, tag_name="answer") if self.answer_mode == "tag" else action.strip()
         if answer is None:
             return self.invalid_action(
                 "missing <answer></answer>", "", terminated=True, format_ok=False, raw_score=0.0, reference=self.item["answer"]

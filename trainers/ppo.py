@@ -391,6 +391,10 @@ class PPOTrainer:
         last = {}
         from tqdm.auto import tqdm
 
+        if c.eval_at_start and self.step == 0:
+            start = self.evaluate()
+            if self.tracker:
+                self.tracker.log(start, 0)
         bar = tqdm(total=c.total_steps, initial=self.step, desc="ppo", disable=not (c.progress and self.rank == 0))
         while self.step < c.total_steps:
             m = self.train_step()

@@ -57,3 +57,19 @@ def test_instructions_replace_the_default_format_text():
     assert obs.endswith("Answer with just the number in <answer></answer>.") and "Think step by step" not in obs
     _, reward, *_ = env.step(f"<answer>{env.unwrapped.item['answer']}</answer>")
     assert reward == 1.0
+
+
+def test_plain_answers_score_the_whole_reply():
+    import rl2gem
+
+    env = rl2gem.make("rl2/ReasoningGym-v0", task="basic_arithmetic", answer="plain")
+    obs, _ = env.reset(seed=3)
+    assert obs.endswith("Answer with just the final answer, nothing else.")
+    ref = env.unwrapped.item["answer"]
+    assert env.step(f"  {ref}\n")[1] == 1.0
+    env.reset(seed=3)
+    assert env.step(f"The answer is {ref}")[1] == 0.0
+    import pytest
+
+    with pytest.raises(ValueError, match="plain"):
+        rl2gem.make("rl2/ReasoningGym-v0", answer="boxed")
