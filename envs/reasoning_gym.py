@@ -122,9 +122,12 @@ class ReasoningGymEnv(Env):
 
     def sample_random_action(self, rng=None) -> str:
         rng = rng if rng is not None else self.np_random
-        return f"<answer>{int(rng.integers(0, 100))}</answer>"
+        return self._format(int(rng.integers(0, 100)))
+
+    def _format(self, answer) -> str:
+        return f"<answer>{answer}</answer>" if self.answer_mode == "tag" else str(answer)
 
     def make_solver(self):
         """An oracle answering the generator's reference (checks data and scorer)."""
         env = self
-        return lambda obs: f"<answer>{env.item['answer']}</answer>"
+        return lambda obs: env._format(env.item["answer"])

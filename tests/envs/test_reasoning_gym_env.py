@@ -71,5 +71,8 @@ def test_plain_answers_score_the_whole_reply():
     assert env.step(f"The answer is {ref}")[1] == 0.0
     import pytest
 
+    solver = env.unwrapped.make_solver()
+    obs, _ = env.reset(seed=4)
+    assert env.step(solver(obs))[1] == 1.0
     with pytest.raises(ValueError, match="plain"):
         rl2gem.make("rl2/ReasoningGym-v0", answer="boxed")
