@@ -74,8 +74,8 @@ async def engine_generate(engine, prompts, max_new: int) -> tuple[int, float]:
     return sum(len(o.output_ids) for o in outs), time.perf_counter() - t0
 
 
-def bench_engine(model, tokenizer, n: int, max_new: int) -> list[tuple[str, float, float]]:
-    prompts = prompts_for(tokenizer, n)
+def bench_engine(model, tokenizer, n: int, max_new: int, group: int = 1) -> list[tuple[str, float, float]]:
+    prompts = [p for p in prompts_for(tokenizer, n // group) for _ in range(group)]
     eos = tokenizer.eos_token_id
     rows = []
     for batch in sorted({16, min(64, n)}):
@@ -183,6 +183,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     ap.add_argument("--only", default="engine,router,tokens,partial")
+    ap.add_argument("--group", type=int, default=1, help="section 1: each prompt repeated this many times (a GRPO batch)")
     args = ap.parse_args(argv)
     only = set(args.only.split(","))
     q = args.quick
@@ -190,8 +191,9 @@ def main(argv=None) -> int:
     print(f"# rollout benchmarks: SmolLM2-135M-Instruct, CPU fp32, torch threads {torch.get_num_threads()}\n")
     if "engine" in only:
         n, max_new = (8, 16) if q else (128, 256)
-        print(f"## 1. generation throughput: {n} GSM8K prompts, temperature 1, max_new_tokens {max_new}, 64 in flight\n")
-        throughput_table("engine", "vs static batch 16", bench_engine(model, tokenizer, n, max_new))
+        shape = f"{n // args.group} GSM8K prompts x {args.group} samples" if args.group > 1 else f"{n} GSM8K prompts"
+        print(f"## 1. generation throughput: {shape}, temperature 1, max_new_tokens {max_new}, 64 in flight\n")
+        throughput_table("engine", "vs static batch 16", bench_engine(model, tokenizer, n, max_new, args.group))
     if "router" in only:
         n, max_new = (4, 8) if q else (64, 64)
         print(f"## 2. sglang-router (round_robin): {n} requests, max_new_tokens {max_new}\n")
