@@ -19,6 +19,7 @@ the answer tags scores 0 (``info["format_ok"] = False``).
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 from rl2gem.core import Env, StepResult
@@ -28,6 +29,19 @@ __all__ = ["ReasoningGymEnv", "task_names"]
 SPLIT_SEEDS = {"train": 1, "test": 2}
 FORMAT = "Think step by step, then give only the final answer inside <answer></answer>."
 PLAIN_FORMAT = "Answer with just the final answer, nothing else."
+NUMBER_FORMAT = "Answer with just the number."
+ANSWER_MODES = ("tag", "plain", "last_number")
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def last_number(text: str) -> str | None:
+    """The last number written in ``text`` (thousands separators removed), or None.
+
+    The lenient extraction of GSM8K-style evaluations (lm-evaluation-harness's
+    "flexible-extract"): ``"34 + 17 = 51."`` gives ``"51"``.
+    """
+    found = _NUMBER.findall(text.replace(",", ""))
+    return found[-1] if found else None
 
 
 def task_names() -> list[str]:
@@ -54,7 +68,9 @@ class ReasoningGymEnv(Env):
         reward: ``"binary"`` or ``"raw"`` (see the module doc).
         instructions: the text after the question (default: :data:`FORMAT` or :data:`PLAIN_FORMAT`).
         answer: ``"tag"`` scores what is inside ``<answer></answer>`` (missing tags: invalid
-            action); ``"plain"`` scores the whole stripped reply ("answer with just the number").
+            action); ``"plain"`` scores the whole stripped reply ("answer with just the number");
+            ``"last_number"`` scores the last number in the reply (:func:`last_number`; no number:
+            invalid action), for numeric tasks and small models that answer ``"a + b = c"``.
         **config: passed to ``reasoning_gym.create_dataset`` (task options such as ``min_numbers``).
 
     Raises:
@@ -76,10 +92,11 @@ class ReasoningGymEnv(Env):
         **config: Any,
     ):
         super().__init__(max_turns=1, render_mode=render_mode)
-        if answer not in ("tag", "plain"):
-            raise ValueError(f"answer must be 'tag' or 'plain', got {answer!r}")
+        if answer not in ANSWER_MODES:
+            raise ValueError(f"answer must be one of {ANSWER_MODES}, got {answer!r}")
         self.answer_mode = answer
-        self.instructions = str(instructions) if instructions is not None else (FORMAT if answer == "tag" else PLAIN_FORMAT)
+        default = {"tag": FORMAT, "plain": PLAIN_FORMAT, "last_number": NUMBER_FORMAT}[answer]
+        self.instructions = str(instructions) if instructions is not None else default
         if task not in task_names():
             import difflib
 
@@ -90,7 +107,7 @@ class ReasoningGymEnv(Env):
         if reward not in ("binary", "raw"):
             raise ValueError(f"reward must be 'binary' or 'raw', got {reward!r}")
         self.task, self.split, self.size, self.reward_mode = task, split, int(size), reward
-        self.config = tuple(sorted(config.items()))
+        self.config = tuple(sorted((k, tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in config.items()))
         self.item: dict[str, Any] | None = None
 
     @property
@@ -106,11 +123,14 @@ class ReasoningGymEnv(Env):
         from reasoning_gym.utils import extract_answer
 
         assert self.item is not None
-        answer = extract_answer(action, tag_name="answer") if self.answer_mode == "tag" else action.strip()
+        if self.answer_mode == "tag":
+            answer, missing = extract_answer(action, tag_name="answer"), "missing <answer></answer>"
+        elif self.answer_mode == "last_number":
+            answer, missing = last_number(action), "no number in the reply"
+        else:
+            answer, missing = action.strip(), ""
         if answer is None:
-            return self.invalid_action(
-                "missing <answer></answer>", "", terminated=True, format_ok=False, raw_score=0.0, reference=self.item["answer"]
-            )
+            return self.invalid_action(missing, "", terminated=True, format_ok=False, raw_score=0.0, reference=self.item["answer"])
         try:
             raw = float(self.dataset.score_answer(answer, self.item))
         except Exception as e:  # noqa: BLE001 - a task's scorer must not crash the episode

@@ -48,6 +48,12 @@ def test_wheel_maps_envs_and_trainers_under_rl2gem(tmp_path):
         "rl2gem/trainers/__init__.py",
         "rl2gem/rewards/math.py",
         "rl2gem/envs/games/wordle.py",
+        "rl2gem/parallel/fsdp.py",
+        "rl2gem/parallel/packing.py",
+        "rl2gem/algorithms/losses.py",
+        "rl2gem/rollout/engines/embedded.py",
+        "rl2gem/trainers/ppo.py",
+        "rl2gem/trainers/config/ppo.yaml",
     ):
         assert path in names, path
     assert not any(n.startswith(("envs/", "trainers/", "tests/")) for n in names)

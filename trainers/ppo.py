@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 CONFIG = Path(__file__).with_name("config") / "ppo.yaml"
 
@@ -139,6 +140,14 @@ def token_weights(samples: list[Sample], mode: str, norm: float, totals: dict[st
     return torch.tensor(w)
 
 
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write a file so that a crash leaves the old content or the new, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
 class PPOTrainer:
     """See the module docstring. ``cfg`` is the merged OmegaConf config."""
 
@@ -167,7 +176,6 @@ class PPOTrainer:
         self._build_rollout()
         self.tracker = None
         if self.rank == 0:
-            from omegaconf import OmegaConf
 
             from rl2gem.tracking import Tracker
 
@@ -193,7 +201,7 @@ class PPOTrainer:
             partial_oversample=r.partial_oversample, max_staleness=r.max_staleness, dynamic_filter=r.dynamic_filter,
             system_prompt=r.system_prompt, seed=c.seed * 1000 + self.rank, progress=False,
         )
-        self.rollout = Rollout(self.engine, self.tokenizer, c.env, self.rollout_cfg, env_kwargs=dict(c.env_kwargs))
+        self.rollout = Rollout(self.engine, self.tokenizer, c.env, self.rollout_cfg, env_kwargs=OmegaConf.to_container(c.env_kwargs, resolve=True))
 
     def _run(self, coro):
         return self.loop.run_until_complete(coro)
@@ -284,9 +292,9 @@ class PPOTrainer:
         # weight sync
         t3 = time.perf_counter()
         sd = full_state_dict(self.actor)
-        self._run(self.engine.update_weights(sd))
-        metrics["time/weight_sync"] = time.perf_counter() - t3
         self.step += 1
+        self._run(self.engine.update_weights(sd, version=self.step))
+        metrics["time/weight_sync"] = time.perf_counter() - t3
         step_time = time.perf_counter() - t0
         tokens = sum(lengths)
         n_params = sum(p.numel() for p in self.engine.model.parameters())
@@ -317,8 +325,8 @@ class PPOTrainer:
         from rl2gem.rollout import Rollout, RolloutConfig
 
         c = self.cfg
-        kwargs = dict(c.env_kwargs)
-        kwargs.update(dict(c.eval_env_kwargs))
+        kwargs = OmegaConf.to_container(c.env_kwargs, resolve=True)
+        kwargs.update(OmegaConf.to_container(c.eval_env_kwargs, resolve=True))
         creator = gym.spec(c.env).entry_point
         creator = gym.envs.registration.load_env_creator(creator) if isinstance(creator, str) else creator
         if "split" in inspect.signature(creator).parameters:
@@ -342,7 +350,13 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
-        """Sharded DCP checkpoint (model, optimizer, scheduler, step, RNG) and a Hugging Face export."""
+        """Checkpoint ``output_dir/checkpoint-<step>``: a sharded DCP of model and optimizer
+        (``dcp/``), the scheduler and step (``trainer_state.json``), each rank's rollout
+        position, partial-rollout buffer and RNG states (``rank<r>.pkl``), and a Hugging Face
+        export (``hf/``). ``latest`` is written last, so a run killed while saving resumes from
+        the previous checkpoint."""
+        import pickle
+
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -350,20 +364,33 @@ class PPOTrainer:
 
         path = self.out / f"checkpoint-{self.step}"
         model_sd, optim_sd = get_state_dict(self.actor, self.opt)
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp.save(state, checkpoint_id=str(path / "dcp"))
-        extra = {"step": self.step, "scheduler": self.sched.state_dict(), "torch_rng": torch.get_rng_state().tolist()}
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "dcp"))
+        local = {
+            "rollout": self.rollout.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "engine_rng": self.engine._gen.get_state(),
+        }
+        _atomic_write(path / f"rank{self.rank}.pkl", pickle.dumps(local))
         full = full_state_dict(self.actor)
         if self.rank == 0:
-            (path / f"trainer_state.json").write_text(json.dumps({k: v for k, v in extra.items() if k != "torch_rng"}))
+            _atomic_write(path / "trainer_state.json", json.dumps({"step": self.step, "scheduler": self.sched.state_dict()}).encode())
             hf = path / "hf"
             self.engine.model.save_pretrained(hf, state_dict=full)
             self.tokenizer.save_pretrained(hf)
-            (self.out / "latest").write_text(path.name)
+        dist.barrier()
+        if self.rank == 0:
+            _atomic_write(self.out / "latest", path.name.encode())
         dist.barrier()
         return path
 
     def load(self) -> bool:
+        """Resume from ``output_dir/latest`` (see :meth:`save`); False when there is none.
+
+        Raises:
+            FileNotFoundError: the checkpoint was written by a run with another world size.
+        """
+        import pickle
+
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -373,6 +400,9 @@ class PPOTrainer:
         if not latest.exists():
             return False
         path = self.out / latest.read_text().strip()
+        mine = path / f"rank{self.rank}.pkl"
+        if not mine.exists():
+            raise FileNotFoundError(f"{mine} is missing: resume with the world size that wrote {path}")
         model_sd, optim_sd = get_state_dict(self.actor, self.opt)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(path / "dcp"))
@@ -380,7 +410,11 @@ class PPOTrainer:
         meta = json.loads((path / "trainer_state.json").read_text())
         self.step = meta["step"]
         self.sched.load_state_dict(meta["scheduler"])
-        self._run(self.engine.update_weights(full_state_dict(self.actor)))
+        local = pickle.loads(mine.read_bytes())
+        self.rollout.load_state_dict(local["rollout"])
+        torch.set_rng_state(local["torch_rng"])
+        self.engine._gen.set_state(local["engine_rng"])
+        self._run(self.engine.update_weights(full_state_dict(self.actor), version=self.step))
         return True
 
     # ------------------------------------------------------------------ main loop
@@ -436,7 +470,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     trainer = PPOTrainer(cfg)
     if trainer.rank == 0:
-        from omegaconf import OmegaConf
 
         print(OmegaConf.to_yaml(cfg), flush=True)
     try:

@@ -32,7 +32,7 @@ import time
 from collections import Counter
 from typing import Any, Callable
 
-from rl2gem.rollout.engines.base import Engine, EngineError, SamplingParams
+from rl2gem.rollout.engines.base import Engine, EngineError, SamplingParams, mix_seed
 from rl2gem.rollout.tito import ChatRenderer, Episode, Sequence
 
 __all__ = ["RolloutConfig", "Rollout", "RolloutBatch"]
@@ -56,7 +56,8 @@ class RolloutConfig:
         dynamic_filter: drop groups with equal rewards (DAPO).
         max_groups_factor: bound on groups started per call with dynamic filtering.
         system_prompt: system message of every conversation.
-        seed: base of the per-group env seeds.
+        seed: base of the per-group env seeds and of the per-request sampling seeds
+            (``sampling_seed``: a group's samples are the same whatever the batching).
         progress: show a tqdm bar.
     """
 
@@ -150,6 +151,7 @@ class Rollout:
         self._next_gid = 0
         self._inflight: dict[int, _Group] = {}
         self._ready: list[_Group] = []  # completed but not yet returned (partial rollouts)
+        self._restart: list[int] = []  # group ids to relaunch (in flight at a checkpoint)
         self._gate = asyncio.Event()
         self._gate.set()
         self._sem: asyncio.Semaphore | None = None
@@ -185,7 +187,8 @@ class Rollout:
         failures = 0
         while True:
             await self._gate.wait()
-            params = dataclasses.replace(self._params, max_new_tokens=max_new - len(out_ids))
+            seed = None if ep.sampling_seed is None else mix_seed(ep.sampling_seed, ep.turns, len(out_ids))
+            params = dataclasses.replace(self._params, max_new_tokens=max_new - len(out_ids), sampling_seed=seed)
             async with self._sem:
                 if not self._gate.is_set():
                     continue
@@ -247,7 +250,7 @@ class Rollout:
     async def _group(self, g: _Group) -> _Group:
         n = self.config.responses_per_prompt
         seed = (self.config.seed * 1_000_003 + g.gid) % (2**31)
-        g.episodes = [Episode(group=g.gid) for _ in range(n)]
+        g.episodes = [Episode(group=g.gid, sampling_seed=mix_seed(self.config.seed, g.gid, j)) for j in range(n)]
         await asyncio.gather(*(self._play(seed, None, ep) for ep in g.episodes))
         return g
 
@@ -277,19 +280,53 @@ class Rollout:
             self._gate.set()
 
         async def one(i, seed, options):
-            ep = await self._play(seed, options, Episode(group=i))
+            ep = await self._play(seed, options, Episode(group=i, sampling_seed=mix_seed(self.config.seed, -1 - i)))
             if on_episode is not None:
                 on_episode(i, ep)
             return ep
 
         return list(await asyncio.gather(*(one(i, s, o) for i, (s, o) in enumerate(resets))))
 
-    def _launch(self) -> _Group:
-        g = _Group(self._next_gid)
-        self._next_gid += 1
+    def _launch(self, gid: int | None = None) -> _Group:
+        if gid is None:
+            gid, self._next_gid = self._next_gid, self._next_gid + 1
+        g = _Group(gid)
         g.task = asyncio.ensure_future(self._group(g))
         self._inflight[g.gid] = g
         return g
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """The data position and the partial-rollout buffer, picklable.
+
+        ``next_gid`` (the next group id: env seeds and sampling seeds follow from
+        it), the completed surplus groups with all their tokens, and the ids of
+        groups carried over in flight. Call between :meth:`collect` calls.
+        """
+        return {
+            "next_gid": self._next_gid,
+            "ready": [(g.gid, g.episodes) for g in self._ready],
+            "in_flight": sorted(self._inflight),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`. Completed surplus groups come back as they were;
+        groups that were in flight (partial rollouts) restart from their first token under
+        the current weights with the same env seed and sampling seeds (their carried tokens
+        were never trained on, so nothing trained is lost; their old-policy prefix is).
+
+        Raises:
+            RuntimeError: episodes are running on this rollout.
+        """
+        if self._inflight:
+            raise RuntimeError("load_state_dict needs a rollout with no groups in flight")
+        self._next_gid = int(state["next_gid"])
+        self._ready = []
+        for gid, episodes in state.get("ready", []):
+            g = _Group(gid)
+            g.episodes = episodes
+            self._ready.append(g)
+        self._restart = list(state.get("in_flight", []))
 
     # ------------------------------------------------------------------ collect
     async def collect(self, num_groups: int) -> RolloutBatch:
@@ -320,6 +357,9 @@ class Rollout:
                 del self._inflight[g.gid]
                 m["dropped_stale"] += 1
         m["carried_over"] = len(self._inflight)
+        for gid in self._restart:  # in flight when a checkpoint was taken
+            self._launch(gid)
+        self._restart = []
         if not self._gate.is_set():
             await self.engine.resume()
             self._gate.set()

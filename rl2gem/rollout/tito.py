@@ -99,6 +99,8 @@ class Episode:
         info: the env's last info.
         splits: how many times the chat template forced a new sequence.
         messages: the conversation as text (for logs; the tokens are the truth).
+        sampling_seed: base of the per-request ``sampling_seed`` of its actions
+            (None: the engine's own generator).
     """
 
     sequences: list[Sequence] = dataclasses.field(default_factory=list)
@@ -112,6 +114,7 @@ class Episode:
     splits: int = 0
     messages: list[dict[str, str]] = dataclasses.field(default_factory=list)
     aborts: int = 0
+    sampling_seed: int | None = None
 
     @property
     def reward(self) -> float:

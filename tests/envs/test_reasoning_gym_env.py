@@ -76,3 +76,23 @@ def test_plain_answers_score_the_whole_reply():
     assert env.step(solver(obs))[1] == 1.0
     with pytest.raises(ValueError, match="plain"):
         rl2gem.make("rl2/ReasoningGym-v0", answer="boxed")
+
+
+def test_last_number_answers_score_the_last_number_in_the_reply():
+    import rl2gem
+    from rl2gem.envs.reasoning_gym import last_number
+
+    assert last_number("34 + 17 = 51.") == "51"
+    assert last_number("5 - 9 = -4") == "-4"
+    assert last_number("It is 1,234 apples") == "1234"
+    assert last_number("no digits") is None
+    env = rl2gem.make("rl2/ReasoningGym-v0", task="basic_arithmetic", answer="last_number", operators=["+", "-"])
+    obs, _ = env.reset(seed=5)
+    assert obs.endswith("Answer with just the number.")
+    ref = env.unwrapped.item["answer"]
+    assert env.step(f"The sum is 12, so the answer is {ref}.")[1] == 1.0
+    env.reset(seed=5)
+    assert env.step(f"{ref} is wrong; it is {int(ref) + 1}")[1] == 0.0
+    env.reset(seed=5)
+    _, reward, terminated, _, info = env.step("I do not know")
+    assert reward == 0.0 and terminated and info["format_ok"] is False

@@ -85,6 +85,36 @@ def test_sampling_frequencies_follow_softmax(model):
         assert abs(counts[t].item() / n - p) < 4 * (p * (1 - p) / n) ** 0.5 + 1e-3
 
 
+def test_seeded_requests_sample_the_same_tokens_in_any_batch(model):
+    """``sampling_seed``: same seed -> same tokens, alone or among other requests, from fresh
+    engines with different generator seeds; seeded frequencies still follow the softmax."""
+    prompt = PROMPTS[3]
+    params = {"max_new_tokens": 16, "temperature": 30.0, "ignore_eos": True}  # the tiny model is peaked
+
+    async def alone(engine_seed, s):
+        eng = EmbeddedEngine(model, seed=engine_seed)
+        out = await eng.generate(prompt, {**params, "sampling_seed": s})
+        await eng.close()
+        return out.output_ids
+
+    async def crowded(s):
+        eng = EmbeddedEngine(model, seed=99, max_batch_size=8)
+        others = [eng.generate(p, {**params, "max_new_tokens": 5 + i}) for i, p in enumerate(PROMPTS)]
+        outs = await asyncio.gather(*others[:4], eng.generate(prompt, {**params, "sampling_seed": s}), *others[4:])
+        await eng.close()
+        return outs[4].output_ids
+
+    a = run(alone(0, 12345))
+    assert run(alone(7, 12345)) == a == run(crowded(12345))
+    assert run(alone(0, 54321)) != a
+
+    from rl2gem.rollout.engines.base import seeded_uniform
+
+    us = [seeded_uniform(s, k) for s in range(200) for k in range(20)]
+    assert all(0.0 <= u < 1.0 for u in us) and abs(sum(us) / len(us) - 0.5) < 0.02
+    assert len(set(us)) == len(us)
+
+
 def test_top_k_one_and_tiny_top_p_are_greedy(model):
     async def main():
         eng = EmbeddedEngine(model)

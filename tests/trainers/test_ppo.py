@@ -71,3 +71,80 @@ def test_two_rank_smoke_run_logs_evaluates_and_exports(tiny_dir, tmp_path):
     hf = out / "checkpoint-2" / "hf"
     model = AutoModelForCausalLM.from_pretrained(hf)
     assert model.config.num_hidden_layers == 2
+
+
+def _descendants(pid):
+    """All live descendants of ``pid`` (from /proc)."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _steps(path):
+    """The last logged row of each training step (a resumed run re-logs the steps after its checkpoint)."""
+    rows = {}
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        if "actor/pg_loss" in r:
+            rows[r["step"]] = r
+    return rows
+
+
+def test_resume_after_kill_9_matches_an_uninterrupted_run(tiny_dir, tmp_path):
+    """kill -9 after the step-2 checkpoint, resume: steps 3-4 equal the uninterrupted run's.
+
+    The entropy bonus gives non-zero gradients even when the tiny random model earns no reward,
+    so weights, Adam moments and therefore the sampled tokens change every step."""
+    import signal
+    import time
+
+    args = ["trainers/ppo.py", "env=rl2/ReasoningGym-v0", "env_kwargs.task=basic_arithmetic", f"actor.model={tiny_dir}",
+            "rollout.prompts_per_rollout=2",
+            "rollout.responses_per_prompt=2", "rollout.max_new_tokens=12", "rollout.temperature=20.0", "actor.lr=3e-3",
+            "actor.entropy_coef=0.05", "trainer.total_steps=4", "trainer.save_every=2", "trainer.eval_at_start=false",
+            "trainer.eval_n=2", "trainer.progress=false", "seed=7"]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    torchrun(2, *args, f"trainer.output_dir={full}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args, f"trainer.output_dir={cut}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not ((cut / "latest").exists() and (cut / "latest").read_text() == "checkpoint-2"):
+            assert proc.poll() is None and time.time() < deadline, "the run ended before its step-2 checkpoint"
+            time.sleep(0.05)
+    finally:
+        for pid in [proc.pid, *_descendants(proc.pid)]:  # torchrun starts its workers in their own sessions
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+    time.sleep(3)  # a surviving worker would go on to step 4
+    assert not (cut / "checkpoint-4").exists() and (cut / "latest").read_text() == "checkpoint-2"
+    stdout = torchrun(2, *args, f"trainer.output_dir={cut}", "trainer.resume=true")
+    assert "resumed from step 2" in stdout
+    a, b = _steps(full / "metrics.jsonl"), _steps(cut / "metrics.jsonl")
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    assert a[4]["actor/grad_norm"] > 0
+    assert len({a[s]["rollout/tokens"] for s in a}) > 1  # prompts differ from step to step
+    for step in (3, 4):
+        for key in ("rollout/reward", "rollout/response_length", "rollout/tokens", "actor/pg_loss", "actor/entropy",
+                    "actor/grad_norm", "actor/lr"):
+            assert b[step][key] == pytest.approx(a[step][key], rel=1e-4, abs=1e-6), (step, key)
+    from safetensors.torch import load_file
+
+    wa = load_file(full / "checkpoint-4" / "hf" / "model.safetensors")
+    wb = load_file(cut / "checkpoint-4" / "hf" / "model.safetensors")
+    for name, t in wa.items():
+        assert (t - wb[name]).abs().max().item() < 1e-5, name

@@ -23,11 +23,38 @@ import dataclasses
 import difflib
 from typing import Any, Iterable, Mapping
 
-__all__ = ["SamplingParams", "GenerateOutput", "Engine", "EngineError"]
+__all__ = ["SamplingParams", "GenerateOutput", "Engine", "EngineError", "seeded_uniform", "mix_seed"]
 
 
 class EngineError(RuntimeError):
     """An engine could not serve a request (bad parameters, server gone, ...)."""
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def seeded_uniform(seed: int, k: int) -> float:
+    """A uniform in [0, 1) that is a fixed function of ``(seed, k)`` (SplitMix64 finaliser).
+
+    Used for the k-th sampled token of a request with ``sampling_seed``, so a
+    seeded request samples the same tokens in any batch.
+    """
+    return (_splitmix(int(seed) * 0x9E3779B97F4A7C15 + (int(k) + 1) * 0xBF58476D1CE4E5B9) >> 11) / float(1 << 53)
+
+
+def mix_seed(*parts: int) -> int:
+    """Combine integers into one 63-bit seed (e.g. run seed, group id, sample, turn)."""
+    z = 0
+    for p in parts:
+        z = _splitmix(z ^ (int(p) & _MASK64))
+    return z >> 1
+
+
+def _splitmix(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +72,11 @@ class SamplingParams:
         ignore_eos: do not stop at the EOS token.
         no_stop_trim: accepted for SGLang compatibility; output ids always
             keep the stop token.
+        sampling_seed: per-request seed (SGLang's name). With a seed, the
+            uniform behind the k-th sampled token is a fixed function of
+            ``(sampling_seed, k)``, so the same prompt, weights and seed give the
+            same tokens whatever else is in the batch (up to float rounding of
+            the logits). ``None`` draws from the engine's generator.
     """
 
     max_new_tokens: int = 128
@@ -54,6 +86,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     no_stop_trim: bool = False
+    sampling_seed: int | None = None
 
     def __post_init__(self):
         if int(self.max_new_tokens) < 0:
@@ -89,6 +122,8 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        if d["sampling_seed"] is None:  # servers without seeded sampling reject the key
+            del d["sampling_seed"]
         return d
 
 

@@ -40,7 +40,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from rl2gem.rollout.engines.base import Engine, EngineError, GenerateOutput, SamplingParams
+from rl2gem.rollout.engines.base import Engine, EngineError, GenerateOutput, SamplingParams, seeded_uniform
 
 __all__ = ["EmbeddedEngine"]
 
@@ -170,8 +170,12 @@ class _Request:
         self.version = 0
 
 
-def _sample(logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator):
-    """Sample one token per row. ``logits`` [n, V] float32 -> (tokens [n] int64, logprobs [n] float32)."""
+def _sample(logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator, counts: list[int] | None = None):
+    """Sample one token per row. ``logits`` [n, V] float32 -> (tokens [n] int64, logprobs [n] float32).
+
+    ``counts[i]``: tokens row i's request has generated so far (the index of a
+    seeded request's uniform, see :func:`seeded_uniform`).
+    """
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
     greedy = temps == 0
     scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
@@ -200,7 +204,11 @@ def _sample(logits: torch.Tensor, params: list[SamplingParams], generator: torch
         # inverse-CDF sampling: one uniform per row against the cumulative sum
         # (torch.multinomial costs ~40x more over a 49k vocabulary on CPU)
         cum = probs.cumsum(-1)
-        u = torch.rand(len(sample_rows), 1, generator=generator, dtype=cum.dtype) * cum[:, -1:]
+        u = torch.rand(len(sample_rows), 1, generator=generator, dtype=cum.dtype)
+        for j, r in enumerate(sample_rows):
+            if params[r].sampling_seed is not None:
+                u[j, 0] = seeded_uniform(params[r].sampling_seed, counts[r] if counts else 0)
+        u = u * cum[:, -1:]
         idx = torch.searchsorted(cum, u, right=True).clamp_(max=cum.shape[-1] - 1)
         tokens[sample_rows] = idx.flatten()
     lps = logp.gather(1, tokens[:, None]).flatten()
@@ -632,7 +640,7 @@ class EmbeddedEngine(Engine):
         self.stats["cached_tokens"] += sum(pre) + sum(len(r.input_ids) for j, r in enumerate(all_take) if dup[j] != j)
         self.stats["prefill_forwards"] += 1
         logits = out.logits[:, -1].float()[[rows[dup[j]] for j in range(len(all_take))]]
-        tokens, lps = _sample(logits, [r.params for r in all_take], self._gen)
+        tokens, lps = _sample(logits, [r.params for r in all_take], self._gen, [len(r.out_ids) for r in all_take])
         # join the running batch: rows right-aligned at the window's end
         st = self._store
         if not self._running:
@@ -685,7 +693,7 @@ class EmbeddedEngine(Engine):
             r.span += 1
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += n
-        tokens, lps = _sample(out.logits[:, -1].float(), [r.params for r in reqs], self._gen)
+        tokens, lps = _sample(out.logits[:, -1].float(), [r.params for r in reqs], self._gen, [len(r.out_ids) for r in reqs])
         self._append_tokens(reqs, tokens.tolist(), lps.tolist())
 
 
