@@ -53,14 +53,18 @@ _SUMMED = {
 class Sample:
     """One training sequence with everything the loss needs (python lists, length L)."""
 
-    __slots__ = ("ids", "mask", "rollout_lp", "adv", "rewards", "versions")
+    __slots__ = ("ids", "mask", "rollout_lp", "adv", "rewards", "versions", "returns")
 
     def __init__(self, ids, mask, rollout_lp, adv, rewards, versions):
         self.ids, self.mask, self.rollout_lp, self.adv, self.rewards, self.versions = ids, mask, rollout_lp, adv, rewards, versions
+        self.returns = None
 
 
 def samples_from_batch(batch, estimator: str, gamma: float, lam: float) -> list[Sample]:
-    """Advantages for every sequence of a rollout batch (groups are complete on this rank)."""
+    """Advantages for every sequence of a rollout batch (groups are complete on this rank).
+
+    With ``gae`` the advantages are left as ``None``: they need the critic's values, which the
+    trainer computes per micro-batch (:func:`apply_gae`)."""
     from rl2gem.algorithms import compute_advantages
 
     seqs, rows, group_ids = [], [], []
@@ -84,8 +88,8 @@ def samples_from_batch(batch, estimator: str, gamma: float, lam: float) -> list[
     for i, (s, r) in enumerate(zip(seqs, rows)):
         rewards[i, : len(r)] = torch.tensor(r)
         mask[i, : len(s)] = torch.tensor(s.action_mask, dtype=torch.bool)
-    if estimator == "gae":
-        raise NotImplementedError("gae needs a critic, which this trainer does not build yet; use grpo/drgrpo/rloo/reinforce_pp/rebn")
+    if estimator == "gae":  # per-token rewards as the env gave them; advantages after the critic
+        return [Sample(s.input_ids, s.action_mask, s.logprobs, None, rows[i], s.versions) for i, s in enumerate(seqs)]
     adv, _ = compute_advantages(estimator, rewards, mask, torch.tensor(group_ids), gamma=gamma, lam=lam)
     return [
         Sample(s.input_ids, s.action_mask, s.logprobs, adv[i, : len(s)].tolist(), rows[i], s.versions)
@@ -119,6 +123,35 @@ def token_logprobs(model, samples: list[Sample], temperature: float, device, ent
     return out, ent
 
 
+def token_values(critic, samples: list[Sample], device) -> torch.Tensor:
+    """Packed critic forward: float32 ``[N]`` values aligned like :func:`token_logprobs`: entry t is
+    V(state before token t), read from the hidden state at t-1 (0 at each sequence's first token)."""
+    from rl2gem.parallel.packing import packed_attention_mask, packed_batch
+
+    batch = packed_batch([s.ids for s in samples])
+    kw = {"input_ids": batch["input_ids"].to(device), "position_ids": batch["position_ids"].to(device), "use_cache": False}
+    if not (device.type == "cuda" and getattr(critic.config, "_attn_implementation", "") == "flash_attention_2"):
+        kw["attention_mask"] = packed_attention_mask(batch["cu_seqlens"], dtype=next(critic.parameters()).dtype).to(device)
+    v = critic(**kw).logits[0, :, 0].float()
+    out = torch.cat([torch.zeros(1, device=v.device), v[:-1]])
+    return torch.where(batch["position_ids"][0].to(device) == 0, torch.zeros_like(out), out)
+
+
+def apply_gae(samples: list[Sample], values: torch.Tensor, gamma: float, lam: float) -> torch.Tensor:
+    """GAE advantages and returns of packed ``samples`` from their critic ``values`` ``[N]``;
+    sets ``sample.adv`` / ``sample.returns`` and returns the packed returns ``[N]``."""
+    from rl2gem.algorithms import gae
+
+    rets, start = [], 0
+    for s in samples:
+        n = len(s.ids)
+        adv, ret = gae(torch.tensor([s.rewards]), torch.tensor([s.mask], dtype=torch.bool), values[None, start : start + n].cpu(), gamma, lam)
+        s.adv, s.returns = adv[0].tolist(), ret[0].tolist()
+        rets.append(ret[0])
+        start += n
+    return torch.cat(rets).to(values.device)
+
+
 def token_weights(samples: list[Sample], mode: str, norm: float, totals: dict[str, float]) -> torch.Tensor:
     """Per-token loss weights reproducing ``aggregate(mode)`` over the *global* batch."""
     w = []
@@ -148,6 +181,22 @@ def _atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def check_config(cfg) -> None:
+    """Combinations of values that cannot work together.
+
+    Raises:
+        rl2gem.config.ConfigError: with the keys to change.
+    """
+    from rl2gem.algorithms import ESTIMATORS
+    from rl2gem.config import ConfigError
+
+    if cfg.adv.estimator not in ESTIMATORS:
+        raise ConfigError(f"adv.estimator={cfg.adv.estimator!r} is not one of {list(ESTIMATORS)}")
+    if cfg.kl.in_reward and cfg.kl.coef > 0 and cfg.adv.estimator != "gae":
+        raise ConfigError(f"kl.in_reward=true needs token-level credit (adv.estimator=gae), got adv.estimator={cfg.adv.estimator}; "
+                          "use kl.in_reward=false (a KL loss term) with outcome estimators")
+
+
 class PPOTrainer:
     """See the module docstring. ``cfg`` is the merged OmegaConf config."""
 
@@ -159,6 +208,7 @@ class PPOTrainer:
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", self.world))))
         torch.manual_seed(cfg.seed)
+        check_config(cfg)
         if cfg.rollout.prompts_per_rollout % self.world:
             raise ValueError(f"rollout.prompts_per_rollout={cfg.rollout.prompts_per_rollout} must be a multiple of the world size {self.world}")
         self.out = Path(cfg.trainer.output_dir)
@@ -171,6 +221,11 @@ class PPOTrainer:
         self.opt = torch.optim.AdamW(self.actor.parameters(), lr=a.lr, weight_decay=a.weight_decay)
         warm = max(0, int(a.warmup_steps))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+        self.critic = self.critic_opt = None
+        if cfg.adv.estimator == "gae":  # a critic only where GAE needs one
+            cr = cfg.critic
+            self.critic = load_sharded(cr.model or a.model, self.mesh, head="value", gradient_checkpointing=a.gradient_checkpointing, **kw)
+            self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cr.lr, weight_decay=cr.weight_decay)
         self.step = 0
         self.loop = asyncio.new_event_loop()
         self._build_rollout()
@@ -208,7 +263,7 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:
-        from rl2gem.algorithms import importance_weights, kl_estimate, policy_loss
+        from rl2gem.algorithms import importance_weights, kl_estimate, policy_loss, value_loss
         from rl2gem.parallel.fsdp import full_state_dict
         from rl2gem.parallel.packing import plan
 
@@ -241,12 +296,30 @@ class PPOTrainer:
                 old.append(token_logprobs(self.actor, part, temp, self.device)[0])
                 if self.ref is not None:
                     ref.append(token_logprobs(self.ref, part, temp, self.device)[0])
+            old_v, rets = [], []
+            if self.critic is not None:
+                vs = []
+                for k, mb in enumerate(mbs):
+                    part = [samples[i] for i in mb] or [samples[0]]
+                    if mb and self.ref is not None and c.kl.in_reward:  # r_t -= coef * KL_t(actor || ref) on action tokens
+                        kl_tok, start = kl_estimate(old[k], ref[k], c.kl.estimator).cpu(), 0
+                        for s_ in part:
+                            n_ = len(s_.ids)
+                            s_.rewards = [r_ - c.kl.coef * float(x) * m_ for r_, x, m_ in zip(s_.rewards, kl_tok[start : start + n_], s_.mask)]
+                            start += n_
+                    v = token_values(self.critic, part, self.device)
+                    old_v.append(v)
+                    rets.append(apply_gae(part, v, c.adv.gamma, c.adv.lam))
+                    m_ = torch.tensor([m for s_ in part for m in s_.mask], dtype=torch.bool, device=v.device)
+                    vs.append((float((v * m_).sum()), float(m_.sum())))
+                metrics["critic/values"] = sum(x for x, _ in vs) / max(sum(n for _, n in vs), 1.0)
         metrics["time/old_logprobs"] = time.perf_counter() - t1
         # updates
         t2 = time.perf_counter()
         chunks = max(1, int(a.minibatches_per_update))
         per = math.ceil(len(mbs) / chunks)
         agg = {"pg_loss": 0.0, "clip_ratio": 0.0, "kl": 0.0, "entropy": 0.0, "is_weight": 0.0, "mismatch_kl": 0.0}
+        cagg = {"vf_loss": 0.0, "vf_clip_ratio": 0.0, "grad_norm": 0.0}
         count = 0
         grad_norm = 0.0
         for _ in range(int(a.update_per_rollout)):
@@ -279,12 +352,26 @@ class PPOTrainer:
                     agg["entropy"] += float((ent.detach() * mask).sum() / n)
                     agg["is_weight"] += float((isw * mask).sum() / n)
                     agg["mismatch_kl"] += float((kl_estimate(roll, old[k], "k3") * mask).sum() / n)
+                    if self.critic is not None:
+                        v = token_values(self.critic, part, self.device)
+                        vloss, vm = value_loss(v, old_v[k], rets[k], mask, clip=c.critic.value_clip, token_weights=w)
+                        (vloss * self.world).backward()
+                        cagg["vf_loss"] += vm["vf_loss"]
+                        cagg["vf_clip_ratio"] += vm["vf_clip_ratio"]
                     count += 1
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(self.actor.parameters(), a.max_grad_norm))
                 self.opt.step()
                 self.sched.step()
                 self.opt.zero_grad(set_to_none=True)
+                if self.critic is not None:
+                    cagg["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.critic.parameters(), c.critic.max_grad_norm))
+                    self.critic_opt.step()
+                    self.critic_opt.zero_grad(set_to_none=True)
         metrics["time/update"] = time.perf_counter() - t2
+        if self.critic is not None:
+            metrics["critic/vf_loss"] = cagg["vf_loss"] / max(count, 1)
+            metrics["critic/vf_clip_ratio"] = cagg["vf_clip_ratio"] / max(count, 1)
+            metrics["critic/grad_norm"] = cagg["grad_norm"]
         for key, v in agg.items():
             metrics[f"actor/{key}"] = v / max(count, 1)
         metrics["actor/grad_norm"] = grad_norm
@@ -298,8 +385,9 @@ class PPOTrainer:
         step_time = time.perf_counter() - t0
         tokens = sum(lengths)
         n_params = sum(p.numel() for p in self.engine.model.parameters())
-        flops = 2 * n_params * metrics.get("rollout/action_tokens", 0) + 2 * n_params * tokens * (2 if self.ref is not None else 1) \
-            + 6 * n_params * tokens * int(a.update_per_rollout)
+        models = 1 + (self.critic is not None)  # the critic has the actor's backbone
+        flops = 2 * n_params * metrics.get("rollout/action_tokens", 0) + 2 * n_params * tokens * (models + (self.ref is not None)) \
+            + 6 * n_params * tokens * int(a.update_per_rollout) * models
         metrics["perf/tokens_per_second"] = tokens / step_time
         metrics["perf/mfu"] = flops / step_time / float(c.trainer.peak_flops)
         metrics["time/step"] = step_time
@@ -308,7 +396,7 @@ class PPOTrainer:
 
     def _reduce(self, metrics):
         """Average the per-rank actor metrics (rollout metrics are already global)."""
-        keys = sorted(k for k in metrics if k.startswith(("actor/", "time/", "perf/")))
+        keys = sorted(k for k in metrics if k.startswith(("actor/", "critic/", "time/", "perf/")))
         t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
         dist.all_reduce(t)
         for k, v in zip(keys, (t / self.world).tolist()):
@@ -358,13 +446,11 @@ class PPOTrainer:
         import pickle
 
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
 
         from rl2gem.parallel.fsdp import full_state_dict
 
         path = self.out / f"checkpoint-{self.step}"
-        model_sd, optim_sd = get_state_dict(self.actor, self.opt)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "dcp"))
+        dcp.save(self._dcp_state(), checkpoint_id=str(path / "dcp"))
         local = {
             "rollout": self.rollout.state_dict(),
             "torch_rng": torch.get_rng_state(),
@@ -383,6 +469,15 @@ class PPOTrainer:
         dist.barrier()
         return path
 
+    def _dcp_state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.actor, self.opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        if self.critic is not None:
+            state["critic"], state["critic_optim"] = get_state_dict(self.critic, self.critic_opt)
+        return state
+
     def load(self) -> bool:
         """Resume from ``output_dir/latest`` (see :meth:`save`); False when there is none.
 
@@ -392,7 +487,7 @@ class PPOTrainer:
         import pickle
 
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import set_state_dict
 
         from rl2gem.parallel.fsdp import full_state_dict
 
@@ -403,10 +498,11 @@ class PPOTrainer:
         mine = path / f"rank{self.rank}.pkl"
         if not mine.exists():
             raise FileNotFoundError(f"{mine} is missing: resume with the world size that wrote {path}")
-        model_sd, optim_sd = get_state_dict(self.actor, self.opt)
-        state = {"model": model_sd, "optim": optim_sd}
+        state = self._dcp_state()
         dcp.load(state, checkpoint_id=str(path / "dcp"))
         set_state_dict(self.actor, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if self.critic is not None:
+            set_state_dict(self.critic, self.critic_opt, model_state_dict=state["critic"], optim_state_dict=state["critic_optim"])
         meta = json.loads((path / "trainer_state.json").read_text())
         self.step = meta["step"]
         self.sched.load_state_dict(meta["scheduler"])
@@ -465,6 +561,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = load_config(CONFIG, sys.argv[1:] if argv is None else argv)
+        check_config(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -157,14 +157,30 @@ def policy_loss(
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               clip: float | None = 0.2, loss_agg: str = "token_mean") -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped value loss (PPO): ``0.5 * max((V - R)^2, (V_old + clip(V - V_old, +-clip) - R)^2)``."""
+               clip: float | None = 0.2, loss_agg: str = "token_mean",
+               token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped value loss of PPO (Schulman et al. 2017; the clipping as in OpenAI baselines):
+    ``0.5 * max((V - R)^2, (V_old + clip(V - V_old, -clip, +clip) - R)^2)`` per action token.
+
+    Args:
+        values / old_values / returns: float ``[B, T]``; ``returns`` from :func:`~rl2gem.algorithms.gae`.
+        mask: ``[B, T]`` action mask.
+        clip: value clip range (same units as the returns); None disables clipping.
+        loss_agg: aggregation over tokens (:func:`aggregate`), unless ``token_weights``.
+        token_weights: optional ``[B, T]`` per-token weights (global-batch aggregation of a trainer).
+
+    Returns:
+        ``(loss scalar, {"vf_loss", "vf_clip_ratio"})``.
+    """
     err = (values - returns) ** 2
     if clip is not None:
         v_clip = old_values + torch.clamp(values - old_values, -clip, clip)
         err = torch.maximum(err, (v_clip - returns) ** 2)
-    loss = 0.5 * aggregate(err, mask, loss_agg)
     m = mask.bool()
+    if token_weights is not None:
+        loss = 0.5 * (err * token_weights * m).sum()
+    else:
+        loss = 0.5 * aggregate(err, m, loss_agg)
     n = m.sum().clamp(min=1)
     return loss, {"vf_loss": float(loss.detach()), "vf_clip_ratio": float((((values - old_values).abs() > (clip or float("inf"))) & m).sum() / n)}
 

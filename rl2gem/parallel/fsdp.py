@@ -97,24 +97,43 @@ def shard_model(model, mesh, *, cpu_offload: bool = False, reshard_after_forward
 
 
 def load_sharded(name_or_path: str, mesh, *, device: torch.device, dtype=torch.float32, cpu_offload: bool = False,
-                 reshard_after_forward: bool = True, param_dtype=None, gradient_checkpointing: bool = False):
+                 reshard_after_forward: bool = True, param_dtype=None, gradient_checkpointing: bool = False,
+                 head: str = "lm"):
     """Meta-device init on every rank, shard, then broadcast rank 0's weights into the shards.
 
+    Args:
+        head: ``"lm"``: the causal LM (actor, reference); ``"value"``: the same backbone with a
+            scalar head (``AutoModelForTokenClassification``, one label, no dropout) for a PPO
+            critic; the head starts at zero, so every initial value is 0.
+
     Returns the FSDP-wrapped model (train mode) with ``dtype`` parameters.
+
+    Raises:
+        ValueError: unknown ``head``.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
     from rl2gem.models import resolve_model
 
+    if head not in ("lm", "value"):
+        raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
     path = resolve_model(name_or_path)
     config = AutoConfig.from_pretrained(path)
+    cls = AutoModelForCausalLM
+    if head == "value":
+        config.num_labels, config.classifier_dropout = 1, 0.0
+        cls = AutoModelForTokenClassification
     full = None
     if dist.get_rank() == 0:
         full = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).state_dict()
+        if head == "value":
+            full = {k: v for k, v in full.items() if not k.startswith("lm_head.")}
+            full["score.weight"] = torch.zeros(1, config.hidden_size, dtype=dtype)
+            full["score.bias"] = torch.zeros(1, dtype=dtype)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    if getattr(config, "tie_word_embeddings", False):
+        model = cls.from_config(config, dtype=dtype)
+    if head == "lm" and getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

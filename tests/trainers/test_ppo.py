@@ -148,3 +148,59 @@ def test_resume_after_kill_9_matches_an_uninterrupted_run(tiny_dir, tmp_path):
     wb = load_file(cut / "checkpoint-4" / "hf" / "model.safetensors")
     for name, t in wa.items():
         assert (t - wb[name]).abs().max().item() < 1e-5, name
+
+
+def test_token_values_and_gae_align_with_the_state_before_each_token():
+    """Packed critic values: entry t is V(state before token t), read at t-1; GAE on top by hand."""
+    import types
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "trainers"))
+    from ppo import Sample, apply_gae, token_values
+
+    class IdCritic(torch.nn.Module):  # value = the id of the token just read
+        config = types.SimpleNamespace(_attn_implementation="sdpa")
+
+        def __init__(self):
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, input_ids, position_ids, attention_mask=None, use_cache=False):
+            return types.SimpleNamespace(logits=input_ids.float()[..., None] + 0 * self.p)
+
+    a = Sample([5, 6, 7, 8], [0, 0, 1, 1], [0.0] * 4, None, [0.0, 0.0, 0.0, 1.0], [0] * 4)
+    b = Sample([9, 10, 11], [0, 1, 1], [0.0] * 3, None, [0.0, 2.0, 0.0], [0] * 3)
+    v = token_values(IdCritic(), [a, b], torch.device("cpu"))
+    assert v.tolist() == [0, 5, 6, 7, 0, 9, 10]
+    rets = apply_gae([a, b], v, gamma=1.0, lam=1.0)
+    # sequence a: action tokens 2, 3 with V = 6, 7; return 1 from both -> advantages 1-6, 1-7
+    assert a.adv == [0, 0, -5, -6] and a.returns == [0, 0, 1, 1]
+    # sequence b: rewards 2 then 0 -> returns 2, 0; V = 9, 10
+    assert b.adv == [0, -7, -10] and b.returns == [0, 2, 0]
+    assert rets.tolist() == [0, 0, 1, 1, 0, 2, 0]
+    a2 = Sample([5, 6, 7, 8], [0, 0, 1, 1], [0.0] * 4, None, [0.0, 0.0, 0.0, 1.0], [0] * 4)
+    apply_gae([a2], token_values(IdCritic(), [a2], torch.device("cpu")), gamma=0.5, lam=0.5)
+    # delta_3 = 1 - 7 = -6; delta_2 = 0 + 0.5 * 7 - 6 = -2.5; A_2 = -2.5 + 0.25 * -6 = -4
+    assert a2.adv == pytest.approx([0, 0, -4.0, -6.0])
+
+
+def test_gae_critic_run_with_kl_in_reward(tiny_dir, tmp_path):
+    """adv.estimator=gae builds a critic: values, value loss and its checkpoint; KL enters the
+    rewards (the entropy bonus moves the actor away from the reference after step 1)."""
+    out = tmp_path / "gae"
+    torchrun(
+        2, "trainers/ppo.py", "env=rl2/ReasoningGym-v0", "env_kwargs.task=basic_arithmetic", f"actor.model={tiny_dir}",
+        "rollout.prompts_per_rollout=2", "rollout.responses_per_prompt=2", "rollout.max_new_tokens=8", "rollout.temperature=20",
+        "adv.estimator=gae", "kl.coef=1.0", "kl.in_reward=true", "actor.entropy_coef=0.05", "actor.lr=3e-3", "critic.lr=1e-2",
+        "trainer.total_steps=3", "trainer.eval_at_start=false", "trainer.eval_n=2", f"trainer.output_dir={out}", "trainer.progress=false",
+    )
+    steps = _steps(out / "metrics.jsonl")
+    assert steps[1]["critic/values"] == 0.0 and steps[1]["critic/vf_loss"] == 0.0  # zero head, zero KL at step 1
+    assert steps[3]["actor/kl"] > 0 and steps[3]["critic/vf_loss"] > 0 and steps[3]["critic/values"] != 0.0
+    assert (out / "checkpoint-3" / "dcp").exists()
+    r = subprocess.run(
+        [sys.executable, "-m", "rl2gem.trainers.ppo", "kl.coef=0.1", "kl.in_reward=true", "adv.estimator=grpo"],
+        capture_output=True, text=True, cwd=ROOT,
+    )
+    assert r.returncode != 0 and "kl.in_reward=true needs" in r.stderr
