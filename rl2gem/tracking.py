@@ -104,3 +104,27 @@ def plot_metrics(jsonl: str | Path, out_png: str | Path, keys=("rollout/reward",
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def metrics_table(jsonl: str | Path, keys=("rollout/reward", "rollout/response_length", "eval/success"), max_rows: int = 12) -> str:
+    """A Markdown table of ``keys`` per step from a ``metrics.jsonl`` (the last value logged for a
+    step wins, so a resumed run shows once). With more than ``max_rows`` steps, the steps with an
+    evaluation are kept (and the first and last step), then others evenly spaced up to ``max_rows``."""
+    by_step: dict[int, dict] = {}
+    for line in Path(jsonl).read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            by_step.setdefault(int(row["step"]), {}).update(row)
+    steps = sorted(s for s, r in by_step.items() if any(k in r for k in keys))
+    if len(steps) > max_rows:
+        keep = {s for s in steps if any(k.startswith("eval/") and k in by_step[s] for k in keys)} | {steps[0], steps[-1]}
+        spare = max_rows - len(keep)
+        if spare > 0:
+            rest = [s for s in steps if s not in keep]
+            keep |= {rest[round(i * (len(rest) - 1) / max(spare - 1, 1))] for i in range(min(spare, len(rest)))}
+        steps = sorted(keep)
+    lines = ["| step | " + " | ".join(keys) + " |", "|---:|" + "---:|" * len(keys)]
+    for s in steps:
+        cells = [f"{by_step[s][k]:.3f}" if isinstance(by_step[s].get(k), (int, float)) else "" for k in keys]
+        lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -542,9 +542,10 @@ class PPOTrainer:
         if self.tracker:
             self.tracker.log(final, self.step)
             self.tracker.close()
-            from rl2gem.tracking import plot_metrics
+            from rl2gem.tracking import metrics_table, plot_metrics
 
             png = plot_metrics(self.tracker.path, self.out / "curves.png")
+            print("\n" + metrics_table(self.tracker.path))
             print(f"\nfinal eval: success {final['eval/success']:.3f}  reward {final['eval/reward']:.3f}  ({int(final['eval/episodes'])} episodes)")
             print(f"metrics: {self.tracker.path}\nplot: {png}\ncheckpoint: {ckpt} (Hugging Face export: {ckpt / 'hf'})", flush=True)
         last.update(final)

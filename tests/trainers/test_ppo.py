@@ -65,7 +65,7 @@ def test_two_rank_smoke_run_logs_evaluates_and_exports(tiny_dir, tmp_path):
         assert key in steps[0], key
     assert any("eval/success" in r for r in rows)
     assert (out / "curves.png").stat().st_size > 1000 and (out / "config.yaml").exists()
-    assert "final eval" in stdout
+    assert "final eval" in stdout and "| step | rollout/reward |" in stdout
     from transformers import AutoModelForCausalLM
 
     hf = out / "checkpoint-2" / "hf"

@@ -1,0 +1,46 @@
+"""key=value config over YAML defaults, recipes, clear errors."""
+
+from pathlib import Path
+
+import pytest
+
+from rl2gem.config import ConfigError, load_config
+
+ROOT = Path(__file__).parents[1]
+
+
+@pytest.fixture
+def defaults(tmp_path):
+    (tmp_path / "base.yaml").write_text("env: a\nenv_kwargs: {}\nactor:\n  lr: 1.0\n  model: m\n")
+    (tmp_path / "fast.yaml").write_text("actor:\n  lr: 5.0\nenv_kwargs:\n  task: t\n")
+    (tmp_path / "bad.yaml").write_text("actor:\n  lrr: 5.0\n")
+    return tmp_path / "base.yaml"
+
+
+def test_overrides_recipes_and_precedence(defaults):
+    cfg = load_config(defaults, ["actor.model=x", "env_kwargs.size=3"])
+    assert (cfg.actor.lr, cfg.actor.model, cfg.env_kwargs.size) == (1.0, "x", 3)
+    cfg = load_config(defaults, ["config=fast"])
+    assert (cfg.actor.lr, cfg.env_kwargs.task, cfg.actor.model) == (5.0, "t", "m")
+    cfg = load_config(defaults, ["actor.lr=7", "config=fast"])  # command-line keys win over the recipe
+    assert cfg.actor.lr == 7
+
+
+def test_errors_name_the_closest_key_or_the_recipes(defaults):
+    with pytest.raises(ConfigError, match="did you mean 'actor.lr'"):
+        load_config(defaults, ["actor.lrr=2"])
+    with pytest.raises(ConfigError, match="bad.yaml.*did you mean 'actor.lr'"):
+        load_config(defaults, ["config=bad"])
+    with pytest.raises(ConfigError, match=r"no such recipe.*'bad', 'base', 'fast'"):
+        load_config(defaults, ["config=nope"])
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(defaults, ["actor"])
+
+
+def test_the_shipped_recipes_load_over_the_trainer_defaults():
+    base = ROOT / "trainers" / "config" / "ppo.yaml"
+    for recipe in base.parent.glob("*.yaml"):
+        if recipe != base:
+            load_config(base, [f"config={recipe.stem}"])
+    cfg = load_config(base, ["config=arithmetic", "trainer.total_steps=2"])
+    assert cfg.env_kwargs.answer == "last_number" and list(cfg.env_kwargs.operators) == ["+", "-"] and cfg.trainer.total_steps == 2
