@@ -34,6 +34,7 @@ bench: setup
 	$(BIN)/python benchmarks/env_throughput.py
 	$(BIN)/python benchmarks/retrieval.py
 	$(BIN)/python benchmarks/rollout.py
+	$(BIN)/python benchmarks/trainer.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

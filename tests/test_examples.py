@@ -122,3 +122,11 @@ def test_rollout_benchmark_smoke():
     rows = [line for line in stdout.splitlines() if line.startswith("| ") and line.rstrip().endswith("x |")]
     assert len(rows) == 3 + 2 + 2 + 2, stdout
     assert "prefix merging" in stdout and "partial rollouts" in stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_trainer_benchmark_smoke():
+    stdout = run("benchmarks/trainer.py", "--quick", timeout=800)
+    rows = [line for line in stdout.splitlines() if line.startswith("| ") and line.rstrip().endswith("x |")]
+    assert len(rows) == 2 and "rl2gem PPO trainer" in rows[0] and "TRL GRPOTrainer" in rows[1], stdout

@@ -1,4 +1,7 @@
-"""Run under torchrun: loss and gradients of FSDP2 over N ranks equal one process's (printed as JSON)."""
+"""Run under torchrun: loss and gradients of FSDP2 over N ranks equal one process's (written as JSON).
+
+Usage: ``fsdp_equivalence.py MODEL_DIR OUT.json [ddp_size=N] [cpu_offload=1] [gradient_checkpointing=1]``.
+"""
 
 import json
 import sys
@@ -12,10 +15,13 @@ from rl2gem.parallel.packing import plan
 
 
 
-def main(model_dir: str, out: str) -> None:
+def main(model_dir: str, out: str, *options: str) -> None:
+    opts = dict(o.split("=", 1) for o in options)
     rank, world, device = init_distributed()
     torch.manual_seed(0)
-    model = load_sharded(model_dir, device_mesh(1), device=device)
+    model = load_sharded(model_dir, device_mesh(int(opts.get("ddp_size", 1))), device=device,
+                         cpu_offload=bool(int(opts.get("cpu_offload", 0))),
+                         gradient_checkpointing=bool(int(opts.get("gradient_checkpointing", 0))))
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(3, 1000, (int(n),), generator=g).tolist() for n in torch.randint(5, 40, (7,), generator=g)]
     masks = [[0] * 3 + [1] * (len(s) - 3) for s in seqs]
@@ -50,4 +56,4 @@ def main(model_dir: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

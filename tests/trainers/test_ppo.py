@@ -39,10 +39,14 @@ def tiny_dir(tmp_path_factory):
     return d
 
 
-def test_fsdp_two_ranks_equal_one(tiny_dir, tmp_path):
+@pytest.mark.parametrize("options", [(), ("ddp_size=2",), ("cpu_offload=1", "gradient_checkpointing=1")],
+                         ids=["fsdp", "hsdp", "offload+checkpointing"])
+def test_fsdp_two_ranks_equal_one(tiny_dir, tmp_path, options):
+    """FSDP2 over 2 ranks (plain, HSDP replicas, CPU offload with activation checkpointing) gives
+    one process's loss and gradients."""
     script = str(ROOT / "tests" / "parallel" / "fsdp_equivalence.py")
     torchrun(1, script, str(tiny_dir), str(tmp_path / "one.json"))
-    torchrun(2, script, str(tiny_dir), str(tmp_path / "two.json"))
+    torchrun(2, script, str(tiny_dir), str(tmp_path / "two.json"), *options)
     one, two = (json.loads((tmp_path / f).read_text()) for f in ("one.json", "two.json"))
     assert one["loss"] == pytest.approx(two["loss"], rel=1e-5, abs=1e-7)
     assert one["params"] == pytest.approx(two["params"], rel=1e-6)
