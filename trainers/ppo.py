@@ -97,20 +97,27 @@ def samples_from_batch(batch, estimator: str, gamma: float, lam: float) -> list[
     ]
 
 
+def _packed_inputs(model, samples: list[Sample], device):
+    """One packed row of ``samples`` (no padding) and the model's keyword arguments: flash-attn
+    varlen reads the sequence boundaries from ``position_ids``; other attention gets a 4D
+    block-diagonal causal mask."""
+    from rl2gem.parallel.packing import packed_attention_mask, packed_batch
+
+    batch = packed_batch([s.ids for s in samples])
+    kw = {"input_ids": batch["input_ids"].to(device), "position_ids": batch["position_ids"].to(device), "use_cache": False}
+    if not (device.type == "cuda" and getattr(model.config, "_attn_implementation", "") == "flash_attention_2"):
+        kw["attention_mask"] = packed_attention_mask(batch["cu_seqlens"], dtype=next(model.parameters()).dtype).to(device)
+    return batch, kw
+
+
 def token_logprobs(model, samples: list[Sample], temperature: float, device, entropy: str = "none"):
     """Packed forward of ``samples``: per-token log-probs ``[N]`` float32 aligned to input positions
     (0 at each sequence's first token), and per-token entropies (nats) when ``entropy`` is
     ``"grad"`` (differentiable, for an entropy bonus) or ``"metric"`` (detached), else ``None``."""
     from rl2gem.algorithms import entropy_from_logits
-    from rl2gem.parallel.packing import packed_attention_mask, packed_batch
 
-    batch = packed_batch([s.ids for s in samples])
-    ids = batch["input_ids"].to(device)
-    kw = {"input_ids": ids, "position_ids": batch["position_ids"].to(device), "use_cache": False}
-    if device.type == "cuda" and getattr(model.config, "_attn_implementation", "") == "flash_attention_2":
-        pass  # flash-attn varlen reads the packing from position_ids
-    else:
-        kw["attention_mask"] = packed_attention_mask(batch["cu_seqlens"], dtype=next(model.parameters()).dtype).to(device)
+    batch, kw = _packed_inputs(model, samples, device)
+    ids = kw["input_ids"]
     logits = model(**kw).logits[0].float() / temperature
     lp = torch.log_softmax(logits[:-1], -1).gather(1, ids[0, 1:, None]).squeeze(1)
     out = torch.cat([torch.zeros(1, device=lp.device), lp])
@@ -126,12 +133,7 @@ def token_logprobs(model, samples: list[Sample], temperature: float, device, ent
 def token_values(critic, samples: list[Sample], device) -> torch.Tensor:
     """Packed critic forward: float32 ``[N]`` values aligned like :func:`token_logprobs`: entry t is
     V(state before token t), read from the hidden state at t-1 (0 at each sequence's first token)."""
-    from rl2gem.parallel.packing import packed_attention_mask, packed_batch
-
-    batch = packed_batch([s.ids for s in samples])
-    kw = {"input_ids": batch["input_ids"].to(device), "position_ids": batch["position_ids"].to(device), "use_cache": False}
-    if not (device.type == "cuda" and getattr(critic.config, "_attn_implementation", "") == "flash_attention_2"):
-        kw["attention_mask"] = packed_attention_mask(batch["cu_seqlens"], dtype=next(critic.parameters()).dtype).to(device)
+    batch, kw = _packed_inputs(critic, samples, device)
     v = critic(**kw).logits[0, :, 0].float()
     out = torch.cat([torch.zeros(1, device=v.device), v[:-1]])
     return torch.where(batch["position_ids"][0].to(device) == 0, torch.zeros_like(out), out)
