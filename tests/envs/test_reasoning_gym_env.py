@@ -59,40 +59,40 @@ def test_instructions_replace_the_default_format_text():
     assert reward == 1.0
 
 
-def test_plain_answers_score_the_whole_reply():
+ANSWER_MODES = {  # mode: (default instructions, a right reply, a wrong reply), {ref} is the answer
+    "plain": ("Answer with just the final answer, nothing else.", "  {ref}\n", "The answer is {ref}"),
+    "last_number": ("Answer with just the number.", "The sum is 12, so the answer is {ref}.", "{ref} is wrong; it is {ref}1"),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(ANSWER_MODES))
+def test_answer_modes_score_the_reply(mode):
+    """plain: the whole stripped reply; last_number: the last number in it."""
     import rl2gem
 
-    env = rl2gem.make("rl2/ReasoningGym-v0", task="basic_arithmetic", answer="plain")
+    instructions, right, wrong = ANSWER_MODES[mode]
+    env = rl2gem.make("rl2/ReasoningGym-v0", task="basic_arithmetic", answer=mode, operators=["+", "-"])
     obs, _ = env.reset(seed=3)
-    assert obs.endswith("Answer with just the final answer, nothing else.")
+    assert obs.endswith(instructions)
     ref = env.unwrapped.item["answer"]
-    assert env.step(f"  {ref}\n")[1] == 1.0
+    assert env.step(right.format(ref=ref))[1] == 1.0
     env.reset(seed=3)
-    assert env.step(f"The answer is {ref}")[1] == 0.0
-    import pytest
-
-    solver = env.unwrapped.make_solver()
+    assert env.step(wrong.format(ref=ref))[1] == 0.0
     obs, _ = env.reset(seed=4)
-    assert env.step(solver(obs))[1] == 1.0
-    with pytest.raises(ValueError, match="plain"):
-        rl2gem.make("rl2/ReasoningGym-v0", answer="boxed")
+    assert env.step(env.unwrapped.make_solver()(obs))[1] == 1.0
 
 
-def test_last_number_answers_score_the_last_number_in_the_reply():
+def test_answer_mode_errors_and_last_number_extraction():
     import rl2gem
     from rl2gem.envs.reasoning_gym import last_number
 
+    with pytest.raises(ValueError, match="plain"):
+        rl2gem.make("rl2/ReasoningGym-v0", answer="boxed")
     assert last_number("34 + 17 = 51.") == "51"
     assert last_number("5 - 9 = -4") == "-4"
     assert last_number("It is 1,234 apples") == "1234"
     assert last_number("no digits") is None
-    env = rl2gem.make("rl2/ReasoningGym-v0", task="basic_arithmetic", answer="last_number", operators=["+", "-"])
-    obs, _ = env.reset(seed=5)
-    assert obs.endswith("Answer with just the number.")
-    ref = env.unwrapped.item["answer"]
-    assert env.step(f"The sum is 12, so the answer is {ref}.")[1] == 1.0
-    env.reset(seed=5)
-    assert env.step(f"{ref} is wrong; it is {int(ref) + 1}")[1] == 0.0
+    env = rl2gem.make("rl2/ReasoningGym-v0", task="basic_arithmetic", answer="last_number")
     env.reset(seed=5)
     _, reward, terminated, _, info = env.step("I do not know")
     assert reward == 0.0 and terminated and info["format_ok"] is False
