@@ -19,6 +19,10 @@ register("rl2/Countdown-v0", _RG, task="countdown")
 
 register("rl2/SearchQA-v0", "rl2gem.envs.search_qa:SearchQAEnv")
 
+# Tool use: math with a Python sandbox; BFCL function calling (single turn) and
+# multi-turn tool use over BFCL's executable back-ends.
+register("rl2/PythonMath-v0", "rl2gem.envs.python_math:make_python_math")
+
 #: Multi-turn games: ``rl2/<Game>-v0`` uses the game's default difficulty (``hard``, or
 #: ``medium`` where named below); ``-Easy-v0`` / ``-Hard-v0`` fix a preset; every id also
 #: takes ``difficulty=`` and the preset's own keyword arguments.

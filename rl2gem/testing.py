@@ -165,7 +165,8 @@ def check_env(env: gym.Env | str, *, num_steps: int = 8, seed: int = 7, make: Ca
             assert rec[4]["role"] in VALID_ROLES, f"{name}: info['role'] = {rec[4]['role']!r}"
         # 5. spawn
         obs0, _ = a.reset(seed=seed)
-        envs, observations, infos = a.unwrapped.spawn(3)  # type: ignore[attr-defined]
+        spawn = a.spawn if hasattr(a, "spawn") else a.unwrapped.spawn  # type: ignore[attr-defined]
+        envs, observations, infos = spawn(3)  # wrappers (e.g. tools) re-wrap their copies
         try:
             assert len(envs) == 3 and all(o == obs0 for o in observations), f"{name}: spawn gave other initial states"
             assert all(i["seed"] == seed for i in infos), f"{name}: spawned envs report another seed"

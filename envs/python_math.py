@@ -1,0 +1,48 @@
+"""Math with a Python interpreter: ``rl2/PythonMath-v0``.
+
+The problems, the answer format (``\\boxed{}``) and the reward are those of
+:mod:`rl2gem.envs.math` (math-verify against the reference); the agent may
+also run Python in the sandbox (:class:`rl2gem.tools.PythonTool`) through
+``<tool_call>`` blocks before it answers. The episode ends at the first reply
+without a tool call (scored), or is truncated when a turn asks for more than
+``max_tool_calls`` calls in all.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from rl2gem.envs.math import MathEnv
+from rl2gem.tools import PythonTool, SandboxConfig, ToolEnvWrapper
+
+__all__ = ["make_python_math", "INSTRUCTION"]
+
+INSTRUCTION = (
+    "Solve the following math problem. You may run Python code to compute or check intermediate results "
+    "(the python tool below; print what you need to see). "
+    "Put your final answer in \\boxed{}, for example: \\boxed{42}."
+)
+
+
+def make_python_math(
+    dataset: str | Mapping[str, str] = "gsm8k",
+    split: str = "train",
+    *,
+    max_tool_calls: int = 4,
+    timeout_s: float = 10.0,
+    memory_mb: int = 1024,
+    max_output_chars: int = 2048,
+    instruction: str = INSTRUCTION,
+    render_mode: str | None = None,
+) -> ToolEnvWrapper:
+    """``rl2/PythonMath-v0``: :class:`~rl2gem.envs.math.MathEnv` with a :class:`~rl2gem.tools.PythonTool`.
+
+    Args:
+        dataset, split, instruction: as for :class:`~rl2gem.envs.math.MathEnv`.
+        max_tool_calls: Python runs allowed per episode.
+        timeout_s, memory_mb, max_output_chars: sandbox limits per run
+            (:class:`~rl2gem.tools.SandboxConfig`).
+    """
+    env = MathEnv(dataset, split, instruction=instruction, render_mode=render_mode)
+    tool = PythonTool(SandboxConfig(timeout_s=timeout_s, memory_mb=memory_mb, max_output_chars=max_output_chars))
+    return ToolEnvWrapper(env, [tool], max_tool_calls=max_tool_calls)

@@ -1,0 +1,23 @@
+"""Tools for LLM agents and the wrapper that gives them to any env.
+
+* :class:`Tool`: the protocol (name, description, JSON-schema ``parameters``,
+  ``instructions``, async ``call``).
+* :class:`ToolEnvWrapper`: any env + tools; tool calls in the model's own
+  chat-template format (Hermes ``<tool_call>`` blocks, fenced JSON as a fallback)
+  come back as ``role="tool"`` observations.
+* Shipped tools: :class:`PythonTool` (a sandboxed Python process, see
+  :mod:`rl2gem.tools.python`), :class:`SearchTool` (a retrieval service) and
+  :class:`FunctionTool` (any typed Python callable).
+"""
+
+from rl2gem.tools.base import Tool, ToolArgumentError, ToolCall, parse_tool_calls, tool_schema, tools_prompt, validate_arguments
+from rl2gem.tools.function import FunctionTool, json_schema_of
+from rl2gem.tools.python import PythonTool, SandboxConfig, SandboxResult, run_python, sandbox_mode
+from rl2gem.tools.search import SearchTool
+from rl2gem.tools.wrapper import ToolEnvWrapper, format_tool_results, run_tool_calls
+
+__all__ = [
+    "Tool", "ToolCall", "ToolArgumentError", "parse_tool_calls", "tool_schema", "tools_prompt", "validate_arguments",
+    "FunctionTool", "json_schema_of", "PythonTool", "SandboxConfig", "SandboxResult", "run_python", "sandbox_mode",
+    "SearchTool", "ToolEnvWrapper", "format_tool_results", "run_tool_calls",
+]

@@ -1,0 +1,229 @@
+"""Tool use for any rl2gem env: :class:`ToolEnvWrapper`."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Sequence
+
+import gymnasium as gym
+from gymnasium.error import ResetNeeded
+
+from rl2gem.core import ResetResult, StepResult, Wrapper, _PrivateLoop
+from rl2gem.tools.base import Tool, ToolArgumentError, ToolCall, parse_tool_calls, tool_schema, tools_prompt, validate_arguments
+
+__all__ = ["ToolEnvWrapper", "run_tool_calls", "format_tool_results"]
+
+
+async def run_tool_calls(tools: dict[str, Tool], calls: Sequence[ToolCall]) -> list[tuple[str, str | None]]:
+    """Run ``calls`` one after another (in order: stateful tools see the calls in the model's order).
+
+    Returns:
+        one ``(result_text, error)`` per call; ``error`` is ``None`` when the
+        tool ran (its own failures are part of its text), else why it did not
+        run (malformed call, unknown tool, arguments not matching the schema).
+        Never raises for a bad call or a failing tool.
+    """
+    out: list[tuple[str, str | None]] = []
+    for call in calls:
+        if call.error is not None:
+            out.append((f"Error: {call.error}. No tool was run.", call.error))
+            continue
+        tool = tools.get(call.name)
+        if tool is None:
+            err = f"unknown tool {call.name!r}"
+            out.append((f"Error: {err}; the available tools are {', '.join(sorted(tools)) or 'none'}.", err))
+            continue
+        try:
+            validate_arguments(tool, call.arguments)
+        except ToolArgumentError as e:
+            out.append((f"Error: invalid arguments: {e}.", str(e)))
+            continue
+        try:
+            text = await tool.call(call.arguments)
+        except Exception as e:  # a tool must not crash the episode
+            out.append((f"Error: the tool {call.name} failed: {type(e).__name__}: {e}", None))
+            continue
+        out.append((text if isinstance(text, str) else str(text), None))
+    return out
+
+
+def format_tool_results(results: Sequence[str]) -> str:
+    """The observation for a turn's tool results: the text itself for one call;
+    for several, each inside ``<tool_response>...</tool_response>``, in call order."""
+    if len(results) == 1:
+        return results[0]
+    return "\n".join(f"<tool_response>\n{r}\n</tool_response>" for r in results)
+
+
+class ToolEnvWrapper(Wrapper):
+    """Lets the agent of any rl2gem env call tools before it acts.
+
+    On each step the action is searched for tool calls
+    (:func:`rl2gem.tools.parse_tool_calls`: Hermes ``<tool_call>{json}</tool_call>``
+    blocks, or fenced JSON). With calls, the tools run (in order; the wrapped
+    env is not stepped) and their results come back as one observation with
+    ``info["role"] == "tool"``, reward 0. Without calls, the action goes to the
+    wrapped env as usual. So a math env becomes "use Python, then answer",
+    a game "look things up, then move".
+
+    Bad calls never raise: a malformed call, an unknown tool or arguments that
+    break the tool's JSON schema get an ``Error: ...`` text in the observation
+    (``info["invalid_action"]`` is set when no call of the turn could run); a
+    turn asking for more calls than are left runs none of them, answers
+    ``"Tool-call limit reached ..."`` and truncates the episode
+    (``info["truncated_reason"] == "max_tool_calls"``). Every call, valid or
+    not, counts toward ``max_tool_calls``, so episodes stay bounded.
+
+    The tool list is offered in the first observation (``prompt="append"``,
+    after the env's text; ``"prepend"``; or ``None`` to leave it out, e.g.
+    when the chat template renders tools itself) and as OpenAI-style schemas in
+    ``info["tools"]`` (for ``tokenizer.apply_chat_template(..., tools=...)``).
+    ``info`` of each step also carries ``tool_calls`` (name, arguments, error
+    per call of that step) and ``num_tool_calls`` (episode total).
+
+    Args:
+        env: an rl2gem env (sync or async).
+        tools: the tools; names must be unique.
+        max_tool_calls: tool calls allowed per episode.
+        prompt: where the tool instructions go: ``"append"``, ``"prepend"`` or ``None``.
+
+    Raises:
+        ValueError: duplicate tool names, ``max_tool_calls < 1`` or a bad ``prompt``.
+        TypeError: an object in ``tools`` is not a :class:`rl2gem.tools.Tool`.
+    """
+
+    def __init__(self, env: gym.Env, tools: Sequence[Tool], max_tool_calls: int = 8, *, prompt: str | None = "append"):
+        super().__init__(env)
+        for t in tools:
+            if not isinstance(t, Tool):
+                raise TypeError(f"{t!r} is not a Tool (needs name, description, parameters, instructions and async call)")
+        names = [t.name for t in tools]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tool names must be unique, got {names}")
+        if max_tool_calls < 1:
+            raise ValueError(f"max_tool_calls must be >= 1, got {max_tool_calls}")
+        if prompt not in ("append", "prepend", None):
+            raise ValueError(f"prompt must be 'append', 'prepend' or None, got {prompt!r}")
+        self.tools = {t.name: t for t in tools}
+        self.max_tool_calls = max_tool_calls
+        self.prompt = prompt
+        self._num_calls = 0
+        self._over = True
+        self._started = False
+        self._loop: _PrivateLoop | None = None
+
+    # ----------------------------------------------------------------- reset
+    def _on_reset(self, obs: str, info: dict[str, Any]) -> ResetResult:
+        self._num_calls, self._over, self._started, self._turn, self._num_invalid = 0, False, True, 0, 0
+        return self._with_tools(obs), self._reset_info(info)
+
+    def _with_tools(self, obs: str) -> str:
+        if self.prompt is None or not self.tools:
+            return obs
+        text = tools_prompt(list(self.tools.values()))
+        return f"{obs}\n\n{text}" if self.prompt == "append" else f"{text}\n\n{obs}"
+
+    def _reset_info(self, info: dict[str, Any]) -> dict[str, Any]:
+        info = dict(info)
+        info["tools"] = [tool_schema(t) for t in self.tools.values()]
+        info["num_tool_calls"] = 0
+        return info
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> ResetResult:
+        return self._on_reset(*self.env.reset(seed=seed, options=options))
+
+    async def areset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> ResetResult:
+        return self._on_reset(*await self.env.areset(seed=seed, options=options))  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ step
+    def step(self, action: str) -> StepResult:
+        if self._loop is None:
+            self._loop = _PrivateLoop()
+        return self._loop.run(self.astep(action))
+
+    async def astep(self, action: str) -> StepResult:
+        if not self._started:
+            raise ResetNeeded("Cannot call step() before reset()")
+        if self._over:
+            raise ResetNeeded("The episode has ended (terminated or truncated): call reset() first")
+        calls = parse_tool_calls(action) if isinstance(action, str) else []
+        self._turn += 1
+        if not calls:
+            obs, reward, terminated, truncated, info = await self.env.astep(action)  # type: ignore[attr-defined]
+            info = dict(info)
+            info.update(tool_calls=[], num_tool_calls=self._num_calls, turn=self._turn)
+            info["num_invalid_actions"] = info.get("num_invalid_actions", 0) + self._num_invalid
+            self._over = bool(terminated or truncated)
+            return obs, reward, terminated, truncated, info
+        left = self.max_tool_calls - self._num_calls
+        calls_info = [{"name": c.name, "arguments": c.arguments, "error": c.error} for c in calls]
+        if len(calls) > left:
+            self._over = True
+            self._num_calls = self.max_tool_calls
+            obs = (
+                f"Tool-call limit reached: this episode allows {self.max_tool_calls} tool calls and "
+                f"{left} were left, so none of the {len(calls)} requested was run."
+            )
+            info = {"role": "tool", "tool_calls": calls_info, "num_tool_calls": self._num_calls,
+                    "truncated_reason": "max_tool_calls", "invalid_action": None, "turn": self._turn}
+            return obs, 0.0, False, True, info
+        self._num_calls += len(calls)
+        results = await run_tool_calls(self.tools, calls)
+        for ci, (_, err) in zip(calls_info, results):
+            ci["error"] = err
+        failed = [err for _, err in results if err is not None]
+        self._num_invalid += len(failed) == len(results)
+        info = {
+            "role": "tool",
+            "tool_calls": calls_info,
+            "num_tool_calls": self._num_calls,
+            "invalid_action": f"invalid tool call: {failed[0]}" if len(failed) == len(results) else None,
+            "turn": self._turn,
+            "num_invalid_actions": self._num_invalid,
+        }
+        return format_tool_results([text for text, _ in results]), 0.0, False, False, info
+
+    # ----------------------------------------------------------------- other
+    def spawn(self, n: int):
+        """``n`` copies of the current episode's initial state, each wrapped with the same tools."""
+        envs, observations, infos = self.env.spawn(n)  # type: ignore[attr-defined]
+        wrapped, obs_out, info_out = [], [], []
+        for e, o, i in zip(envs, observations, infos):
+            w = ToolEnvWrapper(e, list(self.tools.values()), self.max_tool_calls, prompt=self.prompt)
+            o, i = w._on_reset(o, i)
+            wrapped.append(w)
+            obs_out.append(o)
+            info_out.append(i)
+        return wrapped, obs_out, info_out
+
+    @property
+    def is_async_native(self) -> bool:
+        return True
+
+    async def _aclose_tools(self) -> None:
+        for tool in self.tools.values():
+            closer = getattr(tool, "aclose", None)
+            if closer is not None:
+                await closer()
+
+    def close(self) -> None:
+        """Close the wrapped env and the tools that have an ``aclose`` (safe to call twice)."""
+        if self._loop is not None:
+            loop, self._loop = self._loop, None
+            try:
+                loop.run(self._aclose_tools())
+                loop.run(self.env.aclose())  # type: ignore[attr-defined]
+            finally:
+                loop.stop()
+        else:
+            if any(hasattr(t, "aclose") for t in self.tools.values()):
+                loop = _PrivateLoop()
+                try:
+                    loop.run(self._aclose_tools())
+                finally:
+                    loop.stop()
+            self.env.close()
+
+    async def aclose(self) -> None:
+        await self._aclose_tools()
+        await self.env.aclose()  # type: ignore[attr-defined]
