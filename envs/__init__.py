@@ -22,6 +22,8 @@ register("rl2/SearchQA-v0", "rl2gem.envs.search_qa:SearchQAEnv")
 # Tool use: math with a Python sandbox; BFCL function calling (single turn) and
 # multi-turn tool use over BFCL's executable back-ends.
 register("rl2/PythonMath-v0", "rl2gem.envs.python_math:make_python_math")
+register("rl2/FunctionCall-v0", "rl2gem.envs.bfcl:FunctionCallEnv")  # category= one or "all"
+register("rl2/ToolUse-v0", "rl2gem.envs.bfcl:ToolUseEnv")  # category= base | long_context | miss_param
 
 #: Multi-turn games: ``rl2/<Game>-v0`` uses the game's default difficulty (``hard``, or
 #: ``medium`` where named below); ``-Easy-v0`` / ``-Hard-v0`` fix a preset; every id also

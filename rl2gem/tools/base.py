@@ -173,10 +173,10 @@ def tools_prompt(tools: Sequence[Tool]) -> str:
     """
     lines = "\n".join(json.dumps(tool_schema(t), ensure_ascii=False) for t in tools)
     text = (
-        "You can use the tools described below; their JSON schemas are between <tools> and </tools>.\n"
+        "You can use the tools listed below, one JSON schema per line.\n"
         f"<tools>\n{lines}\n</tools>\n"
-        "To use a tool, reply with a JSON object holding its name and arguments between <tool_call> and </tool_call>, "
-        "for example:\n<tool_call>\n"
+        "To use a tool, write a block like the one below: the tool's name and a JSON object of its arguments, "
+        "inside tool_call tags.\n<tool_call>\n"
         + json.dumps({"name": tools[0].name if tools else "tool_name", "arguments": {"argument": "value"}})
         + "\n</tool_call>\nThe result comes back in the next message. Write several blocks to call several tools at once. "
         "When you reply without a tool call, that reply is your final answer."

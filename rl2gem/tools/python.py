@@ -25,7 +25,7 @@ working folder               a fresh temporary folder per execution, deleted aft
 environment                  empty except ``PATH``, ``HOME``/``TMPDIR`` (the working folder), ``LANG``
                              and single-thread BLAS settings: nothing of the parent's variables
 output                       stdout and stderr each kept to ``max_output_chars``; a process that
-                             writes more than 8x that is stopped early
+                             writes more than 1 MiB (or 256x the limit) to one stream is stopped early
 ===========================  ============================================================================
 
 :func:`sandbox_mode` says which network isolation this host gives (checked once).
@@ -53,6 +53,8 @@ from typing import Any
 
 __all__ = ["SandboxConfig", "SandboxResult", "run_python", "sandbox_mode", "PythonTool"]
 
+#: Output (bytes per stream) after which a process is stopped early.
+_FLOOD_BYTES = 1 << 20
 _BOOT = str(Path(__file__).with_name("_sandbox_boot.py"))
 _UNSHARE = ["--user", "--map-root-user", "--net", "--pid", "--fork", "--mount-proc", "--kill-child"]
 
@@ -114,7 +116,7 @@ class SandboxResult:
         exit_code: the process's exit status (negative: killed by that signal; ``None``: not started).
         timed_out: the wall-clock limit was hit and the process group killed.
         truncated: some output was cut.
-        output_exceeded: the code wrote more than 8x ``max_output_chars`` and was stopped.
+        output_exceeded: the code flooded its output (see the module doc) and was stopped.
         elapsed_s: wall-clock seconds from start to exit.
         isolation: ``"namespaces"`` or ``"audit"``.
     """
@@ -143,8 +145,7 @@ class SandboxResult:
             parts.append(f"[Timed out: the code was stopped after {self.elapsed_s:.1f} s]")
         elif self.exit_code is not None and self.exit_code < 0:
             name = signal.Signals(-self.exit_code).name if -self.exit_code in signal.valid_signals() else str(-self.exit_code)
-            why = " (CPU time limit)" if name == "SIGXCPU" or (name == "SIGKILL" and "cpu" in self.stderr.lower()) else ""
-            parts.append(f"[The process was killed by {name}{why}]")
+            parts.append(f"[The process was killed by {name}]")
         if self.truncated and not self.output_exceeded:
             parts.append("[Output truncated]")
         return "\n".join(parts) if parts else "[No output. Use print() to see values.]"
@@ -190,7 +191,7 @@ async def _read_capped(stream: asyncio.StreamReader, cap: int, overflow: asyncio
         total += len(chunk)
         if len(kept) < cap:
             kept += chunk[: cap - len(kept)]
-        if total > 8 * cap:
+        if total > max(_FLOOD_BYTES, 64 * cap):
             overflow.set()
             break
     return bytes(kept), total > len(kept)
@@ -269,8 +270,13 @@ async def run_python(code: str, config: SandboxConfig | None = None) -> SandboxR
                 out, err, cut_out, cut_err = b"", b"", False, False
             exit_code = await proc.wait()
             _kill_group(proc.pid)  # anything the code left behind in its group
+            transport = getattr(proc, "_transport", None)
+            if transport is not None:  # release the pipes now, not when the loop is gone
+                transport.close()
             elapsed = time.perf_counter() - start
             stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
+            if mode == "namespaces":  # unshare's own complaints about how its child ended
+                stderr = "".join(ln for ln in stderr.splitlines(keepends=True) if not ln.startswith("unshare: "))
             truncated = overflow.is_set() or cut_out or cut_err
             if len(stdout) > cap:
                 stdout, truncated = stdout[:cap], True

@@ -1,0 +1,172 @@
+"""The Python sandbox stops what model-written code must not do (in each isolation mode this host has)."""
+
+import asyncio
+import os
+import socket
+import tempfile
+import time
+
+import pytest
+
+from rl2gem.tools import PythonTool, SandboxConfig, run_python, sandbox_mode
+
+MODES = ["audit"] + (["namespaces"] if sandbox_mode() == "namespaces" else [])
+
+
+def run(code, **kw):
+    return asyncio.run(run_python(code, SandboxConfig(**kw)))
+
+
+def sandbox_pids():
+    """Live processes running the sandbox's boot script."""
+    pids = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                if b"_sandbox_boot.py" in fh.read():
+                    with open(f"/proc/{pid}/stat") as st:
+                        if st.read().split(")")[-1].split()[0] != "Z":
+                            pids.append(int(pid))
+        except OSError:
+            pass
+    return pids
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_runs_code_like_a_notebook_cell(mode):
+    r = run("x = 6 * 7\nprint('x is', x)\nx + 1", isolation=mode)
+    assert r.ok and r.stdout == "x is 42\n43\n" and r.isolation == mode
+    r = run("1/0", isolation=mode)
+    assert r.exit_code == 1 and "ZeroDivisionError" in r.stderr and "_sandbox_boot" not in r.stderr
+    assert "SyntaxError" in run("def (", isolation=mode).stderr
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_infinite_loop_is_killed_at_the_wall_clock_limit(mode):
+    t0 = time.perf_counter()
+    r = run("while True:\n    pass", timeout_s=1.5, cpu_s=30, isolation=mode)
+    assert r.timed_out and not r.ok and time.perf_counter() - t0 < 6
+    assert "Timed out" in r.text()
+    assert sandbox_pids() == []
+
+
+def test_cpu_time_limit_kills_a_busy_process_before_the_wall_clock():
+    r = run("while True:\n    pass", timeout_s=30, cpu_s=1)
+    assert not r.timed_out and not r.ok and r.elapsed_s < 10 and "CPU time limit exceeded" in r.text()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("code", ["x = bytearray(8 * 1024**3)", "xs = []\nwhile True:\n    xs.append(bytearray(50 * 1024**2))"])
+def test_memory_bomb_hits_the_address_space_limit(mode, code):
+    r = run(code, memory_mb=256, timeout_s=20, isolation=mode)
+    assert not r.ok and not r.timed_out and "MemoryError" in r.stderr
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("code", [
+    "import os\nwhile True:\n    os.fork()",
+    "import subprocess\nsubprocess.run(['sleep', '100'])",
+    "import os\nos.system('sleep 100 &')",
+    "import multiprocessing as mp\nps = [mp.Process(target=print) for _ in range(50)]\n[p.start() for p in ps]",
+])
+def test_fork_bomb_and_process_creation_are_refused(mode, code):
+    r = run(code, timeout_s=5, isolation=mode)
+    assert not r.ok and not r.timed_out and "creating processes is disabled" in r.stderr
+    assert sandbox_pids() == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_socket_connect_to_localhost_fails(mode):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.settimeout(0.5)
+    port = server.getsockname()[1]
+    try:
+        r = run(f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')", isolation=mode)
+        assert "connected" not in r.stdout and "network access is disabled" in r.stderr
+        with pytest.raises(socket.timeout):
+            server.accept()
+    finally:
+        server.close()
+
+
+@pytest.mark.skipif("namespaces" not in MODES, reason="no unprivileged user namespaces on this host")
+def test_namespaces_mode_has_no_network_interface_but_loopback():
+    r = run("print(open('/proc/net/dev').read())", isolation="namespaces")
+    interfaces = [ln.split(":")[0].strip() for ln in r.stdout.splitlines() if ":" in ln]
+    assert r.ok and interfaces == ["lo"]
+    # and its own PID namespace: it sees only itself and the namespace's init
+    r = run("import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))", isolation="namespaces")
+    assert r.ok and len(eval(r.stdout)) <= 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_writes_stay_in_a_fresh_working_folder_that_is_removed(mode, tmp_path):
+    target = tmp_path / "escape.txt"
+    code = (f"import os, shutil\nprint(os.getcwd())\nopen('inside.txt', 'w').write('ok')\nprint(open('inside.txt').read())\n"
+            f"for f in (lambda: open({str(target)!r}, 'w'), lambda: os.mkdir({str(tmp_path / 'd')!r}),\n"
+            f"          lambda: os.rename('inside.txt', {str(target)!r}), lambda: os.remove({str(tmp_path)!r})):\n"
+            f"    try:\n        f()\n        print('escaped')\n    except PermissionError as e:\n        print('refused')\n")
+    r = run(code, isolation=mode)
+    lines = r.stdout.split()
+    assert r.ok and lines[1:] == ["ok", "refused", "refused", "refused", "refused"], r.stdout + r.stderr
+    workdir = lines[0]
+    assert workdir.startswith(tempfile.gettempdir()) and not os.path.exists(workdir)
+    assert not target.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_parent_environment_is_not_visible(mode, monkeypatch):
+    monkeypatch.setenv("RL2GEM_TEST_SECRET", "s3cr3t-value")
+    code = ("import os\nprint(sorted(os.environ))\nprint(os.environ.get('RL2GEM_TEST_SECRET'))\n"
+            "try:\n    print(open(f'/proc/{os.getppid()}/environ', 'rb').read())\nexcept Exception as e:\n    print(type(e).__name__)\n"
+            f"try:\n    print(open('/proc/{os.getpid()}/environ', 'rb').read())\nexcept Exception as e:\n    print(type(e).__name__)\n")
+    r = run(code, isolation=mode)
+    assert r.ok and "s3cr3t" not in r.stdout + r.stderr
+    assert "None" in r.stdout.splitlines()[1]
+
+
+def test_output_is_truncated_and_a_flood_is_stopped():
+    r = run("print('a' * 10000)", max_output_chars=100)
+    assert r.ok and r.truncated and len(r.stdout) == 100 and "[Output truncated]" in r.text()
+    t0 = time.perf_counter()
+    r = run("while True:\n    print('x' * 1000)", max_output_chars=100, timeout_s=20)
+    assert r.output_exceeded and not r.timed_out and time.perf_counter() - t0 < 5 and len(r.stdout) == 100
+
+
+def test_fifty_concurrent_executions_finish_without_leaks():
+    before = {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("rl2gem-sandbox-")}
+    code = "import sys\nprint(sum(range(int(sys.argv[0] == '<code>') * 1000)))"
+
+    async def main():
+        cfg = SandboxConfig(max_concurrency=16, timeout_s=30)
+        return await asyncio.gather(*(run_python(code, cfg) for _ in range(50)))
+
+    results = asyncio.run(main())
+    assert [r.stdout for r in results] == ["499500\n"] * 50 and all(r.ok for r in results)
+    after = {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("rl2gem-sandbox-")}
+    assert after <= before and sandbox_pids() == []
+
+
+def test_cancelled_execution_kills_its_process():
+    async def main():
+        task = asyncio.ensure_future(run_python("import time\ntime.sleep(60)", SandboxConfig(timeout_s=60)))
+        await asyncio.sleep(1.0)
+        assert sandbox_pids() != []
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert sandbox_pids() == []
+
+
+def test_python_tool_text():
+    tool = PythonTool(SandboxConfig(timeout_s=5))
+    assert asyncio.run(tool.call({"code": "print(2**10)"})) == "1024"
+    assert asyncio.run(tool.call({"code": "x = 1"})).startswith("[No output")
+    with pytest.raises(ValueError):
+        SandboxConfig(isolation="docker")
