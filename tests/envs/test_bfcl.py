@@ -1,0 +1,190 @@
+"""BFCL envs: BFCL's checkers agree with its possible answers through our decoding, and the
+multi-turn back-ends reward a scripted gold policy."""
+
+import json
+
+import numpy as np
+import pytest
+
+from rl2gem.envs.bfcl import (ANY_CALL_CATEGORIES, NO_CALL_CATEGORIES, SINGLE_TURN_CATEGORIES, FunctionCallEnv,
+                              ToolUseEnv, _bfcl, gold_calls, load_single_turn)
+
+#: Items whose possible answers no call can satisfy (data quirks of bfcl-eval 2026.3.23: an argument
+#: missing from the schema, a required argument whose only allowed value is "", an empty allowed list).
+UNSATISFIABLE = {"parallel_multiple_12", "parallel_multiple_26", "live_simple_106-63-0", "live_simple_112-68-0",
+                 "live_multiple_964-207-0", "live_multiple_507-149-4", "live_multiple_862-181-3"}
+
+
+def tool_call(name, args):
+    return "<tool_call>" + json.dumps({"name": name, "arguments": args}) + "</tool_call>"
+
+
+def play(env, index, action):
+    obs, _ = env.reset(options={"index": index})
+    _, r, term, _, info = env.step(action(obs) if callable(action) else action)
+    assert term
+    return r, info
+
+
+def perturbations(item, rng):
+    """Wrong answers built from the gold one: a misspelled function, a missing required argument, a value
+    outside the allowed ones."""
+    gold = gold_calls(item["ground_truth"])
+    (name, args), *rest = [next(iter(c.items())) for c in gold]
+    tail = "".join(tool_call(n, a) for n, a in rest)
+    out = [tool_call(name + "_v2", args) + tail]
+    func = next(f for f in item["functions"] if f["name"] == name)
+    required = [k for k in func["parameters"].get("required", []) if k in args]
+    if required:
+        out.append(tool_call(name, {k: v for k, v in args.items() if k != required[0]}) + tail)
+    for k, v in args.items():
+        allowed = next(iter(item["ground_truth"][0].values()))[k]
+        if isinstance(v, bool):
+            bad = not v
+        elif isinstance(v, (int, float)):
+            bad = v + 1000003
+        elif isinstance(v, str):
+            bad = v + " zz-not-allowed"
+        else:
+            continue
+        if bad not in allowed:
+            out.append(tool_call(name, dict(args, **{k: bad})) + tail)
+            break
+    return out
+
+
+@pytest.mark.parametrize("category", SINGLE_TURN_CATEGORIES)
+def test_ast_checker_agrees_with_possible_answers(category):
+    env = FunctionCallEnv(category)
+    solve = env.make_solver()
+    rng = np.random.default_rng(0)
+    sample = rng.choice(len(env), size=min(15, len(env)), replace=False)
+    checked = 0
+    for i in sample:
+        env.reset(options={"index": int(i)})
+        item = env.item
+        if item["id"] in UNSATISFIABLE:
+            continue
+        assert play(env, int(i), solve)[0] == 1.0, item["id"]
+        if category in NO_CALL_CATEGORIES:
+            name = item["functions"][0]["name"] if item["functions"] else "anything"
+            assert play(env, int(i), tool_call(name, {}))[0] == 0.0
+        elif category in ANY_CALL_CATEGORIES:
+            assert play(env, int(i), "I will not call anything.")[0] == 0.0
+        else:
+            for bad in perturbations(item, rng):
+                r, info = play(env, int(i), bad)
+                assert r == 0.0 and info["error"], (item["id"], bad)
+            assert play(env, int(i), "I do not know.")[0] == 0.0
+        checked += 1
+    assert checked >= min(12, len(env))
+
+
+def test_every_possible_answer_is_reachable_except_the_known_quirks():
+    failing = set()
+    for category in SINGLE_TURN_CATEGORIES:
+        env = FunctionCallEnv(category)
+        solve = env.make_solver()
+        for i in range(len(env)):
+            r, info = play(env, i, solve)
+            if r != 1.0:
+                failing.add(info["id"])
+    assert failing == UNSATISFIABLE
+
+
+def test_bfcl_python_list_format_is_read_too():
+    env = FunctionCallEnv("simple")
+    env.reset(options={"index": 0})
+    (call,) = gold_calls(env.item["ground_truth"])
+    ((name, args),) = call.items()
+    text = "[" + f"{name}(" + ", ".join(f"{k}={v!r}" for k, v in args.items()) + ")]"
+    assert play(env, 0, text)[0] == 1.0
+    assert play(env, 0, "```python\n" + text + "\n```")[0] == 1.0
+
+
+def test_categories_splits_and_prompt():
+    env = FunctionCallEnv(["simple", "irrelevance"], split="test")
+    assert {it["category"] for it in env.items} == {"simple_python", "irrelevance"}
+    train = FunctionCallEnv(["simple", "irrelevance"], split="train")
+    assert not {it["id"] for it in env.items} & {it["id"] for it in train.items}
+    assert len(env) + len(train) == 640
+    obs, info = env.reset(options={"index": 0})
+    assert "<tools>" in obs and info["tools"][0]["function"]["parameters"]["type"] == "object"
+    with pytest.raises(ValueError, match="unknown BFCL"):
+        FunctionCallEnv("java")
+    mix = FunctionCallEnv("all")
+    assert len(mix) == sum(len(load_single_turn(c)) for c in SINGLE_TURN_CATEGORIES)
+    assert len({mix.items[i]["category"] for i in range(100)}) >= 6  # the first 100 mix the categories
+
+
+def run_episode(env, index, policy):
+    obs, info = env.reset(options={"index": index})
+    while True:
+        obs, r, term, trunc, info = env.step(policy(obs))
+        if term or trunc:
+            return r, info
+
+
+def executor_instances():
+    return [k for k in vars(_bfcl().utils) if k.startswith("rl2gem_")]
+
+
+def test_scripted_gold_policy_scores_one_on_every_multi_turn_base_task():
+    env = ToolUseEnv("base")
+    solve = env.make_solver()
+    rewards = [run_episode(env, i, solve)[0] for i in range(len(env))]
+    assert len(rewards) == 200 and rewards == [1.0] * 200
+    env.close()
+    assert executor_instances() == []
+
+
+@pytest.mark.parametrize("category", ["long_context", "miss_param"])
+def test_gold_policy_on_other_multi_turn_categories(category):
+    env = ToolUseEnv(category)
+    solve = env.make_solver()
+    assert all(run_episode(env, i, solve)[0] == 1.0 for i in range(0, len(env), 7))
+
+
+def test_skipping_a_gold_call_fails_the_task():
+    env = ToolUseEnv("base")
+    gold = env.make_solver()
+    failed = 0
+    for i in range(0, 200, 10):
+        state = {"dropped": False}
+
+        def policy(obs):
+            action = gold(obs)
+            if not state["dropped"] and action.count("<tool_call>") >= 1:
+                state["dropped"] = True
+                return action.rsplit("<tool_call>", 1)[0] or "Done."
+            return action
+
+        r, info = run_episode(env, i, policy)
+        failed += r == 0.0 and info["error_type"] is not None
+    assert failed == 20
+
+
+def test_calls_have_effects_and_episodes_are_isolated():
+    a, b = ToolUseEnv("base"), ToolUseEnv("base")
+    a.reset(options={"index": 0})
+    b.reset(options={"index": 0})
+    obs, r, term, trunc, info = a.step(tool_call("cd", {"folder": "document"}) + tool_call("mkdir", {"dir_name": "temp"}))
+    assert info["role"] == "tool" and '"current_working_directory": "document"' in obs and not term
+    assert "temp" in a.step(tool_call("ls", {}))[0]
+    assert "temp" not in b.step("[cd(folder='document')]")[0] and "temp" not in b.step("[ls()]")[0]
+    obs, *_, info = b.step(tool_call("format_disk", {}) + "<tool_call>{bad json</tool_call>")
+    assert "Error: unknown function 'format_disk'" in obs and "not valid JSON" in obs and info["invalid_action"]
+    obs, r, term, trunc, info = a.step("I moved the file.")  # ends user turn 0: the next request comes
+    assert info["role"] == "user" and info["user_turn"] == 1 and obs.startswith("Perform a detailed search")
+    a.close()
+    b.close()
+    assert executor_instances() == []
+
+
+def test_step_limit_per_user_turn_truncates():
+    env = ToolUseEnv("base", max_steps_per_turn=2)
+    env.reset(options={"index": 0})
+    env.step(tool_call("ls", {}))
+    env.step(tool_call("ls", {}))
+    obs, r, term, trunc, info = env.step(tool_call("ls", {}))
+    assert (r, term, trunc, info["truncated_reason"]) == (0.0, False, True, "max_steps_per_turn")

@@ -1,0 +1,36 @@
+"""rl2/PythonMath-v0: math problems where the agent may run Python before answering."""
+
+import json
+
+import rl2gem
+from rl2gem.tools import ToolEnvWrapper
+
+
+def code_call(code):
+    return "<tool_call>" + json.dumps({"name": "python", "arguments": {"code": code}}) + "</tool_call>"
+
+
+def test_compute_with_python_then_answer():
+    env = rl2gem.make("rl2/PythonMath-v0", dataset="gsm8k", split="test", max_tool_calls=2)
+    assert isinstance(env, ToolEnvWrapper)
+    obs, info = env.reset(options={"index": 3})
+    answer = env.unwrapped.problem["answer"]
+    assert "python" in obs and "\\boxed{}" in obs and info["tools"][0]["function"]["name"] == "python"
+    obs, r, term, trunc, info = env.step(code_call(f"x = {answer}\nprint(x * 2)"))
+    assert obs.strip() == str(int(answer) * 2) and info["role"] == "tool" and (r, term) == (0.0, False)
+    obs, r, term, trunc, info = env.step(code_call("import os\nos.system('ls')"))
+    assert "creating processes is disabled" in obs and not term
+    obs, r, term, trunc, info = env.step(f"So the answer is \\boxed{{{answer}}}.")
+    assert (r, term, info["correct"], info["num_tool_calls"]) == (1.0, True, True, 2)
+    env.close()
+
+
+def test_wrong_answer_after_tools_scores_zero_and_limit_truncates():
+    env = rl2gem.make("rl2/PythonMath-v0", dataset="gsm8k", split="test", max_tool_calls=1)
+    env.reset(options={"index": 0})
+    env.step(code_call("print(1)"))
+    obs, r, term, trunc, info = env.step(code_call("print(2)"))
+    assert trunc and info["truncated_reason"] == "max_tool_calls"
+    env.reset(options={"index": 0})
+    assert env.step("\\boxed{-123456}")[1] == 0.0
+    env.close()

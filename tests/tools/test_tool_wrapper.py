@@ -1,0 +1,140 @@
+"""ToolEnvWrapper: tool calls become role='tool' observations; other actions reach the env."""
+
+import asyncio
+import time
+
+import pytest
+from gymnasium.error import ResetNeeded
+
+from rl2gem.core import Env
+from rl2gem.testing import check_env
+from rl2gem.tools import FunctionTool, ToolEnvWrapper
+
+
+class Quiz(Env):
+    """Answer 'What is 17 * 23?' in one step; the reply must contain 391."""
+
+    invalid_action_terminates = True
+
+    def __init__(self):
+        super().__init__(max_turns=1)
+
+    def _reset(self, options):
+        return "What is 17 * 23?", {}
+
+    def _step(self, action):
+        ok = "391" in action
+        return "", float(ok), True, False, {"success": ok}
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: first factor.
+        b: second factor.
+    """
+    return a * b
+
+
+async def slow_echo(text: str) -> str:
+    """Echo after a while."""
+    await asyncio.sleep(0.3)
+    return text
+
+
+def call(name, **args):
+    import json
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': args})}</tool_call>"
+
+
+def make(**kw):
+    return ToolEnvWrapper(Quiz(), [FunctionTool(multiply), FunctionTool(slow_echo)], **kw)
+
+
+def test_tool_turns_then_answer():
+    env = make()
+    obs, info = env.reset(seed=0)
+    assert obs.startswith("What is 17 * 23?") and '"name": "multiply"' in obs
+    assert [t["function"]["name"] for t in info["tools"]] == ["multiply", "slow_echo"]
+    obs, r, term, trunc, info = env.step("Let me use the tool. " + call("multiply", a=17, b=23))
+    assert (obs, r, term, trunc) == ("391", 0.0, False, False)
+    assert info["role"] == "tool" and info["num_tool_calls"] == 1 and info["invalid_action"] is None
+    assert env.unwrapped.turn == 0  # the quiz was not stepped
+    obs, r, term, trunc, info = env.step("The answer is 391.")
+    assert (r, term, info["success"], info["turn"], info["num_tool_calls"]) == (1.0, True, True, 2, 1)
+    with pytest.raises(ResetNeeded):
+        env.step("again")
+
+
+def test_parallel_calls_come_back_in_order():
+    env = make()
+    env.reset(seed=0)
+    obs, *_ , info = env.step(call("slow_echo", text="first") + call("multiply", a=2, b=3))
+    assert obs == "<tool_response>\nfirst\n</tool_response>\n<tool_response>\n6\n</tool_response>"
+    assert [c["name"] for c in info["tool_calls"]] == ["slow_echo", "multiply"]
+
+
+@pytest.mark.parametrize("action, message", [
+    (call("divide", a=1, b=2), "unknown tool 'divide'; the available tools are multiply, slow_echo"),
+    ('<tool_call>{"name": "multiply", "arguments": {"a": 1,</tool_call>', "not valid JSON"),
+    (call("multiply", a=1), "'b' is a required property"),
+    (call("multiply", a="one", b=2), "'one' is not of type 'integer'"),
+])
+def test_bad_calls_get_clear_observations_and_the_episode_goes_on(action, message):
+    env = make()
+    env.reset(seed=0)
+    obs, r, term, trunc, info = env.step(action)
+    assert message in obs and obs.startswith("Error") and (r, term, trunc) == (0.0, False, False)
+    assert info["invalid_action"] and info["num_invalid_actions"] == 1 and info["role"] == "tool"
+    assert env.step("391")[1] == 1.0
+
+
+def test_call_limit_truncates_with_a_clear_observation():
+    env = make(max_tool_calls=2)
+    env.reset(seed=0)
+    env.step(call("multiply", a=1, b=2))
+    obs, r, term, trunc, info = env.step(call("multiply", a=1, b=2) + call("multiply", a=3, b=4))
+    assert "Tool-call limit reached" in obs and "none of the 2 requested was run" in obs
+    assert (term, trunc, info["truncated_reason"], info["num_tool_calls"]) == (False, True, "max_tool_calls", 2)
+    with pytest.raises(ResetNeeded):
+        env.step("391")
+    env.reset(seed=1)  # a new episode has the full budget again
+    assert env.step(call("multiply", a=1, b=2))[0] == "2"
+
+
+def test_async_episodes_overlap_and_spawn_keeps_the_tools():
+    env = make()
+    env.reset(seed=3)
+    envs, observations, infos = env.spawn(4)
+    assert all(isinstance(e, ToolEnvWrapper) and o == observations[0] and "tools" in i for e, o, i in zip(envs, observations, infos))
+
+    async def episode(e):
+        obs, *_ = await e.astep(call("slow_echo", text="hi"))
+        return obs, (await e.astep("391"))[1]
+
+    async def main():
+        t0 = time.perf_counter()
+        out = await asyncio.gather(*(episode(e) for e in envs))
+        return out, time.perf_counter() - t0
+
+    out, elapsed = asyncio.run(main())
+    assert out == [("hi", 1.0)] * 4 and elapsed < 1.0  # four 0.3 s tool calls ran concurrently
+    for e in envs:
+        e.close()
+
+
+def test_prompt_placement_and_argument_checks():
+    env = make(prompt="prepend")
+    obs, _ = env.reset(seed=0)
+    assert obs.endswith("What is 17 * 23?") and obs.startswith("You can use the tools")
+    obs, _ = make(prompt=None).reset(seed=0)
+    assert obs == "What is 17 * 23?"
+    with pytest.raises(ValueError, match="unique"):
+        ToolEnvWrapper(Quiz(), [FunctionTool(multiply), FunctionTool(multiply)])
+    with pytest.raises(TypeError, match="not a Tool"):
+        ToolEnvWrapper(Quiz(), [multiply])
+
+
+def test_wrapped_env_passes_check_env():
+    check_env(make(), make=make)
