@@ -89,6 +89,12 @@ def test_env_throughput_benchmark_smoke():
     assert len(rows) == 4 and all(line.rstrip().endswith("x |") for line in rows)
 
 
+def test_sandbox_benchmark_smoke():
+    stdout = run("benchmarks/sandbox.py", "--quick")
+    rows = re.findall(r"^\| (1|8|32) \| [\d.]+ \|", stdout, re.M)
+    assert rows == ["1", "8", "32"]
+
+
 def readme_blocks(lang):
     return re.findall(rf"```{lang}\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import json
 import os
 import shutil
 import signal
@@ -219,9 +218,9 @@ async def run_python(code: str, config: SandboxConfig | None = None) -> SandboxR
         "memory_bytes": cfg.memory_mb * 2**20,
         "file_bytes": cfg.max_file_mb * 2**20,
         "max_processes": cfg.max_processes if mode == "namespaces" else None,
-        "preload": list(cfg.preload),
     }
-    argv = [sys.executable, "-I", "-B", _BOOT, json.dumps(limits)]
+    args = [f"{k}={'' if v is None else int(v)}" for k, v in limits.items()] + ["preload=" + ",".join(cfg.preload)]
+    argv = [sys.executable, "-I", "-B", _BOOT, *args]
     if mode == "namespaces":
         argv = [shutil.which("unshare") or "unshare", *_UNSHARE, *argv]
     cap = cfg.max_output_chars

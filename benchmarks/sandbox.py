@@ -1,0 +1,112 @@
+"""Python sandbox throughput: executions/second of a trivial snippet at 1, 8 and 32 in flight.
+
+Side by side, in one run, on the same snippets:
+
+* **rl2gem** :class:`rl2gem.tools.PythonTool`, async (``asyncio.create_subprocess_exec``),
+  ``c`` calls in flight on one event loop, in each isolation mode this host has
+  (``namespaces``: user+net+pid namespaces via ``unshare`` and the audit hook;
+  ``audit``: the audit hook only).
+* **GEM** 0.1.0 ``gem.tools.python_code_tool.PythonCodeTool`` (``sandbox_type="none"``:
+  a string blacklist, ``subprocess.run``), which is synchronous, so ``c``
+  threads each call it (what a vectorised GEM env does).
+
+Each executes ``print(sum(i * i for i in range(1000)))`` and must print 332833500.
+Run: ``python benchmarks/sandbox.py`` (``--quick`` for a smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from rl2gem.tools import PythonTool, SandboxConfig, sandbox_mode
+
+SNIPPET = "print(sum(i * i for i in range(1000)))"
+EXPECTED = "332833500"
+
+
+def bench_rl2gem(mode: str, concurrency: int, n: int) -> float:
+    tool = PythonTool(SandboxConfig(isolation=mode, max_concurrency=concurrency, timeout_s=60))
+
+    async def main() -> float:
+        await tool.call({"code": SNIPPET})  # warm-up
+        t0 = time.perf_counter()
+        out = await asyncio.gather(*(tool.call({"code": SNIPPET}) for _ in range(n)))
+        elapsed = time.perf_counter() - t0
+        assert all(o.strip() == EXPECTED for o in out), out[:3]
+        return n / elapsed
+
+    return asyncio.run(main())
+
+
+def bench_gem(concurrency: int, n: int) -> float:
+    from gem.tools.python_code_tool import PythonCodeTool
+
+    tool = PythonCodeTool(timeout=60, sandbox_type="none")
+    action = f"```python\n{SNIPPET}\n```"
+
+    def one(_: int) -> str:
+        return tool.execute_action(action)[2]  # (is_valid, has_error, observation, parsed_action)
+
+    one(0)
+    with ThreadPoolExecutor(concurrency) as pool:
+        t0 = time.perf_counter()
+        out = list(pool.map(one, range(n)))
+        elapsed = time.perf_counter() - t0
+    assert all(EXPECTED in o for o in out), out[:3]
+    return n / elapsed
+
+
+def _same_python_for_gem() -> None:
+    """GEM runs ``python`` from PATH: make that this interpreter (not a pyenv shim script), so both
+    sides start the same binary."""
+    bindir = os.path.dirname(sys.executable)
+    if not os.path.exists(os.path.join(bindir, "python")):
+        raise SystemExit(f"no 'python' next to {sys.executable}; GEM would run another interpreter")
+    os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a smoke run (few executions)")
+    args = ap.parse_args()
+    levels = (1, 8, 32)
+    modes = ["namespaces", "audit"] if sandbox_mode() == "namespaces" else ["audit"]
+    try:
+        import gem  # noqa: F401
+        has_gem = True
+    except ImportError:
+        has_gem = False
+    print(f"CPU cores: {os.cpu_count()}; snippet: {SNIPPET!r}; isolation available: {sandbox_mode()}")
+    if not has_gem:
+        print("GEM (gem-llm==0.1.0, the bench extra) is not installed: its column is left out.")
+    header = "| in flight | " + " | ".join(f"rl2gem {m} (exec/s)" for m in modes) + (" | GEM 0.1.0 none (exec/s) | rl2gem/GEM |" if has_gem else " |")
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    # GEM's tool makes its temporary folders in the current directory: run it in a scratch one.
+    _same_python_for_gem()
+    cwd = os.getcwd()
+    with tempfile.TemporaryDirectory() as scratch:
+        os.chdir(scratch)
+        try:
+            for c in levels:
+                n = 8 if args.quick else max(48, 4 * c)
+                ours = [bench_rl2gem(m, c, n) for m in modes]
+                row = f"| {c} | " + " | ".join(f"{x:.1f}" for x in ours)
+                if has_gem:
+                    theirs = bench_gem(c, n)
+                    row += f" | {theirs:.1f} | {ours[0] / theirs:.2f}x |"
+                else:
+                    row += " |"
+                print(row, flush=True)
+        finally:
+            os.chdir(cwd)
+
+
+if __name__ == "__main__":
+    main()
