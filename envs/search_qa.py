@@ -38,7 +38,7 @@ from typing import Any, Mapping
 from rl2gem.assets import ASSETS, asset_path
 from rl2gem.core import Env, StepResult
 from rl2gem.data import load_table, prepared
-from rl2gem.retrieval import EmbeddedService, RetrievalClient, RetrievalError, format_passages, load_corpus
+from rl2gem.retrieval import LazyRetrieval, RetrievalError, format_passages, load_corpus
 from rl2gem.rewards.qa import exact_match, token_f1
 
 __all__ = ["SearchQAEnv", "load_questions", "PROMPT"]
@@ -154,8 +154,7 @@ class SearchQAEnv(Env):
             raise ValueError("topk must be 1..100 and max_searches >= 0")
         self.split, self.data, self.topk, self.max_searches = split, data, topk, max_searches
         self.retrieval_url, self.timeout, self.retries = retrieval_url, timeout, retries
-        self._client: RetrievalClient | None = None
-        self._embedded = False
+        self._retrieval = LazyRetrieval(retrieval_url, timeout=timeout, retries=retries)
         self.item: dict[str, Any] | None = None
 
     @property
@@ -164,15 +163,6 @@ class SearchQAEnv(Env):
 
     def __len__(self) -> int:
         return len(self.questions)
-
-    def _get_client(self) -> RetrievalClient:
-        if self._client is None:
-            url = self.retrieval_url
-            if url is None:
-                url = EmbeddedService.acquire()
-                self._embedded = True
-            self._client = RetrievalClient(url, timeout=self.timeout, retries=self.retries)
-        return self._client
 
     async def _areset(self, options: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
         questions = self.questions
@@ -208,7 +198,7 @@ class SearchQAEnv(Env):
         self.num_searches += 1
         info: dict[str, Any] = {"role": "tool", "num_searches": self.num_searches, "query": query}
         try:
-            hits = (await self._get_client().retrieve([query], self.topk))[0]
+            hits = (await (await self._retrieval.client()).retrieve([query], self.topk))[0]
             text = format_passages(hits)
         except RetrievalError as e:
             text = f"Search failed ({e}). You can search again or answer."
@@ -216,12 +206,7 @@ class SearchQAEnv(Env):
         return f"<information>{text}</information>", 0.0, False, False, info
 
     async def _aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
-        if self._embedded:
-            EmbeddedService.release()
-            self._embedded = False
+        await self._retrieval.aclose()
 
     def sample_random_action(self, rng=None) -> str:
         rng = rng if rng is not None else self.np_random

@@ -512,15 +512,22 @@ class Env(gym.Env[str, str]):
 class Wrapper(gym.Wrapper[str, str, str, str]):
     """A :class:`gymnasium.Wrapper` for rl2gem envs that also forwards the async API.
 
-    Subclasses override ``reset``/``step`` and ``areset``/``astep`` as they need;
-    by default both forward to the wrapped env.
+    Subclasses override ``step``/``astep`` as they need and change reset results
+    in the ``_on_reset(obs, info)`` hook; by default everything forwards to the wrapped env.
     """
 
     def __init__(self, env: gym.Env):
         super().__init__(env)
 
+    def _on_reset(self, obs: str, info: dict[str, Any]) -> ResetResult:
+        """Hook: change the wrapped env's reset result (both ``reset`` and ``areset`` call it)."""
+        return obs, info
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> ResetResult:
+        return self._on_reset(*self.env.reset(seed=seed, options=options))
+
     async def areset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> ResetResult:
-        return await self.env.areset(seed=seed, options=options)  # type: ignore[attr-defined]
+        return self._on_reset(*await self.env.areset(seed=seed, options=options))  # type: ignore[attr-defined]
 
     async def astep(self, action: str) -> StepResult:
         return await self.env.astep(action)  # type: ignore[attr-defined]

@@ -38,6 +38,7 @@ from rl2gem.aio import LoopSessions
 from rl2gem.procs import ServiceProcess, stop_on_stdin_eof
 
 __all__ = [
+    "LazyRetrieval",
     "load_corpus",
     "BM25Index",
     "make_app",
@@ -343,3 +344,34 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+class LazyRetrieval:
+    """A :class:`RetrievalClient` made on first use, for envs and tools that may never search.
+
+    With ``url=None`` the first :meth:`client` call starts (or joins) the
+    :class:`EmbeddedService` in a worker thread; :meth:`aclose` closes the
+    client's sessions and releases the service.
+    """
+
+    def __init__(self, url: str | None, *, timeout: float = 10.0, retries: int = 2):
+        self.url, self.timeout, self.retries = url, timeout, retries
+        self._client: RetrievalClient | None = None
+        self._embedded = False
+
+    async def client(self) -> RetrievalClient:
+        if self._client is None:
+            url = self.url
+            if url is None:
+                url = await asyncio.to_thread(EmbeddedService.acquire)
+                self._embedded = True
+            self._client = RetrievalClient(url, timeout=self.timeout, retries=self.retries)
+        return self._client
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+        if self._embedded:
+            EmbeddedService.release()
+            self._embedded = False

@@ -57,12 +57,6 @@ class ChatHistory(Wrapper):
             info["messages"] = [dict(m) for m in self.messages]
         return info
 
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> ResetResult:
-        return self._on_reset(*self.env.reset(seed=seed, options=options))
-
-    async def areset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> ResetResult:
-        return self._on_reset(*await self.env.areset(seed=seed, options=options))  # type: ignore[attr-defined]
-
     def step(self, action: str) -> StepResult:
         return self._on_step(action, self.env.step(action))
 

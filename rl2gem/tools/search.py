@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
-from rl2gem.retrieval import EmbeddedService, RetrievalClient, RetrievalError, format_passages
+from rl2gem.retrieval import LazyRetrieval, RetrievalError, format_passages
 
 __all__ = ["SearchTool"]
 
@@ -44,33 +43,21 @@ class SearchTool:
             raise ValueError(f"topk must be 1..100, got {topk}")
         self.url, self.topk, self.timeout, self.retries = url, topk, timeout, retries
         self.name, self.instructions = name, instructions
-        self._client: RetrievalClient | None = None
-        self._embedded = False
+        self._retrieval = LazyRetrieval(url, timeout=timeout, retries=retries)
 
     async def call(self, arguments: dict[str, Any]) -> str:
         query = str(arguments.get("query", "")).strip()
         if not query:
             return "Error: the query is empty."
-        if self._client is None:
-            url = self.url
-            if url is None:
-                url = await asyncio.to_thread(EmbeddedService.acquire)
-                self._embedded = True
-            self._client = RetrievalClient(url, timeout=self.timeout, retries=self.retries)
         try:
-            hits = (await self._client.retrieve([query], self.topk))[0]
+            hits = (await (await self._retrieval.client()).retrieve([query], self.topk))[0]
         except RetrievalError as e:
             return f"Search failed ({e}). You can search again."
         return format_passages(hits) if hits else "No results."
 
     async def aclose(self) -> None:
         """Close the HTTP sessions and release the embedded service."""
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
-        if self._embedded:
-            EmbeddedService.release()
-            self._embedded = False
+        await self._retrieval.aclose()
 
     def __repr__(self) -> str:
         return f"SearchTool({self.url or 'embedded BM25'}, topk={self.topk})"

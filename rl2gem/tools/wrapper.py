@@ -129,12 +129,6 @@ class ToolEnvWrapper(Wrapper):
         info["num_tool_calls"] = 0
         return info
 
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> ResetResult:
-        return self._on_reset(*self.env.reset(seed=seed, options=options))
-
-    async def areset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> ResetResult:
-        return self._on_reset(*await self.env.areset(seed=seed, options=options))  # type: ignore[attr-defined]
-
     # ------------------------------------------------------------------ step
     def step(self, action: str) -> StepResult:
         if self._loop is None:
@@ -187,14 +181,9 @@ class ToolEnvWrapper(Wrapper):
     def spawn(self, n: int):
         """``n`` copies of the current episode's initial state, each wrapped with the same tools."""
         envs, observations, infos = self.env.spawn(n)  # type: ignore[attr-defined]
-        wrapped, obs_out, info_out = [], [], []
-        for e, o, i in zip(envs, observations, infos):
-            w = ToolEnvWrapper(e, list(self.tools.values()), self.max_tool_calls, prompt=self.prompt)
-            o, i = w._on_reset(o, i)
-            wrapped.append(w)
-            obs_out.append(o)
-            info_out.append(i)
-        return wrapped, obs_out, info_out
+        wrapped = [ToolEnvWrapper(e, list(self.tools.values()), self.max_tool_calls, prompt=self.prompt) for e in envs]
+        results = [w._on_reset(o, i) for w, o, i in zip(wrapped, observations, infos)]
+        return wrapped, [obs for obs, _ in results], [info for _, info in results]
 
     @property
     def is_async_native(self) -> bool:
