@@ -27,10 +27,8 @@ own prompting format, a Python list of calls such as
 from __future__ import annotations
 
 import ast
-import copy
 import functools
 import hashlib
-import inspect
 import itertools
 import json
 import os
@@ -40,7 +38,7 @@ import threading
 import types
 from typing import Any, Sequence
 
-from rl2gem.assets import ASSETS, fetch
+from rl2gem.assets import fetch
 from rl2gem.core import Env, StepResult
 from rl2gem.tools import parse_tool_calls, tools_prompt
 from rl2gem.tools.wrapper import format_tool_results
