@@ -59,9 +59,14 @@ _UNSHARE = ["--user", "--map-root-user", "--net", "--pid", "--fork", "--mount-pr
 
 
 @functools.cache
+def _unshare() -> str | None:
+    return shutil.which("unshare")
+
+
+@functools.cache
 def sandbox_mode() -> str:
     """``"namespaces"`` when ``unshare`` can make unprivileged user/net/pid namespaces here, else ``"audit"``."""
-    exe = shutil.which("unshare")
+    exe = _unshare()
     if exe is None:
         return "audit"
     try:
@@ -210,6 +215,8 @@ async def run_python(code: str, config: SandboxConfig | None = None) -> SandboxR
         RuntimeError: ``isolation="namespaces"`` on a host without user namespaces.
     """
     cfg = config or SandboxConfig()
+    if sandbox_mode.cache_info().currsize == 0:  # the one-time probe starts a process: not on the loop
+        await asyncio.to_thread(sandbox_mode)
     mode = sandbox_mode() if cfg.isolation == "auto" else cfg.isolation
     if cfg.isolation == "namespaces" and sandbox_mode() != "namespaces":
         raise RuntimeError("isolation='namespaces' was asked for, but this host does not allow unprivileged user namespaces")
@@ -222,7 +229,7 @@ async def run_python(code: str, config: SandboxConfig | None = None) -> SandboxR
     args = [f"{k}={'' if v is None else int(v)}" for k, v in limits.items()] + ["preload=" + ",".join(cfg.preload)]
     argv = [sys.executable, "-I", "-B", _BOOT, *args]
     if mode == "namespaces":
-        argv = [shutil.which("unshare") or "unshare", *_UNSHARE, *argv]
+        argv = [_unshare() or "unshare", *_UNSHARE, *argv]
     cap = cfg.max_output_chars
     async with _semaphore(cfg.max_concurrency):
         workdir = tempfile.mkdtemp(prefix="rl2gem-sandbox-")
