@@ -196,8 +196,10 @@ async def _read_capped(stream: asyncio.StreamReader, cap: int, overflow: asyncio
         if len(kept) < cap:
             kept += chunk[: cap - len(kept)]
         if total > max(_FLOOD_BYTES, 64 * cap):
+            # Signal the flood, but keep draining (and dropping) until EOF: a reader that
+            # stopped would leave asyncio's pipe transport paused, so it would never see
+            # EOF and ``proc.wait()`` (which waits for the pipes too) would never return.
             overflow.set()
-            break
     return bytes(kept), total > len(kept)
 
 
@@ -274,9 +276,15 @@ async def run_python(code: str, config: SandboxConfig | None = None) -> SandboxR
             except (asyncio.TimeoutError, asyncio.CancelledError):
                 io.cancel()
                 out, err, cut_out, cut_err = b"", b"", False, False
-            exit_code = await proc.wait()
-            _kill_group(proc.pid)  # anything the code left behind in its group
             transport = getattr(proc, "_transport", None)
+            try:
+                exit_code = await asyncio.wait_for(proc.wait(), 5.0)
+            except asyncio.TimeoutError:  # a pipe still held open: drop the pipes, keep the status
+                _kill_group(proc.pid)
+                if transport is not None:
+                    transport.close()
+                exit_code = await asyncio.wait_for(proc.wait(), 5.0)
+            _kill_group(proc.pid)  # anything the code left behind in its group
             if transport is not None:  # release the pipes now, not when the loop is gone
                 transport.close()
             elapsed = time.perf_counter() - start
