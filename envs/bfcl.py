@@ -288,6 +288,12 @@ def _render_messages(messages: list[dict[str, str]]) -> str:
     return "\n\n".join(parts)
 
 
+def _check_tool_prompt(tool_prompt: str | None) -> str | None:
+    if tool_prompt not in ("append", None):
+        raise ValueError(f"tool_prompt must be 'append' or None, got {tool_prompt!r}")
+    return tool_prompt
+
+
 class FunctionCallEnv(Env):
     """BFCL single-turn function calling (see the module doc).
 
@@ -307,19 +313,23 @@ class FunctionCallEnv(Env):
             (``"simple"`` is an alias of ``"simple_python"``), or a list.
         split: ``"all"`` (the benchmark), or ``"train"`` / ``"test"``: a fixed
             80/20 split by a hash of the item id, for training on BFCL.
+        tool_prompt: ``"append"`` (default) puts the functions and the call format
+            after the request; ``None`` leaves them to the chat template
+            (``info["tools"]``, ``RolloutConfig(tools_in_template=True)``).
 
     Raises:
-        ValueError: unknown category or split.
+        ValueError: unknown category or split, bad ``tool_prompt``.
     """
 
     invalid_action_terminates = True
 
-    def __init__(self, category: str | Sequence[str] = "all", split: str = "all", *, render_mode: str | None = None):
+    def __init__(self, category: str | Sequence[str] = "all", split: str = "all", *, tool_prompt: str | None = "append",
+                 render_mode: str | None = None):
         super().__init__(max_turns=1, render_mode=render_mode)
         self.categories = _resolve_categories(category, SINGLE_TURN_CATEGORIES, {"simple": "simple_python"})
         if split not in ("all", "train", "test"):
             raise ValueError(f"split must be 'all', 'train' or 'test', got {split!r}")
-        self.split = split
+        self.split, self.tool_prompt = split, _check_tool_prompt(tool_prompt)
         self.item: dict[str, Any] | None = None
 
     @functools.cached_property
@@ -335,7 +345,7 @@ class FunctionCallEnv(Env):
         index = self.task_index(len(self.items), options)
         self.item = self.items[index]
         offer, schemas = _offer(self.item["functions"])
-        obs = _render_messages(self.item["messages"]) + (f"\n\n{offer}" if offer else "")
+        obs = _render_messages(self.item["messages"]) + (f"\n\n{offer}" if offer and self.tool_prompt else "")
         return obs, {"index": index, "id": self.item["id"], "category": self.item["category"], "tools": schemas}
 
     def _step(self, action: str) -> StepResult:
@@ -433,15 +443,16 @@ class ToolUseEnv(Env):
         category: ``"base"`` (default), ``"long_context"`` or ``"miss_param"``.
         split: ``"all"``, ``"train"`` or ``"test"`` (80/20 by a hash of the id).
         max_steps_per_turn: calling steps allowed per user turn.
+        tool_prompt: ``"append"`` (default) or ``None``, as for :class:`FunctionCallEnv`.
 
     Raises:
-        ValueError: unknown category or split.
+        ValueError: unknown category or split, bad ``tool_prompt``.
     """
 
     _counter = itertools.count()
 
     def __init__(self, category: str = "base", split: str = "all", *, max_steps_per_turn: int = 20,
-                 render_mode: str | None = None):
+                 tool_prompt: str | None = "append", render_mode: str | None = None):
         super().__init__(render_mode=render_mode)
         if category not in MULTI_TURN_CATEGORIES:
             raise ValueError(f"unknown BFCL multi-turn category {category!r}; choose from {MULTI_TURN_CATEGORIES}")
@@ -450,6 +461,7 @@ class ToolUseEnv(Env):
         if max_steps_per_turn < 1:
             raise ValueError("max_steps_per_turn must be >= 1")
         self.category, self.split, self.max_steps_per_turn = category, split, max_steps_per_turn
+        self.tool_prompt = _check_tool_prompt(tool_prompt)
         self.item: dict[str, Any] | None = None
         self._names: list[str] = []
 
@@ -484,7 +496,7 @@ class ToolUseEnv(Env):
         self.calls: list[list[list[str]]] = [[]]
         self._functions = {f["name"]: f for f in item["functions"]}
         offer, schemas = _offer(item["functions"])
-        obs = _render_messages(item["question"][0]) + f"\n\n{offer}"
+        obs = _render_messages(item["question"][0]) + (f"\n\n{offer}" if self.tool_prompt else "")
         return obs, {"index": index, "id": item["id"], "user_turn": 0, "num_user_turns": len(item["question"]),
                      "tools": schemas}
 
@@ -532,7 +544,7 @@ class ToolUseEnv(Env):
                 self.calls[self._user_turn].append(runnable)
             it = iter(executed)
             texts = [r if r is not None else next(it) for r in results] + [f"Error: {e}" for e in errors]
-            info = dict(base_info, role="tool", executed=runnable)
+            info = dict(base_info, role="tool", executed=runnable, tool_results=texts)
             if not runnable:
                 info["invalid_action"] = "no runnable function call"
             return format_tool_results(texts), 0.0, False, False, info

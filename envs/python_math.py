@@ -33,6 +33,7 @@ def make_python_math(
     memory_mb: int = 1024,
     max_output_chars: int = 2048,
     instruction: str = INSTRUCTION,
+    tool_prompt: str | None = "append",
     render_mode: str | None = None,
 ) -> ToolEnvWrapper:
     """``rl2/PythonMath-v0``: :class:`~rl2gem.envs.math.MathEnv` with a :class:`~rl2gem.tools.PythonTool`.
@@ -42,7 +43,13 @@ def make_python_math(
         max_tool_calls: Python runs allowed per episode.
         timeout_s, memory_mb, max_output_chars: sandbox limits per run
             (:class:`~rl2gem.tools.SandboxConfig`).
+        tool_prompt: where the tool list and call format go in the first observation:
+            ``"append"`` (default) or ``"prepend"``; ``None`` leaves them to the chat
+            template (``info["tools"]``, ``RolloutConfig(tools_in_template=True)``).
+
+    Raises:
+        ValueError: a bad ``tool_prompt`` or sandbox limit.
     """
     env = MathEnv(dataset, split, instruction=instruction, render_mode=render_mode)
     tool = PythonTool(SandboxConfig(timeout_s=timeout_s, memory_mb=memory_mb, max_output_chars=max_output_chars))
-    return ToolEnvWrapper(env, [tool], max_tool_calls=max_tool_calls)
+    return ToolEnvWrapper(env, [tool], max_tool_calls=max_tool_calls, prompt=tool_prompt)

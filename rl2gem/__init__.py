@@ -15,7 +15,7 @@ the modules that use them; ``import rl2gem`` needs neither them nor a GPU.
 """
 
 from rl2gem.core import MAX_ACTION_CHARS, MAX_OBSERVATION_CHARS, Env, TextSpace, Wrapper
-from rl2gem.registry import NAMESPACE, list_envs, load_plugins, make, make_vec, register
+from rl2gem.registry import NAMESPACE, list_envs, load_plugins, make, make_vec, register, standard_kwargs
 from rl2gem.vector import AsyncVectorEnv, SyncVectorEnv
 from rl2gem.wrappers import ChatHistory
 
@@ -35,6 +35,7 @@ __all__ = [
     "make_vec",
     "list_envs",
     "load_plugins",
+    "standard_kwargs",
     "NAMESPACE",
     "MAX_ACTION_CHARS",
     "MAX_OBSERVATION_CHARS",

@@ -17,11 +17,16 @@ models; other envs play seeds ``seed, seed+1, ...``. ``split`` (default
 ``test``) is passed to envs that take one. Each finished episode is appended
 to ``output`` (JSON lines, flushed at once: a crash loses nothing written);
 a summary table is printed at the end.
+
+Tool envs offer their tools as text in the observation by default. With
+``tools_in_template=true`` the model's own chat template renders them instead
+(the env's ``info["tools"]`` passed as ``tools=``; the env is made with
+``tool_prompt=None``); ``chat_template`` (a Jinja file or text) overrides the
+tokenizer's, for models whose template has no tool support.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import sys
 import time
@@ -50,6 +55,8 @@ DEFAULTS: dict[str, Any] = {
     "output": None,
     "progress": True,
     "env_kwargs": {},
+    "tools_in_template": False,
+    "chat_template": None,
 }
 
 
@@ -86,13 +93,10 @@ def _scripted(policy: str, env: gym.Env, rng: np.random.Generator) -> Callable[[
 
 
 def _make_env(cfg) -> gym.Env:
-    kwargs = dict(cfg.env_kwargs)
-    spec = gym.spec(cfg.env)
-    entry = spec.entry_point
-    creator = gym.envs.registration.load_env_creator(entry) if isinstance(entry, str) else entry
-    params = inspect.signature(creator).parameters
-    if cfg.split is not None and "split" in params and "split" not in kwargs:
-        kwargs["split"] = cfg.split
+    from rl2gem.registry import standard_kwargs
+
+    kwargs = standard_kwargs(cfg.env, dict(cfg.env_kwargs), split=cfg.split,
+                             tools_in_template=bool(getattr(cfg, "tools_in_template", False)))
     return gym.make(cfg.env, **kwargs)
 
 
@@ -105,13 +109,15 @@ def _evaluate_model(cfg, resets, emit) -> None:
 
     from rl2gem.models import load_model
     from rl2gem.rollout import EmbeddedEngine, Rollout, RolloutConfig
+    from rl2gem.rollout.tito import load_chat_template
 
     model, tokenizer = load_model(cfg.model)
     rcfg = RolloutConfig(
         responses_per_prompt=1, max_new_tokens=cfg.max_new_tokens, max_length=max(4096, 2 * cfg.max_new_tokens),
         temperature=cfg.temperature, top_p=cfg.top_p, concurrency=cfg.batch_size, system_prompt=cfg.system_prompt,
-        seed=cfg.seed,
+        tools_in_template=bool(cfg.tools_in_template), seed=cfg.seed,
     )
+    chat_template = load_chat_template(cfg.chat_template)
 
     def record(i: int, ep) -> None:
         info = ep.info
@@ -124,7 +130,7 @@ def _evaluate_model(cfg, resets, emit) -> None:
 
     async def run() -> None:
         engine = EmbeddedEngine(model, tokenizer, max_batch_size=cfg.batch_size, seed=cfg.seed)
-        rollout = Rollout(engine, tokenizer, lambda: _make_env(cfg), rcfg)
+        rollout = Rollout(engine, tokenizer, lambda: _make_env(cfg), rcfg, chat_template=chat_template)
         try:
             await rollout.play(resets, record)
         finally:

@@ -10,6 +10,8 @@ thin conveniences over it:
 * :func:`make` is :func:`gymnasium.make`; :func:`make_vec` builds an
   :class:`rl2gem.vector.AsyncVectorEnv` / :class:`~rl2gem.vector.SyncVectorEnv`.
 * :func:`list_envs` lists registered ids.
+* :func:`standard_kwargs` fills in the options evaluation and training set on
+  every env that takes them (``split``, ``tool_prompt``).
 * :func:`load_plugins` imports the environments other installed packages
   declare in the entry-point group ``rl2gem.envs`` (Gymnasium 1.x no longer
   loads plugins). It runs once when :mod:`rl2gem` is imported.
@@ -31,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 import gymnasium as gym
 
-__all__ = ["register", "make", "make_vec", "list_envs", "load_plugins", "ENTRY_POINT_GROUP", "NAMESPACE"]
+__all__ = ["register", "make", "make_vec", "list_envs", "load_plugins", "standard_kwargs", "ENTRY_POINT_GROUP", "NAMESPACE"]
 
 #: Python entry-point group scanned by :func:`load_plugins`.
 ENTRY_POINT_GROUP = "rl2gem.envs"
@@ -74,6 +76,34 @@ def register(
 def make(id: str, **kwargs: Any) -> gym.Env:
     """:func:`gymnasium.make`. Unknown ids raise Gymnasium's error with its 'did you mean' hint."""
     return gym.make(id, **kwargs)
+
+
+def standard_kwargs(id: str, kwargs: dict[str, Any] | None = None, *, split: str | None = None,
+                    tools_in_template: bool = False) -> dict[str, Any]:
+    """``kwargs`` for ``make(id, ...)`` with the common options added where the env's entry point takes them
+    and ``kwargs`` does not set them already.
+
+    Args:
+        id: a registered env id.
+        kwargs: the caller's keyword arguments (not modified).
+        split: data split (``"train"``, ``"test"``), for envs with a ``split`` argument.
+        tools_in_template: add ``tool_prompt=None`` to tool envs (their tools are then
+            rendered by the chat template from ``info["tools"]``, not written into the text).
+
+    Raises:
+        gymnasium.error.Error: unknown id.
+    """
+    import inspect
+
+    out = dict(kwargs or {})
+    entry = gym.spec(id).entry_point
+    creator = gym.envs.registration.load_env_creator(entry) if isinstance(entry, str) else entry
+    params = inspect.signature(creator).parameters
+    if split is not None and "split" in params:
+        out.setdefault("split", split)
+    if tools_in_template and "tool_prompt" in params:
+        out.setdefault("tool_prompt", None)
+    return out
 
 
 def make_vec(

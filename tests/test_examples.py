@@ -76,6 +76,20 @@ def test_evaluate_with_the_real_smollm2_model(tmp_path):
     assert "generated tokens / s" in stdout
 
 
+@pytest.mark.slow
+def test_evaluate_renders_tools_with_the_chat_template(tmp_path):
+    out = tmp_path / "pymath.jsonl"
+    stdout = run("-m", "rl2gem.evaluate", "env=rl2/PythonMath-v0", "model=smollm2-135m-instruct", "n=2", "batch_size=2",
+                 "max_new_tokens=32", "tools_in_template=true", "chat_template=chatml_tools", f"output={out}",
+                 "progress=false", timeout=900)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 2 and "generated tokens / s" in stdout
+    assert all("<tools>" not in r["messages"][0]["content"] for r in records)  # the template offered them
+    r = subprocess.run([sys.executable, "-m", "rl2gem.evaluate", "env=rl2/PythonMath-v0", "model=smollm2-135m-instruct",
+                        "n=1", "tools_in_template=true", "progress=false"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode != 0 and "does not render tools" in r.stderr  # SmolLM2's own template has no tools
+
+
 def test_retrieval_benchmark_smoke():
     stdout = run("benchmarks/retrieval.py", "--quick")
     assert re.search(r"^\| 8 \| \d+ \|", stdout, re.M)

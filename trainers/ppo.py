@@ -256,9 +256,16 @@ class PPOTrainer:
             responses_per_prompt=r.responses_per_prompt, max_new_tokens=r.max_new_tokens, max_length=r.max_length,
             temperature=r.temperature, top_p=r.top_p, concurrency=r.concurrency, partial_rollout=r.partial_rollout,
             partial_oversample=r.partial_oversample, max_staleness=r.max_staleness, dynamic_filter=r.dynamic_filter,
-            system_prompt=r.system_prompt, seed=c.seed * 1000 + self.rank, progress=False,
+            system_prompt=r.system_prompt, tools_in_template=r.tools_in_template, seed=c.seed * 1000 + self.rank,
+            progress=False,
         )
-        self.rollout = Rollout(self.engine, self.tokenizer, c.env, self.rollout_cfg, env_kwargs=OmegaConf.to_container(c.env_kwargs, resolve=True))
+        import rl2gem
+        from rl2gem.rollout.tito import load_chat_template
+
+        env_kwargs = rl2gem.standard_kwargs(c.env, OmegaConf.to_container(c.env_kwargs, resolve=True),
+                                            tools_in_template=r.tools_in_template)
+        self.rollout = Rollout(self.engine, self.tokenizer, c.env, self.rollout_cfg, env_kwargs=env_kwargs,
+                               chat_template=load_chat_template(r.chat_template))
 
     def _run(self, coro):
         return self.loop.run_until_complete(coro)
@@ -408,24 +415,19 @@ class PPOTrainer:
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:
         """Greedy episodes on the test split, spread over ranks; success rate and mean reward."""
-        import inspect
-
-        import gymnasium as gym
-
+        import rl2gem
         from rl2gem.rollout import Rollout, RolloutConfig
+        from rl2gem.rollout.tito import load_chat_template
 
         c = self.cfg
         kwargs = OmegaConf.to_container(c.env_kwargs, resolve=True)
         kwargs.update(OmegaConf.to_container(c.eval_env_kwargs, resolve=True))
-        creator = gym.spec(c.env).entry_point
-        creator = gym.envs.registration.load_env_creator(creator) if isinstance(creator, str) else creator
-        if "split" in inspect.signature(creator).parameters:
-            kwargs.setdefault("split", c.trainer.eval_split)
-        import rl2gem
-
+        kwargs = rl2gem.standard_kwargs(c.env, kwargs, split=c.trainer.eval_split, tools_in_template=c.rollout.tools_in_template)
         rcfg = RolloutConfig(responses_per_prompt=1, max_new_tokens=c.rollout.max_new_tokens, max_length=c.rollout.max_length,
-                             temperature=0.0, concurrency=c.rollout.concurrency, system_prompt=c.rollout.system_prompt)
-        ro = Rollout(self.engine, self.tokenizer, lambda: rl2gem.make(c.env, **kwargs), rcfg)
+                             temperature=0.0, concurrency=c.rollout.concurrency, system_prompt=c.rollout.system_prompt,
+                             tools_in_template=c.rollout.tools_in_template)
+        ro = Rollout(self.engine, self.tokenizer, lambda: rl2gem.make(c.env, **kwargs), rcfg,
+                     chat_template=load_chat_template(c.rollout.chat_template))
         probe = rl2gem.make(c.env, **kwargs)
         indexed = hasattr(probe.unwrapped, "__len__")
         n = min(c.trainer.eval_n, len(probe.unwrapped)) if indexed else c.trainer.eval_n

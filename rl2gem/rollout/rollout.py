@@ -56,6 +56,11 @@ class RolloutConfig:
         dynamic_filter: drop groups with equal rewards (DAPO).
         max_groups_factor: bound on groups started per call with dynamic filtering.
         system_prompt: system message of every conversation.
+        tools_in_template: render the tool schemas an env offers in its reset
+            ``info["tools"]`` with the chat template (``tools=``, the model's own
+            tool format, e.g. Qwen2.5/Hermes) instead of relying on the env's text.
+            Make such envs with ``tool_prompt=None`` so the tools are not offered
+            twice. Needs a template that reads ``tools`` (``ValueError`` otherwise).
         seed: base of the per-group env seeds and of the per-request sampling seeds
             (``sampling_seed``: a group's samples are the same whatever the batching).
         progress: show a tqdm bar.
@@ -74,6 +79,7 @@ class RolloutConfig:
     dynamic_filter: bool = False
     max_groups_factor: float = 4.0
     system_prompt: str | None = None
+    tools_in_template: bool = False
     seed: int = 0
     progress: bool = False
 
@@ -109,6 +115,16 @@ class _Group:
         return min(vs) if vs else None
 
 
+def _reply_messages(obs: str, info: dict[str, Any]) -> list[dict[str, str]]:
+    """The chat messages of an env reply: one ``role="tool"`` message per result where a tool
+    env lists them in ``info["tool_results"]`` (chat templates wrap each result on its own),
+    else one message of ``info["role"]`` (default ``"user"``) with the observation."""
+    results = info.get("tool_results")
+    if info.get("role") == "tool" and isinstance(results, (list, tuple)) and results:
+        return [{"role": "tool", "content": str(t)} for t in results]
+    return [{"role": info.get("role", "user"), "content": obs}]
+
+
 class Rollout:
     """Collects groups of multi-turn episodes from an engine and an env.
 
@@ -139,6 +155,11 @@ class Rollout:
         if self.config.responses_per_prompt < 1:
             raise ValueError("responses_per_prompt must be >= 1")
         self.renderer = ChatRenderer(tokenizer, chat_template, self.config.system_prompt)
+        if self.config.tools_in_template and not self.renderer.supports_tools:
+            raise ValueError(
+                "tools_in_template=True, but the chat template does not render tools (it never reads 'tools'); "
+                "pass a chat_template= that does, or leave the tools in the env's text"
+            )
         if isinstance(env, str):
             import rl2gem
 
@@ -212,8 +233,9 @@ class Rollout:
     async def _episode(self, env, obs: str, info: dict, ep: Episode) -> Episode:
         c, r = self.config, self.renderer
         msgs = r.initial_messages(obs, info.get("role", "user"))
+        tools = info.get("tools") if c.tools_in_template else None
         seq = Sequence()
-        seq.extend_context(r.prompt_ids(msgs))
+        seq.extend_context(r.prompt_ids(msgs, tools))
         ep.sequences.append(seq)
         while True:
             budget = c.max_length - len(seq)
@@ -235,9 +257,9 @@ class Rollout:
                 ep.terminated, ep.truncated = bool(terminated), bool(truncated)
                 ep.messages = msgs + [asst]
                 break
-            replies = [{"role": info.get("role", "user"), "content": obs}]
+            replies = _reply_messages(obs, info)
             stop = ids[-1] if finish == "stop" and ids else None
-            delta = r.delta(msgs, text, replies, stop)
+            delta = r.delta(msgs, text, replies, stop, tools)
             msgs = msgs + [asst] + replies
             if delta.split:
                 ep.splits += 1

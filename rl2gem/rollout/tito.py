@@ -31,9 +31,10 @@ rest is appended.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
-__all__ = ["ChatRenderer", "Sequence", "Episode", "TurnDelta"]
+__all__ = ["ChatRenderer", "Sequence", "Episode", "TurnDelta", "load_chat_template", "BUILTIN_TEMPLATES"]
 
 _SENTINEL = "\u2063RL2GEM\u2063SENTINEL\u2063"
 
@@ -142,6 +143,35 @@ class TurnDelta:
     reason: str = ""
 
 
+#: Chat templates shipped with rl2gem (``rl2gem/rollout/templates/<name>.jinja``), usable by name.
+#: ``chatml_tools``: ChatML (``<|im_start|>role ... <|im_end|>``, SmolLM2's and Qwen's turn
+#: format) that also renders ``tools`` (one JSON schema per line in a system turn, the
+#: ``<tool_call>`` format) and groups consecutive ``role="tool"`` results into one user turn,
+#: each inside ``<tool_response>``: tool support for ChatML models whose own template has none.
+BUILTIN_TEMPLATES = ("chatml_tools",)
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """A ``chat_template`` option of the CLIs: ``None``/empty, a built-in name
+    (:data:`BUILTIN_TEMPLATES`), a Jinja file's path, or the template text itself.
+
+    Raises:
+        FileNotFoundError: ``value`` is none of these.
+    """
+    if not value:
+        return None
+    if "{" in value:
+        return value
+    if value in BUILTIN_TEMPLATES:
+        return (Path(__file__).with_name("templates") / f"{value}.jinja").read_text(encoding="utf-8")
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"chat_template: {value!r} is not a file, a Jinja template or a built-in name ({', '.join(BUILTIN_TEMPLATES)})"
+        )
+    return path.read_text(encoding="utf-8")
+
+
 class ChatRenderer:
     """Renders conversations with a tokenizer's chat template and computes TITO deltas.
 
@@ -158,9 +188,31 @@ class ChatRenderer:
             raise ValueError("the tokenizer has no chat template; pass chat_template=")
         self.system_prompt = system_prompt
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template reads a ``tools`` list (renders tool schemas itself).
+
+        A template that never mentions ``tools`` drops them silently, so this is
+        checked before tools are handed to it.
+        """
+        template = self.chat_template or self.tokenizer.chat_template
+        if isinstance(template, dict):  # named templates: the default one renders conversations
+            template = template.get("tool_use") or template.get("default") or ""
+        return "tools" in str(template)
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """The chat template's text of ``messages``.
+
+        Args:
+            messages: ``{"role", "content"}`` dicts.
+            add_generation_prompt: end with the opening of an assistant turn.
+            tools: OpenAI-style function schemas (an env's ``info["tools"]``), passed to the
+                template as ``tools`` (only when not empty).
+        """
+        kw = {"tools": tools} if tools else {}
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=self.chat_template
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=self.chat_template, **kw
         )
 
     def encode(self, text: str) -> list[int]:
@@ -173,9 +225,9 @@ class ChatRenderer:
         msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return msgs + [{"role": role, "content": observation}]
 
-    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of ``messages`` followed by the generation prompt."""
-        return self.encode(self.render(messages, add_generation_prompt=True))
+    def prompt_ids(self, messages: list[dict[str, str]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of ``messages`` (and ``tools``, see :meth:`render`) followed by the generation prompt."""
+        return self.encode(self.render(messages, add_generation_prompt=True, tools=tools))
 
     def delta(
         self,
@@ -183,6 +235,7 @@ class ChatRenderer:
         action_text: str,
         replies: list[dict[str, str]],
         stop_token: int | None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> TurnDelta:
         """The tokens that follow an action (see module docstring).
 
@@ -191,17 +244,18 @@ class ChatRenderer:
             action_text: the action decoded (for rendering only).
             replies: the env's new messages.
             stop_token: the action's last token if it was a stop token, else None.
+            tools: the schemas the episode's prompt was rendered with (see :meth:`render`).
         """
         asst = {"role": "assistant", "content": action_text}
         nxt = prev + [asst] + replies
-        full = self.render(nxt, add_generation_prompt=True)
-        gen = self.render(prev, add_generation_prompt=True)
-        with_sentinel = self.render(prev + [{"role": "assistant", "content": _SENTINEL}])
+        full = self.render(nxt, add_generation_prompt=True, tools=tools)
+        gen = self.render(prev, add_generation_prompt=True, tools=tools)
+        with_sentinel = self.render(prev + [{"role": "assistant", "content": _SENTINEL}], tools=tools)
         head = gen + _SENTINEL
         if not with_sentinel.startswith(head):
             return TurnDelta(self.encode(full), True, "assistant turn does not extend the generation prompt")
         closing = with_sentinel[len(head):]
-        a = self.render(prev + [asst])
+        a = self.render(prev + [asst], tools=tools)
         if not full.startswith(a):
             return TurnDelta(self.encode(full), True, "template rewrites earlier turns")
         if stop_token is not None:

@@ -78,7 +78,9 @@ class ToolEnvWrapper(Wrapper):
     when the chat template renders tools itself) and as OpenAI-style schemas in
     ``info["tools"]`` (for ``tokenizer.apply_chat_template(..., tools=...)``).
     ``info`` of each step also carries ``tool_calls`` (name, arguments, error
-    per call of that step) and ``num_tool_calls`` (episode total).
+    per call of that step), ``tool_results`` (the text of each call's result,
+    in order: a rollout renders them as one ``role="tool"`` message each) and
+    ``num_tool_calls`` (episode total).
 
     Args:
         env: an rl2gem env (sync or async).
@@ -173,8 +175,9 @@ class ToolEnvWrapper(Wrapper):
             "invalid_action": f"invalid tool call: {failed[0]}" if len(failed) == len(results) else None,
             "turn": self._turn,
             "num_invalid_actions": self._num_invalid,
+            "tool_results": [text for text, _ in results],
         }
-        return format_tool_results([text for text, _ in results]), 0.0, False, False, info
+        return format_tool_results(info["tool_results"]), 0.0, False, False, info
 
     # ----------------------------------------------------------------- other
     def spawn(self, n: int):
