@@ -95,6 +95,24 @@ async def _aplay(env: gym.Env, seed: int, actions: list[Any]) -> list[tuple]:
     return out
 
 
+def _check_tool_conventions(name: str, episode: list[tuple]) -> None:
+    tools = episode[0][1].get("tools")
+    if tools is not None:
+        assert isinstance(tools, list), f"{name}: info['tools'] is not a list"
+        for t in tools:
+            fn = t.get("function") if isinstance(t, dict) else None
+            assert t.get("type") == "function" and isinstance(fn, dict) and isinstance(fn.get("name"), str) \
+                and isinstance(fn.get("parameters", {}), dict), f"{name}: info['tools'] has a non-function schema {t!r:.80}"
+    for obs, _r, _term, _trunc, info in episode[1:]:
+        results = info.get("tool_results")
+        if results is None:
+            continue
+        assert info.get("role") == "tool", f"{name}: info['tool_results'] on a step whose role is {info.get('role')!r}"
+        assert isinstance(results, list) and results and all(isinstance(x, str) for x in results), \
+            f"{name}: info['tool_results'] is not a non-empty list of strings"
+        assert all(x in obs for x in results), f"{name}: a tool result is missing from the observation"
+
+
 def check_env(env: gym.Env | str, *, num_steps: int = 8, seed: int = 7, make: Callable[[], gym.Env] | None = None) -> None:
     """Check that a text env follows Gymnasium's API and rl2gem's contract.
 
@@ -116,6 +134,11 @@ def check_env(env: gym.Env | str, *, num_steps: int = 8, seed: int = 7, make: Ca
        raising, and type/encoding/emptiness/length errors are reported in
        ``info["invalid_action"]``.
     7. ``close()`` twice.
+    8. Tool conventions, for envs that offer tools: the reset ``info["tools"]``
+       is a list of OpenAI-style function schemas (``{"type": "function",
+       "function": {"name", "parameters"}}``), and a step's
+       ``info["tool_results"]`` is a non-empty list of strings, each in the
+       observation, on a ``role="tool"`` step.
 
     Args:
         env: an env or a registered id. With an id, fresh envs come from
@@ -163,6 +186,7 @@ def check_env(env: gym.Env | str, *, num_steps: int = 8, seed: int = 7, make: Ca
             assert _same(ts, ta), f"{name}: areset/astep disagree with reset/step"
         for rec in ts[1:] + ta[1:]:
             assert rec[4]["role"] in VALID_ROLES, f"{name}: info['role'] = {rec[4]['role']!r}"
+        _check_tool_conventions(name, ts)
         # 5. spawn
         obs0, _ = a.reset(seed=seed)
         spawn = a.spawn if hasattr(a, "spawn") else a.unwrapped.spawn  # type: ignore[attr-defined]

@@ -43,3 +43,21 @@ def test_catches_an_env_whose_async_twin_disagrees():
     with pytest.raises(AssertionError, match="disagree"):
         check_env(Split(latency=0))
 
+
+
+def test_catches_tool_envs_that_break_the_conventions():
+    class BadSchema(CountEnv):
+        def _reset(self, options):
+            obs, info = super()._reset(options)
+            return obs, dict(info, tools=[{"name": "count", "parameters": {}}])  # not {"type": "function", ...}
+
+    with pytest.raises(AssertionError, match="non-function schema"):
+        check_env(BadSchema())
+
+    class LostResult(CountEnv):
+        def _step(self, action):
+            obs, r, term, trunc, info = super()._step(action)
+            return obs, r, term, trunc, dict(info, role="tool", tool_results=["42"])  # "42" is not in obs
+
+    with pytest.raises(AssertionError, match="missing from the observation"):
+        check_env(LostResult())
