@@ -417,7 +417,6 @@ class PPOTrainer:
         """Greedy episodes on the test split, spread over ranks; success rate and mean reward."""
         import rl2gem
         from rl2gem.rollout import Rollout, RolloutConfig
-        from rl2gem.rollout.tito import load_chat_template
 
         c = self.cfg
         kwargs = OmegaConf.to_container(c.env_kwargs, resolve=True)
@@ -427,7 +426,7 @@ class PPOTrainer:
                              temperature=0.0, concurrency=c.rollout.concurrency, system_prompt=c.rollout.system_prompt,
                              tools_in_template=c.rollout.tools_in_template)
         ro = Rollout(self.engine, self.tokenizer, lambda: rl2gem.make(c.env, **kwargs), rcfg,
-                     chat_template=load_chat_template(c.rollout.chat_template))
+                     chat_template=self.rollout.renderer.chat_template)  # the training rollout's template
         probe = rl2gem.make(c.env, **kwargs)
         indexed = hasattr(probe.unwrapped, "__len__")
         n = min(c.trainer.eval_n, len(probe.unwrapped)) if indexed else c.trainer.eval_n
