@@ -3,6 +3,8 @@
 * :func:`load_table` reads a user's file (JSON, JSONL, CSV, Parquet, Arrow) or
   a Hugging Face dataset name with the ``datasets`` library and returns its
   rows as dicts.
+* :func:`load_conversations` reads supervised fine-tuning data in RL2's formats
+  (``{"prompt", "response"}`` or ``{"messages"}`` rows) as chat conversations.
 * :func:`prepared` caches a list of dict records built by a function as a
   JSON-lines file in the rl2gem cache, and memoises it in the process, so the
   first env that needs a data set builds it, and every later env (64 in a
@@ -19,7 +21,7 @@ from typing import Any, Callable, Mapping
 
 from rl2gem.assets import cache_dir
 
-__all__ = ["load_table", "prepared", "DataUnavailable", "FILE_FORMATS"]
+__all__ = ["CHAT_ROLES", "FILE_FORMATS", "DataUnavailable", "load_conversations", "load_table", "prepared"]
 
 #: File suffix -> ``datasets`` builder name.
 FILE_FORMATS = {
@@ -89,6 +91,84 @@ def load_table(
     if missing:
         raise DataUnavailable(f"{source}: missing column(s) {missing}; found {ds.column_names}")
     return [dict(row) for row in ds]
+
+
+#: Message roles :func:`load_conversations` accepts.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def load_conversations(source: str | Mapping[str, str], split: str = "train") -> list[list[dict[str, Any]]]:
+    """Supervised fine-tuning conversations in RL2's data formats, read with :func:`load_table`.
+
+    Row shapes:
+
+    * ``{"prompt": str, "response": str}`` -> ``[user: prompt, assistant: response]``; a
+      ``prompt`` that is already a list of messages is kept as the messages before the response;
+    * ``{"messages": [{"role", "content"}, ...]}`` -> the messages (multi-turn); a JSON string
+      (a CSV cell) is parsed.
+
+    Keys a file format fills with null for rows that lack them (a JSON file mixing both shapes,
+    message keys only some messages have) are dropped.
+
+    Args:
+        source: a JSON, JSONL, CSV, Parquet or Arrow file, a ``{split: file}`` mapping, or a
+            Hugging Face dataset name (see :func:`load_table`).
+        split: the split to read.
+
+    Returns:
+        one list of ``{"role", "content", ...}`` dicts per row, in file order.
+
+    Raises:
+        DataUnavailable: anything :func:`load_table` raises; a row (numbered from 0) that has
+            neither shape, a malformed message list, a role outside :data:`CHAT_ROLES`, a
+            non-string content, or no assistant turn.
+    """
+    conversations = []
+    for number, row in enumerate(load_table(source, split)):
+        present = {key: value for key, value in row.items() if value is not None}
+        where = f"{source}: row {number} (counting from 0)"
+        if "messages" in present:
+            messages = present["messages"]
+            if isinstance(messages, str):
+                try:
+                    messages = json.loads(messages)
+                except json.JSONDecodeError as e:
+                    raise DataUnavailable(f"{where}: 'messages' is a string but not JSON ({e})") from None
+        elif "prompt" in present and "response" in present:
+            prompt = present["prompt"]
+            if isinstance(prompt, str):
+                prompt = [{"role": "user", "content": prompt}]
+            if not isinstance(prompt, list):
+                raise DataUnavailable(f"{where}: 'prompt' must be a string or a list of messages, got {type(prompt).__name__}")
+            messages = [*prompt, {"role": "assistant", "content": present["response"]}]
+        else:
+            raise DataUnavailable(
+                f"{where}: unknown row shape with keys {sorted(present)}; "
+                "expected {'prompt', 'response'} or {'messages'}"
+            )
+        conversations.append(_conversation(messages, where))
+    return conversations
+
+
+def _conversation(messages: Any, where: str) -> list[dict[str, Any]]:
+    """``messages`` checked and without null keys (see :func:`load_conversations`)."""
+    if not isinstance(messages, list) or not messages:
+        raise DataUnavailable(f"{where}: messages must be a non-empty list, got {messages!r:.200}")
+    out = []
+    for position, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise DataUnavailable(f"{where}: message {position} is not a mapping: {message!r:.200}")
+        message = {key: value for key, value in message.items() if value is not None}
+        if message.get("role") not in CHAT_ROLES:
+            raise DataUnavailable(
+                f"{where}: message {position} has role {message.get('role')!r}; expected one of {', '.join(CHAT_ROLES)}"
+            )
+        if not isinstance(message.get("content"), str):
+            raise DataUnavailable(f"{where}: message {position} has no string 'content'")
+        out.append(message)
+    if not any(message["role"] == "assistant" for message in out):
+        raise DataUnavailable(f"{where}: the conversation has no assistant turn")
+    return out
 
 
 _memo: dict[str, list[dict[str, Any]]] = {}

@@ -38,7 +38,7 @@ import gymnasium as gym
 import numpy as np
 from tqdm import tqdm
 
-__all__ = ["DEFAULTS", "EpisodeRecord", "evaluate", "summarize", "main"]
+__all__ = ["DEFAULTS", "EpisodeRecord", "evaluate", "summarize", "main", "task_resets", "play_model", "episode_record", "record_sums"]
 
 DEFAULTS: dict[str, Any] = {
     "env": "rl2/GuessTheNumber-v0",
@@ -104,43 +104,103 @@ def _plain(info: dict) -> dict:
     return {k: v for k, v in info.items() if isinstance(v, (str, int, float, bool, type(None))) and not k.startswith("_")}
 
 
+def task_resets(env_id: str, env_kwargs: dict[str, Any], n: int, seed: int = 0) -> list[tuple[int, dict | None]]:
+    """The ``(seed, options)`` of the first ``n`` evaluation episodes: an env with a data set
+    (``len(env)``) plays its items in order (``options={"index": i}``, at most ``len(env)``);
+    others play seeds ``seed, seed + 1, ...``."""
+    import rl2gem
+
+    probe = rl2gem.make(env_id, **env_kwargs)
+    try:
+        indexed = hasattr(probe.unwrapped, "__len__")
+        count = min(n, len(probe.unwrapped)) if indexed else n
+    finally:
+        probe.close()
+    return [(seed + i, {"index": i} if indexed else None) for i in range(count)]
+
+
+def episode_record(position: int, episode, reset_seed: int) -> EpisodeRecord:
+    """The :class:`EpisodeRecord` of a rollout :class:`~rl2gem.rollout.tito.Episode`."""
+    info = episode.info
+    return EpisodeRecord(
+        episode=position, seed=info.get("seed", reset_seed), index=info.get("index"), reward=episode.reward,
+        turns=episode.turns, success=bool(info.get("success", episode.reward > 0)), terminated=episode.terminated,
+        truncated=episode.truncated, invalid_actions=info.get("num_invalid_actions", 0), format_ok=info.get("format_ok"),
+        generated_tokens=episode.num_action_tokens, messages=episode.messages, final_info=_plain(info),
+    )
+
+
+#: per-episode numbers summed by :func:`record_sums`: name -> how a record gives it
+_SUMS: dict[str, Callable[[EpisodeRecord], float]] = {
+    "reward": lambda r: r.reward,
+    "success": lambda r: float(r.success),
+    "turns": lambda r: r.turns,
+    "invalid_actions": lambda r: r.invalid_actions,
+    "response_tokens": lambda r: r.generated_tokens,
+    "em": lambda r: float(r.final_info.get("em") or 0.0),
+    "f1": lambda r: float(r.final_info.get("f1") or 0.0),
+    "searches": lambda r: float(r.final_info.get("num_searches") or 0.0),
+}
+
+
+#: numbers that only some envs report: name -> key of the final info
+_REPORTED = {"em": "em", "f1": "f1", "searches": "num_searches"}
+
+
+def record_sums(records: list[EpisodeRecord]) -> dict[str, float]:
+    """Sums of the per-episode numbers of ``records``, ``reported/<name>`` (how many episodes'
+    envs report em, f1, searches) and ``episodes`` (their count): add them over ranks, then divide
+    by ``episodes`` for the means (:func:`rl2gem.training.evaluate_env`)."""
+    sums = {name: float(sum(get(r) for r in records)) for name, get in _SUMS.items()}
+    for name, key in _REPORTED.items():  # episodes whose env reports the number at all
+        sums[f"reported/{name}"] = float(sum(isinstance(r.final_info.get(key), (int, float)) for r in records))
+    sums["episodes"] = float(len(records))
+    return sums
+
+
+async def play_model(engine, tokenizer, env_factory: Callable[[], gym.Env], resets: list[tuple[int, dict | None]],
+                     config, chat_template: str | None = None,
+                     on_episode: Callable[[int, Any], None] | None = None) -> list:
+    """Play one episode per reset with ``engine`` through a :class:`~rl2gem.rollout.Rollout`
+    (token-in/token-out, prefix-merged), as both ``python -m rl2gem.evaluate`` and the trainers'
+    evaluation do. Returns the episodes in the order of ``resets``."""
+    from rl2gem.rollout import Rollout
+
+    rollout = Rollout(engine, tokenizer, env_factory, config, chat_template=chat_template)
+    try:
+        return await rollout.play(resets, on_episode)
+    finally:
+        await rollout.close()
+
+
 def _evaluate_model(cfg, resets, emit) -> None:
     import asyncio
 
     from rl2gem.models import load_model
-    from rl2gem.rollout import EmbeddedEngine, Rollout, RolloutConfig
+    from rl2gem.rollout import EmbeddedEngine, RolloutConfig
     from rl2gem.rollout.tito import load_chat_template
 
     model, tokenizer = load_model(cfg.model)
-    rcfg = RolloutConfig(
-        responses_per_prompt=1, max_new_tokens=cfg.max_new_tokens, max_length=max(4096, 2 * cfg.max_new_tokens),
-        temperature=cfg.temperature, top_p=cfg.top_p, concurrency=cfg.batch_size, system_prompt=cfg.system_prompt,
-        tools_in_template=bool(cfg.tools_in_template), seed=cfg.seed,
-    )
-    chat_template = load_chat_template(cfg.chat_template)
-
-    def record(i: int, ep) -> None:
-        info = ep.info
-        emit(EpisodeRecord(
-            episode=i, seed=info.get("seed", resets[i][0]), index=info.get("index"), reward=ep.reward, turns=ep.turns,
-            success=bool(info.get("success", ep.reward > 0)), terminated=ep.terminated, truncated=ep.truncated,
-            invalid_actions=info.get("num_invalid_actions", 0), format_ok=info.get("format_ok"),
-            generated_tokens=ep.num_action_tokens, messages=ep.messages, final_info=_plain(info),
-        ))
+    rcfg = RolloutConfig.from_mapping(cfg, responses_per_prompt=1, max_length=max(4096, 2 * cfg.max_new_tokens),
+                                      concurrency=cfg.batch_size, tools_in_template=bool(cfg.tools_in_template), progress=False)
 
     async def run() -> None:
         engine = EmbeddedEngine(model, tokenizer, max_batch_size=cfg.batch_size, seed=cfg.seed)
-        rollout = Rollout(engine, tokenizer, lambda: _make_env(cfg), rcfg, chat_template=chat_template)
         try:
-            await rollout.play(resets, record)
+            await play_model(engine, tokenizer, lambda: _make_env(cfg), resets, rcfg, load_chat_template(cfg.chat_template),
+                             lambda i, ep: emit(episode_record(i, ep, resets[i][0])))
         finally:
-            await rollout.close()
             await engine.close()
 
     asyncio.run(run())
 
 
 def _evaluate_scripted(cfg, env, resets, emit) -> None:
+    """Play ``resets`` with a scripted policy; the messages are those a Rollout builds
+    (env replies by :func:`rl2gem.rollout.rollout.reply_messages`, none after the last action)."""
+    # imported here: only this function of the (shared) file was changed for it
+    from rl2gem.rollout.rollout import reply_messages
+
     rng = np.random.default_rng(cfg.seed)
     make_policy = _scripted(cfg.policy, env, rng)
     try:
@@ -154,10 +214,10 @@ def _evaluate_scripted(cfg, env, resets, emit) -> None:
                 action = policy(obs)
                 obs, r, term, trunc, info = env.step(action)
                 messages.append({"role": "assistant", "content": action})
-                if obs:
-                    messages.append({"role": info.get("role", "user"), "content": obs})
                 total += r
                 done = term or trunc
+                if not done:
+                    messages += reply_messages(obs, info)
             emit(EpisodeRecord(
                 episode=i, seed=ep_seed, index=index, reward=total, turns=info["turn"],
                 success=bool(info.get("success", total > 0)), terminated=term, truncated=trunc,
@@ -172,10 +232,11 @@ def evaluate(cfg) -> list[EpisodeRecord]:
     """Play ``cfg.n`` episodes (see the module doc); returns their records."""
     import rl2gem  # noqa: F401  (registers the envs)
 
-    probe = _make_env(cfg)
-    indexed = hasattr(probe.unwrapped, "__len__")
-    n = min(cfg.n, len(probe.unwrapped)) if indexed else cfg.n
-    resets = [(cfg.seed + ep, {"index": ep} if indexed else None) for ep in range(n)]
+    from rl2gem.registry import standard_kwargs
+
+    kwargs = standard_kwargs(cfg.env, dict(cfg.env_kwargs), split=cfg.split, tools_in_template=bool(cfg.tools_in_template))
+    resets = task_resets(cfg.env, kwargs, cfg.n, cfg.seed)
+    n = len(resets)
     out_path = Path(cfg.output) if cfg.output else None
     if out_path:
         out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -192,10 +253,9 @@ def evaluate(cfg) -> list[EpisodeRecord]:
 
     try:
         if cfg.model:
-            probe.close()
             _evaluate_model(cfg, resets, emit)
         else:
-            _evaluate_scripted(cfg, probe, resets, emit)
+            _evaluate_scripted(cfg, _make_env(cfg), resets, emit)
     finally:
         bar.close()
         if sink:

@@ -8,12 +8,14 @@ from rl2gem.algorithms.losses import (
     entropy_from_logits,
     importance_weights,
     kl_estimate,
+    loss_weights,
+    packed_loss_weights,
     policy_loss,
     value_loss,
 )
 
 __all__ = [
     "ESTIMATORS", "KL_ESTIMATORS", "LOSS_AGGREGATIONS", "aggregate", "compute_advantages", "drgrpo", "entropy_from_logits",
-    "gae", "grpo", "importance_weights", "kl_estimate", "policy_loss", "rebn", "reinforce_pp", "returns_to_go", "rloo",
+    "gae", "grpo", "importance_weights", "kl_estimate", "loss_weights", "packed_loss_weights", "policy_loss", "rebn", "reinforce_pp", "returns_to_go", "rloo",
     "value_loss",
 ]

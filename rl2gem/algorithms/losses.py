@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 __all__ = [
-    "LOSS_AGGREGATIONS", "KL_ESTIMATORS", "aggregate", "kl_estimate", "importance_weights", "policy_loss", "value_loss",
+    "LOSS_AGGREGATIONS", "KL_ESTIMATORS", "aggregate", "loss_weights", "packed_loss_weights", "kl_estimate", "importance_weights", "policy_loss", "value_loss",
     "entropy_from_logits",
 ]
 
@@ -18,30 +18,73 @@ LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token_mean", norm: float | None = None) -> torch.Tensor:
-    """Reduce a ``[B, T]`` per-token loss to a scalar.
+def loss_weights(mask: torch.Tensor, mode: str = "token_mean", norm: float | None = None, *,
+                 num_tokens: float | None = None, num_sequences: float | None = None) -> torch.Tensor:
+    """Per-token weights ``w`` ``[B, T]`` float32 with ``(loss * w).sum() == aggregate(loss, mask, mode, norm)``.
 
-    * ``token_mean``: mean over all action tokens of the batch (DAPO);
-    * ``seq_mean_token_sum``: sum over each sequence's tokens, mean over sequences;
-    * ``seq_mean_token_mean``: mean over each sequence's tokens, mean over sequences (original GRPO);
-    * ``seq_mean_token_sum_norm``: token sum divided by a constant ``norm`` (default ``T``),
-      mean over sequences (Dr. GRPO: no length bias).
+    The one implementation of every loss aggregation. A trainer that splits a global batch over
+    ranks and micro-batches passes the *global* ``num_tokens`` (action tokens) and
+    ``num_sequences``; the sum of its micro-batch losses then equals the aggregation over the whole
+    batch. By default both come from ``mask`` itself (``aggregate``).
 
-    Sequences without action tokens count as zero in the sequence means.
+    * ``token_mean``: ``1 / num_tokens`` on every action token (DAPO);
+    * ``seq_mean_token_sum``: ``1 / num_sequences``;
+    * ``seq_mean_token_mean``: ``1 / (num_sequences * n_i)``, ``n_i`` the sequence's action tokens
+      (the original GRPO);
+    * ``seq_mean_token_sum_norm``: ``1 / (num_sequences * norm)``, ``norm`` a constant (default
+      ``T``): Dr. GRPO (Liu et al. 2025), no length bias.
+
+    Args:
+        mask: action mask ``[B, T]`` (bool or 0/1); sequences without action tokens count in
+            ``num_sequences`` (as zero in the sequence means).
 
     Raises:
         ValueError: unknown mode.
     """
     m = mask.float()
+    tokens = float(num_tokens) if num_tokens is not None else float(m.sum())
+    seqs = float(num_sequences) if num_sequences is not None else float(m.shape[0])
     if mode == "token_mean":
-        return (loss * m).sum() / m.sum().clamp(min=1)
-    if mode == "seq_mean_token_sum":
-        return (loss * m).sum(-1).mean()
-    if mode == "seq_mean_token_mean":
-        return ((loss * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()
-    if mode == "seq_mean_token_sum_norm":
-        return ((loss * m).sum(-1) / float(norm or loss.shape[-1])).mean()
-    raise ValueError(f"unknown loss aggregation {mode!r}; choose from {LOSS_AGGREGATIONS}")
+        per_seq = torch.full((m.shape[0],), 1.0 / max(tokens, 1.0), device=m.device)
+    elif mode == "seq_mean_token_sum":
+        per_seq = torch.full((m.shape[0],), 1.0 / max(seqs, 1.0), device=m.device)
+    elif mode == "seq_mean_token_mean":
+        per_seq = 1.0 / (max(seqs, 1.0) * m.sum(-1).clamp(min=1))
+    elif mode == "seq_mean_token_sum_norm":
+        per_seq = torch.full((m.shape[0],), 1.0 / (max(seqs, 1.0) * float(norm or m.shape[-1])), device=m.device)
+    else:
+        raise ValueError(f"unknown loss aggregation {mode!r}; choose from {LOSS_AGGREGATIONS}")
+    return per_seq[:, None] * m
+
+
+def packed_loss_weights(masks: list[list[int]], mode: str = "token_mean", norm: float | None = None, *,
+                        num_tokens: float, num_sequences: float) -> torch.Tensor:
+    """:func:`loss_weights` for sequences packed into one row: ``[sum(len(m))]`` float32, the
+    weights of each sequence (its action mask ``masks[i]``) one after another.
+
+    Raises:
+        ValueError: unknown mode, or ``seq_mean_token_sum_norm`` without ``norm``.
+    """
+    if mode == "seq_mean_token_sum_norm" and norm is None:
+        raise ValueError("seq_mean_token_sum_norm needs norm (the constant token count, e.g. max_length)")
+    if not masks:
+        return torch.zeros(0)
+    width = max(len(m) for m in masks)
+    padded = torch.zeros(len(masks), width)
+    for i, m in enumerate(masks):
+        padded[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
+    w = loss_weights(padded, mode, norm, num_tokens=num_tokens, num_sequences=num_sequences)
+    return torch.cat([w[i, : len(m)] for i, m in enumerate(masks)])
+
+
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token_mean", norm: float | None = None) -> torch.Tensor:
+    """Reduce a ``[B, T]`` per-token loss to a scalar (float32 ``[]``): ``(loss * w).sum()`` with
+    ``w = loss_weights(mask, mode, norm)`` (see there for the modes and their sources).
+
+    Raises:
+        ValueError: unknown mode.
+    """
+    return (loss * loss_weights(mask, mode, norm).to(loss.device)).sum()
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:

@@ -3,9 +3,9 @@
 * :func:`init_distributed`: the process group from torchrun's environment (gloo
   + fp32 on CPU, NCCL on GPU); a single process works without torchrun.
 * :func:`shard_model`: every decoder layer and the root become FSDP units over
-  a device mesh; ``ddp_size > 1`` makes a 2-D mesh ``(ddp, fsdp)``: parameters
-  are sharded within a group of ``world / ddp_size`` ranks and replicated across
-  groups (HSDP, ZeRO-3 inside a group, DDP across them); ``cpu_offload`` keeps
+  the data dims of the mesh (:mod:`rl2gem.parallel.mesh`); a 2-D ``(replicate,
+  shard)`` mesh shards parameters within a group of ``world / ddp_size`` ranks and
+  replicates them across groups (HSDP, ZeRO-3 inside a group, DDP across them); ``cpu_offload`` keeps
   parameters and gradients in host memory (``CPUOffloadPolicy(pin_memory=False)``
   on CPU); ``reshard_after_forward=False`` keeps gathered parameters until the
   backward (ZeRO-2 style, more memory, fewer all-gathers).
@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_distributed", "device_mesh", "shard_model", "load_sharded", "full_state_dict", "decoder_layers"]
+__all__ = ["init_distributed", "shard_model", "load_sharded", "full_state_dict", "decoder_layers"]
 
 
 def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device]:
@@ -49,23 +49,6 @@ def _free_port() -> int:
     from rl2gem.procs import free_port
 
     return free_port()
-
-
-def device_mesh(ddp_size: int = 1):
-    """1-D ``("fsdp",)`` mesh, or 2-D ``("ddp", "fsdp")`` for HSDP.
-
-    Raises:
-        ValueError: ``world_size`` is not a multiple of ``ddp_size``.
-    """
-    from torch.distributed.device_mesh import init_device_mesh
-
-    world = dist.get_world_size()
-    kind = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    if ddp_size < 1 or world % ddp_size:
-        raise ValueError(f"ddp_size={ddp_size} must divide the world size {world}")
-    if ddp_size == 1:
-        return init_device_mesh(kind, (world,), mesh_dim_names=("fsdp",))
-    return init_device_mesh(kind, (ddp_size, world // ddp_size), mesh_dim_names=("ddp", "fsdp"))
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:

@@ -35,7 +35,7 @@ from typing import Any, Callable
 from rl2gem.rollout.engines.base import Engine, EngineError, SamplingParams, mix_seed
 from rl2gem.rollout.tito import ChatRenderer, Episode, Sequence
 
-__all__ = ["RolloutConfig", "Rollout", "RolloutBatch"]
+__all__ = ["Rollout", "RolloutBatch", "RolloutConfig", "reply_messages"]
 
 
 @dataclasses.dataclass
@@ -83,6 +83,24 @@ class RolloutConfig:
     seed: int = 0
     progress: bool = False
 
+    @classmethod
+    def from_mapping(cls, section: Any, **overrides: Any) -> "RolloutConfig":
+        """The one place a config section becomes a :class:`RolloutConfig`: every key of
+        ``section`` (a dict or an OmegaConf node, e.g. a trainer's ``rollout:``) that names a field
+        is taken, other keys are ignored; ``overrides`` win.
+
+        Raises:
+            TypeError: an override that is not a field.
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        bad = sorted(set(overrides) - names)
+        if bad:
+            raise TypeError(f"RolloutConfig has no field(s) {bad}")
+        items = section.items() if hasattr(section, "items") else []
+        values = {k: v for k, v in items if k in names}
+        values.update(overrides)
+        return cls(**values)
+
 
 @dataclasses.dataclass
 class RolloutBatch:
@@ -115,14 +133,25 @@ class _Group:
         return min(vs) if vs else None
 
 
-def _reply_messages(obs: str, info: dict[str, Any]) -> list[dict[str, str]]:
+def reply_messages(obs: str, info: dict[str, Any]) -> list[dict[str, str]]:
     """The chat messages of an env reply: one ``role="tool"`` message per result where a tool
     env lists them in ``info["tool_results"]`` (chat templates wrap each result on its own),
-    else one message of ``info["role"]`` (default ``"user"``) with the observation."""
+    else one message of ``info["role"]`` (default ``"user"``) with the observation.
+
+    Args:
+        obs: the observation ``step`` returned.
+        info: the info ``step`` returned.
+
+    Returns:
+        ``{"role", "content"}`` dicts, at least one.
+    """
     results = info.get("tool_results")
     if info.get("role") == "tool" and isinstance(results, (list, tuple)) and results:
         return [{"role": "tool", "content": str(t)} for t in results]
     return [{"role": info.get("role", "user"), "content": obs}]
+
+
+_reply_messages = reply_messages  # the former private name
 
 
 class Rollout:
@@ -257,7 +286,7 @@ class Rollout:
                 ep.terminated, ep.truncated = bool(terminated), bool(truncated)
                 ep.messages = msgs + [asst]
                 break
-            replies = _reply_messages(obs, info)
+            replies = reply_messages(obs, info)
             stop = ids[-1] if finish == "stop" and ids else None
             delta = r.delta(msgs, text, replies, stop, tools)
             msgs = msgs + [asst] + replies

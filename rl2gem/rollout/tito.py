@@ -263,3 +263,88 @@ class ChatRenderer:
             if stop_text and closing.startswith(stop_text):
                 closing = closing[len(stop_text):]
         return TurnDelta(self.encode(closing + full[len(a):]), False)
+
+    def conversation(
+        self,
+        messages: list[dict[str, str]],
+        tools: list[dict[str, Any]] | None = None,
+        stop_token: int | None = None,
+    ) -> Sequence:
+        """The token ids a :class:`~rl2gem.rollout.Rollout` would have built had the model written
+        each assistant turn of ``messages``: one sequence for supervised fine-tuning.
+
+        The prompt is :meth:`prompt_ids` of the messages before the first assistant turn; each
+        assistant turn is ``encode(content)`` followed by ``stop_token`` (action mask 1, the stop
+        token included, so the model learns to stop); the messages after it up to the next
+        assistant turn (env replies) are appended as :meth:`delta` ids (mask 0). Messages after
+        the last assistant turn are appended the same way. ``messages`` are used as given (the
+        renderer's ``system_prompt`` is not added). ``logprobs`` are 0.0, ``versions`` -1 and
+        ``rewards`` 0.0 on every token.
+
+        Args:
+            messages: ``{"role", "content"}`` dicts with roles ``system``, ``user``,
+                ``assistant`` or ``tool`` and string contents; at least one non-assistant
+                message before the first assistant turn, and at least one assistant turn.
+            tools: OpenAI-style function schemas rendered by the template (see :meth:`render`).
+            stop_token: the id that ends each assistant turn; default the tokenizer's
+                ``eos_token_id`` (``<|im_end|>`` for SmolLM2 / ChatML models).
+
+        Returns:
+            a :class:`Sequence` (all five lists of the same length).
+
+        Raises:
+            ValueError: a malformed message, no assistant turn, an assistant turn first, no
+                stop token (the tokenizer has no ``eos_token_id``), or a template that rewrites
+                earlier turns (the conversation cannot be one sequence).
+        """
+        _check_conversation(messages)
+        if stop_token is None:
+            stop_token = getattr(self.tokenizer, "eos_token_id", None)
+            if stop_token is None:
+                raise ValueError("the tokenizer has no eos_token_id; pass stop_token=")
+        stop_token = int(stop_token)
+        first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        sequence = Sequence()
+        sequence.extend_context(self.prompt_ids(messages[:first], tools))
+        position = first
+        while position < len(messages):
+            content = messages[position]["content"]
+            action_ids = self.encode(content) + [stop_token]
+            sequence.extend_action(action_ids, [0.0] * len(action_ids), -1)
+            following = position + 1
+            while following < len(messages) and messages[following]["role"] != "assistant":
+                following += 1
+            replies = list(messages[position + 1:following])
+            if replies or following < len(messages):
+                turn = self.delta(list(messages[:position]), content, replies, stop_token, tools)
+                if turn.split:
+                    raise ValueError(
+                        f"the chat template rewrites earlier turns at assistant message {position} "
+                        f"({turn.reason}); supervised fine-tuning needs the conversation as one sequence"
+                    )
+                sequence.extend_context(turn.ids)
+            position = following
+        return sequence
+
+
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+def _check_conversation(messages: list[dict[str, str]]) -> None:
+    """Raise ``ValueError`` unless ``messages`` is a conversation :meth:`ChatRenderer.conversation` can tokenise."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r:.200}")
+    for number, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise ValueError(f"message {number} is not a {{'role', 'content'}} dict: {message!r:.200}")
+        if message["role"] not in _ROLES:
+            raise ValueError(f"message {number} has role {message['role']!r}; expected one of {', '.join(_ROLES)}")
+        if not isinstance(message["content"], str):
+            raise ValueError(  # noqa: TRY004 - a malformed conversation is one ValueError, whatever is wrong
+                f"message {number} has non-string content of type {type(message['content']).__name__}"
+            )
+    roles = [m["role"] for m in messages]
+    if "assistant" not in roles:
+        raise ValueError("the conversation has no assistant turn (nothing to learn)")
+    if roles[0] == "assistant":
+        raise ValueError("the conversation starts with an assistant turn; the prompt needs a system or user message first")

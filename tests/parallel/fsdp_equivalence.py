@@ -9,17 +9,18 @@ import sys
 import torch
 import torch.distributed as dist
 
-from rl2gem.algorithms import policy_loss
-from rl2gem.parallel.fsdp import device_mesh, full_state_dict, init_distributed, load_sharded
-from rl2gem.parallel.packing import plan
-
+from rl2gem.algorithms import packed_loss_weights, policy_loss
+from rl2gem.parallel.fsdp import full_state_dict, init_distributed, load_sharded
+from rl2gem.parallel.mesh import build_mesh
+from rl2gem.training import plan_micro_batches, token_logprobs
 
 
 def main(model_dir: str, out: str, *options: str) -> None:
     opts = dict(o.split("=", 1) for o in options)
     rank, world, device = init_distributed()
     torch.manual_seed(0)
-    model = load_sharded(model_dir, device_mesh(int(opts.get("ddp_size", 1))), device=device,
+    mesh = build_mesh(int(opts.get("ddp_size", 1)))
+    model = load_sharded(model_dir, mesh.data_mesh, device=device,
                          cpu_offload=bool(int(opts.get("cpu_offload", 0))),
                          gradient_checkpointing=bool(int(opts.get("gradient_checkpointing", 0))))
     g = torch.Generator().manual_seed(1)
@@ -27,20 +28,16 @@ def main(model_dir: str, out: str, *options: str) -> None:
     masks = [[0] * 3 + [1] * (len(s) - 3) for s in seqs]
     advs = [[float(i % 3 - 1)] * len(s) for i, s in enumerate(seqs)]
     total = float(sum(sum(m) for m in masks))
-    mbs = plan([len(s) for s in seqs], world, 64)[rank]
-    from rl2gem.trainers.ppo import Sample, token_logprobs, token_weights
-
-    samples = [Sample(s, m, [0.0] * len(s), a, [0.0] * len(s), [0] * len(s)) for s, m, a in zip(seqs, masks, advs)]
     loss_sum = torch.zeros(())
-    for mb in mbs:
-        part = [samples[i] for i in mb] or [samples[0]]
-        lp, _ = token_logprobs(model, part, 1.0, device)
+    for mb in plan_micro_batches([len(s) for s in seqs], mesh.dp_rank, mesh.dp_size, 64):
+        part = [seqs[i] for i in mb.indices]
+        lp, _ = token_logprobs(model, part, device)
         old = lp.detach() + 0.05
-        mask = torch.tensor([x for s in part for x in s.mask], dtype=torch.bool)
-        adv = torch.tensor([x for s in part for x in s.adv])
-        w = token_weights(part, "token_mean", 1.0, {"tokens": total, "seqs": float(len(seqs))}) * (1.0 if mb else 0.0)
+        mask = torch.tensor([x for i in mb.indices for x in masks[i]], dtype=torch.bool)
+        adv = torch.tensor([x for i in mb.indices for x in advs[i]])
+        w = mb.scale * packed_loss_weights([masks[i] for i in mb.indices], "token_mean", num_tokens=total, num_sequences=len(seqs))
         loss, _ = policy_loss(lp[None], old[None], adv[None], mask[None], token_weights=w[None])
-        (loss * world).backward()
+        (loss * mesh.dp_size).backward()
         loss_sum += loss.detach()
     dist.all_reduce(loss_sum)
     grads = {}

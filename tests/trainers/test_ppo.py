@@ -160,8 +160,7 @@ def test_token_values_and_gae_align_with_the_state_before_each_token():
 
     import torch
 
-    sys.path.insert(0, str(ROOT / "trainers"))
-    from ppo import Sample, apply_gae, token_values
+    from rl2gem.training import Sample, apply_gae, token_values
 
     class IdCritic(torch.nn.Module):  # value = the id of the token just read
         config = types.SimpleNamespace(_attn_implementation="sdpa")
@@ -175,18 +174,18 @@ def test_token_values_and_gae_align_with_the_state_before_each_token():
 
     a = Sample([5, 6, 7, 8], [0, 0, 1, 1], [0.0] * 4, None, [0.0, 0.0, 0.0, 1.0], [0] * 4)
     b = Sample([9, 10, 11], [0, 1, 1], [0.0] * 3, None, [0.0, 2.0, 0.0], [0] * 3)
-    v = token_values(IdCritic(), [a, b], torch.device("cpu"))
+    v = token_values(IdCritic(), [a.ids, b.ids], torch.device("cpu"))
     assert v.tolist() == [0, 5, 6, 7, 0, 9, 10]
     rets = apply_gae([a, b], v, gamma=1.0, lam=1.0)
     # sequence a: action tokens 2, 3 with V = 6, 7; return 1 from both -> advantages 1-6, 1-7
-    assert a.adv == [0, 0, -5, -6] and a.returns == [0, 0, 1, 1]
+    assert a.advantages == [0, 0, -5, -6] and a.returns == [0, 0, 1, 1]
     # sequence b: rewards 2 then 0 -> returns 2, 0; V = 9, 10
-    assert b.adv == [0, -7, -10] and b.returns == [0, 2, 0]
+    assert b.advantages == [0, -7, -10] and b.returns == [0, 2, 0]
     assert rets.tolist() == [0, 0, 1, 1, 0, 2, 0]
     a2 = Sample([5, 6, 7, 8], [0, 0, 1, 1], [0.0] * 4, None, [0.0, 0.0, 0.0, 1.0], [0] * 4)
-    apply_gae([a2], token_values(IdCritic(), [a2], torch.device("cpu")), gamma=0.5, lam=0.5)
+    apply_gae([a2], token_values(IdCritic(), [a2.ids], torch.device("cpu")), gamma=0.5, lam=0.5)
     # delta_3 = 1 - 7 = -6; delta_2 = 0 + 0.5 * 7 - 6 = -2.5; A_2 = -2.5 + 0.25 * -6 = -4
-    assert a2.adv == pytest.approx([0, 0, -4.0, -6.0])
+    assert a2.advantages == pytest.approx([0, 0, -4.0, -6.0])
 
 
 def test_gae_critic_run_with_kl_in_reward(tiny_dir, tmp_path):

@@ -217,6 +217,14 @@ class Engine(abc.ABC):
     async def close(self) -> None:
         """Release resources; idempotent."""
 
+    def state_dict(self) -> dict[str, Any]:
+        """Engine state a trainer checkpoints so that a resumed run samples as the uninterrupted
+        one would (e.g. the sampling RNG); empty for engines whose sampling is seeded per request."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (call between requests)."""
+
     async def __aenter__(self):
         return self
 

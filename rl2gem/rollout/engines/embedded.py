@@ -368,6 +368,15 @@ class EmbeddedEngine(Engine):
 
         return await self._acommand(do)
 
+    def state_dict(self) -> dict[str, Any]:
+        """``{"rng": ...}``: the sampler's generator state (requests without a ``sampling_seed``
+        draw from it)."""
+        return {"rng": self._gen.get_state()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; call while no request is running."""
+        self._gen.set_state(state["rng"])
+
     async def flush_cache(self) -> None:
         """Drop the prefix cache."""
         await self._acommand(self._clear_prefix)

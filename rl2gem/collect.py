@@ -1,0 +1,156 @@
+"""Collect supervised fine-tuning conversations by playing an env.
+
+    python -m rl2gem.collect env=rl2/SearchQA-v0 policy=solver n=500 output=data/search.jsonl
+    python -m rl2gem.collect env=rl2/GSM8K-v0 policy=model model=smollm2-135m-instruct n=200 min_reward=1.0 output=gsm8k.jsonl
+
+Episodes are played by :func:`rl2gem.evaluate.evaluate` (same arguments, see
+:data:`rl2gem.evaluate.DEFAULTS`; here ``split`` defaults to ``train``):
+``policy=solver`` or ``random`` plays the env's scripted policy, ``policy=model``
+plays ``model=`` through the rollout machinery, sampling at ``temperature=1.0``
+unless given. With ``min_reward`` only episodes whose reward reaches it are kept
+(rejection sampling when a model plays). Each kept episode becomes one JSON line of
+``output`` (the file is rewritten)::
+
+    {"messages": [...], "reward": 1.0, "env": "rl2/SearchQA-v0", "seed": 0, "index": 0, "policy": "solver"}
+
+(``"model": name`` is added when a model played). The messages are the ones a
+:class:`~rl2gem.rollout.Rollout` renders: the optional system prompt, the first
+observation, then each action and the env's reply to it (tool results one
+``role="tool"`` message each), ending with the last action. The file is RL2's
+``messages`` format: :func:`rl2gem.data.load_conversations` reads it and
+:meth:`rl2gem.rollout.tito.ChatRenderer.conversation` tokenises each row.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from rl2gem.config import ConfigError, load_config
+from rl2gem.evaluate import DEFAULTS as EVALUATE_DEFAULTS
+from rl2gem.evaluate import EpisodeRecord, evaluate
+
+__all__ = ["DEFAULTS", "POLICIES", "collect", "episode_row", "main", "parse_args"]
+
+#: The ``policy`` values.
+POLICIES = ("solver", "random", "model")
+
+#: :data:`rl2gem.evaluate.DEFAULTS` with collection's own keys and defaults.
+DEFAULTS: dict[str, Any] = {
+    **EVALUATE_DEFAULTS,
+    "policy": None,  # solver, random or model; None: model when model= is given, else solver
+    "split": "train",
+    "temperature": None,  # policy=model: 1.0 (sampling) unless given
+    "min_reward": None,
+}
+
+#: Sampling temperature of ``policy=model`` when none is given.
+MODEL_TEMPERATURE = 1.0
+
+
+def _resolve(cfg: DictConfig) -> DictConfig:
+    """``cfg`` checked, with ``policy`` and ``temperature`` filled in.
+
+    Raises:
+        SystemExit: an unknown policy, ``policy=model`` without ``model=``, a scripted policy
+            with ``model=``, ``tools_in_template=true`` (the rows would lack the tool schemas).
+    """
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    if cfg.policy is None:
+        cfg.policy = "model" if cfg.model else "solver"
+    if cfg.policy not in POLICIES:
+        raise SystemExit(f"unknown policy {cfg.policy!r}; use one of {', '.join(POLICIES)}")
+    if cfg.policy == "model" and not cfg.model:
+        raise SystemExit("policy=model needs model=... (e.g. model=smollm2-135m-instruct)")
+    if cfg.policy != "model" and cfg.model:
+        raise SystemExit(f"policy={cfg.policy} does not use model={cfg.model}; use policy=model or drop model=")
+    if cfg.tools_in_template:
+        raise SystemExit(
+            "tools_in_template=true is not supported by collect: the rows would not carry the tool schemas "
+            "the prompts were rendered with; leave the tools in the env's text"
+        )
+    if cfg.temperature is None:
+        cfg.temperature = MODEL_TEMPERATURE if cfg.policy == "model" else 0.0
+    if cfg.min_reward is not None:
+        cfg.min_reward = float(cfg.min_reward)
+    if int(cfg.n) < 1:
+        raise SystemExit(f"n must be >= 1, got {cfg.n}")
+    return cfg
+
+
+def episode_row(record: EpisodeRecord, cfg: DictConfig) -> dict[str, Any]:
+    """The JSON line of one episode (see the module doc)."""
+    row = {
+        "messages": record.messages,
+        "reward": float(record.reward),
+        "env": cfg.env,
+        "seed": int(record.seed),
+        "index": record.index,
+        "policy": cfg.policy,
+    }
+    if cfg.policy == "model":
+        row["model"] = cfg.model
+    return row
+
+
+def collect(cfg: DictConfig) -> tuple[int, list[dict[str, Any]]]:
+    """Play ``cfg.n`` episodes and write the kept ones to ``cfg.output`` (rewritten).
+
+    Args:
+        cfg: :data:`DEFAULTS` merged with the arguments (see :func:`parse_args`).
+
+    Returns:
+        ``(episodes played, rows written)``.
+
+    Raises:
+        SystemExit: a bad argument (see :func:`_resolve`) or an env without a scripted solver.
+    """
+    cfg = _resolve(cfg)
+    play = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    play.output = None  # evaluate's own records are not written; the rows below are
+    if cfg.policy != "model":
+        play.model = None
+    records = evaluate(play)
+    rows = [
+        episode_row(record, cfg)
+        for record in records
+        if cfg.min_reward is None or record.reward >= cfg.min_reward
+    ]
+    output = Path(cfg.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with open(output, "w", encoding="utf-8") as sink:
+        sink.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    return len(records), rows
+
+
+def parse_args(argv: list[str]) -> DictConfig:
+    """Merge ``key=value`` arguments over :data:`DEFAULTS` (``rl2gem.config.load_config``).
+
+    Raises:
+        SystemExit: a malformed argument or an unknown key (the message names the closest valid one).
+    """
+    try:
+        cfg = load_config(DEFAULTS, argv)
+    except ConfigError as e:
+        raise SystemExit(f"{e} (e.g. env=rl2/SearchQA-v0 policy=solver n=100 output=data.jsonl)") from None
+    if cfg.output is None:
+        tag = (cfg.model or cfg.policy or "solver").replace("/", "_")
+        cfg.output = f"runs/collect/{cfg.env.replace('/', '_')}-{tag}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(sys.argv[1:] if argv is None else argv)
+    played, rows = collect(cfg)
+    rule = f" with reward >= {float(cfg.min_reward)}" if cfg.min_reward is not None else ""
+    print(f"{cfg.env}  split={cfg.split}  seed={cfg.seed}: played {played} episodes, kept {len(rows)}{rule} -> {cfg.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

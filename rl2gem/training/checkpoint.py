@@ -1,0 +1,114 @@
+"""Checkpoints that a run killed at any moment resumes from, and Hugging Face exports.
+
+``output_dir/checkpoint-<step>/`` holds
+
+* ``dcp/``: every worker's sharded model and optimizer (``torch.distributed.checkpoint``);
+* ``trainer_state.json``: the step, each worker's scheduler and whatever the trainer adds
+  (data position, controller states), written by rank 0;
+* ``rank<r>.pkl``: each rank's own state (torch RNG, engine RNG, rollout buffer, ...);
+* ``hf/``: the trained model as a Hugging Face folder (optional).
+
+``output_dir/latest`` names the newest complete checkpoint and is written last, atomically: a
+run killed while saving resumes from the previous one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+__all__ = ["Checkpointer", "atomic_write"]
+
+
+def atomic_write(path: str | Path, data: bytes) -> None:
+    """Write ``path`` so that a crash leaves the old content or the new one, never half of it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+class Checkpointer:
+    """Save and resume a run's workers and states under ``output_dir`` (see the module doc).
+
+    Args:
+        output_dir: the run's folder.
+        workers: ``{name: rl2gem.training.Worker}`` whose model (and optimizer, scheduler) is saved.
+    """
+
+    def __init__(self, output_dir: str | Path, workers: Mapping[str, Any]):
+        self.output_dir = Path(output_dir)
+        self.workers = dict(workers)
+
+    def _sharded(self) -> dict[str, Any]:
+        return {name: worker.sharded_state() for name, worker in self.workers.items()}
+
+    def save(self, step: int, trainer_state: Mapping[str, Any] | None = None, rank_state: Mapping[str, Any] | None = None,
+             export: Callable[[Path], None] | None = None) -> Path:
+        """Write ``checkpoint-<step>`` on every rank (a collective) and point ``latest`` at it.
+
+        Args:
+            trainer_state: JSON-serialisable state of the run (rank 0's is written).
+            rank_state: picklable state of this rank.
+            export: called on every rank with ``checkpoint-<step>/hf`` (e.g. a worker's
+                :meth:`~rl2gem.training.Worker.export_hf`) before ``latest`` moves.
+
+        Returns the checkpoint folder.
+        """
+        path = self.output_dir / f"checkpoint-{step}"
+        dcp.save(self._sharded(), checkpoint_id=str(path / "dcp"))
+        rank = dist.get_rank()
+        local = {"torch_rng": torch.get_rng_state(), **dict(rank_state or {})}
+        atomic_write(path / f"rank{rank}.pkl", pickle.dumps(local))
+        if export is not None:
+            export(path / "hf")
+        if rank == 0:
+            meta = {"step": int(step), "world_size": dist.get_world_size(),
+                    "schedulers": {n: w.scheduler.state_dict() for n, w in self.workers.items() if w.scheduler is not None},
+                    **dict(trainer_state or {})}
+            atomic_write(path / "trainer_state.json", json.dumps(meta).encode())
+        dist.barrier()
+        if rank == 0:
+            atomic_write(self.output_dir / "latest", path.name.encode())
+        dist.barrier()
+        return path
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint folder, or None."""
+        pointer = self.output_dir / "latest"
+        return self.output_dir / pointer.read_text().strip() if pointer.exists() else None
+
+    def load(self) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """Restore every worker from :meth:`latest` and this rank's torch RNG.
+
+        Returns:
+            ``(trainer_state, rank_state)`` as saved (``trainer_state["step"]`` included), or None
+            when there is no checkpoint.
+
+        Raises:
+            FileNotFoundError: the checkpoint was written by a run with another world size.
+        """
+        path = self.latest()
+        if path is None:
+            return None
+        mine = path / f"rank{dist.get_rank()}.pkl"
+        if not mine.exists():
+            raise FileNotFoundError(f"{mine} is missing: resume with the world size that wrote {path}")
+        state = self._sharded()
+        dcp.load(state, checkpoint_id=str(path / "dcp"))
+        for name, worker in self.workers.items():
+            worker.load_sharded_state(state[name])
+        meta = json.loads((path / "trainer_state.json").read_text())
+        for name, sched in meta.get("schedulers", {}).items():
+            self.workers[name].scheduler.load_state_dict(sched)
+        local = pickle.loads(mine.read_bytes())
+        torch.set_rng_state(local["torch_rng"])
+        return meta, local

@@ -1,0 +1,92 @@
+"""Metrics every trainer logs: averages over micro-batches and ranks, throughput, FLOPs and MFU.
+
+MFU (model FLOPs utilisation, Chowdhery et al. 2022, PaLM appendix B) is the model's FLOPs per
+second over the machine's peak: a forward costs ``2 * P`` FLOPs per token and a forward plus
+backward ``6 * P`` (``P`` parameters; attention's quadratic term left out, as usual). The peak is
+given (``trainer.peak_flops``, FLOP/s per rank) or, when it is null, measured once at start with a
+large matmul in the training dtype (:func:`measure_peak_flops`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Averager", "reduce_mean", "measure_peak_flops", "train_flops", "peak_flops_from_config"]
+
+
+class Averager:
+    """Weighted means of named scalars over micro-batches and ranks.
+
+    ``add(values, weight)`` once per micro-batch (weight 0 for a placeholder micro-batch, so every
+    rank adds the same keys); :meth:`means` all-reduces the sums and weights over ranks (a
+    collective when ``torch.distributed`` is initialised) and returns ``prefix + key -> mean``
+    (0 where no weight was added anywhere).
+    """
+
+    def __init__(self):
+        self.sums: dict[str, float] = defaultdict(float)
+        self.weights: dict[str, float] = defaultdict(float)
+
+    def add(self, values: Mapping[str, float], weight: float = 1.0) -> None:
+        for key, value in values.items():
+            self.sums[key] += float(weight) * float(value)
+            self.weights[key] += float(weight)
+
+    def means(self, prefix: str = "") -> dict[str, float]:
+        names = sorted(self.sums)
+        table = torch.tensor([[self.sums[k] for k in names], [self.weights[k] for k in names]], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1 and names:
+            dist.all_reduce(table)
+        return {f"{prefix}{k}": (s / w if w > 0 else 0.0) for k, s, w in zip(names, *table.tolist())}
+
+
+def reduce_mean(metrics: dict[str, float], keys: Iterable[str] | None = None) -> dict[str, float]:
+    """Average ``keys`` (default: all) of every rank's ``metrics`` in place, in one all-reduce.
+
+    Every rank must pass the same keys. Returns ``metrics``.
+    """
+    names = sorted(metrics if keys is None else keys)
+    if not dist.is_initialized() or dist.get_world_size() == 1 or not names:
+        return metrics
+    values = torch.tensor([float(metrics[k]) for k in names], dtype=torch.float64)
+    dist.all_reduce(values)
+    for key, value in zip(names, (values / dist.get_world_size()).tolist()):
+        metrics[key] = value
+    return metrics
+
+
+def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, size: int = 2048, repeats: int = 5) -> float:
+    """Achievable matmul FLOP/s of one rank: the best of ``repeats`` ``size x size`` products in
+    ``dtype`` on ``device`` (threads as this process has them)."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first run warms up
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        (a @ b).sum().item()
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * size**3 / best
+
+
+def peak_flops_from_config(value, device: torch.device, dtype: torch.dtype) -> float:
+    """``trainer.peak_flops`` as given, or measured (:func:`measure_peak_flops`) when null/0, then
+    averaged over ranks so every rank reports the same MFU denominator."""
+    peak = float(value) if value else measure_peak_flops(device, dtype)
+    if dist.is_initialized():
+        t = torch.tensor([peak], dtype=torch.float64)
+        dist.all_reduce(t)
+        peak = float(t[0]) / dist.get_world_size()
+    return peak
+
+
+def train_flops(num_parameters: int, forward_tokens: int = 0, train_tokens: int = 0, generated_tokens: int = 0) -> float:
+    """Model FLOPs: ``2 P`` per token of a forward-only pass (scoring, generation) and ``6 P`` per
+    token of a forward + backward pass."""
+    return 2.0 * num_parameters * (forward_tokens + generated_tokens) + 6.0 * num_parameters * train_tokens

@@ -1,0 +1,177 @@
+"""Model workers: a model on the device mesh with its optimizer, scheduler and gradient clipping.
+
+A :class:`Worker` is what every trainer holds for each model it trains or queries (the actor,
+the reference policy, a critic, a reward model): meta-device init on every rank, FSDP2/HSDP
+sharding over the mesh's data dims, rank 0's weights broadcast into the shards
+(:func:`rl2gem.parallel.fsdp.load_sharded`), optional CPU offload and activation checkpointing,
+and for trainable workers AdamW with a warm-up schedule. Its state goes into checkpoints through
+:class:`rl2gem.training.checkpoint.Checkpointer`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+from rl2gem.parallel.fsdp import full_state_dict, init_distributed, load_sharded
+from rl2gem.parallel.mesh import ParallelMesh, build_mesh
+
+__all__ = ["Worker", "resolve_dtype", "setup_distributed", "SCHEDULES"]
+
+SCHEDULES = ("constant", "linear", "cosine")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bfloat16 on GPU, float32 on CPU (no bf16 units: ~100x slower); else the named dtype.
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if name not in table:
+        raise ValueError(f"dtype must be auto or one of {sorted(table)}, got {name!r}")
+    return table[name]
+
+
+def setup_distributed(seed: int, section: Mapping[str, Any]) -> tuple[int, int, torch.device, ParallelMesh]:
+    """Join the torchrun process group (a 1-process one without torchrun), give each local rank
+    its share of the CPU threads, seed torch, and build the mesh from ``section``'s
+    ``ddp_size`` / ``tp_size`` / ``sp_size``. Returns ``(rank, world, device, mesh)``.
+
+    Raises:
+        ValueError: sizes that do not fit the world size (see :func:`rl2gem.parallel.mesh.build_mesh`).
+    """
+    rank, world, device = init_distributed()
+    if device.type == "cpu":
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    torch.manual_seed(seed)
+    mesh = build_mesh(int(section.get("ddp_size", 1)), int(section.get("tp_size", 1)), int(section.get("sp_size", 1)))
+    return rank, world, device, mesh
+
+
+def _schedule(kind: str, warmup: int, total: int):
+    """Multiplier of the learning rate at optimizer step ``s``: linear warm-up over ``warmup``
+    steps, then constant, linear decay to 0 or cosine decay to 0 at ``total``."""
+    if kind not in SCHEDULES:
+        raise ValueError(f"scheduler must be one of {SCHEDULES}, got {kind!r}")
+
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if kind == "constant" or total <= warmup:
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 1.0 - progress if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+class Worker:
+    """A model sharded over ``mesh`` and, when ``trainable``, its AdamW optimizer and scheduler.
+
+    Args:
+        section: the worker's config (a trainer's ``actor:`` / ``critic:``): ``model``, ``dtype``,
+            ``lr``, ``weight_decay``, ``warmup_steps``, ``max_grad_norm``, ``cpu_offload``,
+            ``gradient_checkpointing``, ``reshard_after_forward``, optional ``scheduler``
+            (:data:`SCHEDULES`). Missing keys take the defaults of ``trainers/config``.
+        mesh: from :func:`setup_distributed`.
+        device: this rank's device.
+        head: ``"lm"`` (a causal LM) or ``"value"`` (the backbone with a zero-initialised scalar
+            head, for a critic).
+        model: overrides ``section.model``.
+        trainable: False for frozen workers (a reference policy): eval mode, no optimizer.
+        total_steps: optimizer steps of the run (for decaying schedules).
+
+    Raises:
+        ValueError: unknown head, dtype or schedule.
+    """
+
+    def __init__(self, section: Mapping[str, Any], mesh: ParallelMesh, device: torch.device, *, head: str = "lm",
+                 model: str | None = None, trainable: bool = True, total_steps: int = 0):
+        get = section.get
+        self.name_or_path = model or get("model")
+        self.head, self.mesh, self.device = head, mesh, device
+        self.dtype = resolve_dtype(get("dtype", "auto"), device)
+        self.max_grad_norm = float(get("max_grad_norm", 1.0))
+        self.model = load_sharded(
+            self.name_or_path, mesh.data_mesh, device=device, dtype=self.dtype, head=head,
+            cpu_offload=bool(get("cpu_offload", False)), reshard_after_forward=bool(get("reshard_after_forward", True)),
+            gradient_checkpointing=trainable and bool(get("gradient_checkpointing", False)),
+        )
+        self.optimizer = self.scheduler = None
+        if trainable:
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=float(get("lr", 1e-6)),
+                                               weight_decay=float(get("weight_decay", 0.0)))
+            factor = _schedule(get("scheduler", "constant"), max(0, int(get("warmup_steps", 0))), int(total_steps))
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
+        else:
+            self.model.eval()
+        self.num_parameters = sum(p.numel() for p in self.model.parameters())  # a DTensor counts its full shape
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0] if self.scheduler else 0.0
+
+    def step(self) -> float:
+        """Clip the gradient norm to ``max_grad_norm``, step the optimizer and the scheduler, zero
+        the gradients. Returns the gradient norm before clipping (over all ranks)."""
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full CPU tensors on every rank (a collective: call on all ranks)."""
+        return full_state_dict(self.model)
+
+    # ------------------------------------------------------------------ checkpoints
+    def sharded_state(self) -> dict[str, Any]:
+        """``{"model", "optim"}`` sharded state dicts for ``torch.distributed.checkpoint``."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer or [])
+        return {"model": model_sd, "optim": optim_sd} if self.optimizer else {"model": model_sd}
+
+    def load_sharded_state(self, state: Mapping[str, Any]) -> None:
+        """Load what :meth:`sharded_state` gave (after ``dcp.load`` filled it)."""
+        if self.optimizer:
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        else:
+            set_state_dict(self.model, [], model_state_dict=state["model"], optim_state_dict={})
+
+    def export_hf(self, path: str | Path, tokenizer=None, state: Mapping[str, torch.Tensor] | None = None) -> Path | None:
+        """Write a Hugging Face folder (config, safetensors, tokenizer) that ``from_pretrained`` loads:
+        a causal LM, or for ``head="value"`` a token classifier with one label.
+
+        A collective (the full state dict is gathered on every rank, pass ``state`` when it already
+        is); only rank 0 writes. Returns the folder on rank 0, None elsewhere.
+        """
+        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+        full = state if state is not None else self.full_state_dict()
+        if dist.get_rank() != 0:
+            return None
+        cls = AutoModelForTokenClassification if self.head == "value" else AutoModelForCausalLM
+        config = self.model.config
+        with torch.device("meta"):
+            skeleton = cls.from_config(config, dtype=self.dtype)
+        skeleton.load_state_dict(dict(full), strict=False, assign=True)
+        if getattr(config, "tie_word_embeddings", False) and self.head == "lm":
+            skeleton.tie_weights()
+        path = Path(path)
+        skeleton.save_pretrained(path, is_main_process=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+        return path
+

@@ -1,0 +1,162 @@
+"""python -m rl2gem.collect: SFT conversations from scripted policies or a model, in RL2's messages format."""
+
+import json
+import re
+
+import pytest
+
+from rl2gem.collect import _resolve, main, parse_args
+from rl2gem.data import load_conversations
+from rl2gem.rollout.tito import ChatRenderer
+
+ROW_KEYS = {"messages", "reward", "env", "seed", "index", "policy"}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from rl2gem.models import resolve_model
+
+    return AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct"))
+
+
+def collect(path, *args):
+    """Run the CLI in-process; returns the rows written."""
+    assert main([*args, f"output={path}", "progress=false"]) == 0
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def masked_texts(tokenizer, sequence):
+    """Decoded runs of action-mask 1."""
+    runs, current = [], []
+    for token, mask in zip(sequence.input_ids + [None], sequence.action_mask + [0]):
+        if mask:
+            current.append(token)
+        elif current:
+            runs.append(tokenizer.decode(current, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+            current = []
+    return runs
+
+
+def test_same_seed_same_bytes_other_seed_other_file(tmp_path):
+    first, again, other = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.jsonl"
+    common = ("env=rl2/GuessTheNumber-v0", "policy=random", "n=8")
+    collect(first, *common, "seed=0")
+    collect(again, *common, "seed=0")
+    collect(other, *common, "seed=1")
+    assert first.read_bytes() == again.read_bytes()
+    assert first.read_bytes() != other.read_bytes()
+    solver_a, solver_b = tmp_path / "s1.jsonl", tmp_path / "s2.jsonl"
+    collect(solver_a, "env=rl2/Mastermind-v0", "policy=solver", "n=3", "seed=5")
+    collect(solver_b, "env=rl2/Mastermind-v0", "policy=solver", "n=3", "seed=5")
+    assert solver_a.read_bytes() == solver_b.read_bytes()
+
+
+def test_rows_are_rollout_conversations(tmp_path, tokenizer):
+    rows = collect(tmp_path / "rows.jsonl", "env=rl2/GuessTheNumber-v0", "policy=solver", "n=4", "seed=10",
+                   "system_prompt=Guess well.")
+    assert len(rows) == 4
+    assert [row["seed"] for row in rows] == [10, 11, 12, 13]  # an env without a data set plays seeds seed, seed+1, ...
+    renderer = ChatRenderer(tokenizer)
+    for row in rows:
+        assert set(row) == ROW_KEYS
+        assert (row["env"], row["policy"], row["index"], row["reward"]) == ("rl2/GuessTheNumber-v0", "solver", None, 1.0)
+        roles = [m["role"] for m in row["messages"]]
+        turns = roles.count("assistant")
+        # system, then user / assistant alternating, ending with the last action (as a Rollout records it)
+        assert roles == ["system"] + ["user", "assistant"] * turns
+        assert row["messages"][0]["content"] == "Guess well."
+        actions = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+        assert masked_texts(tokenizer, renderer.conversation(row["messages"])) == [a + "<|im_end|>" for a in actions]
+    assert load_conversations(str(tmp_path / "rows.jsonl")) == [row["messages"] for row in rows]
+
+
+def test_min_reward_keeps_exactly_the_episodes_that_reach_it(tmp_path, capsys):
+    common = ("env=rl2/GuessTheNumber-Easy-v0", "policy=random", "n=20", "seed=3")
+    everything = collect(tmp_path / "all.jsonl", *common)
+    assert len(everything) == 20
+    capsys.readouterr()
+    kept = collect(tmp_path / "kept.jsonl", *common, "min_reward=1.0")
+    printed = capsys.readouterr().out
+    assert kept == [row for row in everything if row["reward"] >= 1.0]  # same episodes, filtered
+    assert 0 < len(kept) < 20
+    assert re.search(rf"played 20 episodes, kept {len(kept)} with reward >= 1\.0", printed), printed
+
+
+def test_search_qa_solver_rows_train_as_one_sequence(tmp_path, tokenizer):
+    path = tmp_path / "search.jsonl"
+    rows = collect(path, "env=rl2/SearchQA-v0", "policy=solver", "split=train", "n=5")
+    assert len(rows) == 5 and [row["index"] for row in rows] == [0, 1, 2, 3, 4]  # data set items in order
+    conversations = load_conversations(str(path))
+    assert conversations == [row["messages"] for row in rows]
+    renderer = ChatRenderer(tokenizer)
+    for row, messages in zip(rows, conversations):
+        assert row["reward"] == 1.0
+        assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant"]
+        search, answer = messages[1]["content"], messages[3]["content"]
+        assert re.fullmatch(r"<search>.+</search>", search) and re.fullmatch(r"<answer>.+</answer>", answer)
+        assert messages[2]["content"].startswith("<information>")
+        sequence = renderer.conversation(messages)
+        assert masked_texts(tokenizer, sequence) == [search + "<|im_end|>", answer + "<|im_end|>"]
+
+
+def test_tool_results_are_one_tool_message_each(tmp_path, tokenizer):
+    rows = collect(tmp_path / "tools.jsonl", "env=rl2/ToolUse-v0", "policy=solver", "n=2")
+    renderer = ChatRenderer(tokenizer)
+    for row in rows:
+        messages = row["messages"]
+        assert messages[-1]["role"] == "assistant"
+        for position, message in enumerate(messages):
+            if message["role"] != "assistant" or position + 1 == len(messages):
+                continue
+            following = 0
+            while messages[position + 1 + following]["role"] == "tool":
+                following += 1
+            # every <tool_call> of an action gets its own tool message; a reply without calls gets none
+            assert following == message["content"].count("<tool_call>")
+        assert any(m["role"] == "tool" for m in messages)
+        actions = [m["content"] for m in messages if m["role"] == "assistant"]
+        assert masked_texts(tokenizer, renderer.conversation(messages)) == [a + "<|im_end|>" for a in actions]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["policy=model"], "policy=model needs model="),
+        (["policy=solver", "model=smollm2-135m-instruct"], "does not use model="),
+        (["policy=greedy"], "unknown policy 'greedy'"),
+        (["tools_in_template=true"], "tools_in_template"),
+        (["n=0"], "n must be >= 1"),
+        (["min_rewrd=1"], "did you mean 'min_reward'"),
+    ],
+)
+def test_bad_arguments_exit_with_a_reason(tmp_path, args, message):
+    with pytest.raises(SystemExit, match=message):
+        main([*args, f"output={tmp_path / 'x.jsonl'}", "progress=false"])
+    assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_policy_and_temperature_defaults():
+    assert _resolve(parse_args(["output=x"])).policy == "solver"
+    model = _resolve(parse_args(["model=smollm2-135m-instruct", "output=x"]))
+    assert (model.policy, model.temperature, model.split) == ("model", 1.0, "train")  # sampling, train split
+    assert _resolve(parse_args(["policy=model", "model=m", "temperature=0.3", "output=x"])).temperature == 0.3
+
+
+@pytest.mark.slow
+def test_model_rejection_sampling_rows_tokenise(tmp_path, tokenizer, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    path, again = tmp_path / "model.jsonl", tmp_path / "again.jsonl"
+    args = ("env=rl2/GuessTheNumber-Easy-v0", "policy=model", "model=smollm2-135m-instruct", "n=2",
+            "batch_size=2", "max_new_tokens=12", "min_reward=0.0")
+    rows = collect(path, *args)
+    collect(again, *args)
+    assert path.read_bytes() == again.read_bytes()  # sampled (temperature 1.0) with per-episode seeds
+    assert len(rows) == 2  # every reward is >= 0
+    renderer = ChatRenderer(tokenizer)
+    for row, messages in zip(rows, load_conversations(str(path))):
+        assert set(row) == ROW_KEYS | {"model"} and (row["policy"], row["model"]) == ("model", "smollm2-135m-instruct")
+        assert messages[-1]["role"] == "assistant"
+        sequence = renderer.conversation(messages)
+        assert sum(sequence.action_mask) > 0 and len(sequence.input_ids) == len(sequence.action_mask)
