@@ -3,18 +3,26 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.rl2gem-installed
+TORCH_VERSION := 2.13.0
+# Every other package `make setup` installs, pinned with hashes (`make lock` regenerates it).
+LOCK   := requirements.lock
 
-.PHONY: setup run test test-fast bench clean
+.PHONY: setup run test test-fast test-latest lock bench sft-searchqa clean
 
 setup: $(STAMP)
 
-# torch==2.13.0 goes in first: with it installed, the package's "torch>=2.4" pulls
-# nothing more (a looser first install would fetch a CUDA build of several GB).
-$(STAMP): pyproject.toml
+# torch goes in first, pinned and on its own (--no-deps: its dependencies are in the lock): it is
+# the CPU build from the wheel source pip is configured with, which is not on PyPI, so it cannot be
+# hash-pinned in the lock; a looser install would fetch a CUDA build of several GB. Then the lock,
+# hash-checked and with --no-deps (it is complete), then rl2gem itself, editable, with no
+# dependencies of its own to resolve. `pip check` fails the set-up if the set is inconsistent.
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip "setuptools>=77"
-	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[dev,bench]"
+	$(BIN)/python -m pip install -q --no-deps torch==$(TORCH_VERSION)
+	$(BIN)/python -m pip install -q --no-deps --require-hashes -r $(LOCK)
+	$(BIN)/python -m pip install -q --no-deps -e .
+	$(BIN)/python -m pip check
 	touch $@
 
 # The main job, short: 3 PPO steps (Dr. GRPO) of SmolLM2-135M-Instruct on reasoning-gym
@@ -24,11 +32,62 @@ run: setup
 	OMP_NUM_THREADS=1 $(BIN)/python -m torch.distributed.run --standalone --nproc_per_node=2 trainers/ppo.py \
 		config=arithmetic trainer.total_steps=3 trainer.eval_n=64 trainer.output_dir=runs/quickstart trainer.progress=false
 
+# SFT proof on real input (about 35 min on 2 cores; README, benchmarks/learning.md): oracle
+# episodes of rl2/SearchQA-v0's train split -> SFT of SmolLM2-135M-Instruct -> greedy EM, F1 and
+# searches per episode on the first 200 test questions, before and after.
+sft-searchqa: setup
+	$(BIN)/python -m rl2gem.collect env=rl2/SearchQA-v0 policy=solver split=train n=5000 env_kwargs.topk=1 \
+		output=runs/searchqa/oracle-top1.jsonl progress=false
+	OMP_NUM_THREADS=1 $(BIN)/python -m torch.distributed.run --standalone --nproc_per_node=2 trainers/sft.py \
+		config=searchqa_sft trainer.progress=false
+
 test: setup
 	$(BIN)/python -m pytest -q
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# Drift on purpose: a fresh .venv-latest with the newest versions pyproject.toml allows (torch
+# still $(TORCH_VERSION), installed first), then the fast tests. A failure here is the next lock's
+# problem found before users find it; see README, "Dependencies".
+LATEST := .venv-latest
+test-latest:
+	rm -rf $(LATEST)
+	$(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install -q --upgrade pip "setuptools>=77"
+	$(LATEST)/bin/python -m pip install -q torch==$(TORCH_VERSION)
+	$(LATEST)/bin/python -m pip install -q -e ".[dev,bench]"
+	$(LATEST)/bin/python -m pip list --format=freeze | grep -iE '^(torch|transformers|datasets|trl|numpy|gymnasium)=='
+	$(LATEST)/bin/python -m pytest -q -m "not slow"
+
+# Regenerates $(LOCK) from pyproject.toml's ranges for Python 3.11 on Linux x86-64 with uv (in
+# .venv-uv). Versions already in the lock are kept where still allowed; LOCK_FLAGS=--upgrade moves
+# everything to the newest allowed, LOCK_FLAGS="--upgrade-package transformers" one package.
+# torch is resolved as the CPU build ($(TORCH_WHEELS): pip's find-links here, else PyTorch's CPU
+# wheel page) so that no CUDA package enters the lock, and is left out of it.
+UV_VERSION   := 0.13.9
+TORCH_WHEELS ?= $(or $(PIP_FIND_LINKS),https://download.pytorch.org/whl/cpu/torch/)
+LOCK_FLAGS   ?=
+define LOCK_NOTE
+# rl2gem's dependency lock: what `make setup` installs (pip install --no-deps --require-hashes -r requirements.lock),
+# for Python 3.11 on Linux x86-64. Refresh with `make lock` (README, "Dependencies"); do not edit by hand.
+# torch is not in it: make setup installs torch==$(TORCH_VERSION) (CPU build, torch-$(TORCH_VERSION)+cpu) first, from
+# the wheel source pip is configured with; that build is not on PyPI, so it has no hash here. The lock was
+# resolved against that build's dependencies, so it holds torch's own (CPU) dependencies and no CUDA packages.
+endef
+export LOCK_NOTE
+
+lock: .venv-uv/bin/uv
+	printf 'torch==$(TORCH_VERSION)+cpu\n' | .venv-uv/bin/uv pip compile pyproject.toml - --extra dev --extra bench \
+		--python-version 3.11 --python-platform x86_64-manylinux_2_28 --generate-hashes \
+		--no-emit-package torch --find-links $(TORCH_WHEELS) --custom-compile-command "make lock" \
+		$(LOCK_FLAGS) -o $(LOCK)
+	! grep -qiE '^(nvidia-|triton|cuda-)' $(LOCK) || { echo "lock: CUDA packages in $(LOCK): torch was not the CPU build" >&2; exit 1; }
+	{ echo "$$LOCK_NOTE"; cat $(LOCK); } > $(LOCK).tmp && mv $(LOCK).tmp $(LOCK)
+
+.venv-uv/bin/uv:
+	$(PYTHON) -m venv .venv-uv
+	.venv-uv/bin/python -m pip install -q uv==$(UV_VERSION)
 
 bench: setup
 	$(BIN)/python benchmarks/env_throughput.py
@@ -37,4 +96,4 @@ bench: setup
 	$(BIN)/python benchmarks/trainer.py
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(LATEST) .venv-uv *.egg-info .pytest_cache

@@ -185,18 +185,18 @@ class SearchQAEnv(Env):
             return self.invalid_action(
                 "missing <search> or <answer> tag",
                 "Write <search>query</search> to search, or <answer>...</answer> to answer.",
-                num_searches=self.num_searches,
+                **self._unanswered(),
             )
         query = searches[-1].strip()
         if not query:
-            return self.invalid_action("empty search query", "Your search query was empty.", num_searches=self.num_searches)
+            return self.invalid_action("empty search query", "Your search query was empty.", **self._unanswered())
         if self.num_searches >= self.max_searches:
             return (
                 f"<information>Search limit of {self.max_searches} reached.</information>", 0.0, False, True,
-                {"role": "tool", "num_searches": self.num_searches, "truncated_reason": "max_searches"},
+                {"role": "tool", **self._unanswered(), "truncated_reason": "max_searches"},
             )
         self.num_searches += 1
-        info: dict[str, Any] = {"role": "tool", "num_searches": self.num_searches, "query": query}
+        info: dict[str, Any] = {"role": "tool", **self._unanswered(), "query": query}
         try:
             hits = (await (await self._retrieval.client()).retrieve([query], self.topk))[0]
             text = format_passages(hits)
@@ -204,6 +204,11 @@ class SearchQAEnv(Env):
             text = f"Search failed ({e}). You can search again or answer."
             info["search_error"] = str(e)
         return f"<information>{text}</information>", 0.0, False, False, info
+
+    def _unanswered(self) -> dict[str, Any]:
+        """The scores of a step without an answer, so that an episode cut short (turn or search
+        limit) still reports em / f1 of 0 and its searches."""
+        return {"num_searches": self.num_searches, "em": 0.0, "f1": 0.0, "success": False}
 
     async def _aclose(self) -> None:
         await self._retrieval.aclose()

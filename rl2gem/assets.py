@@ -26,10 +26,14 @@ import sys
 import tarfile
 import tempfile
 import zipfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Asset", "ASSETS", "AssetUnavailable", "cache_dir", "fetch", "asset_path", "locked", "build_dir"]
+__all__ = [
+    "Asset", "ASSETS", "AssetUnavailable", "IncompleteBuild", "cache_dir", "fetch", "asset_path", "locked",
+    "build_dir", "missing_files",
+]
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,10 @@ class AssetUnavailable(RuntimeError):
     """An asset is not in the cache and could not be downloaded."""
 
 
+class IncompleteBuild(RuntimeError):
+    """A :func:`build_dir` block finished without writing every required file; nothing was marked complete."""
+
+
 def cache_dir() -> Path:
     """The rl2gem cache folder (``$RL2GEM_CACHE`` or ``~/.cache/rl2gem``), created if missing."""
     root = Path(os.environ.get("RL2GEM_CACHE") or Path.home() / ".cache" / "rl2gem")
@@ -104,18 +112,40 @@ def locked(path: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def missing_files(folder: Path, patterns: Sequence[str]) -> list[str]:
+    """The glob ``patterns`` that match no non-empty file in ``folder`` (all of them if it does not exist)."""
+    return [pat for pat in patterns if not any(p.is_file() and p.stat().st_size > 0 for p in folder.glob(pat))]
+
+
 @contextlib.contextmanager
-def build_dir(target: Path):
+def build_dir(target: Path, required: Sequence[str] = ()):
     """Yield an empty staging folder; on success it becomes ``target`` (marked by ``.complete``).
 
     The rename is atomic, so readers see either no ``target`` or a whole one;
     on an exception the staging folder is removed and ``target`` is untouched.
     Callers hold the target's lock (see :func:`locked`).
+
+    Args:
+        target: the folder to build.
+        required: glob patterns (relative to the folder) that must each match a
+            non-empty file before the folder is marked complete.
+
+    Raises:
+        IncompleteBuild: the block wrote no file for some of ``required``; the
+            staging folder is removed, ``target`` is untouched and nothing is
+            marked complete.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     try:
         yield staging
+        missing = missing_files(staging, required)
+        if missing:
+            wrote = sorted(p.name for p in staging.iterdir())
+            raise IncompleteBuild(
+                f"building {target} wrote no {', '.join(missing)} (it wrote: {', '.join(wrote) or 'nothing'}); "
+                f"not marking it complete"
+            )
         (staging / ".complete").write_text("ok")
         if target.exists():
             shutil.rmtree(target)

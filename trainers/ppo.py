@@ -24,26 +24,27 @@ from __future__ import annotations
 
 import asyncio
 import math
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
-from tqdm.auto import tqdm
 
 import rl2gem
 from rl2gem.algorithms import ESTIMATORS, importance_weights, kl_estimate, packed_loss_weights, policy_loss, value_loss
-from rl2gem.config import ConfigError, load_config
+from rl2gem.config import ConfigError
 from rl2gem.models import load_model
 from rl2gem.rollout import EmbeddedEngine, Rollout, RolloutConfig
 from rl2gem.rollout.tito import load_chat_template
-from rl2gem.tracking import Tracker, metrics_table, plot_metrics
-from rl2gem.training import (
-    Averager, Checkpointer, Worker, apply_gae, evaluate_env, peak_flops_from_config, plan_micro_batches, reduce_mean,
-    samples_from_batch, setup_distributed, subtract_kl_from_rewards, token_logprobs, token_values, train_flops,
-)
+from rl2gem.tracking import Tracker
+from rl2gem.training.checkpoint import Checkpointer
+from rl2gem.training.evaluation import evaluate_env
+from rl2gem.training.forward import plan_micro_batches, token_logprobs, token_values
+from rl2gem.training.metrics import Averager, peak_flops_from_config, reduce_mean, train_flops
+from rl2gem.training.samples import apply_gae, samples_from_batch, subtract_kl_from_rewards
+from rl2gem.training.trainer import Trainer, launch
+from rl2gem.training.worker import Worker, setup_distributed
 
 CONFIG = Path(__file__).with_name("config") / "ppo.yaml"
 #: rollout metrics that add up over ranks (the others are averaged)
@@ -70,17 +71,20 @@ def packed(samples, field, device, dtype=torch.float32):
     return torch.tensor([x for s in samples for x in getattr(s, field)], dtype=dtype, device=device)
 
 
-class PPOTrainer:
+class PPOTrainer(Trainer):
     """See the module docstring. ``cfg`` is the merged OmegaConf config."""
+
+    name, report_keys = "ppo", ("rollout/reward", "rollout/response_length", "eval/success")
 
     def __init__(self, cfg):
         check_config(cfg)
         self.cfg, c = cfg, cfg
         self.rank, self.world, self.device, self.mesh = setup_distributed(c.seed, c.actor)
         if c.rollout.prompts_per_rollout % self.world:
-            raise ConfigError(f"rollout.prompts_per_rollout={c.rollout.prompts_per_rollout} must be a multiple of the world size {self.world}")
-        self.out = Path(c.trainer.output_dir)
-        self.actor = Worker(c.actor, self.mesh, self.device, total_steps=c.trainer.total_steps)
+            raise ConfigError(f"rollout.prompts_per_rollout={c.rollout.prompts_per_rollout} must be a multiple of the world size "
+                              f"{self.world}")
+        self.out, self.total_steps = Path(c.trainer.output_dir), int(c.trainer.total_steps)
+        self.actor = Worker(c.actor, self.mesh, self.device, total_steps=self.total_steps)
         self.ref = Worker(c.actor, self.mesh, self.device, trainable=False) if c.kl.coef > 0 else None
         self.critic = None
         if c.adv.estimator == "gae":  # a critic only where GAE needs one (the actor's backbone + a scalar head)
@@ -103,6 +107,7 @@ class PPOTrainer:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.yaml").write_text(OmegaConf.to_yaml(c))
             self.tracker = Tracker(c.trainer.loggers, self.out, OmegaConf.to_container(c, resolve=True))
+            print(OmegaConf.to_yaml(c), flush=True)
 
     # ------------------------------------------------------------------ 1. collect
     def collect(self):
@@ -223,53 +228,13 @@ class PPOTrainer:
                             chat_template=self.rollout.renderer.chat_template, seed=c.trainer.eval_seed, split=c.trainer.eval_split)
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self) -> Path:
-        return self.checkpointer.save(self.step, rank_state={"rollout": self.rollout.state_dict(), "engine": self.engine.state_dict()},
-                                      export=lambda path: self.actor.export_hf(path, self.tokenizer))
+    def rank_state(self) -> dict:
+        return {"rollout": self.rollout.state_dict(), "engine": self.engine.state_dict()}
 
-    def load(self) -> bool:
-        restored = self.checkpointer.load()
-        if restored is None:
-            return False
-        meta, local = restored
-        self.step = meta["step"]
-        self.rollout.load_state_dict(local["rollout"])
-        self.engine.load_state_dict(local["engine"])
+    def restore(self, trainer_state, rank_state) -> None:
+        self.rollout.load_state_dict(rank_state["rollout"])
+        self.engine.load_state_dict(rank_state["engine"])
         self.loop.run_until_complete(self.engine.update_weights(self.actor.full_state_dict(), version=self.step))
-        return True
-
-    # ------------------------------------------------------------------ the loop
-    def fit(self) -> dict[str, float]:
-        t = self.cfg.trainer
-        if t.resume and self.load() and self.rank == 0:
-            print(f"resumed from step {self.step}", flush=True)
-        if t.eval_at_start and self.step == 0:
-            self.log(self.evaluate())
-        last = {}
-        bar = tqdm(total=t.total_steps, initial=self.step, desc="ppo", disable=not (t.progress and self.rank == 0))
-        while self.step < t.total_steps:
-            last = self.train_step()
-            if t.eval_every and self.step % t.eval_every == 0 and self.step < t.total_steps:
-                last.update(self.evaluate())
-            if t.save_every and self.step % t.save_every == 0:
-                self.save()
-            self.log(last)
-            bar.update(1)
-        bar.close()
-        final = self.evaluate()
-        checkpoint = self.save()
-        self.log(final)
-        if self.tracker:
-            self.tracker.close()
-            png = plot_metrics(self.tracker.path, self.out / "curves.png")
-            print("\n" + metrics_table(self.tracker.path))
-            print(f"\nfinal eval: success {final['eval/success']:.3f}  reward {final['eval/reward']:.3f}  ({int(final['eval/episodes'])} episodes)")
-            print(f"metrics: {self.tracker.path}\nplot: {png}\ncheckpoint: {checkpoint} (Hugging Face export: {checkpoint / 'hf'})", flush=True)
-        return {**last, **final}
-
-    def log(self, metrics: dict) -> None:
-        if self.tracker:
-            self.tracker.log(metrics, self.step)
 
     def close(self):
         self.loop.run_until_complete(self.rollout.close())
@@ -278,21 +243,7 @@ class PPOTrainer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        cfg = load_config(CONFIG, sys.argv[1:] if argv is None else argv)
-        check_config(cfg)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    trainer = PPOTrainer(cfg)
-    if trainer.rank == 0:
-        print(OmegaConf.to_yaml(cfg), flush=True)
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
-        dist.destroy_process_group()
-    return 0
+    return launch(PPOTrainer, CONFIG, check_config, argv)
 
 
 if __name__ == "__main__":

@@ -22,27 +22,28 @@ from __future__ import annotations
 
 import asyncio
 import math
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
-from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rl2gem.algorithms import LOSS_AGGREGATIONS, packed_loss_weights
-from rl2gem.config import ConfigError, load_config
+from rl2gem.config import ConfigError
 from rl2gem.data import load_conversations
 from rl2gem.models import resolve_model
 from rl2gem.rollout import EmbeddedEngine, RolloutConfig
 from rl2gem.rollout.tito import ChatRenderer, load_chat_template
-from rl2gem.tracking import Tracker, metrics_table, plot_metrics
-from rl2gem.training import (
-    Averager, Checkpointer, Sample, Worker, evaluate_env, peak_flops_from_config, plan_micro_batches, reduce_mean,
-    setup_distributed, token_logprobs, train_flops,
-)
+from rl2gem.tracking import Tracker
+from rl2gem.training.checkpoint import Checkpointer
+from rl2gem.training.evaluation import evaluate_env
+from rl2gem.training.forward import plan_micro_batches, token_logprobs
+from rl2gem.training.metrics import peak_flops_from_config, reduce_mean, train_flops
+from rl2gem.training.samples import Sample
+from rl2gem.training.trainer import Trainer, launch
+from rl2gem.training.worker import Worker, setup_distributed
 
 CONFIG = Path(__file__).with_name("config") / "sft.yaml"
 
@@ -70,8 +71,10 @@ def tokenize(renderer: ChatRenderer, conversations, max_length: int) -> list[Sam
     return samples
 
 
-class SFTTrainer:
+class SFTTrainer(Trainer):
     """See the module docstring. ``cfg`` is the merged OmegaConf config."""
+
+    name, report_keys = "sft", ("train/loss", "eval/loss", "eval/reward", "eval/em", "eval/searches")
 
     def __init__(self, cfg):
         check_config(cfg)
@@ -160,44 +163,6 @@ class SFTTrainer:
                                     seed=c.trainer.eval_seed, split=c.trainer.eval_split))
         return out
 
-    def save(self) -> Path:
-        return self.checkpointer.save(self.step, export=lambda path: self.actor.export_hf(path, self.tokenizer))
-
-    def fit(self) -> dict[str, float]:
-        t = self.cfg.trainer
-        if t.resume and (restored := self.checkpointer.load()) is not None:
-            self.step = restored[0]["step"]
-            if self.rank == 0:
-                print(f"resumed from step {self.step}", flush=True)
-        if t.eval_at_start and self.step == 0:
-            self.log(self.evaluate())
-        last = {}
-        bar = tqdm(total=self.total_steps, initial=self.step, desc="sft", disable=not (t.progress and self.rank == 0))
-        while self.step < self.total_steps:
-            last = self.train_step()
-            if t.eval_every and self.step % t.eval_every == 0 and self.step < self.total_steps:
-                last.update(self.evaluate())
-            if t.save_every and self.step % t.save_every == 0:
-                self.save()
-            self.log(last)
-            bar.update(1)
-        bar.close()
-        final = self.evaluate()
-        checkpoint = self.save()
-        self.log(final)
-        if self.tracker:
-            self.tracker.close()
-            keys = ("train/loss", "eval/loss", "eval/reward", "eval/em", "eval/searches")
-            png = plot_metrics(self.tracker.path, self.out / "curves.png", keys=keys)
-            print("\n" + metrics_table(self.tracker.path, keys=keys))
-            print("\nfinal eval: " + "  ".join(f"{k[5:]} {v:.3f}" for k, v in final.items()))
-            print(f"metrics: {self.tracker.path}\nplot: {png}\ncheckpoint: {checkpoint} (Hugging Face export: {checkpoint / 'hf'})", flush=True)
-        return {**last, **final}
-
-    def log(self, metrics: dict) -> None:
-        if self.tracker and metrics:
-            self.tracker.log(metrics, self.step)
-
     def close(self) -> None:
         if self.engine is not None:
             self.loop.run_until_complete(self.engine.close())
@@ -205,19 +170,7 @@ class SFTTrainer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        cfg = load_config(CONFIG, sys.argv[1:] if argv is None else argv)
-        check_config(cfg)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    trainer = SFTTrainer(cfg)
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
-        dist.destroy_process_group()
-    return 0
+    return launch(SFTTrainer, CONFIG, check_config, argv)
 
 
 if __name__ == "__main__":

@@ -144,12 +144,17 @@ def _init_buffers(model, config, device) -> None:
 
 
 def full_state_dict(model) -> dict[str, torch.Tensor]:
-    """Full (unsharded) CPU tensors of every parameter and persistent buffer, on every rank."""
+    """Full (unsharded) CPU tensors of every parameter and persistent buffer, on every rank (a
+    collective). They never share memory with the model (on one rank an unsharded tensor would
+    otherwise alias the live parameter and change with the next optimizer step)."""
     from torch.distributed.tensor import DTensor
 
     out = {}
     for name, t in model.state_dict().items():
-        if isinstance(t, DTensor):
-            t = t.full_tensor()
-        out[name] = t.detach().to("cpu")
+        local = t.to_local() if isinstance(t, DTensor) else t
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        full = full.detach().to("cpu")
+        if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+            full = full.clone()
+        out[name] = full
     return out

@@ -322,3 +322,27 @@ def test_a_groups_identical_prompts_are_prefilled_once(model):
     assert len({tuple(o.output_ids) for o in outs}) > 1  # still independent samples
     for o in outs:
         assert torch.allclose(torch.tensor(o.output_logprobs), teacher_logprobs(model, PROMPTS[9], o.output_ids, 8.0), atol=1e-4)
+
+
+def test_state_dict_restores_unseeded_sampling(model):
+    """The engine's public state (its sampler RNG) taken between requests and restored makes the
+    next unseeded samples repeat; without restoring they differ."""
+
+    async def sample(eng):
+        out = await eng.generate([1, 5, 9], {"max_new_tokens": 12, "temperature": 100.0, "ignore_eos": True})
+        return out.output_ids
+
+    async def main():
+        eng = EmbeddedEngine(model, seed=3)
+        try:
+            state = eng.state_dict()
+            first = await sample(eng)
+            second = await sample(eng)
+            eng.load_state_dict(state)
+            again = await sample(eng)
+        finally:
+            await eng.close()
+        return first, second, again
+
+    first, second, again = run(main())
+    assert again == first and second != first

@@ -1,0 +1,119 @@
+"""The outer loop and the command line that every trainer shares.
+
+A trainer subclasses :class:`Trainer` and writes its own step (``train_step``: for PPO collect ->
+score -> advantages -> update -> weight sync) and evaluation; :meth:`Trainer.fit` runs the steps
+with resume, evaluation at the start / every ``trainer.eval_every`` steps / at the end,
+checkpoints every ``trainer.save_every`` steps and at the end, logging, and the end-of-run report.
+:func:`launch` is the ``main`` of a torchrun entry point.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from rl2gem.config import ConfigError, load_config
+
+__all__ = ["Trainer", "launch"]
+
+
+class Trainer:
+    """Base of the trainers. Subclasses set ``cfg``, ``rank``, ``step``, ``total_steps``, ``actor``
+    (a :class:`~rl2gem.training.Worker`), ``tokenizer``, ``checkpointer`` and ``tracker`` (rank 0, or
+    None), and implement :meth:`train_step` and :meth:`evaluate`.
+
+    Attributes:
+        name: shown on the progress bar.
+        report_keys: the metrics of the end-of-run table and plot.
+    """
+
+    name = "trainer"
+    report_keys: tuple[str, ...] = ()
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step (or rollout step); increments ``self.step``; returns its metrics."""
+        raise NotImplementedError
+
+    def evaluate(self) -> dict[str, float]:
+        """Evaluation metrics (``eval/*``); a collective."""
+        raise NotImplementedError
+
+    def rank_state(self) -> dict[str, Any]:
+        """This rank's state for checkpoints besides the models and the torch RNG."""
+        return {}
+
+    def restore(self, trainer_state: dict[str, Any], rank_state: dict[str, Any]) -> None:
+        """Called after a checkpoint was loaded (models, optimizers, schedulers and step are back)."""
+
+    def save(self) -> Path:
+        """Checkpoint the current step (with a Hugging Face export of the actor)."""
+        return self.checkpointer.save(self.step, rank_state=self.rank_state(),
+                                      export=lambda path: self.actor.export_hf(path, self.tokenizer))
+
+    def load(self) -> bool:
+        """Resume from the newest checkpoint; False when there is none."""
+        restored = self.checkpointer.load()
+        if restored is None:
+            return False
+        self.step = int(restored[0]["step"])
+        self.restore(*restored)
+        return True
+
+    def log(self, metrics: dict[str, float]) -> None:
+        if self.tracker is not None and metrics:
+            self.tracker.log(metrics, self.step)
+
+    def fit(self) -> dict[str, float]:
+        """Run to ``total_steps`` (see the module doc); returns the last step's and the final
+        evaluation's metrics."""
+        t = self.cfg.trainer
+        if t.resume and self.load() and self.rank == 0:
+            print(f"resumed from step {self.step}", flush=True)
+        if t.eval_at_start and self.step == 0:
+            self.log(self.evaluate())
+        last: dict[str, float] = {}
+        bar = tqdm(total=self.total_steps, initial=self.step, desc=self.name, disable=not (t.progress and self.rank == 0))
+        while self.step < self.total_steps:
+            last = self.train_step()
+            if t.eval_every and self.step % t.eval_every == 0 and self.step < self.total_steps:
+                last.update(self.evaluate())
+            if t.save_every and self.step % t.save_every == 0:
+                self.save()
+            self.log(last)
+            bar.update(1)
+        bar.close()
+        final = self.evaluate()
+        checkpoint = self.save()
+        self.log(final)
+        if self.tracker is not None:
+            self.tracker.report(final, checkpoint, keys=self.report_keys)
+        return {**last, **final}
+
+    def close(self) -> None:
+        """Release engines and event loops."""
+
+
+def launch(trainer_cls: Callable[[Any], Trainer], config: str | Path, check: Callable[[Any], None],
+           argv: list[str] | None = None) -> int:
+    """The ``main`` of a trainer script: ``config`` defaults with ``config=<recipe>`` and ``key=value``
+    overrides from ``argv`` (default ``sys.argv[1:]``), ``check`` for combinations that cannot work,
+    then the trainer's :meth:`Trainer.fit`. Returns the exit code: 2 (with the message on stderr)
+    for a config error."""
+    try:
+        cfg = load_config(config, sys.argv[1:] if argv is None else argv)
+        check(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    trainer = trainer_cls(cfg)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0

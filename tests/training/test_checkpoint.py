@@ -1,0 +1,81 @@
+"""Workers, the mesh and the Checkpointer in one process (a 1-rank gloo group)."""
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+from rl2gem.parallel.mesh import build_mesh
+from rl2gem.training import Checkpointer, Worker, setup_distributed, token_logprobs
+
+
+@pytest.fixture(scope="module")
+def group():
+    rank, world, device, mesh = setup_distributed(0, {})
+    yield device, mesh
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from tiny import tiny_model
+
+    d = tmp_path_factory.mktemp("tiny")
+    tiny_model().save_pretrained(d)
+    return d
+
+
+def train_once(worker, device):
+    logprobs, _ = token_logprobs(worker.model, [[5, 6, 7, 8], [9, 10, 11]], device)
+    (-logprobs.sum()).backward()
+    return worker.step()
+
+
+def test_mesh_dims_and_errors(group):
+    _, mesh = group
+    assert mesh.sizes == {"replicate": 1, "shard": 1, "sp": 1, "tp": 1}
+    assert (mesh.dp_rank, mesh.dp_size) == (0, 1)
+    with pytest.raises(ValueError, match="actor.ddp_size"):
+        build_mesh(ddp_size=2)
+    with pytest.raises(ValueError, match="not implemented"):
+        build_mesh(tp_size=2)
+
+
+def test_save_then_load_restores_weights_optimizer_scheduler_and_rng(group, tiny_dir, tmp_path):
+    device, mesh = group
+    section = {"model": str(tiny_dir), "lr": 1e-2, "warmup_steps": 3}
+    worker = Worker(section, mesh, device, total_steps=10)
+    assert worker.num_parameters == sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_dir).parameters())
+    train_once(worker, device)
+    checkpointer = Checkpointer(tmp_path, {"actor": worker})
+    path = checkpointer.save(1, trainer_state={"position": 7}, rank_state={"note": "mine"},
+                             export=lambda p: worker.export_hf(p))
+    assert checkpointer.latest() == path and (tmp_path / "latest").read_text() == "checkpoint-1"
+    saved = worker.full_state_dict()
+    lr, rng = worker.lr, torch.rand(3)
+    next_norm = train_once(worker, device)  # moves weights, Adam moments and the scheduler
+    meta, local = checkpointer.load()
+    assert meta["step"] == 1 and meta["position"] == 7 and local["note"] == "mine"
+    assert worker.lr == lr
+    for name, t in worker.full_state_dict().items():
+        assert torch.equal(t, saved[name]), name
+    assert torch.equal(torch.rand(3), rng)  # the RNG is back where it was at the save
+    assert train_once(worker, device) == pytest.approx(next_norm, rel=1e-6)  # the same step again
+    exported = AutoModelForCausalLM.from_pretrained(path / "hf")
+    for name, t in exported.state_dict().items():
+        assert torch.equal(t, saved[name]), name
+    assert json.loads((path / "trainer_state.json").read_text())["world_size"] == 1
+
+
+def test_a_missing_rank_file_names_the_world_size(group, tiny_dir, tmp_path):
+    device, mesh = group
+    worker = Worker({"model": str(tiny_dir)}, mesh, device, trainable=False)
+    assert worker.optimizer is None and not worker.model.training
+    checkpointer = Checkpointer(tmp_path, {"ref": worker})
+    assert checkpointer.load() is None
+    path = checkpointer.save(3)
+    (path / "rank0.pkl").unlink()
+    with pytest.raises(FileNotFoundError, match="world size"):
+        checkpointer.load()

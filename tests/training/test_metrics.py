@@ -1,0 +1,38 @@
+"""Metric helpers: weighted averages (placeholders weigh 0), FLOPs, the measured peak, RolloutConfig from a config."""
+
+import pytest
+import torch
+
+from rl2gem.rollout import RolloutConfig
+from rl2gem.training import Averager, measure_peak_flops, train_flops
+
+
+def test_averager_weights_and_placeholders():
+    avg = Averager()
+    avg.add({"loss": 2.0, "clip": 0.5})
+    avg.add({"loss": 4.0, "clip": 0.1}, weight=3.0)
+    avg.add({"loss": 100.0, "clip": 9.0}, weight=0.0)  # a placeholder micro-batch
+    means = avg.means("actor/")
+    assert means["actor/loss"] == pytest.approx((2 + 12) / 4) and means["actor/clip"] == pytest.approx((0.5 + 0.3) / 4)
+    empty = Averager()
+    empty.add({"x": 5.0}, weight=0.0)
+    assert empty.means() == {"x": 0.0}
+
+
+def test_train_flops_by_hand():
+    # 2P per forward-only token (scoring + generated), 6P per trained token
+    assert train_flops(10, forward_tokens=3, train_tokens=2, generated_tokens=1) == 2 * 10 * 4 + 6 * 10 * 2
+
+
+def test_measured_peak_is_a_plausible_flop_rate():
+    peak = measure_peak_flops(torch.device("cpu"), size=256, repeats=2)
+    assert 1e8 < peak < 1e14
+
+
+def test_rollout_config_from_a_config_section():
+    section = {"max_new_tokens": 7, "temperature": 0.3, "prompts_per_rollout": 8, "is_mode": "truncated"}
+    config = RolloutConfig.from_mapping(section, temperature=0.0, seed=5)
+    assert (config.max_new_tokens, config.temperature, config.seed) == (7, 0.0, 5)
+    assert config.responses_per_prompt == RolloutConfig().responses_per_prompt  # not in the section: the default
+    with pytest.raises(TypeError, match="no field"):
+        RolloutConfig.from_mapping(section, prompts_per_rollout=3)
