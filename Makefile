@@ -7,7 +7,7 @@ TORCH_VERSION := 2.13.0
 # Every other package `make setup` installs, pinned with hashes (`make lock` regenerates it).
 LOCK   := requirements.lock
 
-.PHONY: setup run test test-fast test-latest lock bench sft-searchqa clean
+.PHONY: setup run test test-fast test-latest lint lock bench sft-searchqa clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,11 @@ sft-searchqa: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# ruff, pinned in the dev extra (also the pre-commit hook): lint rules and formatting, checked, not fixed.
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -38,9 +38,20 @@ def test_errors_name_the_closest_key_or_the_recipes(defaults):
 
 
 def test_the_shipped_recipes_load_over_the_trainer_defaults():
-    base = ROOT / "trainers" / "config" / "ppo.yaml"
-    for recipe in base.parent.glob("*.yaml"):
-        if recipe != base:
-            load_config(base, [f"config={recipe.stem}"])
+    folder = ROOT / "trainers" / "config"
+    trainers = {p.stem for p in (ROOT / "trainers").glob("*.py") if (folder / f"{p.stem}.yaml").exists()}
+    assert {"ppo", "sft"} <= trainers
+    for recipe in folder.glob("*.yaml"):
+        if recipe.stem in trainers:
+            continue
+        fits = []
+        for name in sorted(trainers):
+            try:
+                load_config(folder / f"{name}.yaml", [f"config={recipe.stem}"])
+                fits.append(name)
+            except ConfigError:
+                pass
+        assert len(fits) == 1, f"{recipe.name} must load over exactly one trainer's defaults, loads over {fits}"
+    base = folder / "ppo.yaml"
     cfg = load_config(base, ["config=arithmetic", "trainer.total_steps=2"])
     assert cfg.env_kwargs.answer == "last_number" and list(cfg.env_kwargs.operators) == ["+", "-"] and cfg.trainer.total_steps == 2
