@@ -264,6 +264,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "| rl2gem free-running | rl2gem sync | SAME_STEP lock-step / GEM async | free-running / GEM async |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
     def f(x: float) -> str:
         return f"{x:.0f}" if x >= 100 else f"{x:.1f}"
 

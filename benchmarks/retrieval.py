@@ -21,10 +21,10 @@ import sys
 import time
 
 import numpy as np
-
 from rl2gem.envs.search_qa import load_questions
-from rl2gem.retrieval import BM25Index, RetrievalClient
+
 from rl2gem.procs import free_port
+from rl2gem.retrieval import BM25Index, RetrievalClient
 
 
 async def _load(url: str, queries: list[str], concurrency: int, duration: float) -> tuple[float, float, float]:
@@ -53,7 +53,7 @@ def recall_at(index: BM25Index, queries: list[str], golds: list[list[str]], ks: 
     out = {}
     for k in ks:
         found = []
-        for row, gold in zip(hits, golds):
+        for row, gold in zip(hits, golds, strict=True):
             text = " ".join(index.corpus[i]["text"].lower() for i, _ in row[:k])
             found.append(any(g.lower() in text for g in gold if g.strip()))
         out[k] = float(np.mean(found))
@@ -74,17 +74,23 @@ def main(argv: list[str] | None = None) -> None:
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "rl2gem.retrieval", "serve", "--port", str(port), "--exit-on-stdin-eof"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert proc.stdout.readline().startswith("RL2GEM_RETRIEVAL_READY")
     try:
-        rows = [(c, *asyncio.run(_load(f"http://127.0.0.1:{port}", [q["question"] for q in questions], c, args.duration)))
-                for c in args.concurrency]
+        rows = [
+            (c, *asyncio.run(_load(f"http://127.0.0.1:{port}", [q["question"] for q in questions], c, args.duration)))
+            for c in args.concurrency
+        ]
     finally:
         proc.stdin.close()
         proc.wait(timeout=10)
 
-    print(f"\nRetrieval service throughput (BM25, 10,033 passages, topk 3, {args.duration:.1f} s per level, loopback)\n")
+    print(
+        f"\nRetrieval service throughput (BM25, 10,033 passages, topk 3, {args.duration:.1f} s per level, loopback)\n"
+    )
     print("| in flight | queries/s | p50 ms | p99 ms |")
     print("|---:|---:|---:|---:|")
     for c, qps, p50, p99 in rows:
@@ -94,7 +100,9 @@ def main(argv: list[str] | None = None) -> None:
     golds = [q["answers"] for q in questions]
     by_question = recall_at(index, [q["question"] for q in questions], golds, ks)
     by_subject = recall_at(index, [q["subject"] for q in questions], golds, ks)
-    print(f"\nBM25 recall@k on the {len(questions)} prepared qa_wikidata questions (a gold answer in the top-k passages)\n")
+    print(
+        f"\nBM25 recall@k on the {len(questions)} prepared qa_wikidata questions (a gold answer in the top-k passages)\n"
+    )
     print("| query | " + " | ".join(f"@{k}" for k in ks) + " |")
     print("|---|" + "---:|" * len(ks))
     print("| the question | " + " | ".join(f"{by_question[k]:.3f}" for k in ks) + " |")

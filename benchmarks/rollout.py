@@ -62,8 +62,17 @@ def static_generate(model, prompts, batch: int, max_new: int, eos: int, seed: in
         ids = torch.tensor([[eos] * (width - len(p)) + p for p in chunk])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=True,
-                                 temperature=1.0, top_p=1.0, top_k=0, pad_token_id=eos, eos_token_id=eos)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_new,
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                pad_token_id=eos,
+                eos_token_id=eos,
+            )
         tokens += sum(count_until_eos(r, eos) for r in out[:, width:].tolist())
     return tokens, time.perf_counter() - t0
 
@@ -142,18 +151,29 @@ def bench_tokens(model, tokenizer, groups: int, max_new: int) -> dict[str, float
                     i = j
                 else:
                     i += 1
-    return {"episodes": len(batch.episodes), "turns": batch.metrics["rollout/turns"], "merged": merged,
-            "rerender": rerender, "splits": batch.metrics["rollout/splits"]}
+    return {
+        "episodes": len(batch.episodes),
+        "turns": batch.metrics["rollout/turns"],
+        "merged": merged,
+        "rerender": rerender,
+        "splits": batch.metrics["rollout/splits"],
+    }
 
 
 def bench_partial(model, tokenizer, steps: int, groups: int, max_new: int) -> list[tuple[str, list[float], int]]:
     rows = []
     for partial in (False, True):
 
-        async def run():
+        async def run(partial=partial):
             eng = EmbeddedEngine(model, tokenizer, seed=0)
-            cfg = RolloutConfig(responses_per_prompt=4, max_new_tokens=max_new, partial_rollout=partial,
-                                partial_oversample=0.5 if partial else 0.0, max_staleness=2, seed=3)
+            cfg = RolloutConfig(
+                responses_per_prompt=4,
+                max_new_tokens=max_new,
+                partial_rollout=partial,
+                partial_oversample=0.5 if partial else 0.0,
+                max_staleness=2,
+                seed=3,
+            )
             ro = Rollout(eng, tokenizer, "rl2/GSM8K-v0", cfg)
             times, eps = [], 0
             for _ in range(steps):
@@ -183,7 +203,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     ap.add_argument("--only", default="engine,router,tokens,partial")
-    ap.add_argument("--group", type=int, default=1, help="section 1: each prompt repeated this many times (a GRPO batch)")
+    ap.add_argument(
+        "--group", type=int, default=1, help="section 1: each prompt repeated this many times (a GRPO batch)"
+    )
     args = ap.parse_args(argv)
     only = set(args.only.split(","))
     q = args.quick
@@ -201,7 +223,9 @@ def main(argv=None) -> int:
     if "tokens" in only:
         g, max_new = (1, 16) if q else (4, 64)
         r = bench_tokens(model, tokenizer, g, max_new)
-        print(f"## 3. tokens fed to training, rl2/GuessTheNumber-v0, {r['episodes']} episodes, {r['turns']:.1f} turns on average\n")
+        print(
+            f"## 3. tokens fed to training, rl2/GuessTheNumber-v0, {r['episodes']} episodes, {r['turns']:.1f} turns on average\n"
+        )
         print("| layout | tokens | ratio |\n|---|---:|---:|")
         print(f"| prefix merging (one sequence per episode, {r['splits']:.0f} splits) | {r['merged']} | 1.00x |")
         print(f"| re-render every turn as a new sequence | {r['rerender']} | {r['rerender'] / r['merged']:.2f}x |\n")
@@ -210,10 +234,14 @@ def main(argv=None) -> int:
         rows = bench_partial(model, tokenizer, steps, g, max_new)
         base = sum(rows[0][1])
         print(f"## 4. rollout wall time, rl2/GSM8K-v0, {steps} steps x {g} groups x 4, max_new_tokens {max_new}\n")
-        print("| mode | seconds per step (each) | total | median step | episodes/s | vs synchronous |\n|---|---|---:|---:|---:|---:|")
+        print(
+            "| mode | seconds per step (each) | total | median step | episodes/s | vs synchronous |\n|---|---|---:|---:|---:|---:|"
+        )
         for name, times, eps in rows:
             each = ", ".join(f"{t:.1f}" for t in times)
-            print(f"| {name} | {each} | {sum(times):.1f} | {statistics.median(times):.1f} | {eps / sum(times):.2f} | {base / sum(times):.2f}x |")
+            print(
+                f"| {name} | {each} | {sum(times):.1f} | {statistics.median(times):.1f} | {eps / sum(times):.2f} | {base / sum(times):.2f}x |"
+            )
         print()
     return 0
 

@@ -79,13 +79,18 @@ def main() -> None:
     modes = ["namespaces", "audit"] if sandbox_mode() == "namespaces" else ["audit"]
     try:
         import gem  # noqa: F401
+
         has_gem = True
     except ImportError:
         has_gem = False
     print(f"CPU cores: {os.cpu_count()}; snippet: {SNIPPET!r}; isolation available: {sandbox_mode()}")
     if not has_gem:
         print("GEM (gem-llm==0.1.0, the bench extra) is not installed: its column is left out.")
-    header = "| in flight | " + " | ".join(f"rl2gem {m} (exec/s)" for m in modes) + (" | GEM 0.1.0 none (exec/s) | rl2gem/GEM |" if has_gem else " |")
+    header = (
+        "| in flight | "
+        + " | ".join(f"rl2gem {m} (exec/s)" for m in modes)
+        + (" | GEM 0.1.0 none (exec/s) | rl2gem/GEM |" if has_gem else " |")
+    )
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     # GEM's tool makes its temporary folders in the current directory: run it in a scratch one.

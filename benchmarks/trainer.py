@@ -18,6 +18,7 @@ Prints a Markdown table. ``--quick`` is a smoke run (tiny sizes).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -28,19 +29,43 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
-TASK = dict(task="basic_arithmetic", min_terms=2, max_terms=2, min_digits=1, max_digits=2,
-            operators=["+", "-"], allow_negation=False, allow_parentheses=False, answer="last_number")
+TASK = dict(
+    task="basic_arithmetic",
+    min_terms=2,
+    max_terms=2,
+    min_digits=1,
+    max_digits=2,
+    operators=["+", "-"],
+    allow_negation=False,
+    allow_parentheses=False,
+    answer="last_number",
+)
 
 
 def ours(steps: int, prompts: int, group: int, max_new: int, out: Path) -> dict[str, float]:
     """Run the trainer for ``steps + 1`` steps; seconds per step after the first."""
     args = [f"env_kwargs.{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in TASK.items()]
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "trainers" / "ppo.py"),
-        "env=rl2/ReasoningGym-v0", f"actor.model={MODEL}", *args, f"rollout.prompts_per_rollout={prompts}",
-        f"rollout.responses_per_prompt={group}", f"rollout.max_new_tokens={max_new}", "rollout.temperature=1.0",
-        "actor.lr=1e-6", "adv.estimator=drgrpo", f"trainer.total_steps={steps + 1}", "trainer.eval_at_start=false",
-        "trainer.eval_n=2", "trainer.progress=false", f"trainer.output_dir={out}",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(ROOT / "trainers" / "ppo.py"),
+        "env=rl2/ReasoningGym-v0",
+        f"actor.model={MODEL}",
+        *args,
+        f"rollout.prompts_per_rollout={prompts}",
+        f"rollout.responses_per_prompt={group}",
+        f"rollout.max_new_tokens={max_new}",
+        "rollout.temperature=1.0",
+        "actor.lr=1e-6",
+        "adv.estimator=drgrpo",
+        f"trainer.total_steps={steps + 1}",
+        "trainer.eval_at_start=false",
+        "trainer.eval_n=2",
+        "trainer.progress=false",
+        f"trainer.output_dir={out}",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -49,19 +74,23 @@ def ours(steps: int, prompts: int, group: int, max_new: int, out: Path) -> dict[
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [x for x in rows if "time/step" in x][1:]
     sec = sum(x["time/step"] for x in rows) / len(rows)
-    return {"seconds_per_step": sec, "episodes_per_second": prompts * group / sec,
-            "mfu": sum(x["perf/mfu"] for x in rows) / len(rows), "reward": sum(x["rollout/reward"] for x in rows) / len(rows)}
+    return {
+        "seconds_per_step": sec,
+        "episodes_per_second": prompts * group / sec,
+        "mfu": sum(x["perf/mfu"] for x in rows) / len(rows),
+        "reward": sum(x["rollout/reward"] for x in rows) / len(rows),
+    }
 
 
 def trl(steps: int, prompts: int, group: int, max_new: int, out: Path, peak: float) -> dict[str, float]:
     """TRL GRPOTrainer on the same prompts and reward; seconds per step after the first."""
     import torch
     from datasets import Dataset
+    from rl2gem.envs.reasoning_gym import last_number
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     import rl2gem
-    from rl2gem.envs.reasoning_gym import last_number
     from rl2gem.models import load_model
 
     torch.set_num_threads(2)
@@ -73,15 +102,29 @@ def trl(steps: int, prompts: int, group: int, max_new: int, out: Path, peak: flo
     data = Dataset.from_list(rows)
 
     def reward(completions, answer, **_):
-        return [float(last_number(c[-1]["content"]) == a) for c, a in zip(completions, answer)]
+        return [float(last_number(c[-1]["content"]) == a) for c, a in zip(completions, answer, strict=True)]
 
     model, tokenizer = load_model(MODEL, dtype=torch.float32)
     tokenizer.padding_side = "left"
     cfg = GRPOConfig(
-        output_dir=str(out), max_steps=steps + 1, per_device_train_batch_size=prompts * group, num_generations=group,
-        gradient_accumulation_steps=1, max_completion_length=max_new, temperature=1.0, learning_rate=1e-6, beta=0.0,
-        loss_type="dr_grpo", scale_rewards="none", bf16=False, use_cpu=True, report_to="none", logging_steps=1,
-        save_strategy="no", shuffle_dataset=False, seed=0,
+        output_dir=str(out),
+        max_steps=steps + 1,
+        per_device_train_batch_size=prompts * group,
+        num_generations=group,
+        gradient_accumulation_steps=1,
+        max_completion_length=max_new,
+        temperature=1.0,
+        learning_rate=1e-6,
+        beta=0.0,
+        loss_type="dr_grpo",
+        scale_rewards="none",
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        shuffle_dataset=False,
+        seed=0,
     )
     stamps: list[float] = []
     tokens: list[int] = []
@@ -94,19 +137,26 @@ def trl(steps: int, prompts: int, group: int, max_new: int, out: Path, peak: flo
             if logs and "completions/mean_length" in logs:
                 tokens.append(logs["completions/mean_length"])
 
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=data, processing_class=tokenizer,
-                          callbacks=[Clock()])
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=reward, args=cfg, train_dataset=data, processing_class=tokenizer, callbacks=[Clock()]
+    )
     trainer.train()
-    times = [b - a for a, b in zip(stamps, stamps[1:])]
+    times = [b - a for a, b in itertools.pairwise(stamps)]
     sec = sum(times) / len(times)
     n = sum(p.numel() for p in model.parameters())
-    prompt_len = sum(len(tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True)) for r in rows) / len(rows)
+    prompt_len = sum(len(tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True)) for r in rows) / len(
+        rows
+    )
     completion = sum(tokens[1:]) / max(len(tokens[1:]), 1) if len(tokens) > 1 else max_new
     per_step = prompts * group * (prompt_len + completion)
     flops = 2 * n * prompts * group * completion + 2 * n * per_step + 6 * n * per_step
     rewards = [x["reward"] for x in trainer.state.log_history if "reward" in x][1:]
-    return {"seconds_per_step": sec, "episodes_per_second": prompts * group / sec, "mfu": flops / sec / peak,
-            "reward": sum(rewards) / max(len(rewards), 1)}
+    return {
+        "seconds_per_step": sec,
+        "episodes_per_second": prompts * group / sec,
+        "mfu": flops / sec / peak,
+        "reward": sum(rewards) / max(len(rewards), 1),
+    }
 
 
 def main(argv=None) -> int:
@@ -125,16 +175,26 @@ def main(argv=None) -> int:
     res = {}
     with tempfile.TemporaryDirectory() as tmp:
         if "rl2gem" in only:
-            res["rl2gem PPO trainer (2 ranks, FSDP2, embedded engine)"] = ours(args.steps, args.prompts, args.group, args.max_new, Path(tmp) / "ours")
+            res["rl2gem PPO trainer (2 ranks, FSDP2, embedded engine)"] = ours(
+                args.steps, args.prompts, args.group, args.max_new, Path(tmp) / "ours"
+            )
         if "trl" in only:
-            res["TRL GRPOTrainer (1 process, 2 threads, bf16=False)"] = trl(args.steps, args.prompts, args.group, args.max_new, Path(tmp) / "trl", args.peak)
-    print(f"# trainer throughput: SmolLM2-135M-Instruct fp32, {args.prompts} prompts x {args.group} samples per step, "
-          f"max_new_tokens {args.max_new}, {args.steps} measured steps\n")
+            res["TRL GRPOTrainer (1 process, 2 threads, bf16=False)"] = trl(
+                args.steps, args.prompts, args.group, args.max_new, Path(tmp) / "trl", args.peak
+            )
+    print(
+        f"# trainer throughput: SmolLM2-135M-Instruct fp32, {args.prompts} prompts x {args.group} samples per step, "
+        f"max_new_tokens {args.max_new}, {args.steps} measured steps\n"
+    )
     base = next(iter(res.values()))["episodes_per_second"] if res else 1.0
-    print("| trainer | seconds/step | episodes/s | MFU | mean reward | episodes/s vs first |\n|---|---:|---:|---:|---:|---:|")
+    print(
+        "| trainer | seconds/step | episodes/s | MFU | mean reward | episodes/s vs first |\n|---|---:|---:|---:|---:|---:|"
+    )
     for name, r in res.items():
-        print(f"| {name} | {r['seconds_per_step']:.1f} | {r['episodes_per_second']:.2f} | {r['mfu']:.2f} | {r['reward']:.3f} | "
-              f"{r['episodes_per_second'] / base:.2f}x |")
+        print(
+            f"| {name} | {r['seconds_per_step']:.1f} | {r['episodes_per_second']:.2f} | {r['mfu']:.2f} | {r['reward']:.3f} | "
+            f"{r['episodes_per_second'] / base:.2f}x |"
+        )
     return 0
 
 

@@ -36,7 +36,8 @@ import re
 import sys
 import threading
 import types
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from rl2gem.assets import fetch
 from rl2gem.core import Env, StepResult
@@ -56,8 +57,17 @@ __all__ = [
 ]
 
 SINGLE_TURN_CATEGORIES = (
-    "simple_python", "multiple", "parallel", "parallel_multiple", "irrelevance",
-    "live_simple", "live_multiple", "live_parallel", "live_parallel_multiple", "live_irrelevance", "live_relevance",
+    "simple_python",
+    "multiple",
+    "parallel",
+    "parallel_multiple",
+    "irrelevance",
+    "live_simple",
+    "live_multiple",
+    "live_parallel",
+    "live_parallel_multiple",
+    "live_irrelevance",
+    "live_relevance",
 )
 #: Categories scored by "no call" (irrelevance) or "some call" (relevance) instead of the AST checker.
 NO_CALL_CATEGORIES = ("irrelevance", "live_irrelevance")
@@ -94,14 +104,21 @@ def _bfcl() -> types.SimpleNamespace:
             stub.MODEL_CONFIG_MAPPING = _NoRename()
             sys.modules[stub.__name__] = stub
         from bfcl_eval.constants.enums import Language
-        from bfcl_eval.constants.executable_backend_config import CLASS_FILE_PATH_MAPPING, MULTI_TURN_FUNC_DOC_FILE_MAPPING
+        from bfcl_eval.constants.executable_backend_config import (
+            CLASS_FILE_PATH_MAPPING,
+            MULTI_TURN_FUNC_DOC_FILE_MAPPING,
+        )
         from bfcl_eval.eval_checker.ast_eval.ast_checker import ast_checker
         from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils
         from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker import multi_turn_checker
 
     return types.SimpleNamespace(
-        ast_checker=ast_checker, python=Language.PYTHON, multi_turn_checker=multi_turn_checker,
-        utils=multi_turn_utils, class_modules=CLASS_FILE_PATH_MAPPING, doc_files=MULTI_TURN_FUNC_DOC_FILE_MAPPING,
+        ast_checker=ast_checker,
+        python=Language.PYTHON,
+        multi_turn_checker=multi_turn_checker,
+        utils=multi_turn_utils,
+        class_modules=CLASS_FILE_PATH_MAPPING,
+        doc_files=MULTI_TURN_FUNC_DOC_FILE_MAPPING,
     )
 
 
@@ -114,8 +131,17 @@ def _split_of(item_id: str) -> str:
     return "test" if int(hashlib.md5(item_id.encode()).hexdigest(), 16) % 100 < TEST_PERCENT else "train"
 
 
-_TYPES = {"dict": "object", "float": "number", "tuple": "array", "integer": "integer", "string": "string",
-          "array": "array", "boolean": "boolean", "object": "object", "number": "number"}
+_TYPES = {
+    "dict": "object",
+    "float": "number",
+    "tuple": "array",
+    "integer": "integer",
+    "string": "string",
+    "array": "array",
+    "boolean": "boolean",
+    "object": "object",
+    "number": "number",
+}
 
 
 def bfcl_schema_to_json(schema: Any) -> Any:
@@ -131,7 +157,16 @@ def bfcl_schema_to_json(schema: Any) -> Any:
             out["properties"] = {k: bfcl_schema_to_json(v) for k, v in value.items()}
         elif key == "items":
             out["items"] = bfcl_schema_to_json(value)
-        elif key in ("description", "enum", "default", "required", "format", "maximum", "minimum", "additionalProperties"):
+        elif key in (
+            "description",
+            "enum",
+            "default",
+            "required",
+            "format",
+            "maximum",
+            "minimum",
+            "additionalProperties",
+        ):
             out[key] = value
     return out
 
@@ -151,7 +186,10 @@ def _offer(functions: Sequence[dict[str, Any]]) -> tuple[str, list[dict[str, Any
     specs = [_Spec(f) for f in functions]
     if not specs:
         return "", []
-    schemas = [{"type": "function", "function": {"name": s.name, "description": s.description, "parameters": s.parameters}} for s in specs]
+    schemas = [
+        {"type": "function", "function": {"name": s.name, "description": s.description, "parameters": s.parameters}}
+        for s in specs
+    ]
     return tools_prompt(specs), schemas  # type: ignore[arg-type]
 
 
@@ -262,13 +300,21 @@ def load_single_turn(category: str) -> list[dict[str, Any]]:
     if os.path.exists(answer_file):
         answers = {a["id"]: a["ground_truth"] for a in _read_jsonl(answer_file)}
     return [
-        {"id": q["id"], "category": category, "messages": [m for turn in q["question"] for m in turn],
-         "functions": q.get("function", []), "ground_truth": answers.get(q["id"]), "split": _split_of(q["id"])}
+        {
+            "id": q["id"],
+            "category": category,
+            "messages": [m for turn in q["question"] for m in turn],
+            "functions": q.get("function", []),
+            "ground_truth": answers.get(q["id"]),
+            "split": _split_of(q["id"]),
+        }
         for q in questions
     ]
 
 
-def _resolve_categories(category: str | Sequence[str], known: Sequence[str], aliases: dict[str, str]) -> tuple[str, ...]:
+def _resolve_categories(
+    category: str | Sequence[str], known: Sequence[str], aliases: dict[str, str]
+) -> tuple[str, ...]:
     if isinstance(category, str):
         category = known if category == "all" else (category,)
     cats = tuple(aliases.get(c, c) for c in category)
@@ -323,8 +369,14 @@ class FunctionCallEnv(Env):
 
     invalid_action_terminates = True
 
-    def __init__(self, category: str | Sequence[str] = "all", split: str = "all", *, tool_prompt: str | None = "append",
-                 render_mode: str | None = None):
+    def __init__(
+        self,
+        category: str | Sequence[str] = "all",
+        split: str = "all",
+        *,
+        tool_prompt: str | None = "append",
+        render_mode: str | None = None,
+    ):
         super().__init__(max_turns=1, render_mode=render_mode)
         self.categories = _resolve_categories(category, SINGLE_TURN_CATEGORIES, {"simple": "simple_python"})
         if split not in ("all", "train", "test"):
@@ -353,20 +405,30 @@ class FunctionCallEnv(Env):
         assert item is not None
         calls, errors = decode_calls(action)
         category = item["category"]
-        info: dict[str, Any] = {"category": category, "id": item["id"], "calls": [{n: a} for n, a in calls],
-                                "decode_errors": errors}
+        info: dict[str, Any] = {
+            "category": category,
+            "id": item["id"],
+            "calls": [{n: a} for n, a in calls],
+            "decode_errors": errors,
+        }
         if category in NO_CALL_CATEGORIES or category in ANY_CALL_CATEGORIES:
             made_call = bool(calls)
             valid = made_call if category in ANY_CALL_CATEGORIES else not made_call
-            info.update(valid=valid, error=[] if valid else ["a function was called" if made_call else "no function was called"],
-                        error_type=None if valid else "relevance")
+            info.update(
+                valid=valid,
+                error=[] if valid else ["a function was called" if made_call else "no function was called"],
+                error_type=None if valid else "relevance",
+            )
         elif errors or not calls:
             info.update(valid=False, error=errors or ["no function call in the reply"], error_type="decode")
         elif any("__args__" in a for _, a in calls):
-            info.update(valid=False, error=["positional arguments; BFCL calls use keyword arguments"], error_type="decode")
+            info.update(
+                valid=False, error=["positional arguments; BFCL calls use keyword arguments"], error_type="decode"
+            )
         else:
-            result = _bfcl().ast_checker(item["functions"], [{n: a} for n, a in calls], item["ground_truth"],
-                                         _bfcl().python, category, "rl2gem")
+            result = _bfcl().ast_checker(
+                item["functions"], [{n: a} for n, a in calls], item["ground_truth"], _bfcl().python, category, "rl2gem"
+            )
             info.update(valid=bool(result["valid"]), error=result.get("error", []), error_type=result.get("error_type"))
         info["success"] = info["valid"]
         return "", 1.0 if info["valid"] else 0.0, True, False, info
@@ -389,10 +451,13 @@ class FunctionCallEnv(Env):
             if item["category"] in NO_CALL_CATEGORIES:
                 return "None of the offered functions fits this request."
             if item["ground_truth"] is None:  # relevance: any call of an offered function
-                return json.dumps({"name": item["functions"][0]["name"], "arguments": {}}).join(["<tool_call>", "</tool_call>"])
+                return json.dumps({"name": item["functions"][0]["name"], "arguments": {}}).join(
+                    ["<tool_call>", "</tool_call>"]
+                )
             return "\n".join(
                 "<tool_call>" + json.dumps({"name": n, "arguments": a}) + "</tool_call>"
-                for call in gold_calls(item["ground_truth"]) for n, a in call.items()
+                for call in gold_calls(item["ground_truth"])
+                for n, a in call.items()
             )
 
         return solve
@@ -451,8 +516,15 @@ class ToolUseEnv(Env):
 
     _counter = itertools.count()
 
-    def __init__(self, category: str = "base", split: str = "all", *, max_steps_per_turn: int = 20,
-                 tool_prompt: str | None = "append", render_mode: str | None = None):
+    def __init__(
+        self,
+        category: str = "base",
+        split: str = "all",
+        *,
+        max_steps_per_turn: int = 20,
+        tool_prompt: str | None = "append",
+        render_mode: str | None = None,
+    ):
         super().__init__(render_mode=render_mode)
         if category not in MULTI_TURN_CATEGORIES:
             raise ValueError(f"unknown BFCL multi-turn category {category!r}; choose from {MULTI_TURN_CATEGORIES}")
@@ -497,8 +569,13 @@ class ToolUseEnv(Env):
         self._functions = {f["name"]: f for f in item["functions"]}
         offer, schemas = _offer(item["functions"])
         obs = _render_messages(item["question"][0]) + (f"\n\n{offer}" if self.tool_prompt else "")
-        return obs, {"index": index, "id": item["id"], "user_turn": 0, "num_user_turns": len(item["question"]),
-                     "tools": schemas}
+        return obs, {
+            "index": index,
+            "id": item["id"],
+            "user_turn": 0,
+            "num_user_turns": len(item["question"]),
+            "tools": schemas,
+        }
 
     def _call_string(self, name: str, args: dict[str, Any]) -> str:
         args = dict(args)
@@ -507,7 +584,7 @@ class ToolUseEnv(Env):
             params = list(self._functions[name].get("parameters", {}).get("properties", {}))
             if len(positional) > len(params):
                 raise ValueError(f"{name} takes at most {len(params)} arguments")
-            args = dict(zip(params, positional), **args)
+            args = dict(zip(params, positional, strict=False), **args)
         for k in args:
             if not k.isidentifier():
                 raise ValueError(f"{k!r} is not an argument name")
@@ -522,8 +599,13 @@ class ToolUseEnv(Env):
         if calls or errors:
             self._steps_in_turn += 1
             if self._steps_in_turn > self.max_steps_per_turn:
-                return (f"Step limit reached: at most {self.max_steps_per_turn} calling steps per request.", 0.0, False, True,
-                        dict(base_info, role="tool", truncated_reason="max_steps_per_turn", valid=False, success=False))
+                return (
+                    f"Step limit reached: at most {self.max_steps_per_turn} calling steps per request.",
+                    0.0,
+                    False,
+                    True,
+                    dict(base_info, role="tool", truncated_reason="max_steps_per_turn", valid=False, success=False),
+                )
             results: list[str | None] = []
             runnable: list[str] = []
             for name, args in calls:
@@ -538,7 +620,11 @@ class ToolUseEnv(Env):
             executed: list[str] = []
             if runnable:
                 executed, _ = _bfcl().utils.execute_multi_turn_func_call(
-                    runnable, item["initial_config"], item["involved_classes"], self._exec_name, item["id"],
+                    runnable,
+                    item["initial_config"],
+                    item["involved_classes"],
+                    self._exec_name,
+                    item["id"],
                     long_context=self.category == "long_context",
                 )
                 self.calls[self._user_turn].append(runnable)
@@ -553,15 +639,28 @@ class ToolUseEnv(Env):
         self._steps_in_turn = 0
         if self._user_turn < n_turns:
             self.calls.append([])
-            return _render_messages(item["question"][self._user_turn]), 0.0, False, False, dict(base_info, user_turn=self._user_turn)
+            return (
+                _render_messages(item["question"][self._user_turn]),
+                0.0,
+                False,
+                False,
+                dict(base_info, user_turn=self._user_turn),
+            )
         check_name = self._new_name("check")
         try:
-            result = _bfcl().multi_turn_checker(self.calls, item["ground_truth"], item, f"multi_turn_{self.category}", check_name)
+            result = _bfcl().multi_turn_checker(
+                self.calls, item["ground_truth"], item, f"multi_turn_{self.category}", check_name
+            )
         finally:
             self._forget_instances()
         valid = bool(result.get("valid"))
-        info = dict(base_info, valid=valid, success=valid, error_type=result.get("error_type"),
-                    error_message=result.get("error_message"))
+        info = dict(
+            base_info,
+            valid=valid,
+            success=valid,
+            error_type=result.get("error_type"),
+            error_message=result.get("error_message"),
+        )
         return "", 1.0 if valid else 0.0, True, False, info
 
     def _close(self) -> None:

@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Mapping
+from typing import Any
+
 import tomllib
-from typing import Any, Mapping
 
 from rl2gem.assets import ASSETS, asset_path, fetch
 from rl2gem.core import Env, StepResult, TextSpace
@@ -46,8 +48,7 @@ __all__ = ["MathEnv", "load_problems", "BUILTIN_DATASETS", "INSTRUCTION"]
 
 #: The prompt line before each problem.
 INSTRUCTION = (
-    "Solve the following math problem step by step. "
-    "Put your final answer in \\boxed{}, for example: \\boxed{42}."
+    "Solve the following math problem step by step. Put your final answer in \\boxed{}, for example: \\boxed{42}."
 )
 
 GSM_VARIANTS_PER_TEMPLATE = 20
@@ -56,7 +57,25 @@ GSM_VARIANTS_PER_TEMPLATE = 20
 #: on a 2-core machine; the train split leaves them out (a fixed list, so the
 #: split is the same on every machine). Their originals stay in the test split.
 GSM_SLOW_TEMPLATES = frozenset(
-    "0003 0007 0009 0011 0017 0021 0024 0030 0040 0045 0052 0059 0074 0076 0082 0094 0099".split()
+    [
+        "0003",
+        "0007",
+        "0009",
+        "0011",
+        "0017",
+        "0021",
+        "0024",
+        "0030",
+        "0040",
+        "0045",
+        "0052",
+        "0059",
+        "0074",
+        "0076",
+        "0082",
+        "0094",
+        "0099",
+    ]
 )
 _MMATH_SOURCES = {"math500": "MATH500", "aime24": "AIME2024", "aime25": "AIME2025"}
 BUILTIN_DATASETS = ("gsm8k", *_MMATH_SOURCES)
@@ -95,7 +114,13 @@ def _gsm_train() -> list[dict[str, Any]]:
             continue
         template = AnnotatedQuestion.from_toml(path)
         for j, q in enumerate(template.generate_questions(GSM_VARIANTS_PER_TEMPLATE, seed=1000 + k, verbose=False)):
-            out.append({"question": q.question.strip(), "answer": _gsm_answer(q.answer), "id": f"gsm-symbolic-{data['id_orig']}-{j}"})
+            out.append(
+                {
+                    "question": q.question.strip(),
+                    "answer": _gsm_answer(q.answer),
+                    "id": f"gsm-symbolic-{data['id_orig']}-{j}",
+                }
+            )
     return out
 
 
@@ -132,7 +157,10 @@ def load_problems(dataset: str | Mapping[str, str], split: str) -> list[dict[str
     rows = _user_cache.get(cache_key)
     if rows is None:
         table = load_table(dataset, split, required=("question", "answer"))
-        rows = [{"question": str(r["question"]), "answer": str(r["answer"]), "id": str(r.get("id", i))} for i, r in enumerate(table)]
+        rows = [
+            {"question": str(r["question"]), "answer": str(r["answer"]), "id": str(r.get("id", i))}
+            for i, r in enumerate(table)
+        ]
         if not rows:
             raise DataUnavailable(f"{dataset!r} split {split!r} has no rows")
         _user_cache[cache_key] = rows

@@ -10,9 +10,10 @@ without a tool call (scored), or is truncated when a turn asks for more than
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from rl2gem.envs.math import MathEnv
+
 from rl2gem.tools import PythonTool, SandboxConfig, ToolEnvWrapper
 
 __all__ = ["make_python_math", "INSTRUCTION"]

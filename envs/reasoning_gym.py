@@ -117,7 +117,11 @@ class ReasoningGymEnv(Env):
     def _reset(self, options: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
         index = self.task_index(self.size, options)
         self.item = self.dataset[index]
-        return f"{self.item['question']}\n\n{self.instructions}", {"index": index, "task": self.task, "split": self.split}
+        return f"{self.item['question']}\n\n{self.instructions}", {
+            "index": index,
+            "task": self.task,
+            "split": self.split,
+        }
 
     def _step(self, action: str) -> StepResult:
         from reasoning_gym.utils import extract_answer
@@ -130,14 +134,22 @@ class ReasoningGymEnv(Env):
         else:
             answer, missing = action.strip(), ""
         if answer is None:
-            return self.invalid_action(missing, "", terminated=True, format_ok=False, raw_score=0.0, reference=self.item["answer"])
+            return self.invalid_action(
+                missing, "", terminated=True, format_ok=False, raw_score=0.0, reference=self.item["answer"]
+            )
         try:
             raw = float(self.dataset.score_answer(answer, self.item))
-        except Exception as e:  # noqa: BLE001 - a task's scorer must not crash the episode
+        except Exception as e:
             raw = 0.0
             answer = f"{answer} (scorer error: {type(e).__name__})"
         reward = raw if self.reward_mode == "raw" else float(raw >= 1.0)
-        info = {"answer": answer, "raw_score": raw, "reference": self.item["answer"], "format_ok": True, "success": raw >= 1.0}
+        info = {
+            "answer": answer,
+            "raw_score": raw,
+            "reference": self.item["answer"],
+            "format_ok": True,
+            "success": raw >= 1.0,
+        }
         return "", reward, True, False, info
 
     def sample_random_action(self, rng=None) -> str:

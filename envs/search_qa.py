@@ -33,7 +33,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from rl2gem.assets import ASSETS, asset_path
 from rl2gem.core import Env, StepResult
@@ -74,7 +75,9 @@ def _find_subject(text: str, articles: dict[str, Any]) -> str | None:
 
 def _qa_wikidata() -> list[dict[str, Any]]:
     task = json.loads(
-        asset_path("bigbench", "bigbench-1.0.0", "bigbench", "benchmark_tasks", "qa_wikidata", "task.json").read_text("utf-8")
+        asset_path("bigbench", "bigbench-1.0.0", "bigbench", "benchmark_tasks", "qa_wikidata", "task.json").read_text(
+            "utf-8"
+        )
     )
     articles = {d["title"].lower(): d for d in load_corpus()}
     items = []
@@ -90,13 +93,15 @@ def _qa_wikidata() -> list[dict[str, Any]]:
         m = _PATTERN.match(text)
         question = f"What is the {m.group(1)} of {m.group(2)}?" if m else f"{text} what?"
         bucket = int(hashlib.md5(subject.lower().encode()).hexdigest(), 16) % 100
-        items.append({
-            "id": f"qa_wikidata-{k}",
-            "question": question,
-            "answers": golds,
-            "subject": subject,
-            "split": "test" if bucket < TEST_PERCENT else "train",
-        })
+        items.append(
+            {
+                "id": f"qa_wikidata-{k}",
+                "question": question,
+                "answers": golds,
+                "subject": subject,
+                "split": "test" if bucket < TEST_PERCENT else "train",
+            }
+        )
     return items
 
 
@@ -114,9 +119,12 @@ def load_questions(split: str, data: str | Mapping[str, str] | None = None) -> l
         return [q for q in prepared(name, _qa_wikidata) if q["split"] == split]
     rows = load_table(data, split, required=("question", "answers"))
     return [
-        {"id": str(r.get("id", i)), "question": str(r["question"]),
-         "answers": [r["answers"]] if isinstance(r["answers"], str) else [str(a) for a in r["answers"]],
-         "subject": r.get("subject")}
+        {
+            "id": str(r.get("id", i)),
+            "question": str(r["question"]),
+            "answers": [r["answers"]] if isinstance(r["answers"], str) else [str(a) for a in r["answers"]],
+            "subject": r.get("subject"),
+        }
         for i, r in enumerate(rows)
     ]
 
@@ -169,7 +177,11 @@ class SearchQAEnv(Env):
         index = self.task_index(len(questions), options)
         self.item = questions[index]
         self.num_searches = 0
-        return PROMPT.format(question=self.item["question"]), {"index": index, "id": self.item["id"], "split": self.split}
+        return PROMPT.format(question=self.item["question"]), {
+            "index": index,
+            "id": self.item["id"],
+            "split": self.split,
+        }
 
     async def _astep(self, action: str) -> StepResult:
         assert self.item is not None
@@ -177,8 +189,14 @@ class SearchQAEnv(Env):
         if answers:
             answer = answers[-1].strip()
             em, f1 = exact_match(answer, self.item["answers"]), token_f1(answer, self.item["answers"])
-            info = {"em": em, "f1": f1, "answer": answer, "golds": list(self.item["answers"]),
-                    "num_searches": self.num_searches, "success": em == 1.0}
+            info = {
+                "em": em,
+                "f1": f1,
+                "answer": answer,
+                "golds": list(self.item["answers"]),
+                "num_searches": self.num_searches,
+                "success": em == 1.0,
+            }
             return "", em, True, False, info
         searches = _TAG["search"].findall(action)
         if not searches:
@@ -192,7 +210,10 @@ class SearchQAEnv(Env):
             return self.invalid_action("empty search query", "Your search query was empty.", **self._unanswered())
         if self.num_searches >= self.max_searches:
             return (
-                f"<information>Search limit of {self.max_searches} reached.</information>", 0.0, False, True,
+                f"<information>Search limit of {self.max_searches} reached.</information>",
+                0.0,
+                False,
+                True,
                 {"role": "tool", **self._unanswered(), "truncated_reason": "max_searches"},
             )
         self.num_searches += 1

@@ -14,12 +14,11 @@ GPU-only packages (flash-attn, ring-flash-attn, sglang) are imported lazily by
 the modules that use them; ``import rl2gem`` needs neither them nor a GPU.
 """
 
+import rl2gem.envs  # noqa: F401  (registers the built-in envs)
 from rl2gem.core import MAX_ACTION_CHARS, MAX_OBSERVATION_CHARS, Env, TextSpace, Wrapper
 from rl2gem.registry import NAMESPACE, list_envs, load_plugins, make, make_vec, register, standard_kwargs
 from rl2gem.vector import AsyncVectorEnv, SyncVectorEnv
 from rl2gem.wrappers import ChatHistory
-
-import rl2gem.envs  # noqa: E402,F401  (registers the built-in envs)
 
 __version__ = "0.1.0"
 

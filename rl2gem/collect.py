@@ -116,11 +116,7 @@ def collect(cfg: DictConfig) -> tuple[int, list[dict[str, Any]]]:
     if cfg.policy != "model":
         play.model = None
     records = evaluate(play)
-    rows = [
-        episode_row(record, cfg)
-        for record in records
-        if cfg.min_reward is None or record.reward >= cfg.min_reward
-    ]
+    rows = [episode_row(record, cfg) for record in records if cfg.min_reward is None or record.reward >= cfg.min_reward]
     output = Path(cfg.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     with open(output, "w", encoding="utf-8") as sink:
@@ -148,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(sys.argv[1:] if argv is None else argv)
     played, rows = collect(cfg)
     rule = f" with reward >= {float(cfg.min_reward)}" if cfg.min_reward is not None else ""
-    print(f"{cfg.env}  split={cfg.split}  seed={cfg.seed}: played {played} episodes, kept {len(rows)}{rule} -> {cfg.output}")
+    print(
+        f"{cfg.env}  split={cfg.split}  seed={cfg.seed}: played {played} episodes, kept {len(rows)}{rule} -> {cfg.output}"
+    )
     return 0
 
 

@@ -14,8 +14,9 @@ other overrides; its keys are checked the same way.
 from __future__ import annotations
 
 import difflib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -75,7 +76,11 @@ def load_config(defaults: str | Path | Mapping[str, Any], argv: list[str]) -> Di
         if not path.exists() and isinstance(defaults, (str, Path)):
             path = Path(defaults).parent / (name if name.endswith((".yaml", ".yml")) else f"{name}.yaml")
         if not path.exists():
-            known = sorted(p.stem for p in Path(defaults).parent.glob("*.yaml")) if isinstance(defaults, (str, Path)) else []
+            known = (
+                sorted(p.stem for p in Path(defaults).parent.glob("*.yaml"))
+                if isinstance(defaults, (str, Path))
+                else []
+            )
             raise ConfigError(f"config={name}: no such recipe file" + (f"; recipes here: {known}" if known else ""))
         recipe = OmegaConf.load(path)
         try:

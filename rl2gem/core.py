@@ -37,9 +37,10 @@ evaluation code wants it.
 from __future__ import annotations
 
 import asyncio
-import threading
 import functools
-from typing import Any, ClassVar, Coroutine, TypeVar
+import threading
+from collections.abc import Coroutine
+from typing import Any, ClassVar, TypeVar
 
 import gymnasium as gym
 import numpy as np
@@ -121,9 +122,7 @@ class TextSpace(spaces.Text):
 
     def __eq__(self, other: object) -> bool:
         return (
-            isinstance(other, TextSpace)
-            and self.min_length == other.min_length
-            and self.max_length == other.max_length
+            isinstance(other, TextSpace) and self.min_length == other.min_length and self.max_length == other.max_length
         )
 
     __hash__ = None  # type: ignore[assignment]  # mutable RNG inside, like other spaces
@@ -367,14 +366,14 @@ class Env(gym.Env[str, str]):
             return index
         return int(self.np_random.integers(size))
 
-    def clone(self) -> "Env":
+    def clone(self) -> Env:
         """A new env built with the same constructor arguments (not reset)."""
         args, kwargs = self._init_args
         twin = type(self)(*args, **kwargs)
         twin.spec = self.spec
         return twin
 
-    def spawn(self, n: int) -> tuple[list["Env"], list[str], list[dict[str, Any]]]:
+    def spawn(self, n: int) -> tuple[list[Env], list[str], list[dict[str, Any]]]:
         """``n`` new envs, each reset to this env's current episode's initial state.
 
         This is how a GRPO group of ``n`` responses to the same prompt is made.

@@ -16,8 +16,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from rl2gem.assets import cache_dir
 
@@ -82,7 +83,7 @@ def load_table(
     else:
         try:
             ds = datasets.load_dataset(str(source), config, split=split)
-        except Exception as e:  # noqa: BLE001 - connection errors come in many types
+        except Exception as e:
             raise DataUnavailable(
                 f"could not load the Hugging Face dataset {source!r} (split {split!r}): {type(e).__name__}: {e}. "
                 "Without access to the hub, download it elsewhere and pass the file path instead."
@@ -139,7 +140,9 @@ def load_conversations(source: str | Mapping[str, str], split: str = "train") ->
             if isinstance(prompt, str):
                 prompt = [{"role": "user", "content": prompt}]
             if not isinstance(prompt, list):
-                raise DataUnavailable(f"{where}: 'prompt' must be a string or a list of messages, got {type(prompt).__name__}")
+                raise DataUnavailable(
+                    f"{where}: 'prompt' must be a string or a list of messages, got {type(prompt).__name__}"
+                )
             messages = [*prompt, {"role": "assistant", "content": present["response"]}]
         else:
             raise DataUnavailable(
@@ -196,4 +199,3 @@ def prepared(name: str, build: Callable[[], list[dict[str, Any]]]) -> list[dict[
         os.replace(tmp, path)
     _memo[name] = records
     return records
-

@@ -30,15 +30,26 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
 from tqdm import tqdm
 
-__all__ = ["DEFAULTS", "EpisodeRecord", "evaluate", "summarize", "main", "task_resets", "play_model", "episode_record", "record_sums"]
+__all__ = [
+    "DEFAULTS",
+    "EpisodeRecord",
+    "evaluate",
+    "summarize",
+    "main",
+    "task_resets",
+    "play_model",
+    "episode_record",
+    "record_sums",
+]
 
 DEFAULTS: dict[str, Any] = {
     "env": "rl2/GuessTheNumber-v0",
@@ -87,21 +98,24 @@ def _scripted(policy: str, env: gym.Env, rng: np.random.Generator) -> Callable[[
         return base.make_solver
     if policy == "random":
         if hasattr(base, "sample_random_action"):
-            return lambda: (lambda obs: base.sample_random_action(rng=rng))
-        return lambda: (lambda obs: env.action_space.sample())
+            return lambda: lambda obs: base.sample_random_action(rng=rng)
+        return lambda: lambda obs: env.action_space.sample()
     raise SystemExit(f"unknown policy {policy!r}; use solver or random (or model=...)")
 
 
 def _make_env(cfg) -> gym.Env:
     from rl2gem.registry import standard_kwargs
 
-    kwargs = standard_kwargs(cfg.env, dict(cfg.env_kwargs), split=cfg.split,
-                             tools_in_template=bool(getattr(cfg, "tools_in_template", False)))
+    kwargs = standard_kwargs(
+        cfg.env, dict(cfg.env_kwargs), split=cfg.split, tools_in_template=bool(getattr(cfg, "tools_in_template", False))
+    )
     return gym.make(cfg.env, **kwargs)
 
 
 def _plain(info: dict) -> dict:
-    return {k: v for k, v in info.items() if isinstance(v, (str, int, float, bool, type(None))) and not k.startswith("_")}
+    return {
+        k: v for k, v in info.items() if isinstance(v, (str, int, float, bool, type(None))) and not k.startswith("_")
+    }
 
 
 def task_resets(env_id: str, env_kwargs: dict[str, Any], n: int, seed: int = 0) -> list[tuple[int, dict | None]]:
@@ -123,10 +137,19 @@ def episode_record(position: int, episode, reset_seed: int) -> EpisodeRecord:
     """The :class:`EpisodeRecord` of a rollout :class:`~rl2gem.rollout.tito.Episode`."""
     info = episode.info
     return EpisodeRecord(
-        episode=position, seed=info.get("seed", reset_seed), index=info.get("index"), reward=episode.reward,
-        turns=episode.turns, success=bool(info.get("success", episode.reward > 0)), terminated=episode.terminated,
-        truncated=episode.truncated, invalid_actions=info.get("num_invalid_actions", 0), format_ok=info.get("format_ok"),
-        generated_tokens=episode.num_action_tokens, messages=episode.messages, final_info=_plain(info),
+        episode=position,
+        seed=info.get("seed", reset_seed),
+        index=info.get("index"),
+        reward=episode.reward,
+        turns=episode.turns,
+        success=bool(info.get("success", episode.reward > 0)),
+        terminated=episode.terminated,
+        truncated=episode.truncated,
+        invalid_actions=info.get("num_invalid_actions", 0),
+        format_ok=info.get("format_ok"),
+        generated_tokens=episode.num_action_tokens,
+        messages=episode.messages,
+        final_info=_plain(info),
     )
 
 
@@ -158,9 +181,15 @@ def record_sums(records: list[EpisodeRecord]) -> dict[str, float]:
     return sums
 
 
-async def play_model(engine, tokenizer, env_factory: Callable[[], gym.Env], resets: list[tuple[int, dict | None]],
-                     config, chat_template: str | None = None,
-                     on_episode: Callable[[int, Any], None] | None = None) -> list:
+async def play_model(
+    engine,
+    tokenizer,
+    env_factory: Callable[[], gym.Env],
+    resets: list[tuple[int, dict | None]],
+    config,
+    chat_template: str | None = None,
+    on_episode: Callable[[int, Any], None] | None = None,
+) -> list:
     """Play one episode per reset with ``engine`` through a :class:`~rl2gem.rollout.Rollout`
     (token-in/token-out, prefix-merged), as both ``python -m rl2gem.evaluate`` and the trainers'
     evaluation do. Returns the episodes in the order of ``resets``."""
@@ -181,14 +210,27 @@ def _evaluate_model(cfg, resets, emit) -> None:
     from rl2gem.rollout.tito import load_chat_template
 
     model, tokenizer = load_model(cfg.model)
-    rcfg = RolloutConfig.from_mapping(cfg, responses_per_prompt=1, max_length=max(4096, 2 * cfg.max_new_tokens),
-                                      concurrency=cfg.batch_size, tools_in_template=bool(cfg.tools_in_template), progress=False)
+    rcfg = RolloutConfig.from_mapping(
+        cfg,
+        responses_per_prompt=1,
+        max_length=max(4096, 2 * cfg.max_new_tokens),
+        concurrency=cfg.batch_size,
+        tools_in_template=bool(cfg.tools_in_template),
+        progress=False,
+    )
 
     async def run() -> None:
         engine = EmbeddedEngine(model, tokenizer, max_batch_size=cfg.batch_size, seed=cfg.seed)
         try:
-            await play_model(engine, tokenizer, lambda: _make_env(cfg), resets, rcfg, load_chat_template(cfg.chat_template),
-                             lambda i, ep: emit(episode_record(i, ep, resets[i][0])))
+            await play_model(
+                engine,
+                tokenizer,
+                lambda: _make_env(cfg),
+                resets,
+                rcfg,
+                load_chat_template(cfg.chat_template),
+                lambda i, ep: emit(episode_record(i, ep, resets[i][0])),
+            )
         finally:
             await engine.close()
 
@@ -218,12 +260,23 @@ def _evaluate_scripted(cfg, env, resets, emit) -> None:
                 done = term or trunc
                 if not done:
                     messages += reply_messages(obs, info)
-            emit(EpisodeRecord(
-                episode=i, seed=ep_seed, index=index, reward=total, turns=info["turn"],
-                success=bool(info.get("success", total > 0)), terminated=term, truncated=trunc,
-                invalid_actions=info.get("num_invalid_actions", 0), format_ok=info.get("format_ok"),
-                generated_tokens=0, messages=messages, final_info=_plain(info),
-            ))
+            emit(
+                EpisodeRecord(
+                    episode=i,
+                    seed=ep_seed,
+                    index=index,
+                    reward=total,
+                    turns=info["turn"],
+                    success=bool(info.get("success", total > 0)),
+                    terminated=term,
+                    truncated=trunc,
+                    invalid_actions=info.get("num_invalid_actions", 0),
+                    format_ok=info.get("format_ok"),
+                    generated_tokens=0,
+                    messages=messages,
+                    final_info=_plain(info),
+                )
+            )
     finally:
         env.close()
 
@@ -233,13 +286,15 @@ def evaluate(cfg) -> list[EpisodeRecord]:
     import rl2gem  # noqa: F401  (registers the envs)
     from rl2gem.registry import standard_kwargs
 
-    kwargs = standard_kwargs(cfg.env, dict(cfg.env_kwargs), split=cfg.split, tools_in_template=bool(cfg.tools_in_template))
+    kwargs = standard_kwargs(
+        cfg.env, dict(cfg.env_kwargs), split=cfg.split, tools_in_template=bool(cfg.tools_in_template)
+    )
     resets = task_resets(cfg.env, kwargs, cfg.n, cfg.seed)
     n = len(resets)
     out_path = Path(cfg.output) if cfg.output else None
     if out_path:
         out_path.parent.mkdir(parents=True, exist_ok=True)
-    sink = open(out_path, "a", encoding="utf-8") if out_path else None
+    sink = open(out_path, "a", encoding="utf-8") if out_path else None  # noqa: SIM115 (closed in the finally below)
     records: list[EpisodeRecord] = []
     bar = tqdm(total=n, desc=cfg.env, disable=not cfg.progress, file=sys.stderr)
 

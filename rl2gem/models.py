@@ -63,8 +63,19 @@ tokenizer.save_pretrained(out)
 """
 
 # Set by torchrun for its workers; the converting child must not see itself as one.
-_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                  "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+_LAUNCHER_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_WORLD_SIZE",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 def _export(gguf: Path, out: Path) -> None:
@@ -76,7 +87,11 @@ def _export(gguf: Path, out: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
     r = subprocess.run(
         [sys.executable, "-c", _EXPORT_SCRIPT, str(gguf.parent), gguf.name, str(out)],
-        capture_output=True, text=True, env=env, cwd=out, check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=out,
+        check=False,
     )
     if r.returncode != 0:
         raise RuntimeError(f"converting {gguf} to safetensors failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
@@ -124,7 +139,9 @@ def resolve_model(name_or_path: str) -> str:
             if (target / ".complete").exists():
                 logger.warning(
                     "rl2gem: the cached model %s is marked complete but has no %s (a partial conversion); "
-                    "rebuilding it", target, ", ".join(missing),
+                    "rebuilding it",
+                    target,
+                    ", ".join(missing),
                 )
             _convert(key, target)
     return str(target)

@@ -9,6 +9,7 @@ never leaves it running).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -93,29 +94,23 @@ class ServiceProcess:
             try:
                 self.proc.stdin.close()
                 self.proc.wait(timeout=timeout / 2)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
         if self.proc.poll() is None:
             self._signal(signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=timeout / 2)
-            except subprocess.TimeoutExpired:
-                pass
         self.kill()
 
     def kill(self) -> None:
         """SIGKILL the whole process group (no orphans)."""
         self._signal(signal.SIGKILL)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
 
     def _signal(self, sig) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def free_port() -> int:
@@ -131,7 +126,7 @@ def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=1) as r:
             return r.status == 200
-    except Exception:  # noqa: BLE001
+    except Exception:
         return False
 
 

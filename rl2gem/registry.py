@@ -30,11 +30,21 @@ from __future__ import annotations
 import importlib.metadata
 import types
 import warnings
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import gymnasium as gym
 
-__all__ = ["register", "make", "make_vec", "list_envs", "load_plugins", "standard_kwargs", "ENTRY_POINT_GROUP", "NAMESPACE"]
+__all__ = [
+    "register",
+    "make",
+    "make_vec",
+    "list_envs",
+    "load_plugins",
+    "standard_kwargs",
+    "ENTRY_POINT_GROUP",
+    "NAMESPACE",
+]
 
 #: Python entry-point group scanned by :func:`load_plugins`.
 ENTRY_POINT_GROUP = "rl2gem.envs"
@@ -79,8 +89,9 @@ def make(id: str, **kwargs: Any) -> gym.Env:
     return gym.make(id, **kwargs)
 
 
-def standard_kwargs(id: str, kwargs: dict[str, Any] | None = None, *, split: str | None = None,
-                    tools_in_template: bool = False) -> dict[str, Any]:
+def standard_kwargs(
+    id: str, kwargs: dict[str, Any] | None = None, *, split: str | None = None, tools_in_template: bool = False
+) -> dict[str, Any]:
     """``kwargs`` for ``make(id, ...)`` with the common options added where the env's entry point takes them
     and ``kwargs`` does not set them already.
 
@@ -158,7 +169,7 @@ def make_vec(
 
         return build
 
-    fns = [factory(i, kw) for i, kw in zip(ids, per_env)]
+    fns = [factory(i, kw) for i, kw in zip(ids, per_env, strict=True)]
     if vectorization_mode == "async":
         return AsyncVectorEnv(fns, max_concurrency=max_concurrency)
     if vectorization_mode == "sync":
@@ -178,7 +189,8 @@ def list_envs(namespace: str | None = None) -> list[str]:
             built-in envs; ``"acme"``: ``acme/...``). ``None``: all of them.
     """
     return sorted(
-        k for k, s in gym.registry.items()
+        k
+        for k, s in gym.registry.items()
         if s.disable_env_checker and not s.order_enforce and (namespace is None or s.namespace == namespace)
     )
 
@@ -207,7 +219,7 @@ def load_plugins(*, force: bool = False) -> list[str]:
             if callable(obj) and not isinstance(obj, types.ModuleType):
                 obj()
             loaded.append(ep.name)
-        except Exception as e:  # noqa: BLE001 - a broken plugin must not break import
+        except Exception as e:
             dist = getattr(ep, "dist", None)
             warnings.warn(
                 f"rl2gem: could not load env plugin {ep.name!r} = {ep.value!r}"

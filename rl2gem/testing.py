@@ -12,7 +12,8 @@ import asyncio
 import inspect
 import math
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -60,7 +61,7 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return bool(np.array_equal(a, b))
     return a == b
@@ -101,19 +102,26 @@ def _check_tool_conventions(name: str, episode: list[tuple]) -> None:
         assert isinstance(tools, list), f"{name}: info['tools'] is not a list"
         for t in tools:
             fn = t.get("function") if isinstance(t, dict) else None
-            assert t.get("type") == "function" and isinstance(fn, dict) and isinstance(fn.get("name"), str) \
-                and isinstance(fn.get("parameters", {}), dict), f"{name}: info['tools'] has a non-function schema {t!r:.80}"
+            assert (
+                t.get("type") == "function"
+                and isinstance(fn, dict)
+                and isinstance(fn.get("name"), str)
+                and isinstance(fn.get("parameters", {}), dict)
+            ), f"{name}: info['tools'] has a non-function schema {t!r:.80}"
     for obs, _r, _term, _trunc, info in episode[1:]:
         results = info.get("tool_results")
         if results is None:
             continue
         assert info.get("role") == "tool", f"{name}: info['tool_results'] on a step whose role is {info.get('role')!r}"
-        assert isinstance(results, list) and results and all(isinstance(x, str) for x in results), \
+        assert isinstance(results, list) and results and all(isinstance(x, str) for x in results), (
             f"{name}: info['tool_results'] is not a non-empty list of strings"
+        )
         assert all(x in obs for x in results), f"{name}: a tool result is missing from the observation"
 
 
-def check_env(env: gym.Env | str, *, num_steps: int = 8, seed: int = 7, make: Callable[[], gym.Env] | None = None) -> None:
+def check_env(
+    env: gym.Env | str, *, num_steps: int = 8, seed: int = 7, make: Callable[[], gym.Env] | None = None
+) -> None:
     """Check that a text env follows Gymnasium's API and rl2gem's contract.
 
     Checks, in order:
@@ -205,13 +213,15 @@ def check_env(env: gym.Env | str, *, num_steps: int = 8, seed: int = 7, make: Ca
             a.reset(seed=seed + k)
             try:
                 obs, r, term, trunc, info = a.step(action)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 raise AssertionError(f"{name}: step({action!r:.40}) raised {type(e).__name__}: {e}") from e
             assert isinstance(obs, str) and obs in env.observation_space, f"{name}: bad observation for {action!r:.40}"
             assert isinstance(r, float) and isinstance(term, bool) and isinstance(trunc, bool)
             assert info.get("role") in VALID_ROLES
             if k in must_flag:
-                assert info.get("invalid_action"), f"{name}: step({action!r:.40}) not reported in info['invalid_action']"
+                assert info.get("invalid_action"), (
+                    f"{name}: step({action!r:.40}) not reported in info['invalid_action']"
+                )
                 assert info.get("num_invalid_actions", 0) >= 1
     finally:
         a.close()

@@ -10,17 +10,31 @@ import json
 import math
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 __all__ = ["Tracker", "plot_metrics"]
 
 LOGGERS = ("stdout", "jsonl", "wandb", "tensorboard")
 #: what one stdout line shows (everything goes to the other loggers)
 STDOUT_KEYS = (
-    "rollout/reward", "rollout/response_length", "actor/pg_loss", "actor/kl", "actor/entropy", "actor/clip_ratio",
-    "actor/grad_norm", "train/loss", "perf/tokens_per_second", "perf/mfu", "time/step", "eval/success", "eval/reward",
-    "eval/em", "eval/searches", "eval/loss",
+    "rollout/reward",
+    "rollout/response_length",
+    "actor/pg_loss",
+    "actor/kl",
+    "actor/entropy",
+    "actor/clip_ratio",
+    "actor/grad_norm",
+    "train/loss",
+    "perf/tokens_per_second",
+    "perf/mfu",
+    "time/step",
+    "eval/success",
+    "eval/reward",
+    "eval/em",
+    "eval/searches",
+    "eval/loss",
 )
 
 
@@ -36,7 +50,9 @@ class Tracker:
         ValueError: unknown logger.
     """
 
-    def __init__(self, loggers, output_dir: str | Path, config: Mapping[str, Any] | None = None, project: str = "rl2gem"):
+    def __init__(
+        self, loggers, output_dir: str | Path, config: Mapping[str, Any] | None = None, project: str = "rl2gem"
+    ):
         bad = [x for x in loggers if x not in LOGGERS]
         if bad:
             raise ValueError(f"unknown logger {bad[0]!r}; choose from {LOGGERS}")
@@ -44,7 +60,7 @@ class Tracker:
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
-        self._jsonl = open(self.path, "a", encoding="utf-8") if "jsonl" in self.loggers else None
+        self._jsonl = open(self.path, "a", encoding="utf-8") if "jsonl" in self.loggers else None  # noqa: SIM115 (closed by close())
         self._wandb = None
         self._tb = None
         if "wandb" in self.loggers:
@@ -80,7 +96,10 @@ class Tracker:
         checkpoint = Path(checkpoint)
         print("\n" + metrics_table(self.path, keys=keys))
         print("\nfinal eval: " + "  ".join(f"{k.split('/', 1)[-1]} {v:.3f}" for k, v in final.items()))
-        print(f"metrics: {self.path}\nplot: {png}\ncheckpoint: {checkpoint} (Hugging Face export: {checkpoint / 'hf'})", flush=True)
+        print(
+            f"metrics: {self.path}\nplot: {png}\ncheckpoint: {checkpoint} (Hugging Face export: {checkpoint / 'hf'})",
+            flush=True,
+        )
         return png
 
     def close(self) -> None:
@@ -107,7 +126,7 @@ def plot_metrics(jsonl: str | Path, out_png: str | Path, keys=("rollout/reward",
     for key in keys:
         pts = [(r["step"], r[key]) for r in rows if key in r]
         if pts:
-            ax.plot(*zip(*pts), marker="o", label=key)
+            ax.plot(*zip(*pts, strict=True), marker="o", label=key)
     ax.set_xlabel("step")
     ax.legend()
     ax.grid(alpha=0.3)
@@ -118,7 +137,9 @@ def plot_metrics(jsonl: str | Path, out_png: str | Path, keys=("rollout/reward",
     return out
 
 
-def metrics_table(jsonl: str | Path, keys=("rollout/reward", "rollout/response_length", "eval/success"), max_rows: int = 12) -> str:
+def metrics_table(
+    jsonl: str | Path, keys=("rollout/reward", "rollout/response_length", "eval/success"), max_rows: int = 12
+) -> str:
     """A Markdown table of ``keys`` per step from a ``metrics.jsonl`` (the last value logged for a
     step wins, so a resumed run shows once). With more than ``max_rows`` steps, the steps with an
     evaluation are kept (and the first and last step), then others evenly spaced up to ``max_rows``."""
@@ -129,7 +150,10 @@ def metrics_table(jsonl: str | Path, keys=("rollout/reward", "rollout/response_l
             by_step.setdefault(int(row["step"]), {}).update(row)
     steps = sorted(s for s, r in by_step.items() if any(k in r for k in keys))
     if len(steps) > max_rows:
-        keep = {s for s in steps if any(k.startswith("eval/") and k in by_step[s] for k in keys)} | {steps[0], steps[-1]}
+        keep = {s for s in steps if any(k.startswith("eval/") and k in by_step[s] for k in keys)} | {
+            steps[0],
+            steps[-1],
+        }
         spare = max_rows - len(keep)
         if spare > 0:
             rest = [s for s in steps if s not in keep]

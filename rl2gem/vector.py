@@ -42,8 +42,9 @@ from __future__ import annotations
 import asyncio
 import time
 import traceback
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -117,7 +118,7 @@ class _TextVectorEnv(gym.vector.VectorEnv):
             opts = list(options)
             if len(opts) != len(idx):
                 raise ValueError(f"{len(opts)} options for {len(idx)} envs")
-        return list(zip(idx, seeds, opts))
+        return list(zip(idx, seeds, opts, strict=True))
 
     def _step_args(self, actions: Sequence[Any] | Mapping[int, Any]) -> list[tuple[int, Any]]:
         if isinstance(actions, Mapping):
@@ -192,12 +193,12 @@ class _TextVectorEnv(gym.vector.VectorEnv):
             if self._needs_reset[i]:
                 return self._autoreset_slot(i, *env.reset())
             slot = self._record(i, self._as_slot(env.step(action)))
-        except Exception as e:  # noqa: BLE001 - one env must not break the batch
+        except Exception as e:
             slot = self._record(i, self._error_slot(e))
         if self._same_step and (slot[2] or slot[3]):
             try:
                 return self._same_step_slot(i, slot, *env.reset())
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 return self._reset_failed(slot, e)
         return slot
 
@@ -406,12 +407,12 @@ class AsyncVectorEnv(_TextVectorEnv):
                     if self._needs_reset[i]:
                         return self._autoreset_slot(i, *await env.areset())
                     slot = self._record(i, self._as_slot(await env.astep(action)))
-                except Exception as e:  # noqa: BLE001 - one env must not break the batch
+                except Exception as e:
                     slot = self._record(i, self._error_slot(e))
                 if self._same_step and (slot[2] or slot[3]):
                     try:
                         return self._same_step_slot(i, slot, *await env.areset())
-                    except Exception as e:  # noqa: BLE001
+                    except Exception as e:
                         return self._reset_failed(slot, e)
                 return slot
 

@@ -30,7 +30,7 @@ def collect(path, *args):
 def masked_texts(tokenizer, sequence):
     """Decoded runs of action-mask 1."""
     runs, current = [], []
-    for token, mask in zip(sequence.input_ids + [None], sequence.action_mask + [0]):
+    for token, mask in zip(sequence.input_ids + [None], sequence.action_mask + [0], strict=True):
         if mask:
             current.append(token)
         elif current:
@@ -54,14 +54,25 @@ def test_same_seed_same_bytes_other_seed_other_file(tmp_path):
 
 
 def test_rows_are_rollout_conversations(tmp_path, tokenizer):
-    rows = collect(tmp_path / "rows.jsonl", "env=rl2/GuessTheNumber-v0", "policy=solver", "n=4", "seed=10",
-                   "system_prompt=Guess well.")
+    rows = collect(
+        tmp_path / "rows.jsonl",
+        "env=rl2/GuessTheNumber-v0",
+        "policy=solver",
+        "n=4",
+        "seed=10",
+        "system_prompt=Guess well.",
+    )
     assert len(rows) == 4
     assert [row["seed"] for row in rows] == [10, 11, 12, 13]  # an env without a data set plays seeds seed, seed+1, ...
     renderer = ChatRenderer(tokenizer)
     for row in rows:
         assert set(row) == ROW_KEYS
-        assert (row["env"], row["policy"], row["index"], row["reward"]) == ("rl2/GuessTheNumber-v0", "solver", None, 1.0)
+        assert (row["env"], row["policy"], row["index"], row["reward"]) == (
+            "rl2/GuessTheNumber-v0",
+            "solver",
+            None,
+            1.0,
+        )
         roles = [m["role"] for m in row["messages"]]
         turns = roles.count("assistant")
         # system, then user / assistant alternating, ending with the last action (as a Rollout records it)
@@ -91,7 +102,7 @@ def test_search_qa_solver_rows_train_as_one_sequence(tmp_path, tokenizer):
     conversations = load_conversations(str(path))
     assert conversations == [row["messages"] for row in rows]
     renderer = ChatRenderer(tokenizer)
-    for row, messages in zip(rows, conversations):
+    for row, messages in zip(rows, conversations, strict=True):
         assert row["reward"] == 1.0
         assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant"]
         search, answer = messages[1]["content"], messages[3]["content"]
@@ -148,14 +159,21 @@ def test_policy_and_temperature_defaults():
 def test_model_rejection_sampling_rows_tokenise(tmp_path, tokenizer, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     path, again = tmp_path / "model.jsonl", tmp_path / "again.jsonl"
-    args = ("env=rl2/GuessTheNumber-Easy-v0", "policy=model", "model=smollm2-135m-instruct", "n=2",
-            "batch_size=2", "max_new_tokens=12", "min_reward=0.0")
+    args = (
+        "env=rl2/GuessTheNumber-Easy-v0",
+        "policy=model",
+        "model=smollm2-135m-instruct",
+        "n=2",
+        "batch_size=2",
+        "max_new_tokens=12",
+        "min_reward=0.0",
+    )
     rows = collect(path, *args)
     collect(again, *args)
     assert path.read_bytes() == again.read_bytes()  # sampled (temperature 1.0) with per-episode seeds
     assert len(rows) == 2  # every reward is >= 0
     renderer = ChatRenderer(tokenizer)
-    for row, messages in zip(rows, load_conversations(str(path))):
+    for row, messages in zip(rows, load_conversations(str(path)), strict=True):
         assert set(row) == ROW_KEYS | {"model"} and (row["policy"], row["model"]) == ("model", "smollm2-135m-instruct")
         assert messages[-1]["role"] == "assistant"
         sequence = renderer.conversation(messages)

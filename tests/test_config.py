@@ -54,4 +54,8 @@ def test_the_shipped_recipes_load_over_the_trainer_defaults():
         assert len(fits) == 1, f"{recipe.name} must load over exactly one trainer's defaults, loads over {fits}"
     base = folder / "ppo.yaml"
     cfg = load_config(base, ["config=arithmetic", "trainer.total_steps=2"])
-    assert cfg.env_kwargs.answer == "last_number" and list(cfg.env_kwargs.operators) == ["+", "-"] and cfg.trainer.total_steps == 2
+    assert (
+        cfg.env_kwargs.answer == "last_number"
+        and list(cfg.env_kwargs.operators) == ["+", "-"]
+        and cfg.trainer.total_steps == 2
+    )

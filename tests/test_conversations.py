@@ -13,19 +13,23 @@ from rl2gem.data import DataUnavailable, load_conversations
 SYSTEM = {"role": "system", "content": "You are helpful."}
 ROWS = [
     {"prompt": "What is the capital of France?", "response": "Paris."},
-    {"messages": [
-        SYSTEM,
-        {"role": "user", "content": "What is 2+2?"},
-        {"role": "assistant", "content": "4"},
-        {"role": "user", "content": "And 3+3?"},
-        {"role": "assistant", "content": "6"},
-    ]},
-    {"messages": [
-        {"role": "user", "content": "Find the capital of Peru."},
-        {"role": "assistant", "content": "<search>Peru capital</search>"},
-        {"role": "tool", "content": "<information>Lima is the capital of Peru.</information>", "name": "search"},
-        {"role": "assistant", "content": "<answer>Lima</answer>"},
-    ]},
+    {
+        "messages": [
+            SYSTEM,
+            {"role": "user", "content": "What is 2+2?"},
+            {"role": "assistant", "content": "4"},
+            {"role": "user", "content": "And 3+3?"},
+            {"role": "assistant", "content": "6"},
+        ]
+    },
+    {
+        "messages": [
+            {"role": "user", "content": "Find the capital of Peru."},
+            {"role": "assistant", "content": "<search>Peru capital</search>"},
+            {"role": "tool", "content": "<information>Lima is the capital of Peru.</information>", "name": "search"},
+            {"role": "assistant", "content": "<answer>Lima</answer>"},
+        ]
+    },
 ]
 EXPECTED = [
     [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "Paris."}],
@@ -85,7 +89,10 @@ def test_prompt_given_as_messages_is_kept(tmp_path):
     [
         ({"question": "2+2?", "answer": "4"}, r"row 1 .*unknown row shape"),
         ({"prompt": "2+2?"}, r"row 1 .*unknown row shape"),
-        ({"messages": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}]}, r"row 1 .*role 'robot'"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}]},
+            r"row 1 .*role 'robot'",
+        ),
         ({"messages": [SYSTEM, {"role": "user", "content": "hi"}]}, r"row 1 .*no assistant turn"),
         ({"messages": []}, r"row 1 .*non-empty list"),
     ],

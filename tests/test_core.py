@@ -6,9 +6,9 @@ import threading
 import gymnasium as gym
 import pytest
 from gymnasium.error import ResetNeeded
+from toy_envs import CountEnv, SlowSearchEnv
 
 from rl2gem import Env, TextSpace
-from toy_envs import CountEnv, SlowSearchEnv
 
 
 def test_text_space_membership():
@@ -101,7 +101,7 @@ def test_invalid_actions_never_raise(action, reason):
 def test_bytes_action_is_decoded():
     env = CountEnv()
     env.reset(seed=0)
-    obs, *_ , info = env.step("1".encode())
+    obs, *_, info = env.step(b"1")
     assert obs == "Next." and info["invalid_action"] is None
 
 

@@ -55,8 +55,16 @@ def test_evaluate_plays_dataset_items_in_order(tmp_path):
 def test_evaluate_is_reproducible(tmp_path):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     for p in (a, b):
-        run("-m", "rl2gem.evaluate", "env=rl2/Mastermind-v0", "policy=random", "n=10", "seed=3", f"output={p}",
-            "progress=false")
+        run(
+            "-m",
+            "rl2gem.evaluate",
+            "env=rl2/Mastermind-v0",
+            "policy=random",
+            "n=10",
+            "seed=3",
+            f"output={p}",
+            "progress=false",
+        )
     assert a.read_text() == b.read_text()
 
 
@@ -68,8 +76,18 @@ def test_evaluate_rejects_unknown_keys_with_a_suggestion():
 @pytest.mark.slow
 def test_evaluate_with_the_real_smollm2_model(tmp_path):
     out = tmp_path / "gsm8k.jsonl"
-    stdout = run("-m", "rl2gem.evaluate", "env=rl2/GSM8K-v0", "model=smollm2-135m-instruct", "n=2", "batch_size=2",
-                 "max_new_tokens=48", f"output={out}", "progress=false", timeout=900)
+    stdout = run(
+        "-m",
+        "rl2gem.evaluate",
+        "env=rl2/GSM8K-v0",
+        "model=smollm2-135m-instruct",
+        "n=2",
+        "batch_size=2",
+        "max_new_tokens=48",
+        f"output={out}",
+        "progress=false",
+        timeout=900,
+    )
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 2 and all(0 < r["generated_tokens"] <= 48 for r in records)
     assert all(r["messages"][-1]["role"] == "assistant" and r["messages"][-1]["content"] for r in records)
@@ -79,14 +97,38 @@ def test_evaluate_with_the_real_smollm2_model(tmp_path):
 @pytest.mark.slow
 def test_evaluate_renders_tools_with_the_chat_template(tmp_path):
     out = tmp_path / "pymath.jsonl"
-    stdout = run("-m", "rl2gem.evaluate", "env=rl2/PythonMath-v0", "model=smollm2-135m-instruct", "n=2", "batch_size=2",
-                 "max_new_tokens=32", "tools_in_template=true", "chat_template=chatml_tools", f"output={out}",
-                 "progress=false", timeout=900)
+    stdout = run(
+        "-m",
+        "rl2gem.evaluate",
+        "env=rl2/PythonMath-v0",
+        "model=smollm2-135m-instruct",
+        "n=2",
+        "batch_size=2",
+        "max_new_tokens=32",
+        "tools_in_template=true",
+        "chat_template=chatml_tools",
+        f"output={out}",
+        "progress=false",
+        timeout=900,
+    )
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 2 and "generated tokens / s" in stdout
     assert all("<tools>" not in r["messages"][0]["content"] for r in records)  # the template offered them
-    r = subprocess.run([sys.executable, "-m", "rl2gem.evaluate", "env=rl2/PythonMath-v0", "model=smollm2-135m-instruct",
-                        "n=1", "tools_in_template=true", "progress=false"], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rl2gem.evaluate",
+            "env=rl2/PythonMath-v0",
+            "model=smollm2-135m-instruct",
+            "n=1",
+            "tools_in_template=true",
+            "progress=false",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode != 0 and "does not render tools" in r.stderr  # SmolLM2's own template has no tools
 
 

@@ -31,7 +31,9 @@ def write_tokenizer(out: Path) -> None:
     vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", "hello", "world"])}
     tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(out)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(
+        out
+    )
 
 
 def write_tiny_model(out: Path) -> None:
@@ -39,8 +41,14 @@ def write_tiny_model(out: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     write_tokenizer(out)
-    cfg = LlamaConfig(vocab_size=5, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
-                      num_attention_heads=2, num_key_value_heads=1)
+    cfg = LlamaConfig(
+        vocab_size=5,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     LlamaForCausalLM(cfg).save_pretrained(out)
 
 
@@ -63,13 +71,17 @@ def fake_conversion(tmp_path, monkeypatch):
 def test_build_dir_marks_complete_only_with_the_required_files(tmp_path):
     target = tmp_path / "model"
     # the partial folder: a tokenizer, no config and no weights
-    with (pytest.raises(IncompleteBuild, match=r"no config\.json, \*\.safetensors \(it wrote: .*tokenizer\.json"),
-          build_dir(target, required=MODEL_FILES) as staging):
+    with (
+        pytest.raises(IncompleteBuild, match=r"no config\.json, \*\.safetensors \(it wrote: .*tokenizer\.json"),
+        build_dir(target, required=MODEL_FILES) as staging,
+    ):
         write_tokenizer(staging)
     assert list(tmp_path.iterdir()) == []  # no target, no staging folder left behind
     # an empty weight file does not count
-    with (pytest.raises(IncompleteBuild, match=r"no \*\.safetensors"),
-          build_dir(target, required=("config.json", "*.safetensors")) as staging):
+    with (
+        pytest.raises(IncompleteBuild, match=r"no \*\.safetensors"),
+        build_dir(target, required=("config.json", "*.safetensors")) as staging,
+    ):
         (staging / "config.json").write_text("{}")
         (staging / "model.safetensors").touch()
     assert list(tmp_path.iterdir()) == []
@@ -130,7 +142,7 @@ def test_smollm2_converts_once_to_safetensors_and_generates():
         [{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
     )
     out = model.generate(**batch, max_new_tokens=12, do_sample=False)
-    text = tok.decode(out[0, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    text = tok.decode(out[0, batch["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "5" in text  # the de-quantized weights still do arithmetic this small
 
 
@@ -147,8 +159,15 @@ def test_two_ranks_convert_from_an_empty_cache(tmp_path, first):
     (cache / "downloads").mkdir(parents=True)
     for f in (cache_dir() / "downloads").glob(f"{prefix}*"):
         shutil.copy(f, cache / "downloads" / f.name)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "models_two_ranks.py"), str(first)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(ROOT / "tests" / "models_two_ranks.py"),
+        str(first),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RL2GEM_CACHE": str(cache)}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env, check=False)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]

@@ -18,7 +18,11 @@ BUILTIN_IDS = ["rl2/GuessTheNumber-v0", "rl2/GuessTheNumber-Easy-v0", "rl2/Guess
 def run_python(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})}, cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+        cwd="/",
     )
 
 
@@ -90,7 +94,7 @@ demo = "rl2gem_demo_plugin:register_envs"
 broken = "rl2gem_demo_plugin_missing:nothing"
 """
 
-PLUGIN_MODULE = '''
+PLUGIN_MODULE = """
 import rl2gem
 
 class Coin(rl2gem.Env):
@@ -104,7 +108,7 @@ class Coin(rl2gem.Env):
 
 def register_envs():
     rl2gem.register("demo/Coin-v0", "rl2gem_demo_plugin:Coin")
-'''
+"""
 
 
 def test_entry_point_discovery_of_an_installed_package(tmp_path):
@@ -114,9 +118,22 @@ def test_entry_point_discovery_of_an_installed_package(tmp_path):
     (src / "rl2gem_demo_plugin" / "__init__.py").write_text(PLUGIN_MODULE)
     target = tmp_path / "site"
     pip = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-         "--target", str(target), str(src)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(target),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert pip.returncode == 0, pip.stderr
     assert any(p.name.startswith("rl2gem_demo_plugin") and p.name.endswith(".dist-info") for p in target.iterdir())

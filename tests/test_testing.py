@@ -1,10 +1,10 @@
 """check_env over the whole registry, and that it catches broken envs."""
 
 import pytest
+from toy_envs import CountEnv, GlobalRandomEnv, SlowSearchEnv
 
 import rl2gem
 from rl2gem.testing import check_env
-from toy_envs import CountEnv, GlobalRandomEnv, SlowSearchEnv
 
 
 @pytest.mark.parametrize("env_id", rl2gem.list_envs(namespace=None))
@@ -42,7 +42,6 @@ def test_catches_an_env_whose_async_twin_disagrees():
 
     with pytest.raises(AssertionError, match="disagree"):
         check_env(Split(latency=0))
-
 
 
 def test_catches_tool_envs_that_break_the_conventions():

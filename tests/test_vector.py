@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from gymnasium.error import ResetNeeded
 from gymnasium.vector import AutoresetMode
+from toy_envs import CountEnv, FlakyEnv, SlowSearchEnv
 
 import rl2gem
 from rl2gem import AsyncVectorEnv, SyncVectorEnv
-from toy_envs import CountEnv, FlakyEnv, SlowSearchEnv
 
 VECTORS = [AsyncVectorEnv, SyncVectorEnv]
 
@@ -81,8 +81,12 @@ def test_async_and_sync_vectors_agree_on_mixed_envs():
     fns = [CountEnv, lambda: SlowSearchEnv(latency=0), CountEnv, lambda: SlowSearchEnv(latency=0)]
     rng = np.random.default_rng(0)
     script = [
-        [str(int(rng.integers(1, 4))) if i % 2 == 0 else rng.choice(["<search>a</search>", "<answer>1</answer>", "?"])
-         for i in range(4)]
+        [
+            str(int(rng.integers(1, 4)))
+            if i % 2 == 0
+            else rng.choice(["<search>a</search>", "<answer>1</answer>", "?"])
+            for i in range(4)
+        ]
         for _ in range(12)
     ]
 
@@ -109,7 +113,7 @@ def test_async_vector_steps_io_envs_concurrently_up_to_the_limit(limit):
         await venv.aclose()
         return out
 
-    obs, *_ , infos = asyncio.run(main())
+    obs, *_, infos = asyncio.run(main())
     assert all(o.startswith("<information>") for o in obs) and all(i["role"] == "tool" for i in infos)
     assert SlowSearchEnv.max_in_flight == (limit or 8)
     assert all(e.closed_async == 1 for e in venv.envs)

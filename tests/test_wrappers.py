@@ -1,9 +1,9 @@
 import asyncio
 
 import gymnasium as gym
+from toy_envs import CountEnv, SlowSearchEnv
 
 from rl2gem import ChatHistory
-from toy_envs import CountEnv, SlowSearchEnv
 
 
 def test_chat_history_rebuilds_the_conversation():

@@ -48,9 +48,24 @@ from rl2gem.training.worker import Worker, setup_distributed
 
 CONFIG = Path(__file__).with_name("config") / "ppo.yaml"
 #: rollout metrics that add up over ranks (the others are averaged)
-SUMMED = {f"rollout/{k}" for k in ("groups", "episodes", "tokens", "action_tokens", "sequences", "splits", "requests",
-                                   "aborted_requests", "groups_started", "dropped_stale", "carried_over",
-                                   "in_flight_after", "ready_after")}
+SUMMED = {
+    f"rollout/{k}"
+    for k in (
+        "groups",
+        "episodes",
+        "tokens",
+        "action_tokens",
+        "sequences",
+        "splits",
+        "requests",
+        "aborted_requests",
+        "groups_started",
+        "dropped_stale",
+        "carried_over",
+        "in_flight_after",
+        "ready_after",
+    )
+}
 
 
 def check_config(cfg) -> None:
@@ -62,8 +77,10 @@ def check_config(cfg) -> None:
     if cfg.adv.estimator not in ESTIMATORS:
         raise ConfigError(f"adv.estimator={cfg.adv.estimator!r} is not one of {list(ESTIMATORS)}")
     if cfg.kl.in_reward and cfg.kl.coef > 0 and cfg.adv.estimator != "gae":
-        raise ConfigError(f"kl.in_reward=true needs token-level credit (adv.estimator=gae), got adv.estimator={cfg.adv.estimator}; "
-                          "use kl.in_reward=false (a KL loss term) with outcome estimators")
+        raise ConfigError(
+            f"kl.in_reward=true needs token-level credit (adv.estimator=gae), got adv.estimator={cfg.adv.estimator}; "
+            "use kl.in_reward=false (a KL loss term) with outcome estimators"
+        )
 
 
 def packed(samples, field, device, dtype=torch.float32):
@@ -81,27 +98,42 @@ class PPOTrainer(Trainer):
         self.cfg, c = cfg, cfg
         self.rank, self.world, self.device, self.mesh = setup_distributed(c.seed, c.actor)
         if c.rollout.prompts_per_rollout % self.world:
-            raise ConfigError(f"rollout.prompts_per_rollout={c.rollout.prompts_per_rollout} must be a multiple of the world size "
-                              f"{self.world}")
+            raise ConfigError(
+                f"rollout.prompts_per_rollout={c.rollout.prompts_per_rollout} must be a multiple of the world size "
+                f"{self.world}"
+            )
         self.out, self.total_steps = Path(c.trainer.output_dir), int(c.trainer.total_steps)
         self.actor = Worker(c.actor, self.mesh, self.device, total_steps=self.total_steps)
         self.ref = Worker(c.actor, self.mesh, self.device, trainable=False) if c.kl.coef > 0 else None
         self.critic = None
         if c.adv.estimator == "gae":  # a critic only where GAE needs one (the actor's backbone + a scalar head)
-            self.critic = Worker({**c.actor, **{k: v for k, v in c.critic.items() if v is not None}}, self.mesh, self.device,
-                                 head="value", total_steps=c.trainer.total_steps)
-        self.checkpointer = Checkpointer(self.out, {"actor": self.actor, **({"critic": self.critic} if self.critic else {})})
+            self.critic = Worker(
+                {**c.actor, **{k: v for k, v in c.critic.items() if v is not None}},
+                self.mesh,
+                self.device,
+                head="value",
+                total_steps=c.trainer.total_steps,
+            )
+        self.checkpointer = Checkpointer(
+            self.out, {"actor": self.actor, **({"critic": self.critic} if self.critic else {})}
+        )
         self.peak_flops = peak_flops_from_config(c.trainer.peak_flops, self.device, self.actor.dtype)
         self.step = 0
         self.loop = asyncio.new_event_loop()
         model, self.tokenizer = load_model(c.actor.model, dtype=self.actor.dtype, device=str(self.device))
-        model.load_state_dict(self.actor.full_state_dict(), strict=False)
+        model.load_state_dict(self.actor.full_state_dict(), strict=True)
         self.engine = EmbeddedEngine(model, self.tokenizer, seed=c.seed * 1000 + self.rank)
-        env_kwargs = rl2gem.standard_kwargs(c.env, OmegaConf.to_container(c.env_kwargs, resolve=True),
-                                            tools_in_template=c.rollout.tools_in_template)
-        self.rollout = Rollout(self.engine, self.tokenizer, c.env,
-                               RolloutConfig.from_mapping(c.rollout, seed=c.seed * 1000 + self.rank, progress=False),
-                               env_kwargs=env_kwargs, chat_template=load_chat_template(c.rollout.chat_template))
+        env_kwargs = rl2gem.standard_kwargs(
+            c.env, OmegaConf.to_container(c.env_kwargs, resolve=True), tools_in_template=c.rollout.tools_in_template
+        )
+        self.rollout = Rollout(
+            self.engine,
+            self.tokenizer,
+            c.env,
+            RolloutConfig.from_mapping(c.rollout, seed=c.seed * 1000 + self.rank, progress=False),
+            env_kwargs=env_kwargs,
+            chat_template=load_chat_template(c.rollout.chat_template),
+        )
         self.tracker = None
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -118,8 +150,10 @@ class PPOTrainer(Trainer):
         local = samples_from_batch(batch, c.adv.estimator, c.adv.gamma, c.adv.lam)
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, (local, batch.metrics))
-        metrics = {key: (sum if key in SUMMED else lambda v: sum(v) / len(v))([m[key] for _, m in gathered])
-                   for key in batch.metrics}
+        metrics = {
+            key: (sum if key in SUMMED else lambda v: sum(v) / len(v))([m[key] for _, m in gathered])
+            for key in batch.metrics
+        }
         metrics["time/rollout"] = time.perf_counter() - start
         return [s for part, _ in gathered for s in part], metrics
 
@@ -141,7 +175,10 @@ class PPOTrainer(Trainer):
                 sc["values"] = token_values(self.critic.model, ids, self.device)
                 sc["returns"] = apply_gae(part, sc["values"], c.adv.gamma, c.adv.lam)
                 mask = packed(part, "mask", self.device, torch.bool)
-                values.add({"values": (sc["values"] * mask).sum() / mask.sum().clamp(min=1)}, weight=mb.scale * float(mask.sum()))
+                values.add(
+                    {"values": (sc["values"] * mask).sum() / mask.sum().clamp(min=1)},
+                    weight=mb.scale * float(mask.sum()),
+                )
             scores.append(sc)
         return scores, (values.means("critic/") if self.critic is not None else {})
 
@@ -155,42 +192,71 @@ class PPOTrainer(Trainer):
         stats, norms = Averager(), {}
         for _ in range(int(a.update_per_rollout)):
             for first in range(0, len(micro_batches), per):
-                for mb, sc in zip(micro_batches[first : first + per], scores[first : first + per]):
+                for mb, sc in zip(micro_batches[first : first + per], scores[first : first + per], strict=True):
                     part = [samples[i] for i in mb.indices]
-                    logprobs, entropy = token_logprobs(self.actor.model, [s.ids for s in part], self.device, temperature=temperature,
-                                                       entropy="grad" if a.entropy_coef > 0 else "metric")
+                    logprobs, entropy = token_logprobs(
+                        self.actor.model,
+                        [s.ids for s in part],
+                        self.device,
+                        temperature=temperature,
+                        entropy="grad" if a.entropy_coef > 0 else "metric",
+                    )
                     mask = packed(part, "mask", self.device, torch.bool)
                     advantages = packed(part, "advantages", self.device)
                     rollout_logprobs = packed(part, "rollout_logprobs", self.device)
-                    weights = mb.scale * packed_loss_weights([s.mask for s in part], a.loss_agg, float(c.rollout.max_length),
-                                                             **totals).to(self.device)
-                    is_weights, is_mask = importance_weights(sc["old"], rollout_logprobs, mask, c.rollout.is_mode, c.rollout.is_cap)
-                    pg_loss, m = policy_loss(logprobs[None], sc["old"][None], advantages[None], is_mask[None],
-                                             clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip,
-                                             is_weights=is_weights[None], token_weights=weights[None])
-                    kl = kl_estimate(logprobs, sc["ref"], c.kl.estimator) if self.ref is not None else torch.zeros_like(logprobs)
+                    weights = mb.scale * packed_loss_weights(
+                        [s.mask for s in part], a.loss_agg, float(c.rollout.max_length), **totals
+                    ).to(self.device)
+                    is_weights, is_mask = importance_weights(
+                        sc["old"], rollout_logprobs, mask, c.rollout.is_mode, c.rollout.is_cap
+                    )
+                    pg_loss, m = policy_loss(
+                        logprobs[None],
+                        sc["old"][None],
+                        advantages[None],
+                        is_mask[None],
+                        clip_low=a.clip_low,
+                        clip_high=a.clip_high,
+                        dual_clip=a.dual_clip,
+                        is_weights=is_weights[None],
+                        token_weights=weights[None],
+                    )
+                    kl = (
+                        kl_estimate(logprobs, sc["ref"], c.kl.estimator)
+                        if self.ref is not None
+                        else torch.zeros_like(logprobs)
+                    )
                     kl_loss = (kl * weights * mask).sum() if not c.kl.in_reward else 0.0
                     entropy_bonus = (entropy * weights * mask).sum()
                     loss = pg_loss + c.kl.coef * kl_loss - a.entropy_coef * entropy_bonus
                     (loss * self.mesh.dp_size).backward()  # FSDP averages gradients over data-parallel ranks
                     n = mask.sum().clamp(min=1)
-                    row = {"pg_loss": m["pg_loss"], "clip_ratio": m["clip_ratio"], "entropy": float((entropy.detach() * mask).sum() / n),
-                           "is_weight": float((is_weights * mask).sum() / n),
-                           "mismatch_kl": float((kl_estimate(rollout_logprobs, sc["old"], "k3") * mask).sum() / n)}
+                    row = {
+                        "pg_loss": m["pg_loss"],
+                        "clip_ratio": m["clip_ratio"],
+                        "entropy": float((entropy.detach() * mask).sum() / n),
+                        "is_weight": float((is_weights * mask).sum() / n),
+                        "mismatch_kl": float((kl_estimate(rollout_logprobs, sc["old"], "k3") * mask).sum() / n),
+                    }
                     if self.ref is not None:
                         row["kl"] = float((kl.detach() * mask).sum() / n)
                     stats.add(row, weight=mb.scale)
                     if self.critic is not None:
                         values = token_values(self.critic.model, [s.ids for s in part], self.device)
-                        vf_loss, vm = value_loss(values, sc["values"], sc["returns"], mask, clip=c.critic.value_clip, token_weights=weights)
+                        vf_loss, vm = value_loss(
+                            values, sc["values"], sc["returns"], mask, clip=c.critic.value_clip, token_weights=weights
+                        )
                         (vf_loss * self.mesh.dp_size).backward()
                         stats.add({"critic/" + k: v for k, v in vm.items()}, weight=mb.scale)
                 norms["actor/grad_norm"] = self.actor.step()
                 if self.critic is not None:
                     norms["critic/grad_norm"] = self.critic.step()
         means = stats.means()
-        return {**{(k if k.startswith("critic/") else f"actor/{k}"): v for k, v in means.items()}, **norms,
-                "actor/lr": self.actor.lr}
+        return {
+            **{(k if k.startswith("critic/") else f"actor/{k}"): v for k, v in means.items()},
+            **norms,
+            "actor/lr": self.actor.lr,
+        }
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:
@@ -211,21 +277,49 @@ class PPOTrainer(Trainer):
         metrics["time/weight_sync"] = time.perf_counter() - t
         seconds = time.perf_counter() - start
         models = 1 + (self.critic is not None)  # the critic has the actor's backbone
-        flops = train_flops(self.actor.num_parameters, generated_tokens=int(metrics.get("rollout/action_tokens", 0)),
-                            forward_tokens=sum(lengths) * (models + (self.ref is not None)),
-                            train_tokens=sum(lengths) * int(c.actor.update_per_rollout) * models)
-        metrics.update({"perf/tokens_per_second": sum(lengths) / seconds, "perf/mfu": flops / seconds / self.peak_flops / self.world,
-                        "time/step": seconds})
+        flops = train_flops(
+            self.actor.num_parameters,
+            generated_tokens=int(metrics.get("rollout/action_tokens", 0)),
+            forward_tokens=sum(lengths) * (models + (self.ref is not None)),
+            train_tokens=sum(lengths) * int(c.actor.update_per_rollout) * models,
+        )
+        metrics.update(
+            {
+                "perf/tokens_per_second": sum(lengths) / seconds,
+                "perf/mfu": flops / seconds / self.peak_flops / self.world,
+                "time/step": seconds,
+            }
+        )
         return reduce_mean(metrics, [k for k in metrics if k.startswith(("time/", "perf/"))])
 
     def evaluate(self) -> dict[str, float]:
         """Greedy episodes on the eval split, spread over ranks (:func:`rl2gem.training.evaluate_env`)."""
         c = self.cfg
-        kwargs = {**OmegaConf.to_container(c.env_kwargs, resolve=True), **OmegaConf.to_container(c.eval_env_kwargs, resolve=True)}
-        config = RolloutConfig.from_mapping(c.rollout, responses_per_prompt=1, temperature=0.0, partial_rollout=False,
-                                            dynamic_filter=False, seed=c.trainer.eval_seed, progress=False)
-        return evaluate_env(self.engine, self.tokenizer, c.env, kwargs, c.trainer.eval_n, config, loop=self.loop,
-                            chat_template=self.rollout.renderer.chat_template, seed=c.trainer.eval_seed, split=c.trainer.eval_split)
+        kwargs = {
+            **OmegaConf.to_container(c.env_kwargs, resolve=True),
+            **OmegaConf.to_container(c.eval_env_kwargs, resolve=True),
+        }
+        config = RolloutConfig.from_mapping(
+            c.rollout,
+            responses_per_prompt=1,
+            temperature=0.0,
+            partial_rollout=False,
+            dynamic_filter=False,
+            seed=c.trainer.eval_seed,
+            progress=False,
+        )
+        return evaluate_env(
+            self.engine,
+            self.tokenizer,
+            c.env,
+            kwargs,
+            c.trainer.eval_n,
+            config,
+            loop=self.loop,
+            chat_template=self.rollout.renderer.chat_template,
+            seed=c.trainer.eval_seed,
+            split=c.trainer.eval_split,
+        )
 
     # ------------------------------------------------------------------ checkpoints
     def rank_state(self) -> dict:

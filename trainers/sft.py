@@ -51,8 +51,10 @@ CONFIG = Path(__file__).with_name("config") / "sft.yaml"
 def check_config(cfg) -> None:
     """Raises :class:`rl2gem.config.ConfigError` for values that cannot work."""
     if not cfg.data.train:
-        raise ConfigError("data.train is required: a JSON/JSONL/CSV/Parquet/Arrow file or a dataset name "
-                          "(python -m rl2gem.collect writes one from any env)")
+        raise ConfigError(
+            "data.train is required: a JSON/JSONL/CSV/Parquet/Arrow file or a dataset name "
+            "(python -m rl2gem.collect writes one from any env)"
+        )
     if cfg.actor.loss_agg not in LOSS_AGGREGATIONS:
         raise ConfigError(f"actor.loss_agg={cfg.actor.loss_agg!r} is not one of {list(LOSS_AGGREGATIONS)}")
     if cfg.data.batch_size < 1 or cfg.data.max_length < 2:
@@ -85,7 +87,9 @@ class SFTTrainer(Trainer):
         self.chat_template = load_chat_template(c.rollout.chat_template)
         renderer = ChatRenderer(self.tokenizer, self.chat_template)
         self.train = tokenize(renderer, load_conversations(c.data.train, "train"), c.data.max_length)
-        self.test = tokenize(renderer, load_conversations(c.data.test, "test"), c.data.max_length) if c.data.test else []
+        self.test = (
+            tokenize(renderer, load_conversations(c.data.test, "test"), c.data.max_length) if c.data.test else []
+        )
         if not self.train:
             raise ConfigError(f"data.train={c.data.train}: no conversation with an assistant turn")
         self.steps_per_epoch = math.ceil(len(self.train) / c.data.batch_size)
@@ -99,14 +103,19 @@ class SFTTrainer(Trainer):
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.yaml").write_text(OmegaConf.to_yaml(c))
             self.tracker = Tracker(c.trainer.loggers, self.out, OmegaConf.to_container(c, resolve=True))
-            print(f"sft: {len(self.train)} train / {len(self.test)} test sequences, {self.steps_per_epoch} steps per epoch, "
-                  f"{self.total_steps} steps", flush=True)
+            print(
+                f"sft: {len(self.train)} train / {len(self.test)} test sequences, {self.steps_per_epoch} steps per epoch, "
+                f"{self.total_steps} steps",
+                flush=True,
+            )
 
     def batch(self, step: int) -> list[Sample]:
         """The conversations of optimizer step ``step`` (0-based): a permutation of the training set
         per epoch, drawn from ``seed`` and the epoch, so a resumed run sees the same batches."""
         epoch, offset = divmod(step, self.steps_per_epoch)
-        order = torch.randperm(len(self.train), generator=torch.Generator().manual_seed(self.cfg.seed * 100_003 + epoch))
+        order = torch.randperm(
+            len(self.train), generator=torch.Generator().manual_seed(self.cfg.seed * 100_003 + epoch)
+        )
         size = self.cfg.data.batch_size
         return [self.train[i] for i in order[offset * size : (offset + 1) * size].tolist()]
 
@@ -117,13 +126,16 @@ class SFTTrainer(Trainer):
         a = self.cfg.actor
         totals = {"num_tokens": float(sum(sum(s.mask) for s in samples)), "num_sequences": float(len(samples))}
         total_loss, tokens = torch.zeros((), dtype=torch.float64), 0
-        for mb in plan_micro_batches([len(s) for s in samples], self.mesh.dp_rank, self.mesh.dp_size, a.max_length_per_device):
+        for mb in plan_micro_batches(
+            [len(s) for s in samples], self.mesh.dp_rank, self.mesh.dp_size, a.max_length_per_device
+        ):
             part = [samples[i] for i in mb.indices]
             with torch.set_grad_enabled(train):
                 logprobs, _ = token_logprobs(self.actor.model, [s.ids for s in part], self.device)
                 mask = torch.tensor([m for s in part for m in s.mask], dtype=torch.bool, device=self.device)
-                weights = mb.scale * packed_loss_weights([s.mask for s in part], a.loss_agg, float(self.cfg.data.max_length),
-                                                         **totals).to(self.device)
+                weights = mb.scale * packed_loss_weights(
+                    [s.mask for s in part], a.loss_agg, float(self.cfg.data.max_length), **totals
+                ).to(self.device)
                 loss = -(logprobs * weights * mask).sum()
                 if train:
                     (loss * self.mesh.dp_size).backward()  # FSDP averages gradients over data-parallel ranks
@@ -139,10 +151,16 @@ class SFTTrainer(Trainer):
         grad_norm = self.actor.step()
         self.step += 1
         seconds = time.perf_counter() - start
-        metrics = {"train/loss": loss, "train/sequences": float(len(samples)), "actor/grad_norm": grad_norm, "actor/lr": self.actor.lr,
-                   "train/epoch": self.step / self.steps_per_epoch, "time/step": seconds,
-                   "perf/tokens_per_second": sum(len(s) for s in samples) / seconds,
-                   "perf/mfu": train_flops(self.actor.num_parameters, train_tokens=tokens) / seconds / self.peak_flops}
+        metrics = {
+            "train/loss": loss,
+            "train/sequences": float(len(samples)),
+            "actor/grad_norm": grad_norm,
+            "actor/lr": self.actor.lr,
+            "train/epoch": self.step / self.steps_per_epoch,
+            "time/step": seconds,
+            "perf/tokens_per_second": sum(len(s) for s in samples) / seconds,
+            "perf/mfu": train_flops(self.actor.num_parameters, train_tokens=tokens) / seconds / self.peak_flops,
+        }
         return reduce_mean(metrics, ["time/step", "perf/tokens_per_second", "perf/mfu"])
 
     @torch.no_grad()
@@ -154,13 +172,30 @@ class SFTTrainer(Trainer):
         if c.trainer.eval_env:
             state = self.actor.full_state_dict()
             if self.engine is None:
-                model = AutoModelForCausalLM.from_pretrained(resolve_model(c.actor.model), dtype=self.actor.dtype).to(self.device).eval()
+                model = (
+                    AutoModelForCausalLM.from_pretrained(resolve_model(c.actor.model), dtype=self.actor.dtype)
+                    .to(self.device)
+                    .eval()
+                )
                 self.engine = EmbeddedEngine(model, self.tokenizer, seed=c.seed * 1000 + self.rank)
             self.loop.run_until_complete(self.engine.update_weights(state, version=self.step))
-            config = RolloutConfig.from_mapping(c.rollout, responses_per_prompt=1, seed=c.trainer.eval_seed, progress=False)
-            out.update(evaluate_env(self.engine, self.tokenizer, c.trainer.eval_env, OmegaConf.to_container(c.trainer.eval_env_kwargs),
-                                    c.trainer.eval_n, config, loop=self.loop, chat_template=self.chat_template,
-                                    seed=c.trainer.eval_seed, split=c.trainer.eval_split))
+            config = RolloutConfig.from_mapping(
+                c.rollout, responses_per_prompt=1, seed=c.trainer.eval_seed, progress=False
+            )
+            out.update(
+                evaluate_env(
+                    self.engine,
+                    self.tokenizer,
+                    c.trainer.eval_env,
+                    OmegaConf.to_container(c.trainer.eval_env_kwargs),
+                    c.trainer.eval_n,
+                    config,
+                    loop=self.loop,
+                    chat_template=self.chat_template,
+                    seed=c.trainer.eval_seed,
+                    split=c.trainer.eval_split,
+                )
+            )
         return out
 
     def close(self) -> None:

@@ -80,6 +80,7 @@ def word_list(length: int | None = None, common: bool = True) -> tuple[str, ...]
         common: words in both GCIDE and web2 (5,041 five-letter words) rather
             than web2 alone (a larger list with many rare words).
     """
+
     def load(name: str) -> set[str]:
         with open(asset_path("english-words", "english_words", "data", f"{name}_alpha_lower.pickle"), "rb") as fh:
             return pickle.load(fh)

@@ -7,9 +7,9 @@ import re
 from typing import Any
 
 import numpy as np
+from rl2gem.envs.games.base import GameEnv
 
 from rl2gem.core import StepResult
-from rl2gem.envs.games.base import GameEnv
 
 __all__ = ["FifteenPuzzleEnv", "solve_puzzle"]
 
@@ -73,7 +73,7 @@ class FifteenPuzzleEnv(GameEnv):
 
     def board_text(self) -> str:
         w = len(str(self.size**2 - 1))
-        rows = [self.state[r * self.size:(r + 1) * self.size] for r in range(self.size)]
+        rows = [self.state[r * self.size : (r + 1) * self.size] for r in range(self.size)]
         return "\n".join(" ".join(f"{t:>{w}}" if t else "_" * w for t in row) for row in rows)
 
     def _reset(self, options: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
@@ -104,7 +104,9 @@ class FifteenPuzzleEnv(GameEnv):
                 if nxt == _goal(self.size):
                     return self.win(f"Solved!\n{self.board_text()}")
                 return self.reply(self.board_text())
-        return self.invalid_action("tile not next to the blank", f"Tile {tile} is not next to the blank.\n{self.board_text()}")
+        return self.invalid_action(
+            "tile not next to the blank", f"Tile {tile} is not next to the blank.\n{self.board_text()}"
+        )
 
     def sample_random_action(self, rng: np.random.Generator | None = None) -> str:
         rng = rng if rng is not None else self.np_random

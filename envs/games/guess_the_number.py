@@ -6,9 +6,9 @@ import re
 from typing import Any
 
 import numpy as np
+from rl2gem.envs.games.base import GameEnv
 
 from rl2gem.core import StepResult
-from rl2gem.envs.games.base import GameEnv
 
 __all__ = ["GuessTheNumberEnv", "BisectSolver"]
 
@@ -64,7 +64,7 @@ class GuessTheNumberEnv(GameEnv):
         rng = rng if rng is not None else self.np_random
         return f"\\boxed{{{int(rng.integers(self.min_number, self.max_number + 1))}}}"
 
-    def make_solver(self) -> "BisectSolver":
+    def make_solver(self) -> BisectSolver:
         """Bisects on the feedback text (it does not peek at the target)."""
         return BisectSolver(self.min_number, self.max_number)
 

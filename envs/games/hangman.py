@@ -9,9 +9,9 @@ import string
 from typing import Any
 
 import numpy as np
+from rl2gem.envs.games.base import GameEnv, word_list
 
 from rl2gem.core import StepResult
-from rl2gem.envs.games.base import GameEnv, word_list
 
 __all__ = ["HangmanEnv"]
 
@@ -61,7 +61,9 @@ class HangmanEnv(GameEnv):
     def _move(self, move: str) -> StepResult:
         guess = move.strip().lower()
         if not guess.isalpha() or not guess.isascii():
-            return self.invalid_action("not a letter or word", f"'{move}' is not a letter or a word. {self.move_hint()}")
+            return self.invalid_action(
+                "not a letter or word", f"'{move}' is not a letter or a word. {self.move_hint()}"
+            )
         if len(guess) == 1:
             if guess in self.guessed or guess in self.missed:
                 return self.invalid_action("letter already guessed", f"You already guessed '{guess}'.\n{self._state()}")
@@ -94,9 +96,10 @@ class HangmanEnv(GameEnv):
             shown = {c for c in pattern if c != "_"}
             tried = shown | missed
             cands = [
-                w for w in words
+                w
+                for w in words
                 if len(w) == len(pattern)
-                and all((p == "_" and c not in shown) or p == c for p, c in zip(pattern, w))
+                and all((p == "_" and c not in shown) or p == c for p, c in zip(pattern, w, strict=False))
                 and not (set(w) & missed)
             ]
             if len(cands) == 1:

@@ -7,9 +7,9 @@ import re
 from typing import Any
 
 import numpy as np
+from rl2gem.envs.games.base import GameEnv
 
 from rl2gem.core import StepResult
-from rl2gem.envs.games.base import GameEnv
 
 __all__ = ["MastermindEnv", "score_guess"]
 
@@ -18,7 +18,7 @@ _FEEDBACK = re.compile(r"Guess (\d+): (\d+) black, (\d+) white")
 
 def score_guess(code: str, guess: str) -> tuple[int, int]:
     """(black, white): right digit in the right place, right digit in the wrong place."""
-    black = sum(c == g for c, g in zip(code, guess))
+    black = sum(c == g for c, g in zip(code, guess, strict=False))
     common = sum(min(code.count(d), guess.count(d)) for d in set(guess))
     return black, common - black
 
@@ -55,7 +55,8 @@ class MastermindEnv(GameEnv):
             f"Find my secret code: {self.code_length} digits from 1 to {self.num_digits} (the digits {rep}). "
             f"You have {self.max_turns} guesses. After each guess I report black pegs (right digit in the "
             "right place) and white pegs (right digit in the wrong place). Guess like \\boxed{"
-            + "".join(digits[: self.code_length]) + "}."
+            + "".join(digits[: self.code_length])
+            + "}."
         ), {}
 
     def move_hint(self) -> str:

@@ -6,9 +6,9 @@ import re
 from typing import Any
 
 import numpy as np
+from rl2gem.envs.games.base import GameEnv
 
 from rl2gem.core import StepResult
-from rl2gem.envs.games.base import GameEnv
 
 __all__ = ["MinesweeperEnv"]
 
@@ -102,7 +102,9 @@ class MinesweeperEnv(GameEnv):
         if not (0 <= r < self.rows and 0 <= c < self.cols):
             return self.invalid_action("cell off the board", f"({r + 1}, {c + 1}) is off the board.")
         if self.revealed[r, c]:
-            return self.invalid_action("cell already revealed", f"({r + 1}, {c + 1}) is already revealed.\n{self.board()}")
+            return self.invalid_action(
+                "cell already revealed", f"({r + 1}, {c + 1}) is already revealed.\n{self.board()}"
+            )
         if kind != "reveal":
             self.flagged[r, c] = kind == "flag"
             return self.reply(self.board())
@@ -126,8 +128,12 @@ class MinesweeperEnv(GameEnv):
         rows, cols, mines = self.rows, self.cols, self.mines
 
         def neighbours(r, c):
-            return [(r + a, c + b) for a in (-1, 0, 1) for b in (-1, 0, 1)
-                    if (a or b) and 0 <= r + a < rows and 0 <= c + b < cols]
+            return [
+                (r + a, c + b)
+                for a in (-1, 0, 1)
+                for b in (-1, 0, 1)
+                if (a or b) and 0 <= r + a < rows and 0 <= c + b < cols
+            ]
 
         def solve(observation: str) -> str:
             lines = [ln for ln in observation.splitlines() if _ROW.match(ln)]

@@ -6,9 +6,9 @@ import re
 from typing import Any
 
 import numpy as np
+from rl2gem.envs.games.base import GameEnv
 
 from rl2gem.core import StepResult
-from rl2gem.envs.games.base import GameEnv
 
 __all__ = ["SudokuEnv", "solve_grid", "count_solutions"]
 
@@ -18,13 +18,13 @@ _MOVE = re.compile(r"^\(?\s*(\d+)\s*[, ]\s*(\d+)\s*\)?\s*[, =:]\s*(\d+)$")
 def _candidates(grid: np.ndarray, r: int, c: int, box: int) -> set[int]:
     n = grid.shape[0]
     br, bc = r - r % box, c - c % box
-    used = set(grid[r]) | set(grid[:, c]) | set(grid[br:br + box, bc:bc + box].ravel())
+    used = set(grid[r]) | set(grid[:, c]) | set(grid[br : br + box, bc : bc + box].ravel())
     return {d for d in range(1, n + 1) if d not in used}
 
 
 def count_solutions(grid: np.ndarray, box: int, limit: int = 2) -> int:
     """Number of completions of ``grid`` (0 = empty cell), counting up to ``limit``."""
-    empties = list(zip(*np.nonzero(grid == 0)))
+    empties = list(zip(*np.nonzero(grid == 0), strict=True))
     if not empties:
         return 1
     r, c, cands = min(((r, c, _candidates(grid, r, c, box)) for r, c in empties), key=lambda t: len(t[2]))
@@ -43,7 +43,7 @@ def solve_grid(grid: np.ndarray, box: int) -> np.ndarray | None:
     grid = grid.copy()
 
     def rec() -> bool:
-        empties = list(zip(*np.nonzero(grid == 0)))
+        empties = list(zip(*np.nonzero(grid == 0), strict=True))
         if not empties:
             return True
         r, c, cands = min(((r, c, _candidates(grid, r, c, box)) for r, c in empties), key=lambda t: len(t[2]))
@@ -138,7 +138,11 @@ class SudokuEnv(GameEnv):
             return self.invalid_action("cell already filled", f"Row {r + 1}, column {c + 1} is already filled.")
         if d != self.solution[r, c]:
             self.mistakes += 1
-            why = "breaks a row, column or box" if d not in _candidates(self.grid, r, c, self.box) else "leads to no solution"
+            why = (
+                "breaks a row, column or box"
+                if d not in _candidates(self.grid, r, c, self.box)
+                else "leads to no solution"
+            )
             text = f"{d} at row {r + 1}, column {c + 1} {why}. Mistakes: {self.mistakes}/{self.max_mistakes}."
             if self.mistakes >= self.max_mistakes:
                 return self.lose(text + " Game over.", mistakes=self.mistakes)

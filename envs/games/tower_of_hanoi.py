@@ -6,9 +6,9 @@ import re
 from typing import Any
 
 import numpy as np
+from rl2gem.envs.games.base import GameEnv
 
 from rl2gem.core import StepResult
-from rl2gem.envs.games.base import GameEnv
 
 __all__ = ["TowerOfHanoiEnv", "next_move"]
 
@@ -84,7 +84,8 @@ class TowerOfHanoiEnv(GameEnv):
         disk = self.pegs[src][-1]
         if self.pegs[dst] and self.pegs[dst][-1] < disk:
             return self.invalid_action(
-                "larger disk on a smaller one", f"Disk {disk} cannot go on disk {self.pegs[dst][-1]}.\n{self.pegs_text()}"
+                "larger disk on a smaller one",
+                f"Disk {disk} cannot go on disk {self.pegs[dst][-1]}.\n{self.pegs_text()}",
             )
         self.pegs[dst].append(self.pegs[src].pop())
         if len(self.pegs["C"]) == self.disks:

@@ -7,9 +7,9 @@ import re
 from typing import Any
 
 import numpy as np
+from rl2gem.envs.games.base import GameEnv, word_list
 
 from rl2gem.core import StepResult
-from rl2gem.envs.games.base import GameEnv, word_list
 
 __all__ = ["WordleEnv", "feedback"]
 
@@ -20,8 +20,8 @@ def feedback(secret: str, guess: str) -> str:
     """Per letter: ``G`` right place, ``Y`` in the word elsewhere, ``X`` not (more). Repeated letters
     are matched greens first, then yellows left to right, as in the original game."""
     marks = ["X"] * len(guess)
-    left = collections.Counter(s for s, g in zip(secret, guess) if s != g)
-    for i, (s, g) in enumerate(zip(secret, guess)):
+    left = collections.Counter(s for s, g in zip(secret, guess, strict=False) if s != g)
+    for i, (s, g) in enumerate(zip(secret, guess, strict=False)):
         if s == g:
             marks[i] = "G"
         elif left[g] > 0:
@@ -62,8 +62,7 @@ class WordleEnv(GameEnv):
         return (
             f"Let's play Wordle. Find my secret {self.word_length}-letter English word in {self.max_turns} guesses. "
             "After each guess I mark every letter: G = right letter, right place; Y = in the word, other place; "
-            "X = not in the word. Guess one word per turn, like \\boxed{"
-            + self.secrets[0] + "}."
+            "X = not in the word. Guess one word per turn, like \\boxed{" + self.secrets[0] + "}."
         ), {}
 
     def move_hint(self) -> str:
@@ -72,7 +71,9 @@ class WordleEnv(GameEnv):
     def _move(self, move: str) -> StepResult:
         guess = move.strip().lower()
         if len(guess) != self.word_length or not guess.isalpha():
-            return self.invalid_action("not a word of the right length", f"'{move}' is not a {self.word_length}-letter word.")
+            return self.invalid_action(
+                "not a word of the right length", f"'{move}' is not a {self.word_length}-letter word."
+            )
         if guess not in self.allowed:
             return self.invalid_action("unknown word", f"'{guess}' is not in my word list. Try another word.")
         marks = feedback(self.secret, guess)

@@ -25,7 +25,9 @@ __all__ = ["ESTIMATORS", "compute_advantages", "gae", "grpo", "drgrpo", "rloo", 
 
 def _check(rewards: torch.Tensor, action_mask: torch.Tensor, group: torch.Tensor | None = None):
     if rewards.dim() != 2 or rewards.shape != action_mask.shape:
-        raise ValueError(f"rewards {tuple(rewards.shape)} and action_mask {tuple(action_mask.shape)} must both be [B, T]")
+        raise ValueError(
+            f"rewards {tuple(rewards.shape)} and action_mask {tuple(action_mask.shape)} must both be [B, T]"
+        )
     if group is not None and group.shape != (rewards.shape[0],):
         raise ValueError(f"group must be [B] = [{rewards.shape[0]}], got {tuple(group.shape)}")
     return rewards.float(), action_mask.bool()
@@ -178,7 +180,9 @@ def gae(rewards, action_mask, values, gamma: float = 1.0, lam: float = 1.0):
 ESTIMATORS = ("gae", "grpo", "drgrpo", "rloo", "reinforce_pp", "rebn")
 
 
-def compute_advantages(estimator: str, rewards, action_mask, group=None, values=None, gamma: float = 1.0, lam: float = 1.0):
+def compute_advantages(
+    estimator: str, rewards, action_mask, group=None, values=None, gamma: float = 1.0, lam: float = 1.0
+):
     """Dispatch by name (one of :data:`ESTIMATORS`). Returns ``(advantages, returns or None)``.
 
     Raises:
@@ -188,7 +192,10 @@ def compute_advantages(estimator: str, rewards, action_mask, group=None, values=
         import difflib
 
         hint = difflib.get_close_matches(estimator, ESTIMATORS, n=1)
-        raise ValueError(f"unknown advantage estimator {estimator!r}" + (f"; did you mean {hint[0]!r}?" if hint else f"; choose from {ESTIMATORS}"))
+        raise ValueError(
+            f"unknown advantage estimator {estimator!r}"
+            + (f"; did you mean {hint[0]!r}?" if hint else f"; choose from {ESTIMATORS}")
+        )
     if estimator == "gae":
         if values is None:
             raise ValueError("gae needs critic values")

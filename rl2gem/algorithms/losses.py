@@ -10,7 +10,15 @@ from __future__ import annotations
 import torch
 
 __all__ = [
-    "LOSS_AGGREGATIONS", "KL_ESTIMATORS", "aggregate", "loss_weights", "packed_loss_weights", "kl_estimate", "importance_weights", "policy_loss", "value_loss",
+    "LOSS_AGGREGATIONS",
+    "KL_ESTIMATORS",
+    "aggregate",
+    "loss_weights",
+    "packed_loss_weights",
+    "kl_estimate",
+    "importance_weights",
+    "policy_loss",
+    "value_loss",
     "entropy_from_logits",
 ]
 
@@ -18,8 +26,14 @@ LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-def loss_weights(mask: torch.Tensor, mode: str = "token_mean", norm: float | None = None, *,
-                 num_tokens: float | None = None, num_sequences: float | None = None) -> torch.Tensor:
+def loss_weights(
+    mask: torch.Tensor,
+    mode: str = "token_mean",
+    norm: float | None = None,
+    *,
+    num_tokens: float | None = None,
+    num_sequences: float | None = None,
+) -> torch.Tensor:
     """Per-token weights ``w`` ``[B, T]`` float32 with ``(loss * w).sum() == aggregate(loss, mask, mode, norm)``.
 
     The one implementation of every loss aggregation. A trainer that splits a global batch over
@@ -57,8 +71,14 @@ def loss_weights(mask: torch.Tensor, mode: str = "token_mean", norm: float | Non
     return per_seq[:, None] * m
 
 
-def packed_loss_weights(masks: list[list[int]], mode: str = "token_mean", norm: float | None = None, *,
-                        num_tokens: float, num_sequences: float) -> torch.Tensor:
+def packed_loss_weights(
+    masks: list[list[int]],
+    mode: str = "token_mean",
+    norm: float | None = None,
+    *,
+    num_tokens: float,
+    num_sequences: float,
+) -> torch.Tensor:
     """:func:`loss_weights` for sequences packed into one row: ``[sum(len(m))]`` float32, the
     weights of each sequence (its action mask ``masks[i]``) one after another.
 
@@ -77,7 +97,9 @@ def packed_loss_weights(masks: list[list[int]], mode: str = "token_mean", norm: 
     return torch.cat([w[i, : len(m)] for i, m in enumerate(masks)])
 
 
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token_mean", norm: float | None = None) -> torch.Tensor:
+def aggregate(
+    loss: torch.Tensor, mask: torch.Tensor, mode: str = "token_mean", norm: float | None = None
+) -> torch.Tensor:
     """Reduce a ``[B, T]`` per-token loss to a scalar (float32 ``[]``): ``(loss * w).sum()`` with
     ``w = loss_weights(mask, mode, norm)`` (see there for the modes and their sources).
 
@@ -105,8 +127,13 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = 
     raise ValueError(f"unknown KL estimator {kind!r}; choose from {KL_ESTIMATORS}")
 
 
-def importance_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
-                       mode: str = "truncated", cap: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
+def importance_weights(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "truncated",
+    cap: float = 2.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Off-policy correction of tokens sampled by the rollout engine (another numeric stack, or an
     older policy version with partial rollouts) for the trainer's policy ``old_logprobs``.
 
@@ -199,9 +226,15 @@ def policy_loss(
     return loss, metrics
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               clip: float | None = 0.2, loss_agg: str = "token_mean",
-               token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float | None = 0.2,
+    loss_agg: str = "token_mean",
+    token_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped value loss of PPO (Schulman et al. 2017; the clipping as in OpenAI baselines):
     ``0.5 * max((V - R)^2, (V_old + clip(V - V_old, -clip, +clip) - R)^2)`` per action token.
 
@@ -225,7 +258,10 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     else:
         loss = 0.5 * aggregate(err, m, loss_agg)
     n = m.sum().clamp(min=1)
-    return loss, {"vf_loss": float(loss.detach()), "vf_clip_ratio": float((((values - old_values).abs() > (clip or float("inf"))) & m).sum() / n)}
+    return loss, {
+        "vf_loss": float(loss.detach()),
+        "vf_clip_ratio": float((((values - old_values).abs() > (clip or float("inf"))) & m).sum() / n),
+    }
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,11 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group(backend, timeout=timedelta(minutes=30))
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
     return rank, world, device
 
 
@@ -79,9 +83,18 @@ def shard_model(model, mesh, *, cpu_offload: bool = False, reshard_after_forward
     return model
 
 
-def load_sharded(name_or_path: str, mesh, *, device: torch.device, dtype=torch.float32, cpu_offload: bool = False,
-                 reshard_after_forward: bool = True, param_dtype=None, gradient_checkpointing: bool = False,
-                 head: str = "lm"):
+def load_sharded(
+    name_or_path: str,
+    mesh,
+    *,
+    device: torch.device,
+    dtype=torch.float32,
+    cpu_offload: bool = False,
+    reshard_after_forward: bool = True,
+    param_dtype=None,
+    gradient_checkpointing: bool = False,
+    head: str = "lm",
+):
     """Meta-device init on every rank, shard, then broadcast rank 0's weights into the shards.
 
     Args:
@@ -120,9 +133,11 @@ def load_sharded(name_or_path: str, mesh, *, device: torch.device, dtype=torch.f
         model.tie_weights()
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    shard_model(model, mesh, cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype)
+    shard_model(
+        model, mesh, cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype
+    )
     model.to_empty(device="cpu" if cpu_offload else device)
-    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
     set_model_state_dict(model, full or {}, options=opts)
     _init_buffers(model, config, device)
     model.config.use_cache = False

@@ -51,7 +51,7 @@ class ParallelMesh:
     @property
     def dp_rank(self) -> int:
         """This rank's data-parallel index in ``[0, dp_size)``."""
-        coordinate = dict(zip(MESH_DIMS, self.mesh.get_coordinate()))
+        coordinate = dict(zip(MESH_DIMS, self.mesh.get_coordinate(), strict=True))
         return coordinate["replicate"] * self.sizes["shard"] + coordinate["shard"]
 
 
@@ -69,12 +69,16 @@ def build_mesh(ddp_size: int = 1, tp_size: int = 1, sp_size: int = 1) -> Paralle
         if int(value) < 1:
             raise ValueError(f"{key}={value} must be >= 1")
     if tp_size > 1 or sp_size > 1:
-        raise ValueError(f"actor.tp_size={tp_size} / actor.sp_size={sp_size}: tensor and sequence parallelism are "
-                         "not implemented yet; use 1")
+        raise ValueError(
+            f"actor.tp_size={tp_size} / actor.sp_size={sp_size}: tensor and sequence parallelism are "
+            "not implemented yet; use 1"
+        )
     inner = ddp_size * sp_size * tp_size
     if world % inner:
-        raise ValueError(f"the world size {world} is not a multiple of actor.ddp_size * actor.sp_size * actor.tp_size "
-                         f"= {ddp_size} * {sp_size} * {tp_size}")
+        raise ValueError(
+            f"the world size {world} is not a multiple of actor.ddp_size * actor.sp_size * actor.tp_size "
+            f"= {ddp_size} * {sp_size} * {tp_size}"
+        )
     sizes = {"replicate": int(ddp_size), "shard": world // inner, "sp": int(sp_size), "tp": int(tp_size)}
     kind = "cuda" if dist.get_backend() == "nccl" else "cpu"
     mesh = init_device_mesh(kind, tuple(sizes[d] for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)

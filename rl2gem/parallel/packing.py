@@ -22,7 +22,15 @@ import itertools
 
 import torch
 
-__all__ = ["seq_cost", "karmarkar_karp", "pack_micro_batches", "plan", "packed_batch", "packed_attention_mask", "unpack"]
+__all__ = [
+    "seq_cost",
+    "karmarkar_karp",
+    "pack_micro_batches",
+    "plan",
+    "packed_batch",
+    "packed_attention_mask",
+    "unpack",
+]
 
 
 def seq_cost(length: int, attn_coef: float = 1.0 / 4096) -> float:
@@ -57,8 +65,8 @@ def karmarkar_karp(costs: list[float], k: int) -> list[list[int]]:
         _, _, s2, p2 = heapq.heappop(heap)
         o1 = sorted(range(k), key=lambda j: -s1[j])  # largest first
         o2 = sorted(range(k), key=lambda j: s2[j])  # smallest first
-        sums = [s1[a] + s2[b] for a, b in zip(o1, o2)]
-        sets = [p1[a] + p2[b] for a, b in zip(o1, o2)]
+        sums = [s1[a] + s2[b] for a, b in zip(o1, o2, strict=True)]
+        sets = [p1[a] + p2[b] for a, b in zip(o1, o2, strict=True)]
         heapq.heappush(heap, (-(max(sums) - min(sums)), next(counter), sums, sets))
     _, _, sums, sets = heap[0]
     return [sorted(s) for s in sets]
@@ -114,4 +122,4 @@ def packed_attention_mask(cu_seqlens: torch.Tensor, dtype=torch.float32) -> torc
 
 def unpack(x: torch.Tensor, cu_seqlens: torch.Tensor) -> list[torch.Tensor]:
     """Split a packed ``[1, N, ...]`` tensor back into per-sequence tensors."""
-    return [x[0, int(a) : int(b)] for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+    return [x[0, int(a) : int(b)] for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)]

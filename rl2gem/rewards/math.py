@@ -88,7 +88,7 @@ def _verify(answer: str, reference: str, timeout: float | None) -> tuple[bool, s
             return False, None, "unparsable"
         ok = verify(gold, pred, timeout_seconds=None if timeout is None else max(1, int(timeout)))
         return bool(ok), str(pred[0]), None
-    except Exception as e:  # noqa: BLE001 - a malformed answer is a wrong answer
+    except Exception as e:
         return False, None, f"{type(e).__name__}: {e}"[:200]
 
 
@@ -98,7 +98,11 @@ class _Worker:
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rl2gem.rewards.math", "--worker"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            bufsize=1,
         )
 
     def ask(self, answer: str, reference: str, timeout: float) -> tuple[bool, str | None, str | None]:

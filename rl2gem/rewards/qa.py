@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import re
 import string
-from typing import Iterable
+from collections.abc import Iterable
 
 __all__ = ["normalize_answer", "exact_match", "token_f1"]
 

@@ -30,7 +30,8 @@ import dataclasses
 import math
 import time
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from rl2gem.rollout.engines.base import Engine, EngineError, SamplingParams, mix_seed
 from rl2gem.rollout.tito import ChatRenderer, Episode, Sequence
@@ -84,7 +85,7 @@ class RolloutConfig:
     progress: bool = False
 
     @classmethod
-    def from_mapping(cls, section: Any, **overrides: Any) -> "RolloutConfig":
+    def from_mapping(cls, section: Any, **overrides: Any) -> RolloutConfig:
         """The one place a config section becomes a :class:`RolloutConfig`: every key of
         ``section`` (a dict or an OmegaConf node, e.g. a trainer's ``rollout:``) that names a field
         is taken, other keys are ignored; ``overrides`` win.
@@ -207,7 +208,9 @@ class Rollout:
         self._sem: asyncio.Semaphore | None = None
         self.stats: Counter = Counter()
         c = self.config
-        self._params = SamplingParams(max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k)
+        self._params = SamplingParams(
+            max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k
+        )
 
     # ------------------------------------------------------------------ envs
     def _env(self):
@@ -314,7 +317,9 @@ class Rollout:
         finally:
             self._pool.append(env)
 
-    async def play(self, resets: list[tuple[int | None, dict | None]], on_episode: Callable[[int, Episode], None] | None = None) -> list[Episode]:
+    async def play(
+        self, resets: list[tuple[int | None, dict | None]], on_episode: Callable[[int, Episode], None] | None = None
+    ) -> list[Episode]:
         """Play one episode per ``(seed, options)`` (evaluation: ``options={"index": i}`` walks a
         data set in order), each as its own coroutine under the concurrency limit.
 
@@ -438,7 +443,9 @@ class Rollout:
                 if not ready:
                     if not self._inflight:
                         break
-                    done, _ = await asyncio.wait([g.task for g in self._inflight.values()], return_when=asyncio.FIRST_COMPLETED)
+                    done, _ = await asyncio.wait(
+                        [g.task for g in self._inflight.values()], return_when=asyncio.FIRST_COMPLETED
+                    )
                     for task in done:
                         g = next(x for x in self._inflight.values() if x.task is task)
                         del self._inflight[g.gid]

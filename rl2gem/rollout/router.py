@@ -76,7 +76,9 @@ class Router:
         try:
             import sglang_router  # noqa: F401
         except ImportError as e:
-            raise ImportError("the router needs the sglang-router package: pip install 'sglang-router>=0.3.2,<0.4'") from e
+            raise ImportError(
+                "the router needs the sglang-router package: pip install 'sglang-router>=0.3.2,<0.4'"
+            ) from e
         self.workers = [w.rstrip("/") for w in workers]
         self.policy = policy
         last: Exception | None = None
@@ -84,25 +86,46 @@ class Router:
             self.port = port or free_port()
             self.url = f"http://127.0.0.1:{self.port}"
             cmd = [
-                sys.executable, "-m", "sglang_router.launch_router",
-                "--host", "127.0.0.1", "--port", str(self.port),
-                "--worker-urls", *self.workers,
-                "--policy", policy,
-                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-                "--health-check-interval-secs", str(int(health_check_interval)),
-                "--health-check-timeout-secs", "1",
-                "--health-failure-threshold", "1",
-                "--health-success-threshold", "1",
-                "--retry-max-retries", str(int(retries)),
-                "--retry-initial-backoff-ms", "100",
-                "--retry-max-backoff-ms", "500",
+                sys.executable,
+                "-m",
+                "sglang_router.launch_router",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--worker-urls",
+                *self.workers,
+                "--policy",
+                policy,
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                str(free_port()),
+                "--health-check-interval-secs",
+                str(int(health_check_interval)),
+                "--health-check-timeout-secs",
+                "1",
+                "--health-failure-threshold",
+                "1",
+                "--health-success-threshold",
+                "1",
+                "--retry-max-retries",
+                str(int(retries)),
+                "--retry-initial-backoff-ms",
+                "100",
+                "--retry-max-backoff-ms",
+                "500",
                 "--disable-circuit-breaker",
-                "--worker-startup-timeout-secs", str(int(max(startup_timeout, 10))),
-                "--log-level", "warn",
+                "--worker-startup-timeout-secs",
+                str(int(max(startup_timeout, 10))),
+                "--log-level",
+                "warn",
                 *(extra_args or []),
             ]
             try:
-                self._proc = ServiceProcess(cmd, url=self.url, health_path="/health", timeout=30, env={"RUST_LOG": "warn"})
+                self._proc = ServiceProcess(
+                    cmd, url=self.url, health_path="/health", timeout=30, env={"RUST_LOG": "warn"}
+                )
                 break
             except RuntimeError as e:
                 last = e
@@ -137,7 +160,9 @@ class Router:
             except OSError:
                 pass
             time.sleep(0.1)
-        raise RuntimeError(f"sglang-router: {n} healthy workers expected, got {state}; log:\n" + "\n".join(self._proc.output))
+        raise RuntimeError(
+            f"sglang-router: {n} healthy workers expected, got {state}; log:\n" + "\n".join(self._proc.output)
+        )
 
     def list_workers(self) -> list[dict]:
         """The router's view of its workers (URL, health, load)."""
@@ -147,7 +172,10 @@ class Router:
     def add_worker(self, url: str) -> None:
         """Register one more worker at run time."""
         req = urllib.request.Request(
-            self.url + "/workers", data=json.dumps({"url": url}).encode(), headers={"Content-Type": "application/json"}, method="POST"
+            self.url + "/workers",
+            data=json.dumps({"url": url}).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
         )
         urllib.request.urlopen(req, timeout=10).close()
         self.workers.append(url.rstrip("/"))

@@ -200,8 +200,12 @@ class ChatRenderer:
             template = template.get("tool_use") or template.get("default") or ""
         return "tools" in str(template)
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False,
-               tools: list[dict[str, Any]] | None = None) -> str:
+    def render(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         """The chat template's text of ``messages``.
 
         Args:
@@ -212,7 +216,11 @@ class ChatRenderer:
         """
         kw = {"tools": tools} if tools else {}
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=self.chat_template, **kw
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=self.chat_template,
+            **kw,
         )
 
     def encode(self, text: str) -> list[int]:
@@ -254,15 +262,15 @@ class ChatRenderer:
         head = gen + _SENTINEL
         if not with_sentinel.startswith(head):
             return TurnDelta(self.encode(full), True, "assistant turn does not extend the generation prompt")
-        closing = with_sentinel[len(head):]
+        closing = with_sentinel[len(head) :]
         a = self.render(prev + [asst], tools=tools)
         if not full.startswith(a):
             return TurnDelta(self.encode(full), True, "template rewrites earlier turns")
         if stop_token is not None:
             stop_text = self.tokenizer.decode([stop_token], skip_special_tokens=False)
             if stop_text and closing.startswith(stop_text):
-                closing = closing[len(stop_text):]
-        return TurnDelta(self.encode(closing + full[len(a):]), False)
+                closing = closing[len(stop_text) :]
+        return TurnDelta(self.encode(closing + full[len(a) :]), False)
 
     def conversation(
         self,
@@ -314,7 +322,7 @@ class ChatRenderer:
             following = position + 1
             while following < len(messages) and messages[following]["role"] != "assistant":
                 following += 1
-            replies = list(messages[position + 1:following])
+            replies = list(messages[position + 1 : following])
             if replies or following < len(messages):
                 turn = self.delta(list(messages[:position]), content, replies, stop_token, tools)
                 if turn.split:
@@ -340,11 +348,11 @@ def _check_conversation(messages: list[dict[str, str]]) -> None:
         if message["role"] not in _ROLES:
             raise ValueError(f"message {number} has role {message['role']!r}; expected one of {', '.join(_ROLES)}")
         if not isinstance(message["content"], str):
-            raise ValueError(  # noqa: TRY004 - a malformed conversation is one ValueError, whatever is wrong
-                f"message {number} has non-string content of type {type(message['content']).__name__}"
-            )
+            raise ValueError(f"message {number} has non-string content of type {type(message['content']).__name__}")
     roles = [m["role"] for m in messages]
     if "assistant" not in roles:
         raise ValueError("the conversation has no assistant turn (nothing to learn)")
     if roles[0] == "assistant":
-        raise ValueError("the conversation starts with an assistant turn; the prompt needs a system or user message first")
+        raise ValueError(
+            "the conversation starts with an assistant turn; the prompt needs a system or user message first"
+        )

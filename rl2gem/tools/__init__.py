@@ -10,14 +10,37 @@
   :class:`FunctionTool` (any typed Python callable).
 """
 
-from rl2gem.tools.base import Tool, ToolArgumentError, ToolCall, parse_tool_calls, tool_schema, tools_prompt, validate_arguments
+from rl2gem.tools.base import (
+    Tool,
+    ToolArgumentError,
+    ToolCall,
+    parse_tool_calls,
+    tool_schema,
+    tools_prompt,
+    validate_arguments,
+)
 from rl2gem.tools.function import FunctionTool, json_schema_of
 from rl2gem.tools.python import PythonTool, SandboxConfig, SandboxResult, run_python, sandbox_mode
 from rl2gem.tools.search import SearchTool
 from rl2gem.tools.wrapper import ToolEnvWrapper, format_tool_results, run_tool_calls
 
 __all__ = [
-    "Tool", "ToolCall", "ToolArgumentError", "parse_tool_calls", "tool_schema", "tools_prompt", "validate_arguments",
-    "FunctionTool", "json_schema_of", "PythonTool", "SandboxConfig", "SandboxResult", "run_python", "sandbox_mode",
-    "SearchTool", "ToolEnvWrapper", "format_tool_results", "run_tool_calls",
+    "Tool",
+    "ToolCall",
+    "ToolArgumentError",
+    "parse_tool_calls",
+    "tool_schema",
+    "tools_prompt",
+    "validate_arguments",
+    "FunctionTool",
+    "json_schema_of",
+    "PythonTool",
+    "SandboxConfig",
+    "SandboxResult",
+    "run_python",
+    "sandbox_mode",
+    "SearchTool",
+    "ToolEnvWrapper",
+    "format_tool_results",
+    "run_tool_calls",
 ]

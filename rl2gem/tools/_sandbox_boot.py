@@ -9,6 +9,7 @@ the code like a notebook cell (the value of a final expression is printed).
 This file imports only the standard library and must stay importable on its own.
 """
 
+import contextlib
 import os
 import resource
 import sys
@@ -35,8 +36,21 @@ _BLOCKED_EVENTS = {
 # main program's handle); opening other libraries and looking up any symbol are refused.
 _PRELOAD = ()
 _WRITE_EVENTS = {
-    "os.remove", "os.rmdir", "os.mkdir", "os.rename", "os.symlink", "os.link", "os.chmod", "os.chown",
-    "os.truncate", "os.utime", "shutil.rmtree", "shutil.copyfile", "shutil.move", "os.chflags", "os.lchflags",
+    "os.remove",
+    "os.rmdir",
+    "os.mkdir",
+    "os.rename",
+    "os.symlink",
+    "os.link",
+    "os.chmod",
+    "os.chown",
+    "os.truncate",
+    "os.utime",
+    "shutil.rmtree",
+    "shutil.copyfile",
+    "shutil.move",
+    "os.chflags",
+    "os.lchflags",
 }
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
@@ -95,10 +109,8 @@ def _limits(cfg):
     def setl(which, value):
         if value is None:
             return
-        try:
+        with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(which, (value, value))
-        except (ValueError, OSError):
-            pass
 
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     if cfg.get("cpu_s"):
@@ -166,12 +178,10 @@ def main():
         cfg[key] = tuple(v for v in value.split(",") if v) if key == "preload" else (int(value) if value else None)
     code = sys.stdin.read()
     sys.stdin.close()
-    sys.stdin = open(os.devnull)
+    sys.stdin = open(os.devnull)  # noqa: SIM115 (stdin for the rest of the process)
     for name in (*_PRELOAD, *cfg.get("preload", ())):  # modules imported before the limits (e.g. numpy)
-        try:
+        with contextlib.suppress(Exception):
             __import__(name)
-        except Exception:
-            pass
     _limits(cfg)
     _install(os.getcwd())
     sys.argv = ["<code>"]

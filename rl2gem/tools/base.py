@@ -24,7 +24,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from typing import Any, Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
     "Tool",
@@ -96,11 +97,15 @@ def _call_from_obj(obj: Any, raw: str) -> ToolCall:
         try:
             args = json.loads(args) if args.strip() else {}
         except json.JSONDecodeError as e:
-            return ToolCall(name.strip(), {}, raw, f"the arguments of {name} are not valid JSON ({e.msg} at position {e.pos})")
+            return ToolCall(
+                name.strip(), {}, raw, f"the arguments of {name} are not valid JSON ({e.msg} at position {e.pos})"
+            )
     if args is None:
         args = {}
     if not isinstance(args, dict):
-        return ToolCall(name.strip(), {}, raw, f'"arguments" of {name} must be a JSON object, got {type(args).__name__}')
+        return ToolCall(
+            name.strip(), {}, raw, f'"arguments" of {name} must be a JSON object, got {type(args).__name__}'
+        )
     return ToolCall(name.strip(), args, raw)
 
 
@@ -139,7 +144,9 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
             try:
                 obj = json.loads(body)
             except json.JSONDecodeError as e:
-                calls.append(ToolCall("", {}, body, f"the <tool_call> block is not valid JSON ({e.msg} at position {e.pos})"))
+                calls.append(
+                    ToolCall("", {}, body, f"the <tool_call> block is not valid JSON ({e.msg} at position {e.pos})")
+                )
                 continue
             objs = obj if isinstance(obj, list) else [obj]
             calls.extend(_call_from_obj(o, body) for o in objs)

@@ -8,7 +8,8 @@ import inspect
 import json
 import types
 import typing
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["FunctionTool", "json_schema_of"]
 
@@ -43,7 +44,12 @@ def json_schema_of(annotation: Any) -> dict[str, Any]:
         return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     if origin in (list, tuple, set, frozenset) or annotation in (list, tuple, set):
         if origin is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
-            return {"type": "array", "prefixItems": [json_schema_of(a) for a in args], "minItems": len(args), "maxItems": len(args)}
+            return {
+                "type": "array",
+                "prefixItems": [json_schema_of(a) for a in args],
+                "minItems": len(args),
+                "maxItems": len(args),
+            }
         return {"type": "array", "items": json_schema_of(args[0])} if args else {"type": "array"}
     if origin is dict or annotation is dict:
         return {"type": "object", "additionalProperties": json_schema_of(args[1])} if args else {"type": "object"}
@@ -86,13 +92,17 @@ class FunctionTool:
         TypeError: a parameter has no type hint with a JSON counterpart, or is ``*args``/``**kwargs``.
     """
 
-    def __init__(self, fn: Callable[..., Any], *, name: str | None = None, description: str | None = None, instructions: str = ""):
+    def __init__(
+        self, fn: Callable[..., Any], *, name: str | None = None, description: str | None = None, instructions: str = ""
+    ):
         import docstring_parser
 
         self.fn = fn
         self.name = name or fn.__name__
         doc = docstring_parser.parse(inspect.getdoc(fn) or "")
-        self.description = description or " ".join(x for x in (doc.short_description, doc.long_description) if x) or self.name
+        self.description = (
+            description or " ".join(x for x in (doc.short_description, doc.long_description) if x) or self.name
+        )
         self.instructions = instructions
         param_docs = {p.arg_name: p.description for p in doc.params}
         hints = typing.get_type_hints(fn)
@@ -111,7 +121,12 @@ class FunctionTool:
             elif p.default is None or isinstance(p.default, (str, int, float, bool)):
                 schema["default"] = p.default
             props[p.name] = schema
-        self.parameters: dict[str, Any] = {"type": "object", "properties": props, "required": required, "additionalProperties": False}
+        self.parameters: dict[str, Any] = {
+            "type": "object",
+            "properties": props,
+            "required": required,
+            "additionalProperties": False,
+        }
 
     async def call(self, arguments: dict[str, Any]) -> str:
         """Call the function with ``arguments`` (keyword arguments); see the class doc for the result text."""

@@ -37,6 +37,7 @@ file system is readable).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import os
@@ -108,7 +109,9 @@ class SandboxConfig:
         if self.isolation not in ("auto", "namespaces", "audit"):
             raise ValueError(f"isolation must be 'auto', 'namespaces' or 'audit', got {self.isolation!r}")
         if self.timeout_s <= 0 or self.memory_mb < 32 or self.max_output_chars < 1 or self.max_concurrency < 1:
-            raise ValueError("timeout_s > 0, memory_mb >= 32, max_output_chars >= 1 and max_concurrency >= 1 are required")
+            raise ValueError(
+                "timeout_s > 0, memory_mb >= 32, max_output_chars >= 1 and max_concurrency >= 1 are required"
+            )
 
 
 @dataclasses.dataclass
@@ -148,14 +151,20 @@ class SandboxResult:
         elif self.timed_out:
             parts.append(f"[Timed out: the code was stopped after {self.elapsed_s:.1f} s]")
         elif self.exit_code is not None and self.exit_code < 0:
-            name = signal.Signals(-self.exit_code).name if -self.exit_code in signal.valid_signals() else str(-self.exit_code)
+            name = (
+                signal.Signals(-self.exit_code).name
+                if -self.exit_code in signal.valid_signals()
+                else str(-self.exit_code)
+            )
             parts.append(f"[The process was killed by {name}]")
         if self.truncated and not self.output_exceeded:
             parts.append("[Output truncated]")
         return "\n".join(parts) if parts else "[No output. Use print() to see values.]"
 
 
-_semaphores: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[int, asyncio.Semaphore]]" = weakref.WeakKeyDictionary()
+_semaphores: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[int, asyncio.Semaphore]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _semaphore(limit: int) -> asyncio.Semaphore:
@@ -180,10 +189,8 @@ def _child_env(workdir: str) -> dict[str, str]:
 
 
 def _kill_group(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 async def _read_capped(stream: asyncio.StreamReader, cap: int, overflow: asyncio.Event) -> tuple[bytes, bool]:
@@ -221,7 +228,9 @@ async def run_python(code: str, config: SandboxConfig | None = None) -> SandboxR
         await asyncio.to_thread(sandbox_mode)
     mode = sandbox_mode() if cfg.isolation == "auto" else cfg.isolation
     if cfg.isolation == "namespaces" and sandbox_mode() != "namespaces":
-        raise RuntimeError("isolation='namespaces' was asked for, but this host does not allow unprivileged user namespaces")
+        raise RuntimeError(
+            "isolation='namespaces' was asked for, but this host does not allow unprivileged user namespaces"
+        )
     limits = {
         "cpu_s": cfg.cpu_s or max(1, int(-(-cfg.timeout_s // 1))),
         "memory_bytes": cfg.memory_mb * 2**20,
@@ -296,7 +305,9 @@ async def run_python(code: str, config: SandboxConfig | None = None) -> SandboxR
                 stdout, truncated = stdout[:cap], True
             if len(stderr) > cap:
                 stderr, truncated = stderr[-cap:], True
-            return SandboxResult(stdout, stderr, exit_code, timed_out, bool(truncated), elapsed, mode, overflow.is_set())
+            return SandboxResult(
+                stdout, stderr, exit_code, timed_out, bool(truncated), elapsed, mode, overflow.is_set()
+            )
         except BaseException:
             if proc is not None and proc.returncode is None:
                 _kill_group(proc.pid)

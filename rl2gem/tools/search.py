@@ -37,8 +37,16 @@ class SearchTool:
         "additionalProperties": False,
     }
 
-    def __init__(self, url: str | None = None, *, topk: int = 3, timeout: float = 10.0, retries: int = 2,
-                 name: str = "search", instructions: str = ""):
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        topk: int = 3,
+        timeout: float = 10.0,
+        retries: int = 2,
+        name: str = "search",
+        instructions: str = "",
+    ):
         if not 1 <= topk <= 100:
             raise ValueError(f"topk must be 1..100, got {topk}")
         self.url, self.topk, self.timeout, self.retries = url, topk, timeout, retries

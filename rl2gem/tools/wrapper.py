@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import gymnasium as gym
 from gymnasium.error import ResetNeeded
 
 from rl2gem.core import ResetResult, StepResult, Wrapper, _PrivateLoop
-from rl2gem.tools.base import Tool, ToolArgumentError, ToolCall, parse_tool_calls, tool_schema, tools_prompt, validate_arguments
+from rl2gem.tools.base import (
+    Tool,
+    ToolArgumentError,
+    ToolCall,
+    parse_tool_calls,
+    tool_schema,
+    tools_prompt,
+    validate_arguments,
+)
 
 __all__ = ["ToolEnvWrapper", "run_tool_calls", "format_tool_results"]
 
@@ -97,7 +106,9 @@ class ToolEnvWrapper(Wrapper):
         super().__init__(env)
         for t in tools:
             if not isinstance(t, Tool):
-                raise TypeError(f"{t!r} is not a Tool (needs name, description, parameters, instructions and async call)")
+                raise TypeError(
+                    f"{t!r} is not a Tool (needs name, description, parameters, instructions and async call)"
+                )
         names = [t.name for t in tools]
         if len(set(names)) != len(names):
             raise ValueError(f"tool names must be unique, got {names}")
@@ -159,12 +170,18 @@ class ToolEnvWrapper(Wrapper):
                 f"Tool-call limit reached: this episode allows {self.max_tool_calls} tool calls and "
                 f"{left} were left, so none of the {len(calls)} requested was run."
             )
-            info = {"role": "tool", "tool_calls": calls_info, "num_tool_calls": self._num_calls,
-                    "truncated_reason": "max_tool_calls", "invalid_action": None, "turn": self._turn}
+            info = {
+                "role": "tool",
+                "tool_calls": calls_info,
+                "num_tool_calls": self._num_calls,
+                "truncated_reason": "max_tool_calls",
+                "invalid_action": None,
+                "turn": self._turn,
+            }
             return obs, 0.0, False, True, info
         self._num_calls += len(calls)
         results = await run_tool_calls(self.tools, calls)
-        for ci, (_, err) in zip(calls_info, results):
+        for ci, (_, err) in zip(calls_info, results, strict=True):
             ci["error"] = err
         failed = [err for _, err in results if err is not None]
         self._num_invalid += len(failed) == len(results)
@@ -184,7 +201,7 @@ class ToolEnvWrapper(Wrapper):
         """``n`` copies of the current episode's initial state, each wrapped with the same tools."""
         envs, observations, infos = self.env.spawn(n)  # type: ignore[attr-defined]
         wrapped = [ToolEnvWrapper(e, list(self.tools.values()), self.max_tool_calls, prompt=self.prompt) for e in envs]
-        results = [w._on_reset(o, i) for w, o, i in zip(wrapped, observations, infos)]
+        results = [w._on_reset(o, i) for w, o, i in zip(wrapped, observations, infos, strict=True)]
         return wrapped, [obs for obs, _ in results], [info for _, info in results]
 
     @property

@@ -17,15 +17,41 @@
 
 from rl2gem.training.checkpoint import Checkpointer, atomic_write
 from rl2gem.training.evaluation import evaluate_env
-from rl2gem.training.forward import MicroBatch, packed_inputs, plan_micro_batches, sequence_ends, token_logprobs, token_values
+from rl2gem.training.forward import (
+    MicroBatch,
+    packed_inputs,
+    plan_micro_batches,
+    sequence_ends,
+    token_logprobs,
+    token_values,
+)
 from rl2gem.training.metrics import Averager, measure_peak_flops, peak_flops_from_config, reduce_mean, train_flops
 from rl2gem.training.samples import Sample, apply_gae, samples_from_batch, subtract_kl_from_rewards
 from rl2gem.training.trainer import Trainer, launch
 from rl2gem.training.worker import Worker, resolve_dtype, setup_distributed
 
 __all__ = [
-    "Averager", "Checkpointer", "MicroBatch", "Sample", "Worker", "apply_gae", "atomic_write", "evaluate_env",
-    "measure_peak_flops", "packed_inputs", "peak_flops_from_config", "plan_micro_batches", "reduce_mean",
-    "resolve_dtype", "samples_from_batch", "Trainer", "launch", "sequence_ends", "setup_distributed", "subtract_kl_from_rewards",
-    "token_logprobs", "token_values", "train_flops",
+    "Averager",
+    "Checkpointer",
+    "MicroBatch",
+    "Sample",
+    "Worker",
+    "apply_gae",
+    "atomic_write",
+    "evaluate_env",
+    "measure_peak_flops",
+    "packed_inputs",
+    "peak_flops_from_config",
+    "plan_micro_batches",
+    "reduce_mean",
+    "resolve_dtype",
+    "samples_from_batch",
+    "Trainer",
+    "launch",
+    "sequence_ends",
+    "setup_distributed",
+    "subtract_kl_from_rewards",
+    "token_logprobs",
+    "token_values",
+    "train_flops",
 ]

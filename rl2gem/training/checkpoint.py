@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 import os
 import pickle
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,8 +52,13 @@ class Checkpointer:
     def _sharded(self) -> dict[str, Any]:
         return {name: worker.sharded_state() for name, worker in self.workers.items()}
 
-    def save(self, step: int, trainer_state: Mapping[str, Any] | None = None, rank_state: Mapping[str, Any] | None = None,
-             export: Callable[[Path], None] | None = None) -> Path:
+    def save(
+        self,
+        step: int,
+        trainer_state: Mapping[str, Any] | None = None,
+        rank_state: Mapping[str, Any] | None = None,
+        export: Callable[[Path], None] | None = None,
+    ) -> Path:
         """Write ``checkpoint-<step>`` on every rank (a collective) and point ``latest`` at it.
 
         Args:
@@ -71,9 +77,12 @@ class Checkpointer:
         if export is not None:
             export(path / "hf")
         if rank == 0:
-            meta = {"step": int(step), "world_size": dist.get_world_size(),
-                    "schedulers": {n: w.scheduler.state_dict() for n, w in self.workers.items() if w.scheduler is not None},
-                    **dict(trainer_state or {})}
+            meta = {
+                "step": int(step),
+                "world_size": dist.get_world_size(),
+                "schedulers": {n: w.scheduler.state_dict() for n, w in self.workers.items() if w.scheduler is not None},
+                **dict(trainer_state or {}),
+            }
             atomic_write(path / "trainer_state.json", json.dumps(meta).encode())
         dist.barrier()
         if rank == 0:

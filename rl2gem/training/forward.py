@@ -13,7 +13,7 @@ and the first token of each sequence gets 0 (nothing predicts it).
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -43,8 +43,9 @@ class MicroBatch:
         return 0.0 if self.placeholder else 1.0
 
 
-def plan_micro_batches(lengths: Sequence[int], dp_rank: int, dp_size: int, max_tokens: int,
-                       attn_coef: float = 1.0 / 4096) -> list[MicroBatch]:
+def plan_micro_batches(
+    lengths: Sequence[int], dp_rank: int, dp_size: int, max_tokens: int, attn_coef: float = 1.0 / 4096
+) -> list[MicroBatch]:
     """This rank's micro-batches of a step (the same number on every data-parallel rank).
 
     Sequences are partitioned over ranks by Karmarkar-Karp on compute cost ``L + attn_coef * L^2``
@@ -72,7 +73,11 @@ def packed_inputs(model, sequences: Sequence[Sequence[int]], device: torch.devic
         flash-attention 2 on GPU, which reads the boundaries from ``position_ids``).
     """
     batch = packed_batch([list(s) for s in sequences])
-    kwargs = {"input_ids": batch["input_ids"].to(device), "position_ids": batch["position_ids"].to(device), "use_cache": False}
+    kwargs = {
+        "input_ids": batch["input_ids"].to(device),
+        "position_ids": batch["position_ids"].to(device),
+        "use_cache": False,
+    }
     if not (device.type == "cuda" and getattr(model.config, "_attn_implementation", "") == "flash_attention_2"):
         dtype = next(model.parameters()).dtype
         kwargs["attention_mask"] = packed_attention_mask(batch["cu_seqlens"], dtype=dtype).to(device)
@@ -83,8 +88,9 @@ def _first_token(batch: dict, device: torch.device) -> torch.Tensor:
     return batch["position_ids"][0].to(device) == 0
 
 
-def token_logprobs(model, sequences: Sequence[Sequence[int]], device: torch.device, *, temperature: float = 1.0,
-                   entropy: str = "none") -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_logprobs(
+    model, sequences: Sequence[Sequence[int]], device: torch.device, *, temperature: float = 1.0, entropy: str = "none"
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probabilities (and entropies) of a packed micro-batch under a causal LM.
 
     Args:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,7 @@ class Averager:
         table = torch.tensor([[self.sums[k] for k in names], [self.weights[k] for k in names]], dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1 and names:
             dist.all_reduce(table)
-        return {f"{prefix}{k}": (s / w if w > 0 else 0.0) for k, s, w in zip(names, *table.tolist())}
+        return {f"{prefix}{k}": (s / w if w > 0 else 0.0) for k, s, w in zip(names, *table.tolist(), strict=True)}
 
 
 def reduce_mean(metrics: dict[str, float], keys: Iterable[str] | None = None) -> dict[str, float]:
@@ -55,12 +55,14 @@ def reduce_mean(metrics: dict[str, float], keys: Iterable[str] | None = None) ->
         return metrics
     values = torch.tensor([float(metrics[k]) for k in names], dtype=torch.float64)
     dist.all_reduce(values)
-    for key, value in zip(names, (values / dist.get_world_size()).tolist()):
+    for key, value in zip(names, (values / dist.get_world_size()).tolist(), strict=True):
         metrics[key] = value
     return metrics
 
 
-def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, size: int = 2048, repeats: int = 5) -> float:
+def measure_peak_flops(
+    device: torch.device, dtype: torch.dtype = torch.float32, size: int = 2048, repeats: int = 5
+) -> float:
     """Achievable matmul FLOP/s of one rank: the best of ``repeats`` ``size x size`` products in
     ``dtype`` on ``device`` (threads as this process has them)."""
     a = torch.randn(size, size, device=device, dtype=dtype)
@@ -86,7 +88,9 @@ def peak_flops_from_config(value, device: torch.device, dtype: torch.dtype) -> f
     return peak
 
 
-def train_flops(num_parameters: int, forward_tokens: int = 0, train_tokens: int = 0, generated_tokens: int = 0) -> float:
+def train_flops(
+    num_parameters: int, forward_tokens: int = 0, train_tokens: int = 0, generated_tokens: int = 0
+) -> float:
     """Model FLOPs: ``2 P`` per token of a forward-only pass (scoring, generation) and ``6 P`` per
     token of a forward + backward pass."""
     return 2.0 * num_parameters * (forward_tokens + generated_tokens) + 6.0 * num_parameters * train_tokens

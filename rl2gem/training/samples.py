@@ -8,7 +8,7 @@ critic, from GAE over packed values (:func:`apply_gae`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -70,13 +70,15 @@ def samples_from_batch(batch, estimator: str, gamma: float = 1.0, lam: float = 1
                 group_ids.append(g)
     if not sequences:
         return []
-    samples = [Sample(s.input_ids, s.action_mask, s.logprobs, None, rows[i], s.versions) for i, s in enumerate(sequences)]
+    samples = [
+        Sample(s.input_ids, s.action_mask, s.logprobs, None, rows[i], s.versions) for i, s in enumerate(sequences)
+    ]
     if estimator == "gae":
         return samples
     width = max(len(s) for s in sequences)
     rewards = torch.zeros(len(sequences), width)
     mask = torch.zeros(len(sequences), width, dtype=torch.bool)
-    for i, (s, r) in enumerate(zip(sequences, rows)):
+    for i, (s, r) in enumerate(zip(sequences, rows, strict=True)):
         rewards[i, : len(r)] = torch.tensor(r)
         mask[i, : len(s)] = torch.tensor(s.action_mask, dtype=torch.bool)
     advantages, _ = compute_advantages(estimator, rewards, mask, torch.tensor(group_ids), gamma=gamma, lam=lam)
@@ -92,16 +94,22 @@ def apply_gae(samples: Sequence[Sample], values: torch.Tensor, gamma: float, lam
     returns, start = [], 0
     for s in samples:
         n = len(s)
-        adv, ret = gae(torch.tensor([s.rewards]), torch.tensor([s.mask], dtype=torch.bool),
-                       values[None, start : start + n].detach().cpu(), gamma, lam)
+        adv, ret = gae(
+            torch.tensor([s.rewards]),
+            torch.tensor([s.mask], dtype=torch.bool),
+            values[None, start : start + n].detach().cpu(),
+            gamma,
+            lam,
+        )
         s.advantages, s.returns = adv[0].tolist(), ret[0].tolist()
         returns.append(ret[0])
         start += n
     return torch.cat(returns).to(values.device)
 
 
-def subtract_kl_from_rewards(samples: Sequence[Sample], logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
-                             coef: float, estimator: str = "k3") -> None:
+def subtract_kl_from_rewards(
+    samples: Sequence[Sample], logprobs: torch.Tensor, ref_logprobs: torch.Tensor, coef: float, estimator: str = "k3"
+) -> None:
     """KL in the reward (InstructGPT, Ouyang et al. 2022): ``r_t -= coef * KL_t(pi || pi_ref)`` on
     each action token of packed ``samples``, with the per-token estimate ``estimator`` from the
     packed ``logprobs`` / ``ref_logprobs`` ``[N]``. Modifies ``sample.rewards`` in place."""
@@ -109,5 +117,5 @@ def subtract_kl_from_rewards(samples: Sequence[Sample], logprobs: torch.Tensor, 
     start = 0
     for s in samples:
         n = len(s)
-        s.rewards = [r - coef * k * m for r, k, m in zip(s.rewards, kl[start : start + n], s.mask)]
+        s.rewards = [r - coef * k * m for r, k, m in zip(s.rewards, kl[start : start + n], s.mask, strict=True)]
         start += n

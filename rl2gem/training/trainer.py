@@ -10,8 +10,9 @@ checkpoints every ``trainer.save_every`` steps and at the end, logging, and the 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 from tqdm.auto import tqdm
@@ -51,8 +52,9 @@ class Trainer:
 
     def save(self) -> Path:
         """Checkpoint the current step (with a Hugging Face export of the actor)."""
-        return self.checkpointer.save(self.step, rank_state=self.rank_state(),
-                                      export=lambda path: self.actor.export_hf(path, self.tokenizer))
+        return self.checkpointer.save(
+            self.step, rank_state=self.rank_state(), export=lambda path: self.actor.export_hf(path, self.tokenizer)
+        )
 
     def load(self) -> bool:
         """Resume from the newest checkpoint; False when there is none."""
@@ -76,7 +78,9 @@ class Trainer:
         if t.eval_at_start and self.step == 0:
             self.log(self.evaluate())
         last: dict[str, float] = {}
-        bar = tqdm(total=self.total_steps, initial=self.step, desc=self.name, disable=not (t.progress and self.rank == 0))
+        bar = tqdm(
+            total=self.total_steps, initial=self.step, desc=self.name, disable=not (t.progress and self.rank == 0)
+        )
         while self.step < self.total_steps:
             last = self.train_step()
             if t.eval_every and self.step % t.eval_every == 0 and self.step < self.total_steps:
@@ -97,8 +101,12 @@ class Trainer:
         """Release engines and event loops."""
 
 
-def launch(trainer_cls: Callable[[Any], Trainer], config: str | Path, check: Callable[[Any], None],
-           argv: list[str] | None = None) -> int:
+def launch(
+    trainer_cls: Callable[[Any], Trainer],
+    config: str | Path,
+    check: Callable[[Any], None],
+    argv: list[str] | None = None,
+) -> int:
     """The ``main`` of a trainer script: ``config`` defaults with ``config=<recipe>`` and ``key=value``
     overrides from ``argv`` (default ``sys.argv[1:]``), ``check`` for combinations that cannot work,
     then the trainer's :meth:`Trainer.fit`. Returns the exit code: 2 (with the message on stderr)

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -96,22 +97,37 @@ class Worker:
         ValueError: unknown head, dtype or schedule.
     """
 
-    def __init__(self, section: Mapping[str, Any], mesh: ParallelMesh, device: torch.device, *, head: str = "lm",
-                 model: str | None = None, trainable: bool = True, total_steps: int = 0):
+    def __init__(
+        self,
+        section: Mapping[str, Any],
+        mesh: ParallelMesh,
+        device: torch.device,
+        *,
+        head: str = "lm",
+        model: str | None = None,
+        trainable: bool = True,
+        total_steps: int = 0,
+    ):
         get = section.get
         self.name_or_path = model or get("model")
         self.head, self.mesh, self.device = head, mesh, device
         self.dtype = resolve_dtype(get("dtype", "auto"), device)
         self.max_grad_norm = float(get("max_grad_norm", 1.0))
         self.model = load_sharded(
-            self.name_or_path, mesh.data_mesh, device=device, dtype=self.dtype, head=head,
-            cpu_offload=bool(get("cpu_offload", False)), reshard_after_forward=bool(get("reshard_after_forward", True)),
+            self.name_or_path,
+            mesh.data_mesh,
+            device=device,
+            dtype=self.dtype,
+            head=head,
+            cpu_offload=bool(get("cpu_offload", False)),
+            reshard_after_forward=bool(get("reshard_after_forward", True)),
             gradient_checkpointing=trainable and bool(get("gradient_checkpointing", False)),
         )
         self.optimizer = self.scheduler = None
         if trainable:
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=float(get("lr", 1e-6)),
-                                               weight_decay=float(get("weight_decay", 0.0)))
+            self.optimizer = torch.optim.AdamW(
+                self.model.parameters(), lr=float(get("lr", 1e-6)), weight_decay=float(get("weight_decay", 0.0))
+            )
             factor = _schedule(get("scheduler", "constant"), max(0, int(get("warmup_steps", 0))), int(total_steps))
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
         else:
@@ -150,7 +166,9 @@ class Worker:
         else:
             set_state_dict(self.model, [], model_state_dict=state["model"], optim_state_dict={})
 
-    def export_hf(self, path: str | Path, tokenizer=None, state: Mapping[str, torch.Tensor] | None = None) -> Path | None:
+    def export_hf(
+        self, path: str | Path, tokenizer=None, state: Mapping[str, torch.Tensor] | None = None
+    ) -> Path | None:
         """Write a Hugging Face folder (config, safetensors, tokenizer) that ``from_pretrained`` loads:
         a causal LM, or for ``head="value"`` a token classifier with one label.
 
@@ -174,4 +192,3 @@ class Worker:
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
         return path
-

@@ -5,14 +5,28 @@ import json
 
 import numpy as np
 import pytest
-
-from rl2gem.envs.bfcl import (ANY_CALL_CATEGORIES, NO_CALL_CATEGORIES, SINGLE_TURN_CATEGORIES, FunctionCallEnv,
-                              ToolUseEnv, _bfcl, gold_calls, load_single_turn)
+from rl2gem.envs.bfcl import (
+    ANY_CALL_CATEGORIES,
+    NO_CALL_CATEGORIES,
+    SINGLE_TURN_CATEGORIES,
+    FunctionCallEnv,
+    ToolUseEnv,
+    _bfcl,
+    gold_calls,
+    load_single_turn,
+)
 
 #: Items whose possible answers no call can satisfy (data quirks of bfcl-eval 2026.3.23: an argument
 #: missing from the schema, a required argument whose only allowed value is "", an empty allowed list).
-UNSATISFIABLE = {"parallel_multiple_12", "parallel_multiple_26", "live_simple_106-63-0", "live_simple_112-68-0",
-                 "live_multiple_964-207-0", "live_multiple_507-149-4", "live_multiple_862-181-3"}
+UNSATISFIABLE = {
+    "parallel_multiple_12",
+    "parallel_multiple_26",
+    "live_simple_106-63-0",
+    "live_simple_112-68-0",
+    "live_multiple_964-207-0",
+    "live_multiple_507-149-4",
+    "live_multiple_862-181-3",
+}
 
 
 def tool_call(name, args):
@@ -152,7 +166,7 @@ def test_skipping_a_gold_call_fails_the_task():
     for i in range(0, 200, 10):
         state = {"dropped": False}
 
-        def policy(obs):
+        def policy(obs, state=state):
             action = gold(obs)
             if not state["dropped"] and action.count("<tool_call>") >= 1:
                 state["dropped"] = True
@@ -168,7 +182,9 @@ def test_calls_have_effects_and_episodes_are_isolated():
     a, b = ToolUseEnv("base"), ToolUseEnv("base")
     a.reset(options={"index": 0})
     b.reset(options={"index": 0})
-    obs, r, term, trunc, info = a.step(tool_call("cd", {"folder": "document"}) + tool_call("mkdir", {"dir_name": "temp"}))
+    obs, r, term, trunc, info = a.step(
+        tool_call("cd", {"folder": "document"}) + tool_call("mkdir", {"dir_name": "temp"})
+    )
     assert info["role"] == "tool" and '"current_working_directory": "document"' in obs and not term
     assert "temp" in a.step(tool_call("ls", {}))[0]
     assert "temp" not in b.step("[cd(folder='document')]")[0] and "temp" not in b.step("[ls()]")[0]

@@ -3,8 +3,6 @@
 import gymnasium as gym
 import numpy as np
 import pytest
-
-import rl2gem
 from rl2gem.envs import GAMES
 from rl2gem.envs.games.fifteen_puzzle import FifteenPuzzleEnv, solve_puzzle
 from rl2gem.envs.games.hangman import HangmanEnv
@@ -13,6 +11,8 @@ from rl2gem.envs.games.minesweeper import MinesweeperEnv
 from rl2gem.envs.games.sudoku import SudokuEnv, count_solutions
 from rl2gem.envs.games.tower_of_hanoi import TowerOfHanoiEnv, next_move
 from rl2gem.envs.games.wordle import WordleEnv, feedback
+
+import rl2gem
 
 # Fraction of 20 seeded games the scripted solver must win. Minesweeper can need a
 # blind guess and Wordle/Hangman can run out of turns on rare words; the rest are exact.

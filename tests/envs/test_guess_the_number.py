@@ -3,11 +3,11 @@ import math
 import gymnasium as gym
 import numpy as np
 import pytest
-
-import rl2gem  # noqa: F401
 from rl2gem.envs.games.guess_the_number import GuessTheNumberEnv
 
-DIFFICULTIES = {k: (v['min_number'], v['max_number'], v['max_turns']) for k, v in GuessTheNumberEnv.PRESETS.items()}
+import rl2gem  # noqa: F401
+
+DIFFICULTIES = {k: (v["min_number"], v["max_number"], v["max_turns"]) for k, v in GuessTheNumberEnv.PRESETS.items()}
 
 
 @pytest.mark.parametrize("difficulty", sorted(DIFFICULTIES))
@@ -40,7 +40,11 @@ def test_feedback_and_invalid_guesses():
     if low is not None:
         obs, r, *_ = env.step(f"I think \\boxed{{{low}}}")
         assert obs == f"The number is higher than {low}." and r == 0.0
-    for action, reason in [("twelve", "no \\boxed{} move"), ("\\boxed{x}", "not an integer"), ("\\boxed{99}", "out of range")]:
+    for action, reason in [
+        ("twelve", "no \\boxed{} move"),
+        ("\\boxed{x}", "not an integer"),
+        ("\\boxed{99}", "out of range"),
+    ]:
         obs, r, term, trunc, info = env.step(action)
         assert reason in info["invalid_action"] and r == 0.0
     obs, r, term, trunc, info = env.step(f"\\boxed{{3}} no wait \\boxed{{{target}}}")  # the last box counts

@@ -7,16 +7,22 @@ import sys
 
 import gymnasium as gym
 import pytest
+from rl2gem.envs.math import MathEnv, load_problems
 
 import rl2gem
 from rl2gem import data
 from rl2gem.data import DataUnavailable
-from rl2gem.envs.math import MathEnv, load_problems
 
 
 @pytest.mark.parametrize(
     "dataset, split, count",
-    [("gsm8k", "test", 100), ("gsm8k", "train", 1660), ("math500", "test", 311), ("aime24", "test", 30), ("aime25", "test", 15)],
+    [
+        ("gsm8k", "test", 100),
+        ("gsm8k", "train", 1660),
+        ("math500", "test", 311),
+        ("aime24", "test", 30),
+        ("aime25", "test", 15),
+    ],
 )
 def test_builtin_sources_have_the_expected_items(dataset, split, count):
     problems = load_problems(dataset, split)

@@ -1,8 +1,8 @@
 import gymnasium as gym
 import pytest
-
-import rl2gem  # noqa: F401
 from rl2gem.envs.reasoning_gym import ReasoningGymEnv
+
+import rl2gem
 
 
 @pytest.mark.parametrize("task", ["countdown", "basic_arithmetic", "gsm_symbolic", "letter_counting"])
@@ -50,9 +50,10 @@ def test_bad_arguments():
 
 
 def test_instructions_replace_the_default_format_text():
-    import rl2gem
 
-    env = rl2gem.make("rl2/ReasoningGym-v0", task="basic_arithmetic", instructions="Answer with just the number in <answer></answer>.")
+    env = rl2gem.make(
+        "rl2/ReasoningGym-v0", task="basic_arithmetic", instructions="Answer with just the number in <answer></answer>."
+    )
     obs, _ = env.reset(seed=0)
     assert obs.endswith("Answer with just the number in <answer></answer>.") and "Think step by step" not in obs
     _, reward, *_ = env.step(f"<answer>{env.unwrapped.item['answer']}</answer>")
@@ -61,14 +62,17 @@ def test_instructions_replace_the_default_format_text():
 
 ANSWER_MODES = {  # mode: (default instructions, a right reply, a wrong reply), {ref} is the answer
     "plain": ("Answer with just the final answer, nothing else.", "  {ref}\n", "The answer is {ref}"),
-    "last_number": ("Answer with just the number.", "The sum is 12, so the answer is {ref}.", "{ref} is wrong; it is {ref}1"),
+    "last_number": (
+        "Answer with just the number.",
+        "The sum is 12, so the answer is {ref}.",
+        "{ref} is wrong; it is {ref}1",
+    ),
 }
 
 
 @pytest.mark.parametrize("mode", sorted(ANSWER_MODES))
 def test_answer_modes_score_the_reply(mode):
     """plain: the whole stripped reply; last_number: the last number in it."""
-    import rl2gem
 
     instructions, right, wrong = ANSWER_MODES[mode]
     env = rl2gem.make("rl2/ReasoningGym-v0", task="basic_arithmetic", answer=mode, operators=["+", "-"])
@@ -83,7 +87,6 @@ def test_answer_modes_score_the_reply(mode):
 
 
 def test_answer_mode_errors_and_last_number_extraction():
-    import rl2gem
     from rl2gem.envs.reasoning_gym import last_number
 
     with pytest.raises(ValueError, match="plain"):

@@ -10,9 +10,9 @@ import aiohttp
 import numpy as np
 import pytest
 from aiohttp import web
+from rl2gem.envs.search_qa import SearchQAEnv, load_questions
 
 import rl2gem
-from rl2gem.envs.search_qa import SearchQAEnv, load_questions
 from rl2gem.retrieval import BM25Index, RetrievalClient, RetrievalError, make_app
 
 
@@ -25,7 +25,10 @@ def free_port() -> int:
 def start_service(port: int) -> subprocess.Popen:
     proc = subprocess.Popen(
         [sys.executable, "-m", "rl2gem.retrieval", "serve", "--port", str(port), "--exit-on-stdin-eof"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
     line = proc.stdout.readline()
     assert line.startswith("RL2GEM_RETRIEVAL_READY"), line
@@ -238,7 +241,7 @@ def test_concurrent_requests_are_batched_without_changing_answers():
     """32 concurrent requests (mixed topk, some with 2 queries) answer exactly what one search each gives."""
     index = BM25Index.load_or_build()
     questions = [q["question"] for q in load_questions("test")[:48]]
-    requests = [(questions[i:i + 1 + i % 2], 1 + i % 5) for i in range(32)]
+    requests = [(questions[i : i + 1 + i % 2], 1 + i % 5) for i in range(32)]
 
     async def main():
         runner = web.AppRunner(make_app(index))
@@ -252,7 +255,7 @@ def test_concurrent_requests_are_batched_without_changing_answers():
         return out
 
     answers = asyncio.run(main())
-    for (qs, k), got in zip(requests, answers):
+    for (qs, k), got in zip(requests, answers, strict=True):
         expected = index.search(qs, k)
         assert [[int(h["document"]["id"]) for h in row] for row in got] == [[i for i, _ in row] for row in expected]
         assert all(len(row) <= k for row in got)
@@ -264,8 +267,10 @@ def test_users_own_questions_file(tmp_path, service):
     import json
 
     path = tmp_path / "qa.jsonl"
-    rows = [{"question": "Where is the Eiffel Tower?", "answers": ["Paris", "France"]},
-            {"question": "Which river flows through Cairo?", "answers": "Nile"}]
+    rows = [
+        {"question": "Where is the Eiffel Tower?", "answers": ["Paris", "France"]},
+        {"question": "Which river flows through Cairo?", "answers": "Nile"},
+    ]
     path.write_text("\n".join(json.dumps(r) for r in rows))
     env = rl2gem.make("rl2/SearchQA-v0", data=str(path), split="test", retrieval_url=service)
     assert len(env.unwrapped) == 2

@@ -20,9 +20,13 @@ def main(model_dir: str, out: str, *options: str) -> None:
     rank, world, device = init_distributed()
     torch.manual_seed(0)
     mesh = build_mesh(int(opts.get("ddp_size", 1)))
-    model = load_sharded(model_dir, mesh.data_mesh, device=device,
-                         cpu_offload=bool(int(opts.get("cpu_offload", 0))),
-                         gradient_checkpointing=bool(int(opts.get("gradient_checkpointing", 0))))
+    model = load_sharded(
+        model_dir,
+        mesh.data_mesh,
+        device=device,
+        cpu_offload=bool(int(opts.get("cpu_offload", 0))),
+        gradient_checkpointing=bool(int(opts.get("gradient_checkpointing", 0))),
+    )
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(3, 1000, (int(n),), generator=g).tolist() for n in torch.randint(5, 40, (7,), generator=g)]
     masks = [[0] * 3 + [1] * (len(s) - 3) for s in seqs]
@@ -35,7 +39,9 @@ def main(model_dir: str, out: str, *options: str) -> None:
         old = lp.detach() + 0.05
         mask = torch.tensor([x for i in mb.indices for x in masks[i]], dtype=torch.bool)
         adv = torch.tensor([x for i in mb.indices for x in advs[i]])
-        w = mb.scale * packed_loss_weights([masks[i] for i in mb.indices], "token_mean", num_tokens=total, num_sequences=len(seqs))
+        w = mb.scale * packed_loss_weights(
+            [masks[i] for i in mb.indices], "token_mean", num_tokens=total, num_sequences=len(seqs)
+        )
         loss, _ = policy_loss(lp[None], old[None], adv[None], mask[None], token_weights=w[None])
         (loss * mesh.dp_size).backward()
         loss_sum += loss.detach()
@@ -48,7 +54,8 @@ def main(model_dir: str, out: str, *options: str) -> None:
         grads[name] = gr.flatten()[:50].tolist() + [float(gr.norm())]
     params = {k: float(v.norm()) for k, v in full_state_dict(model).items()}  # a collective: every rank
     if rank == 0:
-        json.dump({"loss": float(loss_sum), "grads": grads, "params": params}, open(out, "w"))
+        with open(out, "w") as f:
+            json.dump({"loss": float(loss_sum), "grads": grads, "params": params}, f)
     dist.destroy_process_group()
 
 

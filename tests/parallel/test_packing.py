@@ -2,22 +2,27 @@
 
 import itertools
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from tiny import tiny_model
 
-from rl2gem.parallel.packing import karmarkar_karp, pack_micro_batches, packed_attention_mask, packed_batch, plan, seq_cost, unpack
-
-from tiny import tiny_model  # noqa: E402
+from rl2gem.parallel.packing import (
+    karmarkar_karp,
+    pack_micro_batches,
+    packed_attention_mask,
+    packed_batch,
+    plan,
+    seq_cost,
+    unpack,
+)
 
 
 def brute_force_best(costs, k):
     best = float("inf")
     for assign in itertools.product(range(k), repeat=len(costs)):
         sums = [0.0] * k
-        for c, a in zip(costs, assign):
+        for c, a in zip(costs, assign, strict=True):
             sums[a] += c
         best = min(best, max(sums))
     return best
@@ -73,5 +78,5 @@ def test_packed_logprobs_equal_unpacked():
         ref = [model(torch.tensor([s])).logits[0] for s in seqs]
         mask = packed_attention_mask(batch["cu_seqlens"])
         out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=mask).logits
-    for r, o in zip(ref, unpack(out, batch["cu_seqlens"])):
+    for r, o in zip(ref, unpack(out, batch["cu_seqlens"]), strict=True):
         assert torch.allclose(r, o, atol=1e-4)

@@ -5,7 +5,12 @@ from rl2gem.rewards.qa import exact_match, normalize_answer, token_f1
 
 @pytest.mark.parametrize(
     "text, normal",
-    [("The Eiffel Tower!", "eiffel tower"), ("  an   Apple, a day ", "apple day"), ("U.S.A.", "usa"), ("Théâtre", "théâtre")],
+    [
+        ("The Eiffel Tower!", "eiffel tower"),
+        ("  an   Apple, a day ", "apple day"),
+        ("U.S.A.", "usa"),
+        ("Théâtre", "théâtre"),
+    ],
 )
 def test_squad_normalisation(text, normal):
     assert normalize_answer(text) == normal

@@ -22,7 +22,7 @@ CONVERSATION = [
 def masked_runs(sequence: Sequence) -> list[list[int]]:
     """The token ids of each contiguous run of action-mask 1."""
     runs, current = [], []
-    for token, mask in zip(sequence.input_ids, sequence.action_mask):
+    for token, mask in zip(sequence.input_ids, sequence.action_mask, strict=True):
         if mask:
             current.append(token)
         elif current:
@@ -136,11 +136,19 @@ def play(tokenizer, env_factory, texts, system_prompt=None):
         # user replies, with a system prompt; the goal (3..5) comes from the seed
         (lambda: CountEnv(max_turns=10), ["1", "2", "3", "4", "5"], "Count carefully.", None),
         # tool replies: <search>, <search>, <answer>
-        (lambda: SlowSearchEnv(latency=0.0), ["<search>a</search>", "<search>b</search>", "<answer>5</answer>"], None,
-         ["user", "assistant", "tool", "assistant", "tool", "assistant"]),
+        (
+            lambda: SlowSearchEnv(latency=0.0),
+            ["<search>a</search>", "<search>b</search>", "<answer>5</answer>"],
+            None,
+            ["user", "assistant", "tool", "assistant", "tool", "assistant"],
+        ),
         # two tool results per step: two consecutive tool messages
-        (TwoResultToolEnv, ["call x", "call y", "done"], None,
-         ["user", "assistant", "tool", "tool", "assistant", "tool", "tool", "assistant"]),
+        (
+            TwoResultToolEnv,
+            ["call x", "call y", "done"],
+            None,
+            ["user", "assistant", "tool", "tool", "assistant", "tool", "tool", "assistant"],
+        ),
     ],
 )
 def test_same_tokens_as_a_rollout_of_the_same_actions(tokenizer, env_factory, texts, system_prompt, roles):

@@ -2,11 +2,10 @@ import asyncio
 
 import pytest
 import torch
+from tiny import tiny_model
 
 from rl2gem.rollout.engines.base import SamplingParams
 from rl2gem.rollout.engines.embedded import EmbeddedEngine
-
-from tiny import tiny_model
 
 
 def run(coro):
@@ -54,12 +53,15 @@ def test_output_logprobs_equal_teacher_forced(model, temperature):
     async def main():
         eng = EmbeddedEngine(model, seed=1)
         outs = await asyncio.gather(
-            *(eng.generate(p, {"max_new_tokens": 10 + i, "temperature": temperature, "ignore_eos": True}) for i, p in enumerate(PROMPTS))
+            *(
+                eng.generate(p, {"max_new_tokens": 10 + i, "temperature": temperature, "ignore_eos": True})
+                for i, p in enumerate(PROMPTS)
+            )
         )
         await eng.close()
         return outs
 
-    for p, o in zip(PROMPTS, run(main())):
+    for p, o in zip(PROMPTS, run(main()), strict=True):
         ref = teacher_logprobs(model, p, o.output_ids, temperature)
         assert torch.allclose(torch.tensor(o.output_logprobs), ref, atol=1e-4)
 
@@ -72,7 +74,9 @@ def test_sampling_frequencies_follow_softmax(model):
 
     async def main():
         eng = EmbeddedEngine(model, seed=3, max_batch_size=256)
-        outs = await asyncio.gather(*(eng.generate(prompt, {"max_new_tokens": 1, "temperature": 1.5}) for _ in range(n)))
+        outs = await asyncio.gather(
+            *(eng.generate(prompt, {"max_new_tokens": 1, "temperature": 1.5}) for _ in range(n))
+        )
         await eng.close()
         return outs
 
@@ -133,7 +137,9 @@ def test_stop_tokens_lengths_and_bad_input(model):
         eng = EmbeddedEngine(model, context_length=64)
         free = await eng.generate(PROMPTS[0], {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
         stop_at = free.output_ids[2]
-        stopped = await eng.generate(PROMPTS[0], {"max_new_tokens": 6, "temperature": 0, "stop_token_ids": [stop_at], "ignore_eos": True})
+        stopped = await eng.generate(
+            PROMPTS[0], {"max_new_tokens": 6, "temperature": 0, "stop_token_ids": [stop_at], "ignore_eos": True}
+        )
         zero = await eng.generate(PROMPTS[0], {"max_new_tokens": 0})
         ctx = await eng.generate(list(range(10, 60)), {"max_new_tokens": 100, "temperature": 0, "ignore_eos": True})
         errors = []
@@ -201,7 +207,9 @@ def test_pause_abort_returns_partial_tokens_and_queues_new_requests(model):
 def test_pause_in_place_keeps_requests(model):
     async def main():
         eng = EmbeddedEngine(model)
-        t = asyncio.ensure_future(eng.generate(PROMPTS[2], {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}))
+        t = asyncio.ensure_future(
+            eng.generate(PROMPTS[2], {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True})
+        )
         while not eng.stats["decode_steps"]:
             await asyncio.sleep(0.005)
         await eng.pause("in_place")
@@ -247,7 +255,11 @@ def test_weight_sync_engine_logprobs_equal_trainer(model):
     trainer = tiny_model(seed=0)
     opt = torch.optim.SGD(trainer.parameters(), lr=0.5)
     seq = PROMPTS[5] + [700, 800, 900, 1000]
-    loss = -torch.log_softmax(trainer(torch.tensor([seq])).logits[0, :-1], -1).gather(1, torch.tensor(seq[1:])[:, None]).mean()
+    loss = (
+        -torch.log_softmax(trainer(torch.tensor([seq])).logits[0, :-1], -1)
+        .gather(1, torch.tensor(seq[1:])[:, None])
+        .mean()
+    )
     loss.backward()
     opt.step()
     ref = teacher_logprobs(trainer, seq[:1], seq[1:])
@@ -302,7 +314,9 @@ def test_prefix_cache_serves_the_next_turn_with_identical_results(model):
     assert b.output_ids == b0.output_ids and c.output_ids == c0.output_ids
     ref = teacher_logprobs(model, turn2, b.output_ids)
     assert torch.allclose(torch.tensor(b.output_logprobs), ref, atol=1e-4)
-    greedy = model.generate(torch.tensor([turn2]), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=2)
+    greedy = model.generate(
+        torch.tensor([turn2]), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=2
+    )
     assert b.output_ids == greedy[0, len(turn2) :].tolist()
 
 
@@ -321,7 +335,9 @@ def test_a_groups_identical_prompts_are_prefilled_once(model):
     assert stats["prefill_tokens"] <= n + 1 and stats["prefill_tokens"] + stats["cached_tokens"] == 4 * n
     assert len({tuple(o.output_ids) for o in outs}) > 1  # still independent samples
     for o in outs:
-        assert torch.allclose(torch.tensor(o.output_logprobs), teacher_logprobs(model, PROMPTS[9], o.output_ids, 8.0), atol=1e-4)
+        assert torch.allclose(
+            torch.tensor(o.output_logprobs), teacher_logprobs(model, PROMPTS[9], o.output_ids, 8.0), atol=1e-4
+        )
 
 
 def test_state_dict_restores_unseeded_sampling(model):

@@ -3,10 +3,9 @@
 import asyncio
 
 import pytest
+from tiny import tiny_model
 
 from rl2gem.rollout import EmbeddedEngine, Rollout, RolloutConfig
-
-from tiny import tiny_model
 
 ENV = "rl2/GuessTheNumber-Easy-v0"  # 4 turns; the random tiny model never answers validly
 
@@ -14,7 +13,9 @@ ENV = "rl2/GuessTheNumber-Easy-v0"  # 4 turns; the random tiny model never answe
 def test_groups_share_their_initial_state_and_record_everything(tokenizer):
     async def main():
         eng = EmbeddedEngine(tiny_model())
-        ro = Rollout(eng, tokenizer, ENV, RolloutConfig(responses_per_prompt=3, max_new_tokens=8, concurrency=5, seed=7))
+        ro = Rollout(
+            eng, tokenizer, ENV, RolloutConfig(responses_per_prompt=3, max_new_tokens=8, concurrency=5, seed=7)
+        )
         batch = await ro.collect(3)
         await ro.close()
         await eng.close()
@@ -32,8 +33,8 @@ def test_groups_share_their_initial_state_and_record_everything(tokenizer):
         s = e.sequences[0]
         assert len(s.input_ids) == len(s.action_mask) == len(s.logprobs) == len(s.versions) == len(s.rewards)
         assert e.turns == 4 and e.truncated and len(e.finish_reasons) == 4
-        assert all(v == 0 for v, m in zip(s.versions, s.action_mask) if m)
-        assert all(lp <= 0 for lp, m in zip(s.logprobs, s.action_mask) if m)
+        assert all(v == 0 for v, m in zip(s.versions, s.action_mask, strict=True) if m)
+        assert all(lp <= 0 for lp, m in zip(s.logprobs, s.action_mask, strict=True) if m)
         assert e.num_action_tokens == 4 * 8
     m = batch.metrics
     assert m["rollout/episodes"] == 9 and m["rollout/requests"] == 36 and m["rollout/response_length"] == 32
@@ -50,7 +51,9 @@ def test_groups_get_different_tasks(tokenizer):
         return batch
 
     batch = asyncio.run(main())
-    prompts = [{tuple(e.sequences[0].input_ids[: e.sequences[0].action_mask.index(1)]) for e in g} for g in batch.groups]
+    prompts = [
+        {tuple(e.sequences[0].input_ids[: e.sequences[0].action_mask.index(1)]) for e in g} for g in batch.groups
+    ]
     assert all(len(p) == 1 for p in prompts)
     assert len(set().union(*prompts)) == 4
 
@@ -91,7 +94,12 @@ def test_partial_rollouts_keep_every_token_across_pause_and_weight_update(tokeni
     async def main():
         eng = EmbeddedEngine(tiny_model(), max_batch_size=8)
         cfg = RolloutConfig(
-            responses_per_prompt=2, max_new_tokens=max_new, partial_rollout=True, partial_oversample=1.0, max_staleness=1, concurrency=3
+            responses_per_prompt=2,
+            max_new_tokens=max_new,
+            partial_rollout=True,
+            partial_oversample=1.0,
+            max_staleness=1,
+            concurrency=3,
         )
         ro = Rollout(eng, tokenizer, ENV, cfg)
         first = await ro.collect(2)
@@ -143,7 +151,12 @@ def test_staleness_bound_drops_carried_groups(tokenizer):
     async def main():
         eng = EmbeddedEngine(tiny_model(), max_batch_size=8)
         cfg = RolloutConfig(
-            responses_per_prompt=2, max_new_tokens=32, partial_rollout=True, partial_oversample=1.0, max_staleness=0, concurrency=3
+            responses_per_prompt=2,
+            max_new_tokens=32,
+            partial_rollout=True,
+            partial_oversample=1.0,
+            max_staleness=0,
+            concurrency=3,
         )
         ro = Rollout(eng, tokenizer, ENV, cfg)
         await ro.collect(1)
@@ -186,14 +199,20 @@ def test_state_dict_restores_position_and_partial_buffer(tokenizer):
     flight restart with the same env seed, new groups continue the id sequence."""
     import pickle
 
-    cfg = RolloutConfig(responses_per_prompt=2, max_new_tokens=24, partial_rollout=True, partial_oversample=1.0, concurrency=3, seed=3)
+    cfg = RolloutConfig(
+        responses_per_prompt=2, max_new_tokens=24, partial_rollout=True, partial_oversample=1.0, concurrency=3, seed=3
+    )
 
     async def first():
         eng = EmbeddedEngine(tiny_model(), max_batch_size=8)
         ro = Rollout(eng, tokenizer, ENV, cfg)
         await ro.collect(2)
         state = pickle.dumps(ro.state_dict())
-        prompts = {g.gid: g.episodes[0].sequences[0].input_ids[:20] for g in ro._inflight.values() if g.episodes and g.episodes[0].sequences}
+        prompts = {
+            g.gid: g.episodes[0].sequences[0].input_ids[:20]
+            for g in ro._inflight.values()
+            if g.episodes and g.episodes[0].sequences
+        }
         ready = {g.gid: _tokens(g.episodes) for g in ro._ready}
         await ro.close()
         await eng.close()

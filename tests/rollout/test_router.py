@@ -6,7 +6,7 @@ import urllib.request
 
 import pytest
 
-from rl2gem.rollout import EmbeddedEngine, HTTPEngine, Rollout, RolloutConfig
+from rl2gem.rollout import HTTPEngine, Rollout, RolloutConfig
 from rl2gem.rollout.router import Router
 from rl2gem.serve import launch
 
@@ -31,7 +31,9 @@ def test_round_robin_spreads_and_control_calls_reach_every_worker(servers):
         async def main():
             eng = HTTPEngine(router.url, workers=router.workers)
             outs = await asyncio.gather(*(eng.generate([1, 2, 3 + i], {"max_new_tokens": 4}) for i in range(20)))
-            long = asyncio.ensure_future(asyncio.gather(*(eng.generate([1, 9], {"max_new_tokens": 1900, "ignore_eos": True}) for _ in range(4))))
+            long = asyncio.ensure_future(
+                asyncio.gather(*(eng.generate([1, 9], {"max_new_tokens": 1900, "ignore_eos": True}) for _ in range(4)))
+            )
             await asyncio.sleep(1.0)
             await eng.pause()
             cut = await long
@@ -57,7 +59,9 @@ def test_a_dead_worker_is_dropped_and_the_rollout_completes(servers, tokenizer):
 
         async def main():
             eng = HTTPEngine(router.url, workers=router.workers)
-            ro = Rollout(eng, tokenizer, "rl2/GuessTheNumber-Easy-v0", RolloutConfig(responses_per_prompt=2, max_new_tokens=64))
+            ro = Rollout(
+                eng, tokenizer, "rl2/GuessTheNumber-Easy-v0", RolloutConfig(responses_per_prompt=2, max_new_tokens=64)
+            )
             task = asyncio.ensure_future(ro.collect(8))
             while ro.stats["requests"] < 20:  # mid-rollout
                 await asyncio.sleep(0.05)

@@ -7,11 +7,10 @@ import urllib.request
 
 import pytest
 import torch
+from tiny import tiny_model
 
 from rl2gem.rollout import HTTPEngine
 from rl2gem.serve import launch
-
-from tiny import tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +38,18 @@ def get(url):
 def test_generate_answers_in_sglangs_format(server):
     model = tiny_model()
     prompt = [1, 1000, 2000, 3000]
-    status, body = post(server.url + "/generate", {
-        "input_ids": prompt, "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}, "return_logprob": True,
-    })
+    status, body = post(
+        server.url + "/generate",
+        {
+            "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+            "return_logprob": True,
+        },
+    )
     assert status == 200
-    ref = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=2)[0, 4:].tolist()
+    ref = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=2)[
+        0, 4:
+    ].tolist()
     assert body["output_ids"] == ref
     meta = body["meta_info"]
     assert meta["finish_reason"] == {"type": "length", "length": 6}
@@ -52,13 +58,19 @@ def test_generate_answers_in_sglangs_format(server):
     assert all(isinstance(x[0], float) and x[0] <= 0 for x in meta["output_token_logprobs"])
     assert isinstance(body["text"], str) and meta["weight_version"] == "0"
     # batch form
-    status, batch = post(server.url + "/generate", {"input_ids": [prompt, prompt[:2]], "sampling_params": {"max_new_tokens": 2}})
+    status, batch = post(
+        server.url + "/generate", {"input_ids": [prompt, prompt[:2]], "sampling_params": {"max_new_tokens": 2}}
+    )
     assert status == 200 and len(batch) == 2 and all(len(b["output_ids"]) <= 2 for b in batch)
 
 
 def test_bad_requests_get_400_with_a_message(server):
-    for body in ({"input_ids": []}, {"input_ids": [1, "x"]}, {"input_ids": [1, 2], "sampling_params": {"temprature": 1}},
-                 {"input_ids": [1, 10**7]}):
+    for body in (
+        {"input_ids": []},
+        {"input_ids": [1, "x"]},
+        {"input_ids": [1, 2], "sampling_params": {"temprature": 1}},
+        {"input_ids": [1, 10**7]},
+    ):
         status, ans = post(server.url + "/generate", body)
         assert status == 400 and ans["error"]["message"]
     status, ans = post(server.url + "/generate", b"{not json", raw=True)
@@ -70,7 +82,11 @@ def test_bad_requests_get_400_with_a_message(server):
 def test_info_load_and_health_endpoints(server):
     assert urllib.request.urlopen(server.url + "/health", timeout=5).status == 200
     load = get(server.url + "/get_load")
-    assert isinstance(load, list) and load[0]["dp_rank"] == 0 and {"num_reqs", "num_waiting_reqs", "num_tokens"} <= set(load[0])
+    assert (
+        isinstance(load, list)
+        and load[0]["dp_rank"] == 0
+        and {"num_reqs", "num_waiting_reqs", "num_tokens"} <= set(load[0])
+    )
     info = get(server.url + "/get_model_info")
     assert info["is_generation"] is True and "weight_version" in info
     sinfo = get(server.url + "/get_server_info")
@@ -82,7 +98,11 @@ def test_client_pause_abort_continue_and_weight_update_from_disk(server, tmp_pat
     other.save_pretrained(tmp_path)
     seq = [1, 5, 6, 7, 8, 9]
     with torch.no_grad():
-        ref = torch.log_softmax(other(torch.tensor([seq])).logits[0, :-1], -1).gather(1, torch.tensor(seq[1:])[:, None]).flatten()
+        ref = (
+            torch.log_softmax(other(torch.tensor([seq])).logits[0, :-1], -1)
+            .gather(1, torch.tensor(seq[1:])[:, None])
+            .flatten()
+        )
 
     async def main():
         eng = HTTPEngine(server.url)
@@ -118,7 +138,11 @@ def test_state_dict_weight_sync_through_disk(server):
     trainer = tiny_model(seed=9)
     seq = [1, 50, 60, 70]
     with torch.no_grad():
-        ref = torch.log_softmax(trainer(torch.tensor([seq])).logits[0, :-1], -1).gather(1, torch.tensor(seq[1:])[:, None]).flatten()
+        ref = (
+            torch.log_softmax(trainer(torch.tensor([seq])).logits[0, :-1], -1)
+            .gather(1, torch.tensor(seq[1:])[:, None])
+            .flatten()
+        )
 
     async def main():
         eng = HTTPEngine(server.url)
@@ -151,4 +175,6 @@ def test_sglang_engine_shares_the_client_and_launch_needs_sglang(server, monkeyp
     with pytest.raises(ImportError, match="rl2gem\\[gpu\\]"):
         SGLangEngine.launch("some/model")
     cmd = sglang_server_command("m", 31000, base_gpu_id=2, tp_size=2)
-    assert cmd[1:3] == ["-m", "sglang.launch_server"] and "--base-gpu-id" in cmd and cmd[cmd.index("--tp-size") + 1] == "2"
+    assert (
+        cmd[1:3] == ["-m", "sglang.launch_server"] and "--base-gpu-id" in cmd and cmd[cmd.index("--tp-size") + 1] == "2"
+    )

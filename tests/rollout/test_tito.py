@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from rl2gem.rollout import Rollout, RolloutConfig
-from rl2gem.rollout.engines.base import Engine, GenerateOutput, SamplingParams
+from rl2gem.rollout.engines.base import Engine, GenerateOutput
 from rl2gem.rollout.tito import ChatRenderer
 
 THINK_TEMPLATE = (
@@ -31,7 +31,9 @@ class ScriptedEngine(Engine):
         ids = self.scripts[len(self.calls) % len(self.scripts)]
         self.calls.append(list(input_ids))
         lps = [-0.01 * (i + 1) for i in range(len(ids))]
-        reason = {"type": "stop", "matched": ids[-1]} if self.finish == "stop" else {"type": "length", "length": len(ids)}
+        reason = (
+            {"type": "stop", "matched": ids[-1]} if self.finish == "stop" else {"type": "length", "length": len(ids)}
+        )
         return GenerateOutput(list(ids), lps, reason, len(input_ids), self.weight_version)
 
     async def pause(self, mode="abort"): ...
@@ -46,7 +48,9 @@ def episode(tokenizer, scripts, *, chat_template=None, finish="stop", env="rl2/G
     eng = ScriptedEngine(scripts, finish)
 
     async def main():
-        ro = Rollout(eng, tokenizer, env, RolloutConfig(responses_per_prompt=1, max_new_tokens=64), chat_template=chat_template)
+        ro = Rollout(
+            eng, tokenizer, env, RolloutConfig(responses_per_prompt=1, max_new_tokens=64), chat_template=chat_template
+        )
         batch = await ro.collect(1)
         await ro.close()
         return batch.episodes[0], ro
@@ -69,7 +73,7 @@ def test_smollm2_episode_is_one_sequence_equal_to_the_render(tokenizer):
         assert seq.input_ids[: len(call)] == call
     # the action tokens are the generated ids, untouched, with their logprobs and rewards on the last token
     acts, lps, pos = [], [], []
-    for i, (t, m) in enumerate(zip(seq.input_ids, seq.action_mask)):
+    for i, (t, m) in enumerate(zip(seq.input_ids, seq.action_mask, strict=True)):
         if m:
             acts.append(t)
             lps.append(seq.logprobs[i])
@@ -91,7 +95,7 @@ def test_tokens_are_never_retokenised(tokenizer):
     assert odd != action_ids(tokenizer, text)  # the canonical tokenisation differs
     ep, eng, _ = episode(tokenizer, [odd])
     seq = ep.sequences[0]
-    acts = [t for t, m in zip(seq.input_ids, seq.action_mask) if m]
+    acts = [t for t, m in zip(seq.input_ids, seq.action_mask, strict=True) if m]
     assert acts == odd * ep.turns
 
 
@@ -114,19 +118,23 @@ def test_think_stripping_template_splits_and_counts(tokenizer):
     r = ChatRenderer(tokenizer, THINK_TEMPLATE)
     # each sequence is the render of the conversation up to its turn (earlier thinking stripped) + one action
     for k, seq in enumerate(ep.sequences):
-        prompt = [t for t, m in zip(seq.input_ids, seq.action_mask) if not m]
+        prompt = [t for t, m in zip(seq.input_ids, seq.action_mask, strict=True) if not m]
         msgs = ep.messages[: 1 + 2 * k]
         assert prompt == r.prompt_ids(msgs)
-        assert [t for t, m in zip(seq.input_ids, seq.action_mask) if m] == guesses[k]
+        assert [t for t, m in zip(seq.input_ids, seq.action_mask, strict=True) if m] == guesses[k]
         assert eng.calls[k] == prompt
 
 
 def test_renderer_delta_is_the_render_difference(tokenizer):
     r = ChatRenderer(tokenizer, system_prompt="Be brief.")
     prev = r.initial_messages("What is 2+2?")
-    d = r.delta(prev, "4", [{"role": "user", "content": "Sure?"}], stop_token=tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    d = r.delta(
+        prev, "4", [{"role": "user", "content": "Sure?"}], stop_token=tokenizer.convert_tokens_to_ids("<|im_end|>")
+    )
     assert not d.split
     ids = r.prompt_ids(prev) + action_ids(tokenizer, "4") + d.ids
-    assert tokenizer.decode(ids) == r.render(prev + [{"role": "assistant", "content": "4"}, {"role": "user", "content": "Sure?"}], add_generation_prompt=True)
+    assert tokenizer.decode(ids) == r.render(
+        prev + [{"role": "assistant", "content": "4"}, {"role": "user", "content": "Sure?"}], add_generation_prompt=True
+    )
     with pytest.raises(ValueError, match="chat template"):
         ChatRenderer(type("T", (), {"chat_template": None})())

@@ -92,7 +92,9 @@ def test_tool_use_lists_each_result():
 def test_standard_kwargs_fill_only_what_the_env_takes():
     assert rl2gem.standard_kwargs("rl2/GSM8K-v0", {}, split="test", tools_in_template=True) == {"split": "test"}
     assert rl2gem.standard_kwargs("rl2/GSM8K-v0", {"split": "train"}, split="test") == {"split": "train"}
-    assert rl2gem.standard_kwargs("rl2/PythonMath-v0", {"tool_prompt": "prepend"}, tools_in_template=True) == {"tool_prompt": "prepend"}
+    assert rl2gem.standard_kwargs("rl2/PythonMath-v0", {"tool_prompt": "prepend"}, tools_in_template=True) == {
+        "tool_prompt": "prepend"
+    }
     assert rl2gem.standard_kwargs("rl2/Wordle-v0", {}, split="test", tools_in_template=True) == {}
 
 

@@ -16,8 +16,15 @@ class Color(enum.Enum):
     BLUE = "blue"
 
 
-def book(city: str, nights: int, rate: float = 99.5, tags: list[str] | None = None,
-         mode: Literal["fast", "cheap"] = "fast", color: Color = Color.RED, extras: dict[str, int] | None = None) -> dict:
+def book(
+    city: str,
+    nights: int,
+    rate: float = 99.5,
+    tags: list[str] | None = None,
+    mode: Literal["fast", "cheap"] = "fast",
+    color: Color = Color.RED,
+    extras: dict[str, int] | None = None,
+) -> dict:
     """Book a hotel.
 
     Args:
@@ -36,31 +43,38 @@ def test_schema_from_signature_and_docstring():
     assert p["properties"]["city"] == {"type": "string", "description": "where to stay."}
     assert p["properties"]["nights"] == {"type": "integer", "description": "how many nights."}
     assert p["properties"]["rate"] == {"type": "number", "description": "price per night in euros.", "default": 99.5}
-    assert p["properties"]["tags"] == {"anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "null"}], "default": None}
+    assert p["properties"]["tags"] == {
+        "anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "null"}],
+        "default": None,
+    }
     assert p["properties"]["mode"] == {"enum": ["fast", "cheap"], "default": "fast"}
     assert p["properties"]["color"] == {"enum": ["red", "blue"]}
     assert p["properties"]["extras"]["anyOf"][0] == {"type": "object", "additionalProperties": {"type": "integer"}}
 
 
 def test_json_schema_of_rejects_unknown_hints_and_fn_needs_hints():
-    assert json_schema_of(Optional[int]) == {"anyOf": [{"type": "integer"}, {"type": "null"}]}
+    assert json_schema_of(Optional[int]) == {"anyOf": [{"type": "integer"}, {"type": "null"}]}  # noqa: UP045 (the typing form is tested)
     assert json_schema_of(tuple[int, str])["prefixItems"] == [{"type": "integer"}, {"type": "string"}]
     with pytest.raises(TypeError):
         json_schema_of(object)
     with pytest.raises(TypeError, match="no type hint"):
         FunctionTool(lambda x: x)
     with pytest.raises(TypeError, match=r"\*args"):
+
         def f(*a: int) -> int: ...
+
         FunctionTool(f)
 
 
 def test_validation_against_the_schema():
     tool = FunctionTool(book)
     validate_arguments(tool, {"city": "Rome", "nights": 2})
-    for bad, msg in [({"city": "Rome"}, "'nights' is a required property"),
-                     ({"city": "Rome", "nights": "two"}, "'two' is not of type 'integer'"),
-                     ({"city": "Rome", "nights": 1, "mode": "slow"}, "'slow' is not one of"),
-                     ({"city": "Rome", "nights": 1, "pets": True}, "Additional properties")]:
+    for bad, msg in [
+        ({"city": "Rome"}, "'nights' is a required property"),
+        ({"city": "Rome", "nights": "two"}, "'two' is not of type 'integer'"),
+        ({"city": "Rome", "nights": 1, "mode": "slow"}, "'slow' is not one of"),
+        ({"city": "Rome", "nights": 1, "pets": True}, "Additional properties"),
+    ]:
         with pytest.raises(ToolArgumentError, match=msg):
             validate_arguments(tool, bad)
 
@@ -81,7 +95,11 @@ def test_results_errors_and_no_blocking():
     async def main():
         tool = FunctionTool(slow)
         results = await asyncio.gather(*(tool.call({"seconds": 0.1}) for _ in range(4)))
-        return results, await FunctionTool(fails).call({"x": 3}), await FunctionTool(book).call({"city": "Oslo", "nights": 1})
+        return (
+            results,
+            await FunctionTool(fails).call({"x": 3}),
+            await FunctionTool(book).call({"city": "Oslo", "nights": 1}),
+        )
 
     results, err, as_json = asyncio.run(main())
     assert results == ["slept"] * 4  # the four blocking calls met at the barrier: they ran in threads

@@ -58,19 +58,24 @@ def test_cpu_time_limit_kills_a_busy_process_before_the_wall_clock():
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("code", ["x = bytearray(8 * 1024**3)", "xs = []\nwhile True:\n    xs.append(bytearray(50 * 1024**2))"])
+@pytest.mark.parametrize(
+    "code", ["x = bytearray(8 * 1024**3)", "xs = []\nwhile True:\n    xs.append(bytearray(50 * 1024**2))"]
+)
 def test_memory_bomb_hits_the_address_space_limit(mode, code):
     r = run(code, memory_mb=256, timeout_s=20, isolation=mode)
     assert not r.ok and not r.timed_out and "MemoryError" in r.stderr
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("code", [
-    "import os\nwhile True:\n    os.fork()",
-    "import subprocess\nsubprocess.run(['sleep', '100'])",
-    "import os\nos.system('sleep 100 &')",
-    "import multiprocessing as mp\nps = [mp.Process(target=print) for _ in range(50)]\n[p.start() for p in ps]",
-])
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import os\nwhile True:\n    os.fork()",
+        "import subprocess\nsubprocess.run(['sleep', '100'])",
+        "import os\nos.system('sleep 100 &')",
+        "import multiprocessing as mp\nps = [mp.Process(target=print) for _ in range(50)]\n[p.start() for p in ps]",
+    ],
+)
 def test_fork_bomb_and_process_creation_are_refused(mode, code):
     r = run(code, timeout_s=5, isolation=mode)
     assert not r.ok and not r.timed_out and "creating processes is disabled" in r.stderr
@@ -85,7 +90,10 @@ def test_socket_connect_to_localhost_fails(mode):
     server.settimeout(0.5)
     port = server.getsockname()[1]
     try:
-        r = run(f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')", isolation=mode)
+        r = run(
+            f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')",
+            isolation=mode,
+        )
         assert "connected" not in r.stdout and "network access is disabled" in r.stderr
         with pytest.raises(socket.timeout):
             server.accept()
@@ -106,10 +114,12 @@ def test_namespaces_mode_has_no_network_interface_but_loopback():
 @pytest.mark.parametrize("mode", MODES)
 def test_writes_stay_in_a_fresh_working_folder_that_is_removed(mode, tmp_path):
     target = tmp_path / "escape.txt"
-    code = (f"import os, shutil\nprint(os.getcwd())\nopen('inside.txt', 'w').write('ok')\nprint(open('inside.txt').read())\n"
-            f"for f in (lambda: open({str(target)!r}, 'w'), lambda: os.mkdir({str(tmp_path / 'd')!r}),\n"
-            f"          lambda: os.rename('inside.txt', {str(target)!r}), lambda: os.remove({str(tmp_path)!r})):\n"
-            f"    try:\n        f()\n        print('escaped')\n    except PermissionError as e:\n        print('refused')\n")
+    code = (
+        f"import os, shutil\nprint(os.getcwd())\nopen('inside.txt', 'w').write('ok')\nprint(open('inside.txt').read())\n"
+        f"for f in (lambda: open({str(target)!r}, 'w'), lambda: os.mkdir({str(tmp_path / 'd')!r}),\n"
+        f"          lambda: os.rename('inside.txt', {str(target)!r}), lambda: os.remove({str(tmp_path)!r})):\n"
+        f"    try:\n        f()\n        print('escaped')\n    except PermissionError as e:\n        print('refused')\n"
+    )
     r = run(code, isolation=mode)
     lines = r.stdout.split()
     assert r.ok and lines[1:] == ["ok", "refused", "refused", "refused", "refused"], r.stdout + r.stderr
@@ -121,9 +131,11 @@ def test_writes_stay_in_a_fresh_working_folder_that_is_removed(mode, tmp_path):
 @pytest.mark.parametrize("mode", MODES)
 def test_parent_environment_is_not_visible(mode, monkeypatch):
     monkeypatch.setenv("RL2GEM_TEST_SECRET", "s3cr3t-value")
-    code = ("import os\nprint(sorted(os.environ))\nprint(os.environ.get('RL2GEM_TEST_SECRET'))\n"
-            "try:\n    print(open(f'/proc/{os.getppid()}/environ', 'rb').read())\nexcept Exception as e:\n    print(type(e).__name__)\n"
-            f"try:\n    print(open('/proc/{os.getpid()}/environ', 'rb').read())\nexcept Exception as e:\n    print(type(e).__name__)\n")
+    code = (
+        "import os\nprint(sorted(os.environ))\nprint(os.environ.get('RL2GEM_TEST_SECRET'))\n"
+        "try:\n    print(open(f'/proc/{os.getppid()}/environ', 'rb').read())\nexcept Exception as e:\n    print(type(e).__name__)\n"
+        f"try:\n    print(open('/proc/{os.getpid()}/environ', 'rb').read())\nexcept Exception as e:\n    print(type(e).__name__)\n"
+    )
     r = run(code, isolation=mode)
     assert r.ok and "s3cr3t" not in r.stdout + r.stderr
     assert "None" in r.stdout.splitlines()[1]

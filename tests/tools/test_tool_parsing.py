@@ -2,27 +2,35 @@
 
 import json
 
-from rl2gem.tools import parse_tool_calls, tools_prompt, FunctionTool
+from rl2gem.tools import FunctionTool, parse_tool_calls, tools_prompt
 
 
 def test_hermes_blocks_in_order_with_text_around():
-    text = ('I will compute.\n<tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}}\n</tool_call>\n'
-            '<tool_call>{"name": "search", "arguments": {"query": "Paris"}}</tool_call> done')
+    text = (
+        'I will compute.\n<tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}}\n</tool_call>\n'
+        '<tool_call>{"name": "search", "arguments": {"query": "Paris"}}</tool_call> done'
+    )
     calls = parse_tool_calls(text)
     assert [(c.name, c.arguments, c.error) for c in calls] == [
-        ("python", {"code": "print(1)"}, None), ("search", {"query": "Paris"}, None)]
+        ("python", {"code": "print(1)"}, None),
+        ("search", {"query": "Paris"}, None),
+    ]
 
 
 def test_unterminated_block_and_string_arguments_and_list_body():
     (c,) = parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"x\\": 2}"}')
     assert (c.name, c.arguments, c.error) == ("f", {"x": 2}, None)
-    calls = parse_tool_calls('<tool_call>[{"name": "a", "arguments": {}}, {"name": "b", "parameters": {"y": 1}}]</tool_call>')
+    calls = parse_tool_calls(
+        '<tool_call>[{"name": "a", "arguments": {}}, {"name": "b", "parameters": {"y": 1}}]</tool_call>'
+    )
     assert [(c.name, c.arguments) for c in calls] == [("a", {}), ("b", {"y": 1})]
 
 
 def test_malformed_calls_are_reported_not_raised():
-    bad = parse_tool_calls('<tool_call>{"name": "f", "arguments": {"x": 1</tool_call><tool_call></tool_call>'
-                           '<tool_call>{"arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": [1]}</tool_call>')
+    bad = parse_tool_calls(
+        '<tool_call>{"name": "f", "arguments": {"x": 1</tool_call><tool_call></tool_call>'
+        '<tool_call>{"arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": [1]}</tool_call>'
+    )
     assert len(bad) == 4 and all(c.error for c in bad)
     assert "not valid JSON" in bad[0].error and "empty" in bad[1].error
     assert '"name"' in bad[2].error and bad[3].name == "g" and "object" in bad[3].error
@@ -31,7 +39,9 @@ def test_malformed_calls_are_reported_not_raised():
 def test_fenced_json_fallback_only_for_call_shaped_objects():
     text = 'Let me call it:\n```json\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n```'
     assert [(c.name, c.arguments) for c in parse_tool_calls(text)] == [("add", {"a": 1, "b": 2})]
-    listed = '```\n[{"name": "a", "arguments": {}}, {"type": "function", "function": {"name": "b", "arguments": {}}}]\n```'
+    listed = (
+        '```\n[{"name": "a", "arguments": {}}, {"type": "function", "function": {"name": "b", "arguments": {}}}]\n```'
+    )
     assert [c.name for c in parse_tool_calls(listed)] == ["a", "b"]
     assert parse_tool_calls('```json\n{"answer": 42}\n```') == []
     assert parse_tool_calls("The answer is \\boxed{42}.") == []

@@ -52,6 +52,7 @@ async def slow_echo(text: str) -> str:
 
 def call(name, **args):
     import json
+
     return f"<tool_call>{json.dumps({'name': name, 'arguments': args})}</tool_call>"
 
 
@@ -77,17 +78,20 @@ def test_tool_turns_then_answer():
 def test_parallel_calls_come_back_in_order():
     env = make()
     env.reset(seed=0)
-    obs, *_ , info = env.step(call("slow_echo", text="first") + call("multiply", a=2, b=3))
+    obs, *_, info = env.step(call("slow_echo", text="first") + call("multiply", a=2, b=3))
     assert obs == "<tool_response>\nfirst\n</tool_response>\n<tool_response>\n6\n</tool_response>"
     assert [c["name"] for c in info["tool_calls"]] == ["slow_echo", "multiply"]
 
 
-@pytest.mark.parametrize("action, message", [
-    (call("divide", a=1, b=2), "unknown tool 'divide'; the available tools are multiply, slow_echo"),
-    ('<tool_call>{"name": "multiply", "arguments": {"a": 1,</tool_call>', "not valid JSON"),
-    (call("multiply", a=1), "'b' is a required property"),
-    (call("multiply", a="one", b=2), "'one' is not of type 'integer'"),
-])
+@pytest.mark.parametrize(
+    "action, message",
+    [
+        (call("divide", a=1, b=2), "unknown tool 'divide'; the available tools are multiply, slow_echo"),
+        ('<tool_call>{"name": "multiply", "arguments": {"a": 1,</tool_call>', "not valid JSON"),
+        (call("multiply", a=1), "'b' is a required property"),
+        (call("multiply", a="one", b=2), "'one' is not of type 'integer'"),
+    ],
+)
 def test_bad_calls_get_clear_observations_and_the_episode_goes_on(action, message):
     env = make()
     env.reset(seed=0)
@@ -114,7 +118,10 @@ def test_async_episodes_overlap_and_spawn_keeps_the_tools():
     env = make()
     env.reset(seed=3)
     envs, observations, infos = env.spawn(4)
-    assert all(isinstance(e, ToolEnvWrapper) and o == observations[0] and "tools" in i for e, o, i in zip(envs, observations, infos))
+    assert all(
+        isinstance(e, ToolEnvWrapper) and o == observations[0] and "tools" in i
+        for e, o, i in zip(envs, observations, infos, strict=True)
+    )
 
     async def episode(e):
         obs, *_ = await e.astep(call("slow_echo", text="hi"))

@@ -1,5 +1,6 @@
 """The PPO trainer: config errors, FSDP2 equivalence over 2 ranks, a 2-step 2-rank smoke run."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -20,7 +21,9 @@ def torchrun(nproc, *args, timeout=600, cwd=None):
 
 
 def test_unknown_config_key_names_the_closest():
-    r = subprocess.run([sys.executable, "-m", "rl2gem.trainers.ppo", "actor.lrr=1e-5"], capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-m", "rl2gem.trainers.ppo", "actor.lrr=1e-5"], capture_output=True, text=True, cwd=ROOT
+    )
     assert r.returncode == 2 and "did you mean 'actor.lr'" in r.stderr
     r = subprocess.run([sys.executable, "-m", "rl2gem.trainers.ppo", "adv"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 2 and "key=value" in r.stderr
@@ -39,8 +42,11 @@ def tiny_dir(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("options", [(), ("ddp_size=2",), ("cpu_offload=1", "gradient_checkpointing=1")],
-                         ids=["fsdp", "hsdp", "offload+checkpointing"])
+@pytest.mark.parametrize(
+    "options",
+    [(), ("ddp_size=2",), ("cpu_offload=1", "gradient_checkpointing=1")],
+    ids=["fsdp", "hsdp", "offload+checkpointing"],
+)
 def test_fsdp_two_ranks_equal_one(tiny_dir, tmp_path, options):
     """FSDP2 over 2 ranks (plain, HSDP replicas, CPU offload with activation checkpointing) gives
     one process's loss and gradients."""
@@ -57,15 +63,33 @@ def test_fsdp_two_ranks_equal_one(tiny_dir, tmp_path, options):
 def test_two_rank_smoke_run_logs_evaluates_and_exports(tiny_dir, tmp_path):
     out = tmp_path / "run"
     stdout = torchrun(
-        2, "trainers/ppo.py", "env=rl2/Countdown-v0", f"actor.model={tiny_dir}", "rollout.prompts_per_rollout=2",
-        "rollout.responses_per_prompt=2", "rollout.max_new_tokens=8", "trainer.total_steps=2", "trainer.eval_n=4",
-        f"trainer.output_dir={out}", "trainer.progress=false", "kl.coef=0.01",
+        2,
+        "trainers/ppo.py",
+        "env=rl2/Countdown-v0",
+        f"actor.model={tiny_dir}",
+        "rollout.prompts_per_rollout=2",
+        "rollout.responses_per_prompt=2",
+        "rollout.max_new_tokens=8",
+        "trainer.total_steps=2",
+        "trainer.eval_n=4",
+        f"trainer.output_dir={out}",
+        "trainer.progress=false",
+        "kl.coef=0.01",
     )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "actor/pg_loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
-    for key in ("rollout/reward", "rollout/response_length", "actor/kl", "actor/clip_ratio", "actor/entropy", "actor/grad_norm",
-                "perf/tokens_per_second", "perf/mfu", "time/rollout"):
+    for key in (
+        "rollout/reward",
+        "rollout/response_length",
+        "actor/kl",
+        "actor/clip_ratio",
+        "actor/entropy",
+        "actor/grad_norm",
+        "perf/tokens_per_second",
+        "perf/mfu",
+        "time/rollout",
+    ):
         assert key in steps[0], key
     assert any("eval/success" in r for r in rows)
     assert (out / "curves.png").stat().st_size > 1000 and (out / "config.yaml").exists()
@@ -112,16 +136,39 @@ def test_resume_after_kill_9_matches_an_uninterrupted_run(tiny_dir, tmp_path):
     import signal
     import time
 
-    args = ["trainers/ppo.py", "env=rl2/ReasoningGym-v0", "env_kwargs.task=basic_arithmetic", f"actor.model={tiny_dir}",
-            "rollout.prompts_per_rollout=2",
-            "rollout.responses_per_prompt=2", "rollout.max_new_tokens=12", "rollout.temperature=20.0", "actor.lr=3e-3",
-            "actor.entropy_coef=0.05", "trainer.total_steps=4", "trainer.save_every=2", "trainer.eval_at_start=false",
-            "trainer.eval_n=2", "trainer.progress=false", "seed=7"]
+    args = [
+        "trainers/ppo.py",
+        "env=rl2/ReasoningGym-v0",
+        "env_kwargs.task=basic_arithmetic",
+        f"actor.model={tiny_dir}",
+        "rollout.prompts_per_rollout=2",
+        "rollout.responses_per_prompt=2",
+        "rollout.max_new_tokens=12",
+        "rollout.temperature=20.0",
+        "actor.lr=3e-3",
+        "actor.entropy_coef=0.05",
+        "trainer.total_steps=4",
+        "trainer.save_every=2",
+        "trainer.eval_at_start=false",
+        "trainer.eval_n=2",
+        "trainer.progress=false",
+        "seed=7",
+    ]
     full, cut = tmp_path / "full", tmp_path / "cut"
     torchrun(2, *args, f"trainer.output_dir={full}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args, f"trainer.output_dir={cut}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        *args,
+        f"trainer.output_dir={cut}",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     try:
         deadline = time.time() + 300
         while not ((cut / "latest").exists() and (cut / "latest").read_text() == "checkpoint-2"):
@@ -129,10 +176,8 @@ def test_resume_after_kill_9_matches_an_uninterrupted_run(tiny_dir, tmp_path):
             time.sleep(0.05)
     finally:
         for pid in [proc.pid, *_descendants(proc.pid)]:  # torchrun starts its workers in their own sessions
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         proc.wait()
     time.sleep(3)  # a surviving worker would go on to step 4
     assert not (cut / "checkpoint-4").exists() and (cut / "latest").read_text() == "checkpoint-2"
@@ -143,8 +188,15 @@ def test_resume_after_kill_9_matches_an_uninterrupted_run(tiny_dir, tmp_path):
     assert a[4]["actor/grad_norm"] > 0
     assert len({a[s]["rollout/tokens"] for s in a}) > 1  # prompts differ from step to step
     for step in (3, 4):
-        for key in ("rollout/reward", "rollout/response_length", "rollout/tokens", "actor/pg_loss", "actor/entropy",
-                    "actor/grad_norm", "actor/lr"):
+        for key in (
+            "rollout/reward",
+            "rollout/response_length",
+            "rollout/tokens",
+            "actor/pg_loss",
+            "actor/entropy",
+            "actor/grad_norm",
+            "actor/lr",
+        ):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-4, abs=1e-6), (step, key)
     from safetensors.torch import load_file
 
@@ -193,10 +245,26 @@ def test_gae_critic_run_with_kl_in_reward(tiny_dir, tmp_path):
     rewards (the entropy bonus moves the actor away from the reference after step 1)."""
     out = tmp_path / "gae"
     torchrun(
-        2, "trainers/ppo.py", "env=rl2/ReasoningGym-v0", "env_kwargs.task=basic_arithmetic", f"actor.model={tiny_dir}",
-        "rollout.prompts_per_rollout=2", "rollout.responses_per_prompt=2", "rollout.max_new_tokens=8", "rollout.temperature=20",
-        "adv.estimator=gae", "kl.coef=1.0", "kl.in_reward=true", "actor.entropy_coef=0.05", "actor.lr=3e-3", "critic.lr=1e-2",
-        "trainer.total_steps=3", "trainer.eval_at_start=false", "trainer.eval_n=2", f"trainer.output_dir={out}", "trainer.progress=false",
+        2,
+        "trainers/ppo.py",
+        "env=rl2/ReasoningGym-v0",
+        "env_kwargs.task=basic_arithmetic",
+        f"actor.model={tiny_dir}",
+        "rollout.prompts_per_rollout=2",
+        "rollout.responses_per_prompt=2",
+        "rollout.max_new_tokens=8",
+        "rollout.temperature=20",
+        "adv.estimator=gae",
+        "kl.coef=1.0",
+        "kl.in_reward=true",
+        "actor.entropy_coef=0.05",
+        "actor.lr=3e-3",
+        "critic.lr=1e-2",
+        "trainer.total_steps=3",
+        "trainer.eval_at_start=false",
+        "trainer.eval_n=2",
+        f"trainer.output_dir={out}",
+        "trainer.progress=false",
     )
     steps = _steps(out / "metrics.jsonl")
     assert steps[1]["critic/values"] == 0.0 and steps[1]["critic/vf_loss"] == 0.0  # zero head, zero KL at step 1
@@ -204,6 +272,8 @@ def test_gae_critic_run_with_kl_in_reward(tiny_dir, tmp_path):
     assert (out / "checkpoint-3" / "dcp").exists()
     r = subprocess.run(
         [sys.executable, "-m", "rl2gem.trainers.ppo", "kl.coef=0.1", "kl.in_reward=true", "adv.estimator=grpo"],
-        capture_output=True, text=True, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
     )
     assert r.returncode != 0 and "kl.in_reward=true needs" in r.stderr

@@ -14,7 +14,15 @@ ROOT = Path(__file__).parents[2]
 
 
 def torchrun(nproc, *args, timeout=600):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "trainers/sft.py", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "trainers/sft.py",
+        *args,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
@@ -48,8 +56,21 @@ def tiny_dir(tmp_path_factory):
 def episodes(tmp_path_factory):
     """Multi-turn solver episodes of GuessTheNumber, written by ``python -m rl2gem.collect``."""
     out = tmp_path_factory.mktemp("data") / "episodes.jsonl"
-    r = subprocess.run([sys.executable, "-m", "rl2gem.collect", "env=rl2/GuessTheNumber-Easy-v0", "policy=solver", "n=12",
-                        f"output={out}", "progress=false"], capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rl2gem.collect",
+            "env=rl2/GuessTheNumber-Easy-v0",
+            "policy=solver",
+            "n=12",
+            f"output={out}",
+            "progress=false",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr
     return out
 
@@ -57,8 +78,12 @@ def episodes(tmp_path_factory):
 def test_config_errors_name_the_key():
     r = subprocess.run([sys.executable, "-m", "rl2gem.trainers.sft"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 2 and "data.train is required" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "rl2gem.trainers.sft", "data.train=x.jsonl", "actor.loss_agg=sum"],
-                       capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-m", "rl2gem.trainers.sft", "data.train=x.jsonl", "actor.loss_agg=sum"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert r.returncode == 2 and "actor.loss_agg" in r.stderr
 
 
@@ -72,12 +97,16 @@ def test_assistant_only_mask_with_the_smollm2_template():
     from rl2gem.rollout.tito import ChatRenderer
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct"))
-    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Guess a number from 1 to 4."},
-                    {"role": "assistant", "content": "2"}, {"role": "user", "content": "Higher."},
-                    {"role": "assistant", "content": "Is it 3?"}]
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Guess a number from 1 to 4."},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "Higher."},
+        {"role": "assistant", "content": "Is it 3?"},
+    ]
     (sample,) = tokenize(ChatRenderer(tokenizer), [conversation], 1024)
     spans, current = [], []
-    for token, m in zip(sample.ids, sample.mask):
+    for token, m in zip(sample.ids, sample.mask, strict=True):
         if m:
             current.append(token)
         elif current:
@@ -95,11 +124,26 @@ def test_assistant_only_mask_with_the_smollm2_template():
 def test_two_ranks_equal_one_and_eval_equals_the_cli(tiny_dir, episodes, tmp_path):
     """Same losses and weights on 1 and 2 ranks; the trainer's env evaluation equals
     ``python -m rl2gem.evaluate`` on the Hugging Face export with the same settings."""
-    args = [f"data.train={episodes}", f"data.test={episodes}", f"actor.model={tiny_dir}", "data.batch_size=6", "actor.lr=1e-3",
-            "trainer.total_steps=3", "trainer.eval_at_start=false", "trainer.progress=false", "actor.max_length_per_device=256"]
+    args = [
+        f"data.train={episodes}",
+        f"data.test={episodes}",
+        f"actor.model={tiny_dir}",
+        "data.batch_size=6",
+        "actor.lr=1e-3",
+        "trainer.total_steps=3",
+        "trainer.eval_at_start=false",
+        "trainer.progress=false",
+        "actor.max_length_per_device=256",
+    ]
     torchrun(1, *args, f"trainer.output_dir={tmp_path / 'one'}")
-    torchrun(2, *args, f"trainer.output_dir={tmp_path / 'two'}", "trainer.eval_env=rl2/GuessTheNumber-Easy-v0", "trainer.eval_n=5",
-             "rollout.max_new_tokens=6")
+    torchrun(
+        2,
+        *args,
+        f"trainer.output_dir={tmp_path / 'two'}",
+        "trainer.eval_env=rl2/GuessTheNumber-Easy-v0",
+        "trainer.eval_n=5",
+        "rollout.max_new_tokens=6",
+    )
     one, two = steps(tmp_path / "one" / "metrics.jsonl"), steps(tmp_path / "two" / "metrics.jsonl")
     assert sorted(one) == sorted(two) == [1, 2, 3]
     assert one[3]["train/loss"] < one[1]["train/loss"]  # it learns
@@ -113,9 +157,24 @@ def test_two_ranks_equal_one_and_eval_equals_the_cli(tiny_dir, episodes, tmp_pat
     final = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()][-1]
     assert final["eval/episodes"] == 5 and "eval/loss" in final
     out = tmp_path / "cli.jsonl"
-    r = subprocess.run([sys.executable, "-m", "rl2gem.evaluate", "env=rl2/GuessTheNumber-Easy-v0", "n=5", "seed=0",
-                        f"model={tmp_path / 'two' / 'checkpoint-3' / 'hf'}", "max_new_tokens=6", f"output={out}", "progress=false"],
-                       capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rl2gem.evaluate",
+            "env=rl2/GuessTheNumber-Easy-v0",
+            "n=5",
+            "seed=0",
+            f"model={tmp_path / 'two' / 'checkpoint-3' / 'hf'}",
+            "max_new_tokens=6",
+            f"output={out}",
+            "progress=false",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert r.returncode == 0, r.stderr
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert final["eval/response_tokens"] == pytest.approx(sum(x["generated_tokens"] for x in records) / 5)
@@ -126,11 +185,20 @@ def test_two_ranks_equal_one_and_eval_equals_the_cli(tiny_dir, episodes, tmp_pat
 @pytest.mark.timeout(900)
 def test_resume_matches_an_uninterrupted_run(tiny_dir, episodes, tmp_path):
     """Stop after step 2 (its checkpoint), resume to step 4: the same losses and weights as 4 steps in one go."""
-    args = [f"data.train={episodes}", f"actor.model={tiny_dir}", "data.batch_size=4", "actor.lr=1e-3", "trainer.eval_at_start=false",
-            "trainer.progress=false", "actor.max_length_per_device=256"]
+    args = [
+        f"data.train={episodes}",
+        f"actor.model={tiny_dir}",
+        "data.batch_size=4",
+        "actor.lr=1e-3",
+        "trainer.eval_at_start=false",
+        "trainer.progress=false",
+        "actor.max_length_per_device=256",
+    ]
     torchrun(2, *args, "trainer.total_steps=4", f"trainer.output_dir={tmp_path / 'full'}")
     torchrun(2, *args, "trainer.total_steps=2", f"trainer.output_dir={tmp_path / 'cut'}")
-    stdout = torchrun(2, *args, "trainer.total_steps=4", "trainer.resume=true", f"trainer.output_dir={tmp_path / 'cut'}")
+    stdout = torchrun(
+        2, *args, "trainer.total_steps=4", "trainer.resume=true", f"trainer.output_dir={tmp_path / 'cut'}"
+    )
     assert "resumed from step 2" in stdout
     full, cut = steps(tmp_path / "full" / "metrics.jsonl"), steps(tmp_path / "cut" / "metrics.jsonl")
     assert len({full[s]["train/loss"] for s in full}) == 4  # batches differ from step to step (12 episodes, 4 per step)

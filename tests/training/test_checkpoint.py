@@ -50,8 +50,9 @@ def test_save_then_load_restores_weights_optimizer_scheduler_and_rng(group, tiny
     assert worker.num_parameters == sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_dir).parameters())
     train_once(worker, device)
     checkpointer = Checkpointer(tmp_path, {"actor": worker})
-    path = checkpointer.save(1, trainer_state={"position": 7}, rank_state={"note": "mine"},
-                             export=lambda p: worker.export_hf(p))
+    path = checkpointer.save(
+        1, trainer_state={"position": 7}, rank_state={"note": "mine"}, export=lambda p: worker.export_hf(p)
+    )
     assert checkpointer.latest() == path and (tmp_path / "latest").read_text() == "checkpoint-1"
     saved = worker.full_state_dict()
     lr, rng = worker.lr, torch.rand(3)

@@ -26,7 +26,7 @@ def test_micro_batch_token_weights_sum_to_the_whole_batch_aggregate(mode):
     losses = [torch.randn(n, generator=g) for n in lengths]
     width = max(lengths)
     padded_loss, padded_mask = torch.zeros(len(lengths), width), torch.zeros(len(lengths), width)
-    for i, (loss, m) in enumerate(zip(losses, masks)):
+    for i, (loss, m) in enumerate(zip(losses, masks, strict=True)):
         padded_loss[i, : len(loss)], padded_mask[i, : len(m)] = loss, torch.tensor(m, dtype=torch.float32)
     expected = aggregate(padded_loss, padded_mask, mode, norm=16.0).item()
     totals = {"num_tokens": float(padded_mask.sum()), "num_sequences": float(len(lengths))}

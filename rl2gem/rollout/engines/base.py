@@ -21,7 +21,8 @@ from __future__ import annotations
 import abc
 import dataclasses
 import difflib
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 __all__ = ["SamplingParams", "GenerateOutput", "Engine", "EngineError", "seeded_uniform", "mix_seed"]
 
@@ -98,7 +99,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
 
     @classmethod
-    def from_dict(cls, params: Mapping[str, Any] | "SamplingParams" | None) -> "SamplingParams":
+    def from_dict(cls, params: Mapping[str, Any] | SamplingParams | None) -> SamplingParams:
         """Build from a dict with SGLang's key names.
 
         Raises:
@@ -205,7 +206,9 @@ class Engine(abc.ABC):
         """Abort one request by id, or all in-flight and queued requests."""
 
     @abc.abstractmethod
-    async def update_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]] | str, version: int | None = None) -> int:
+    async def update_weights(
+        self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]] | str, version: int | None = None
+    ) -> int:
         """Load new weights: a state dict / iterable of ``(name, tensor)``, or a
         folder of safetensors files. In-flight requests are aborted first.
         Returns the new weight version."""
@@ -214,7 +217,7 @@ class Engine(abc.ABC):
     async def health(self) -> bool:
         """True when the engine answers."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 (an optional hook: engines without resources keep it)
         """Release resources; idempotent."""
 
     def state_dict(self) -> dict[str, Any]:
@@ -222,7 +225,7 @@ class Engine(abc.ABC):
         one would (e.g. the sampling RNG); empty for engines whose sampling is seeded per request."""
         return {}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:  # noqa: B027 (optional, like state_dict)
         """Restore :meth:`state_dict` (call between requests)."""
 
     async def __aenter__(self):

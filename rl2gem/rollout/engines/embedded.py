@@ -35,8 +35,9 @@ import itertools
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -78,7 +79,7 @@ class _KVStore:
         new_c = new_left + w + new_right
         lo = new_left
         keys, values = [], []
-        for k, v in zip(self.keys or [None] * self.num_layers, self.values or [None] * self.num_layers):
+        for k, v in zip(self.keys or [None] * self.num_layers, self.values or [None] * self.num_layers, strict=True):
             nk = torch.zeros(new_s, self.kv_heads, new_c, self.head_dim, dtype=self.dtype, device=self.device)
             nv = torch.zeros_like(nk)
             if k is not None and self.slots and w:
@@ -94,7 +95,7 @@ class _KVStore:
 
     def move(self, src: int, dst: int) -> None:
         lo, hi = self.lo, self.hi
-        for k, v in zip(self.keys, self.values):
+        for k, v in zip(self.keys, self.values, strict=True):
             k[dst, :, lo:hi] = k[src, :, lo:hi]
             v[dst, :, lo:hi] = v[src, :, lo:hi]
         self.mask[dst] = self.mask[src]
@@ -152,8 +153,21 @@ def _step_cache(store: _KVStore):
 # --------------------------------------------------------------------------- requests
 class _Request:
     __slots__ = (
-        "rid", "input_ids", "params", "logprob_start_len", "loop", "future", "out_ids", "out_lp",
-        "length", "span", "stop_ids", "input_lp", "t_submit", "version", "cached",
+        "rid",
+        "input_ids",
+        "params",
+        "logprob_start_len",
+        "loop",
+        "future",
+        "out_ids",
+        "out_lp",
+        "length",
+        "span",
+        "stop_ids",
+        "input_lp",
+        "t_submit",
+        "version",
+        "cached",
     )
 
     def __init__(self, rid, input_ids, params, logprob_start_len, loop, future, stop_ids):
@@ -170,7 +184,9 @@ class _Request:
         self.version = 0
 
 
-def _sample(logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator, counts: list[int] | None = None):
+def _sample(
+    logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator, counts: list[int] | None = None
+):
     """Sample one token per row. ``logits`` [n, V] float32 -> (tokens [n] int64, logprobs [n] float32).
 
     ``counts[i]``: tokens row i's request has generated so far (the index of a
@@ -268,12 +284,16 @@ class EmbeddedEngine(Engine):
         self.max_cached_tokens = int(max_cached_tokens)
         self.prefix_cache_tokens = int(prefix_cache_tokens)
         self.min_prefix_match = 8  # shorter shared prefixes are not worth the copy
-        self._prefix: "collections.OrderedDict[tuple[int, ...], list]" = collections.OrderedDict()
+        self._prefix: collections.OrderedDict[tuple[int, ...], list] = collections.OrderedDict()
         self._prefix_size = 0
         p = next(model.parameters())
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self._store = _KVStore(
-            cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", cfg.num_attention_heads), head_dim, p.dtype, p.device
+            cfg.num_hidden_layers,
+            getattr(cfg, "num_key_value_heads", cfg.num_attention_heads),
+            head_dim,
+            p.dtype,
+            p.device,
         )
         self._device = p.device
         self._gen = torch.Generator().manual_seed(seed)
@@ -305,7 +325,9 @@ class EmbeddedEngine(Engine):
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-        req = _Request(rid or f"r{next(self._ids)}-{uuid.uuid4().hex[:6]}", ids, params, int(logprob_start_len), loop, fut, stop)
+        req = _Request(
+            rid or f"r{next(self._ids)}-{uuid.uuid4().hex[:6]}", ids, params, int(logprob_start_len), loop, fut, stop
+        )
         with self._cv:
             self._waiting.append(req)
             self.stats["requests"] += 1
@@ -474,7 +496,9 @@ class EmbeddedEngine(Engine):
         torch.set_grad_enabled(False)
         while True:
             with self._cv:
-                while not self._closed and not self._commands and (self._paused or not (self._waiting or self._running)):
+                while (
+                    not self._closed and not self._commands and (self._paused or not (self._waiting or self._running))
+                ):
                     self._cv.wait()
             self._run_commands()
             if self._closed:
@@ -505,7 +529,9 @@ class EmbeddedEngine(Engine):
                 window = max(st.window if self._running else 0, max((len(t.input_ids) for t in take), default=0), n)
                 if take and tokens + n > self.max_prefill_tokens:
                     break
-                if (self._running or take) and (len(self._running) + len(take) + 1) * (window + 1) > self.max_cached_tokens:
+                if (self._running or take) and (len(self._running) + len(take) + 1) * (
+                    window + 1
+                ) > self.max_cached_tokens:
                     break
                 take.append(self._waiting.popleft())
                 tokens += n
@@ -551,7 +577,7 @@ class EmbeddedEngine(Engine):
             return
         import numpy as np
 
-        kv = [(k[slot][:, cols].clone(), v[slot][:, cols].clone()) for k, v in zip(st.keys, st.values)]
+        kv = [(k[slot][:, cols].clone(), v[slot][:, cols].clone()) for k, v in zip(st.keys, st.values, strict=True)]
         self._prefix[tokens] = (kv, np.asarray(tokens))
         self._prefix_size += len(tokens)
         while self._prefix_size > self.prefix_cache_tokens and self._prefix:
@@ -593,7 +619,9 @@ class EmbeddedEngine(Engine):
         if running_best is not None:
             st = self._store
             cols = (st.mask[running_best, st.lo : st.hi].nonzero().flatten() + st.lo)[:best_len]
-            return best_len, [(k[running_best][:, cols], v[running_best][:, cols]) for k, v in zip(st.keys, st.values)]
+            return best_len, [
+                (k[running_best][:, cols], v[running_best][:, cols]) for k, v in zip(st.keys, st.values, strict=True)
+            ]
         self._prefix.move_to_end(best)
         kv = self._prefix[best][0]
         return best_len, [(k[:, :best_len], v[:, :best_len]) for k, v in kv]
@@ -620,9 +648,11 @@ class EmbeddedEngine(Engine):
         n = len(take)
         hits = [self._lookup_prefix(r.input_ids) for r in take]
         pre = [h[0] for h in hits]
-        suf = [len(r.input_ids) - p for r, p in zip(take, pre)]
+        suf = [len(r.input_ids) - p for r, p in zip(take, pre, strict=True)]
         P, Q = max(pre), max(suf)
-        tmp = _KVStore(self._store.num_layers, self._store.kv_heads, self._store.head_dim, self._store.dtype, self._device)
+        tmp = _KVStore(
+            self._store.num_layers, self._store.kv_heads, self._store.head_dim, self._store.dtype, self._device
+        )
         tmp.reserve(n, 0, P + Q)
         tmp.lo = tmp.hi = 0
         tmp.slots = n
@@ -641,8 +671,11 @@ class EmbeddedEngine(Engine):
             tmp.mask[j, P + Q - suf[j] : P + Q] = True
         attn = tmp.mask[:n, : P + Q]
         out = self._forward(
-            input_ids=ids.to(self._device), attention_mask=attn, position_ids=pos.to(self._device),
-            past_key_values=_step_cache(tmp), logits_to_keep=1,
+            input_ids=ids.to(self._device),
+            attention_mask=attn,
+            position_ids=pos.to(self._device),
+            past_key_values=_step_cache(tmp),
+            logits_to_keep=1,
         )
         tmp.hi = P + Q
         self.stats["prefill_tokens"] += sum(suf)
@@ -674,14 +707,12 @@ class EmbeddedEngine(Engine):
         self._append_tokens(list(all_take), tokens.tolist(), lps.tolist())
 
     def _append_tokens(self, reqs: list[_Request], tokens: list[int], lps: list[float]):
-        for r, t, lp in zip(reqs, tokens, lps):
+        for r, t, lp in zip(reqs, tokens, lps, strict=True):
             r.out_ids.append(t)
             r.out_lp.append(lp)
             if t in r.stop_ids:
                 self._finish(r, {"type": "stop", "matched": t})
-            elif len(r.out_ids) >= r.params.max_new_tokens:
-                self._finish(r, {"type": "length", "length": len(r.out_ids)})
-            elif r.length + 1 >= self.context_length:
+            elif len(r.out_ids) >= r.params.max_new_tokens or r.length + 1 >= self.context_length:
                 self._finish(r, {"type": "length", "length": len(r.out_ids)})
 
     def _decode(self):
@@ -694,7 +725,9 @@ class EmbeddedEngine(Engine):
         st.mask[:n, st.hi] = True
         attn = st.mask[:n, st.lo : st.hi + 1]
         t0 = time.perf_counter()
-        out = self._forward(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=_step_cache(st), logits_to_keep=1)
+        out = self._forward(
+            input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=_step_cache(st), logits_to_keep=1
+        )
         self.stats["time_decode_forward_ms"] += int(1000 * (time.perf_counter() - t0))
         st.hi += 1
         for r in reqs:
@@ -702,7 +735,9 @@ class EmbeddedEngine(Engine):
             r.span += 1
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += n
-        tokens, lps = _sample(out.logits[:, -1].float(), [r.params for r in reqs], self._gen, [len(r.out_ids) for r in reqs])
+        tokens, lps = _sample(
+            out.logits[:, -1].float(), [r.params for r in reqs], self._gen, [len(r.out_ids) for r in reqs]
+        )
         self._append_tokens(reqs, tokens.tolist(), lps.tolist())
 
 

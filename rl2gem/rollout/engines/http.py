@@ -16,8 +16,9 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from rl2gem.aio import LoopSessions
 from rl2gem.rollout.engines.base import Engine, EngineError, GenerateOutput, SamplingParams

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from rl2gem.procs import ServiceProcess
 from rl2gem.rollout.engines.base import EngineError
@@ -28,14 +29,33 @@ from rl2gem.rollout.engines.http import HTTPEngine
 __all__ = ["SGLangEngine", "sglang_server_command"]
 
 
-def sglang_server_command(model_path: str, port: int, *, base_gpu_id: int = 0, tp_size: int = 1, mem_fraction: float = 0.6,
-                          extra_args: list[str] | None = None) -> list[str]:
+def sglang_server_command(
+    model_path: str,
+    port: int,
+    *,
+    base_gpu_id: int = 0,
+    tp_size: int = 1,
+    mem_fraction: float = 0.6,
+    extra_args: list[str] | None = None,
+) -> list[str]:
     """The ``sglang.launch_server`` command line for one server on 127.0.0.1."""
     return [
-        sys.executable, "-m", "sglang.launch_server",
-        "--model-path", model_path, "--host", "127.0.0.1", "--port", str(port),
-        "--base-gpu-id", str(base_gpu_id), "--tp-size", str(tp_size),
-        "--mem-fraction-static", str(mem_fraction), "--skip-server-warmup",
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model_path,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--base-gpu-id",
+        str(base_gpu_id),
+        "--tp-size",
+        str(tp_size),
+        "--mem-fraction-static",
+        str(mem_fraction),
+        "--skip-server-warmup",
         *(extra_args or []),
     ]
 
@@ -65,7 +85,7 @@ class SGLangEngine(HTTPEngine):
         mem_fraction: float = 0.6,
         extra_args: list[str] | None = None,
         startup_timeout: float = 900.0,
-    ) -> "SGLangEngine":
+    ) -> SGLangEngine:
         """Start ``num_servers`` SGLang servers on GPUs ``[i * tp_size, (i + 1) * tp_size)``.
 
         Raises:
@@ -84,8 +104,14 @@ class SGLangEngine(HTTPEngine):
             for i in range(num_servers):
                 port = free_port()
                 url = f"http://127.0.0.1:{port}"
-                cmd = sglang_server_command(model_path, port, base_gpu_id=i * tp_size, tp_size=tp_size,
-                                            mem_fraction=mem_fraction, extra_args=extra_args)
+                cmd = sglang_server_command(
+                    model_path,
+                    port,
+                    base_gpu_id=i * tp_size,
+                    tp_size=tp_size,
+                    mem_fraction=mem_fraction,
+                    extra_args=extra_args,
+                )
                 procs.append(ServiceProcess(cmd, url=url, health_path="/health", timeout=startup_timeout))
             workers = [p.url for p in procs]
             router = Router(workers, policy=router_policy) if router_policy and num_servers > 1 else None
