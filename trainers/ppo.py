@@ -35,7 +35,7 @@ import rl2gem
 from rl2gem.algorithms import ESTIMATORS, importance_weights, kl_estimate, packed_loss_weights, policy_loss, value_loss
 from rl2gem.config import ConfigError
 from rl2gem.models import load_model
-from rl2gem.rollout import EmbeddedEngine, Rollout, RolloutConfig
+from rl2gem.rollout import EmbeddedEngine, Rollout, RolloutConfig, merge_rank_metrics
 from rl2gem.rollout.tito import load_chat_template
 from rl2gem.tracking import Tracker
 from rl2gem.training.checkpoint import Checkpointer
@@ -47,25 +47,6 @@ from rl2gem.training.trainer import Trainer, launch
 from rl2gem.training.worker import Worker, setup_distributed
 
 CONFIG = Path(__file__).with_name("config") / "ppo.yaml"
-#: rollout metrics that add up over ranks (the others are averaged)
-SUMMED = {
-    f"rollout/{k}"
-    for k in (
-        "groups",
-        "episodes",
-        "tokens",
-        "action_tokens",
-        "sequences",
-        "splits",
-        "requests",
-        "aborted_requests",
-        "groups_started",
-        "dropped_stale",
-        "carried_over",
-        "in_flight_after",
-        "ready_after",
-    )
-}
 
 
 def check_config(cfg) -> None:
@@ -150,10 +131,7 @@ class PPOTrainer(Trainer):
         local = samples_from_batch(batch, c.adv.estimator, c.adv.gamma, c.adv.lam)
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, (local, batch.metrics))
-        metrics = {
-            key: (sum if key in SUMMED else lambda v: sum(v) / len(v))([m[key] for _, m in gathered])
-            for key in batch.metrics
-        }
+        metrics = merge_rank_metrics([m for _, m in gathered])
         metrics["time/rollout"] = time.perf_counter() - start
         return [s for part, _ in gathered for s in part], metrics
 
@@ -184,79 +162,62 @@ class PPOTrainer(Trainer):
 
     # ------------------------------------------------------------------ 3. update
     def update(self, samples, micro_batches, scores) -> dict:
-        """``update_per_rollout`` passes of the PPO loss (and the value loss) over the micro-batches."""
-        c, a = self.cfg, self.cfg.actor
-        temperature = c.rollout.temperature or 1.0
+        """``update_per_rollout`` passes of the PPO loss (and the value loss) over the micro-batches,
+        ``actor.minibatches_per_update`` optimizer steps per pass."""
+        a = self.cfg.actor
         totals = {"num_tokens": float(sum(sum(s.mask) for s in samples)), "num_sequences": float(len(samples))}
         per = math.ceil(len(micro_batches) / max(1, int(a.minibatches_per_update)))
         stats, norms = Averager(), {}
         for _ in range(int(a.update_per_rollout)):
             for first in range(0, len(micro_batches), per):
                 for mb, sc in zip(micro_batches[first : first + per], scores[first : first + per], strict=True):
-                    part = [samples[i] for i in mb.indices]
-                    logprobs, entropy = token_logprobs(
-                        self.actor.model,
-                        [s.ids for s in part],
-                        self.device,
-                        temperature=temperature,
-                        entropy="grad" if a.entropy_coef > 0 else "metric",
-                    )
-                    mask = packed(part, "mask", self.device, torch.bool)
-                    advantages = packed(part, "advantages", self.device)
-                    rollout_logprobs = packed(part, "rollout_logprobs", self.device)
-                    weights = mb.scale * packed_loss_weights(
-                        [s.mask for s in part], a.loss_agg, float(c.rollout.max_length), **totals
-                    ).to(self.device)
-                    is_weights, is_mask = importance_weights(
-                        sc["old"], rollout_logprobs, mask, c.rollout.is_mode, c.rollout.is_cap
-                    )
-                    pg_loss, m = policy_loss(
-                        logprobs[None],
-                        sc["old"][None],
-                        advantages[None],
-                        is_mask[None],
-                        clip_low=a.clip_low,
-                        clip_high=a.clip_high,
-                        dual_clip=a.dual_clip,
-                        is_weights=is_weights[None],
-                        token_weights=weights[None],
-                    )
-                    kl = (
-                        kl_estimate(logprobs, sc["ref"], c.kl.estimator)
-                        if self.ref is not None
-                        else torch.zeros_like(logprobs)
-                    )
-                    kl_loss = (kl * weights * mask).sum() if not c.kl.in_reward else 0.0
-                    entropy_bonus = (entropy * weights * mask).sum()
-                    loss = pg_loss + c.kl.coef * kl_loss - a.entropy_coef * entropy_bonus
-                    (loss * self.mesh.dp_size).backward()  # FSDP averages gradients over data-parallel ranks
-                    n = mask.sum().clamp(min=1)
-                    row = {
-                        "pg_loss": m["pg_loss"],
-                        "clip_ratio": m["clip_ratio"],
-                        "entropy": float((entropy.detach() * mask).sum() / n),
-                        "is_weight": float((is_weights * mask).sum() / n),
-                        "mismatch_kl": float((kl_estimate(rollout_logprobs, sc["old"], "k3") * mask).sum() / n),
-                    }
-                    if self.ref is not None:
-                        row["kl"] = float((kl.detach() * mask).sum() / n)
-                    stats.add(row, weight=mb.scale)
-                    if self.critic is not None:
-                        values = token_values(self.critic.model, [s.ids for s in part], self.device)
-                        vf_loss, vm = value_loss(
-                            values, sc["values"], sc["returns"], mask, clip=c.critic.value_clip, token_weights=weights
-                        )
-                        (vf_loss * self.mesh.dp_size).backward()
-                        stats.add({"critic/" + k: v for k, v in vm.items()}, weight=mb.scale)
+                    stats.add(self.micro_batch_loss([samples[i] for i in mb.indices], mb.scale, sc, totals), mb.scale)
                 norms["actor/grad_norm"] = self.actor.step()
                 if self.critic is not None:
                     norms["critic/grad_norm"] = self.critic.step()
-        means = stats.means()
-        return {
-            **{(k if k.startswith("critic/") else f"actor/{k}"): v for k, v in means.items()},
-            **norms,
-            "actor/lr": self.actor.lr,
+        means = {(k if k.startswith("critic/") else f"actor/{k}"): v for k, v in stats.means().items()}
+        return {**means, **norms, "actor/lr": self.actor.lr}
+
+    def micro_batch_loss(self, part, scale: float, sc: dict, totals: dict) -> dict[str, float]:
+        """Backward of ``pg_loss + kl.coef * kl_loss - entropy_coef * entropy`` (and the critic's value
+        loss) on one packed micro-batch with global-batch token weights; returns its metrics."""
+        c, a = self.cfg, self.cfg.actor
+        ids, entropy_mode = [s.ids for s in part], "grad" if a.entropy_coef > 0 else "metric"
+        logprobs, entropy = token_logprobs(
+            self.actor.model, ids, self.device, temperature=c.rollout.temperature or 1.0, entropy=entropy_mode
+        )
+        mask = packed(part, "mask", self.device, torch.bool)
+        rollout_logprobs = packed(part, "rollout_logprobs", self.device)
+        weights = scale * packed_loss_weights(
+            [s.mask for s in part], a.loss_agg, float(c.rollout.max_length), **totals
+        ).to(self.device)
+        is_weights, is_mask = importance_weights(sc["old"], rollout_logprobs, mask, c.rollout.is_mode, c.rollout.is_cap)
+        pg_loss, m = policy_loss(
+            *(x[None] for x in (logprobs, sc["old"], packed(part, "advantages", self.device), is_mask)),
+            clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip,
+            is_weights=is_weights[None], token_weights=weights[None],
+        )  # fmt: skip
+        kl = kl_estimate(logprobs, sc["ref"], c.kl.estimator) if self.ref is not None else torch.zeros_like(logprobs)
+        kl_loss = (kl * weights * mask).sum() if not c.kl.in_reward else 0.0
+        loss = pg_loss + c.kl.coef * kl_loss - a.entropy_coef * (entropy * weights * mask).sum()
+        (loss * self.mesh.dp_size).backward()  # FSDP averages gradients over data-parallel ranks
+        n = mask.sum().clamp(min=1)
+        row = {
+            "pg_loss": m["pg_loss"],
+            "clip_ratio": m["clip_ratio"],
+            "entropy": float((entropy.detach() * mask).sum() / n),
+            "is_weight": float((is_weights * mask).sum() / n),
+            "mismatch_kl": float((kl_estimate(rollout_logprobs, sc["old"], "k3") * mask).sum() / n),
+            **({"kl": float((kl.detach() * mask).sum() / n)} if self.ref is not None else {}),
         }
+        if self.critic is not None:
+            values = token_values(self.critic.model, ids, self.device)
+            vf_loss, vm = value_loss(
+                values, sc["values"], sc["returns"], mask, clip=c.critic.value_clip, token_weights=weights
+            )
+            (vf_loss * self.mesh.dp_size).backward()
+            row.update({"critic/" + k: v for k, v in vm.items()})
+        return row
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:
@@ -294,32 +255,15 @@ class PPOTrainer(Trainer):
 
     def evaluate(self) -> dict[str, float]:
         """Greedy episodes on the eval split, spread over ranks (:func:`rl2gem.training.evaluate_env`)."""
-        c = self.cfg
-        kwargs = {
-            **OmegaConf.to_container(c.env_kwargs, resolve=True),
-            **OmegaConf.to_container(c.eval_env_kwargs, resolve=True),
-        }
-        config = RolloutConfig.from_mapping(
-            c.rollout,
-            responses_per_prompt=1,
-            temperature=0.0,
-            partial_rollout=False,
-            dynamic_filter=False,
-            seed=c.trainer.eval_seed,
-            progress=False,
-        )
+        c, t = self.cfg, self.cfg.trainer
+        kwargs = OmegaConf.to_container(OmegaConf.merge(c.env_kwargs, c.eval_env_kwargs), resolve=True)
+        greedy = {"responses_per_prompt": 1, "temperature": 0.0, "partial_rollout": False, "dynamic_filter": False}
+        config = RolloutConfig.from_mapping(c.rollout, **greedy, seed=t.eval_seed, progress=False)
+        template = self.rollout.renderer.chat_template
         return evaluate_env(
-            self.engine,
-            self.tokenizer,
-            c.env,
-            kwargs,
-            c.trainer.eval_n,
-            config,
-            loop=self.loop,
-            chat_template=self.rollout.renderer.chat_template,
-            seed=c.trainer.eval_seed,
-            split=c.trainer.eval_split,
-        )
+            self.engine, self.tokenizer, c.env, kwargs, t.eval_n, config,
+            loop=self.loop, chat_template=template, seed=t.eval_seed, split=t.eval_split,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ checkpoints
     def rank_state(self) -> dict:

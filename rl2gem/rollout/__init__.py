@@ -22,5 +22,6 @@ __all__, __getattr__ = lazy_exports(
         "Rollout": "rl2gem.rollout.rollout",
         "RolloutBatch": "rl2gem.rollout.rollout",
         "RolloutConfig": "rl2gem.rollout.rollout",
+        "merge_rank_metrics": "rl2gem.rollout.rollout",
     },
 )

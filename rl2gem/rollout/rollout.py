@@ -30,7 +30,7 @@ import dataclasses
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from rl2gem.rollout.engines.base import Engine, EngineError, SamplingParams, mix_seed
@@ -508,3 +508,30 @@ class Rollout:
             "time/rollout": seconds,
         }
         return out
+
+
+#: the :meth:`Rollout.collect` metrics that are counts (summed over ranks); the others are rates or means
+SUMMED_METRICS = frozenset(
+    f"rollout/{name}"
+    for name in (
+        "groups", "episodes", "tokens", "action_tokens", "sequences", "splits", "requests",
+        "aborted_requests", "groups_started", "dropped_stale", "carried_over", "in_flight_after", "ready_after",
+    )
+)  # fmt: skip
+
+
+def merge_rank_metrics(per_rank: list[Mapping[str, float]]) -> dict[str, float]:
+    """One rollout's metrics from every rank's :attr:`RolloutBatch.metrics`: counts
+    (:data:`SUMMED_METRICS`) are summed, rates and means averaged over ranks. Keys are those of the
+    first rank.
+
+    Raises:
+        ValueError: ``per_rank`` is empty.
+    """
+    if not per_rank:
+        raise ValueError("merge_rank_metrics needs the metrics of at least one rank")
+    merged = {}
+    for key in per_rank[0]:
+        values = [metrics[key] for metrics in per_rank]
+        merged[key] = sum(values) if key in SUMMED_METRICS else sum(values) / len(values)
+    return merged

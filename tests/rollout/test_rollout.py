@@ -5,7 +5,7 @@ import asyncio
 import pytest
 from tiny import tiny_model
 
-from rl2gem.rollout import EmbeddedEngine, Rollout, RolloutConfig
+from rl2gem.rollout import EmbeddedEngine, Rollout, RolloutConfig, merge_rank_metrics
 
 ENV = "rl2/GuessTheNumber-Easy-v0"  # 4 turns; the random tiny model never answers validly
 
@@ -245,3 +245,13 @@ def test_state_dict_restores_position_and_partial_buffer(tokenizer):
 def test_bad_config():
     with pytest.raises(ValueError):
         Rollout(None, None, ENV, RolloutConfig(responses_per_prompt=0))
+
+
+def test_merge_rank_metrics_sums_counts_and_averages_rates():
+    ranks = [
+        {"rollout/episodes": 8.0, "rollout/reward": 0.25, "time/rollout": 2.0},
+        {"rollout/episodes": 4.0, "rollout/reward": 0.75, "time/rollout": 4.0},
+    ]
+    assert merge_rank_metrics(ranks) == {"rollout/episodes": 12.0, "rollout/reward": 0.5, "time/rollout": 3.0}
+    with pytest.raises(ValueError, match="at least one rank"):
+        merge_rank_metrics([])
