@@ -1,18 +1,15 @@
 import json
 import logging
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import ROOT, torchrun
 
 from rl2gem import models
 from rl2gem.assets import ASSETS, IncompleteBuild, build_dir, cache_dir
 from rl2gem.models import BUILTIN_MODELS, MODEL_FILES, load_model, resolve_model
 
-ROOT = Path(__file__).parents[1]
 NAME = "smollm2-135m-instruct"
 
 
@@ -159,23 +156,14 @@ def test_two_ranks_convert_from_an_empty_cache(tmp_path, first):
     (cache / "downloads").mkdir(parents=True)
     for f in (cache_dir() / "downloads").glob(f"{prefix}*"):
         shutil.copy(f, cache / "downloads" / f.name)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(ROOT / "tests" / "models_two_ranks.py"),
-        str(first),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RL2GEM_CACHE": str(cache)}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env, check=False)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    stdout = torchrun(
+        2, str(ROOT / "tests" / "models_two_ranks.py"), str(first), timeout=900, env={"RL2GEM_CACHE": str(cache)}
+    )
     other = 1 - first
-    assert f"rank {other}: rank {first} holds the conversion lock" in r.stdout  # the order did happen
+    assert f"rank {other}: rank {first} holds the conversion lock" in stdout  # the order did happen
     folder = cache / "models" / NAME
     for rank in (0, 1):
-        assert f"rank {rank}: loaded 134515008 parameters from {folder}" in r.stdout, r.stdout
+        assert f"rank {rank}: loaded 134515008 parameters from {folder}" in stdout, stdout
     names = {p.name for p in folder.iterdir()}
     assert {".complete", "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
     assert json.loads((folder / "config.json").read_text())["model_type"] == "llama"

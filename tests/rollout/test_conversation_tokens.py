@@ -3,12 +3,13 @@
 import asyncio
 
 import pytest
+from helpers import masked_runs
 from test_tito import THINK_TEMPLATE, ScriptedEngine, action_ids
 from toy_envs import CountEnv, SlowSearchEnv
 
 from rl2gem import Env
 from rl2gem.rollout import Rollout, RolloutConfig
-from rl2gem.rollout.tito import ChatRenderer, Sequence
+from rl2gem.rollout.tito import ChatRenderer
 
 CONVERSATION = [
     {"role": "system", "content": "You are a terse calculator."},
@@ -17,18 +18,6 @@ CONVERSATION = [
     {"role": "user", "content": "And times three?"},
     {"role": "assistant", "content": "That makes 12."},
 ]
-
-
-def masked_runs(sequence: Sequence) -> list[list[int]]:
-    """The token ids of each contiguous run of action-mask 1."""
-    runs, current = [], []
-    for token, mask in zip(sequence.input_ids, sequence.action_mask, strict=True):
-        if mask:
-            current.append(token)
-        elif current:
-            runs.append(current)
-            current = []
-    return runs + ([current] if current else [])
 
 
 def decode(tokenizer, ids):
@@ -41,7 +30,7 @@ def test_masked_tokens_are_the_assistant_turns_and_the_text_is_the_render(tokeni
     n = len(sequence.input_ids)
     assert len(sequence.action_mask) == len(sequence.logprobs) == len(sequence.versions) == len(sequence.rewards) == n
     assert sequence.logprobs == [0.0] * n and sequence.versions == [-1] * n and sequence.rewards == [0.0] * n
-    runs = masked_runs(sequence)
+    runs = masked_runs(sequence.input_ids, sequence.action_mask)
     assert [decode(tokenizer, run) for run in runs] == ["2+2 is 4.<|im_end|>", "That makes 12.<|im_end|>"]
     # the stop token is the tokenizer's eos, <|im_end|>, and the last token of every action
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -68,7 +57,8 @@ def test_explicit_stop_token_ends_each_assistant_turn(tokenizer):
     renderer = ChatRenderer(tokenizer)
     endoftext = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     assert endoftext != tokenizer.eos_token_id
-    runs = masked_runs(renderer.conversation(CONVERSATION, stop_token=endoftext))
+    sequence = renderer.conversation(CONVERSATION, stop_token=endoftext)
+    runs = masked_runs(sequence.input_ids, sequence.action_mask)
     assert [run[-1] for run in runs] == [endoftext, endoftext]
     assert [decode(tokenizer, run[:-1]) for run in runs] == ["2+2 is 4.", "That makes 12."]
 
@@ -162,6 +152,6 @@ def test_same_tokens_as_a_rollout_of_the_same_actions(tokenizer, env_factory, te
     sequence = ChatRenderer(tokenizer).conversation(episode.messages)
     assert sequence.input_ids == played.input_ids
     assert sequence.action_mask == played.action_mask
-    assert [decode(tokenizer, run) for run in masked_runs(sequence)] == [
+    assert [decode(tokenizer, run) for run in masked_runs(sequence.input_ids, sequence.action_mask)] == [
         text + "<|im_end|>" for text in texts[: episode.turns]
     ]

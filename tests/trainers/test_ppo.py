@@ -8,16 +8,19 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import ROOT, logged_steps, torchrun, torchrun_command
 
-ROOT = Path(__file__).parents[2]
 
-
-def torchrun(nproc, *args, timeout=600, cwd=None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT, env=env)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    return r.stdout
+def arithmetic_run(model) -> list[str]:
+    """The PPO trainer on two-term arithmetic with 2 groups of 2 per step."""
+    return [
+        "trainers/ppo.py",
+        "env=rl2/ReasoningGym-v0",
+        "env_kwargs.task=basic_arithmetic",
+        f"actor.model={model}",
+        "rollout.prompts_per_rollout=2",
+        "rollout.responses_per_prompt=2",
+    ]
 
 
 def test_unknown_config_key_names_the_closest():
@@ -27,19 +30,6 @@ def test_unknown_config_key_names_the_closest():
     assert r.returncode == 2 and "did you mean 'actor.lr'" in r.stderr
     r = subprocess.run([sys.executable, "-m", "rl2gem.trainers.ppo", "adv"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 2 and "key=value" in r.stderr
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from tiny import tiny_model
-    from transformers import AutoTokenizer
-
-    from rl2gem.models import resolve_model
-
-    d = tmp_path_factory.mktemp("tiny")
-    tiny_model().save_pretrained(d)
-    AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct")).save_pretrained(d)
-    return d
 
 
 @pytest.mark.parametrize(
@@ -118,16 +108,6 @@ def _descendants(pid):
     return out
 
 
-def _steps(path):
-    """The last logged row of each training step (a resumed run re-logs the steps after its checkpoint)."""
-    rows = {}
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
-        if "actor/pg_loss" in r:
-            rows[r["step"]] = r
-    return rows
-
-
 def test_resume_after_kill_9_matches_an_uninterrupted_run(tiny_dir, tmp_path):
     """kill -9 after the step-2 checkpoint, resume: steps 3-4 equal the uninterrupted run's.
 
@@ -137,12 +117,7 @@ def test_resume_after_kill_9_matches_an_uninterrupted_run(tiny_dir, tmp_path):
     import time
 
     args = [
-        "trainers/ppo.py",
-        "env=rl2/ReasoningGym-v0",
-        "env_kwargs.task=basic_arithmetic",
-        f"actor.model={tiny_dir}",
-        "rollout.prompts_per_rollout=2",
-        "rollout.responses_per_prompt=2",
+        *arithmetic_run(tiny_dir),
         "rollout.max_new_tokens=12",
         "rollout.temperature=20.0",
         "actor.lr=3e-3",
@@ -156,16 +131,7 @@ def test_resume_after_kill_9_matches_an_uninterrupted_run(tiny_dir, tmp_path):
     ]
     full, cut = tmp_path / "full", tmp_path / "cut"
     torchrun(2, *args, f"trainer.output_dir={full}")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        *args,
-        f"trainer.output_dir={cut}",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd, env = torchrun_command(2, *args, f"trainer.output_dir={cut}")
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
@@ -183,7 +149,7 @@ def test_resume_after_kill_9_matches_an_uninterrupted_run(tiny_dir, tmp_path):
     assert not (cut / "checkpoint-4").exists() and (cut / "latest").read_text() == "checkpoint-2"
     stdout = torchrun(2, *args, f"trainer.output_dir={cut}", "trainer.resume=true")
     assert "resumed from step 2" in stdout
-    a, b = _steps(full / "metrics.jsonl"), _steps(cut / "metrics.jsonl")
+    a, b = logged_steps(full / "metrics.jsonl", "actor/pg_loss"), logged_steps(cut / "metrics.jsonl", "actor/pg_loss")
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
     assert a[4]["actor/grad_norm"] > 0
     assert len({a[s]["rollout/tokens"] for s in a}) > 1  # prompts differ from step to step
@@ -246,12 +212,7 @@ def test_gae_critic_run_with_kl_in_reward(tiny_dir, tmp_path):
     out = tmp_path / "gae"
     torchrun(
         2,
-        "trainers/ppo.py",
-        "env=rl2/ReasoningGym-v0",
-        "env_kwargs.task=basic_arithmetic",
-        f"actor.model={tiny_dir}",
-        "rollout.prompts_per_rollout=2",
-        "rollout.responses_per_prompt=2",
+        *arithmetic_run(tiny_dir),
         "rollout.max_new_tokens=8",
         "rollout.temperature=20",
         "adv.estimator=gae",
@@ -266,7 +227,7 @@ def test_gae_critic_run_with_kl_in_reward(tiny_dir, tmp_path):
         f"trainer.output_dir={out}",
         "trainer.progress=false",
     )
-    steps = _steps(out / "metrics.jsonl")
+    steps = logged_steps(out / "metrics.jsonl", "actor/pg_loss")
     assert steps[1]["critic/values"] == 0.0 and steps[1]["critic/vf_loss"] == 0.0  # zero head, zero KL at step 1
     assert steps[3]["actor/kl"] > 0 and steps[3]["critic/vf_loss"] > 0 and steps[3]["critic/values"] != 0.0
     assert (out / "checkpoint-3" / "dcp").exists()

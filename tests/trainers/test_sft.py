@@ -5,51 +5,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import ROOT, logged_steps, masked_runs, torchrun
 from safetensors.torch import load_file
-
-ROOT = Path(__file__).parents[2]
-
-
-def torchrun(nproc, *args, timeout=600):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "trainers/sft.py",
-        *args,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    return r.stdout
-
-
-def steps(path):
-    """The last logged row of each training step."""
-    rows = {}
-    for line in Path(path).read_text().splitlines():
-        row = json.loads(line)
-        if "train/loss" in row:
-            rows[row["step"]] = row
-    return rows
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from tiny import tiny_model
-    from transformers import AutoTokenizer
-
-    from rl2gem.models import resolve_model
-
-    d = tmp_path_factory.mktemp("tiny")
-    tiny_model().save_pretrained(d)
-    AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct")).save_pretrained(d)
-    return d
 
 
 @pytest.fixture(scope="module")
@@ -105,15 +64,7 @@ def test_assistant_only_mask_with_the_smollm2_template():
         {"role": "assistant", "content": "Is it 3?"},
     ]
     (sample,) = tokenize(ChatRenderer(tokenizer), [conversation], 1024)
-    spans, current = [], []
-    for token, m in zip(sample.ids, sample.mask, strict=True):
-        if m:
-            current.append(token)
-        elif current:
-            spans.append(current)
-            current = []
-    spans.append(current)
-    assert [tokenizer.decode(s) for s in spans] == ["2<|im_end|>", "Is it 3?<|im_end|>"]
+    assert [tokenizer.decode(s) for s in masked_runs(sample.ids, sample.mask)] == ["2<|im_end|>", "Is it 3?<|im_end|>"]
     assert tokenizer.decode(sample.ids).startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n")
     (cut,) = tokenize(ChatRenderer(tokenizer), [conversation], len(sample.ids) - 3)
     assert cut.ids == sample.ids[:-3] and sum(cut.mask) == sum(sample.mask) - 3
@@ -135,16 +86,20 @@ def test_two_ranks_equal_one_and_eval_equals_the_cli(tiny_dir, episodes, tmp_pat
         "trainer.progress=false",
         "actor.max_length_per_device=256",
     ]
-    torchrun(1, *args, f"trainer.output_dir={tmp_path / 'one'}")
+    torchrun(1, "trainers/sft.py", *args, f"trainer.output_dir={tmp_path / 'one'}")
     torchrun(
         2,
+        "trainers/sft.py",
         *args,
         f"trainer.output_dir={tmp_path / 'two'}",
         "trainer.eval_env=rl2/GuessTheNumber-Easy-v0",
         "trainer.eval_n=5",
         "rollout.max_new_tokens=6",
     )
-    one, two = steps(tmp_path / "one" / "metrics.jsonl"), steps(tmp_path / "two" / "metrics.jsonl")
+    one, two = (
+        logged_steps(tmp_path / "one" / "metrics.jsonl", "train/loss"),
+        logged_steps(tmp_path / "two" / "metrics.jsonl", "train/loss"),
+    )
     assert sorted(one) == sorted(two) == [1, 2, 3]
     assert one[3]["train/loss"] < one[1]["train/loss"]  # it learns
     for s in (1, 2, 3):
@@ -194,13 +149,21 @@ def test_resume_matches_an_uninterrupted_run(tiny_dir, episodes, tmp_path):
         "trainer.progress=false",
         "actor.max_length_per_device=256",
     ]
-    torchrun(2, *args, "trainer.total_steps=4", f"trainer.output_dir={tmp_path / 'full'}")
-    torchrun(2, *args, "trainer.total_steps=2", f"trainer.output_dir={tmp_path / 'cut'}")
+    torchrun(2, "trainers/sft.py", *args, "trainer.total_steps=4", f"trainer.output_dir={tmp_path / 'full'}")
+    torchrun(2, "trainers/sft.py", *args, "trainer.total_steps=2", f"trainer.output_dir={tmp_path / 'cut'}")
     stdout = torchrun(
-        2, *args, "trainer.total_steps=4", "trainer.resume=true", f"trainer.output_dir={tmp_path / 'cut'}"
+        2,
+        "trainers/sft.py",
+        *args,
+        "trainer.total_steps=4",
+        "trainer.resume=true",
+        f"trainer.output_dir={tmp_path / 'cut'}",
     )
     assert "resumed from step 2" in stdout
-    full, cut = steps(tmp_path / "full" / "metrics.jsonl"), steps(tmp_path / "cut" / "metrics.jsonl")
+    full, cut = (
+        logged_steps(tmp_path / "full" / "metrics.jsonl", "train/loss"),
+        logged_steps(tmp_path / "cut" / "metrics.jsonl", "train/loss"),
+    )
     assert len({full[s]["train/loss"] for s in full}) == 4  # batches differ from step to step (12 episodes, 4 per step)
     for s in (3, 4):
         assert cut[s]["train/loss"] == pytest.approx(full[s]["train/loss"], rel=1e-5)
