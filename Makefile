@@ -7,7 +7,7 @@ TORCH_VERSION := 2.13.0
 # Every other package `make setup` installs, pinned with hashes (`make lock` regenerates it).
 LOCK   := requirements.lock
 
-.PHONY: setup run test test-fast test-latest lint lock bench sft-searchqa clean
+.PHONY: setup run test test-fast test-latest lint lock bench sft-searchqa preference-arithmetic clean
 
 setup: $(STAMP)
 
@@ -40,6 +40,21 @@ sft-searchqa: setup
 		output=runs/searchqa/oracle-top1.jsonl progress=false
 	OMP_NUM_THREADS=1 $(BIN)/python -m torch.distributed.run --standalone --nproc_per_node=2 trainers/sft.py \
 		config=searchqa_sft trainer.progress=false
+
+# Preference proof on real input (README, benchmarks/learning.md): SmolLM2-135M-Instruct's own
+# samples on the arithmetic recipe's task -> preference pairs (train items; held-out pairs from
+# test items) -> DPO, and a reward model that is then PPO's only reward.
+ARITHMETIC := 'env_kwargs={task: basic_arithmetic, min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 2, operators: ["+", "-"], allow_negation: false, allow_parentheses: false, answer: last_number}'
+PAIRS := $(BIN)/python -m rl2gem.collect env=rl2/ReasoningGym-v0 $(ARITHMETIC) model=smollm2-135m-instruct pairs=true \
+	responses_per_prompt=8 max_new_tokens=32 batch_size=64 progress=false
+TORCHRUN := OMP_NUM_THREADS=1 $(BIN)/python -m torch.distributed.run --standalone --nproc_per_node=2
+preference-arithmetic: setup
+	$(PAIRS) split=train n=640 output=runs/arithmetic-pairs/train.jsonl
+	$(PAIRS) split=test n=200 output=runs/arithmetic-pairs/test.jsonl
+	$(TORCHRUN) trainers/dpo.py config=arithmetic_dpo trainer.progress=false
+	$(TORCHRUN) trainers/rm.py config=arithmetic_rm trainer.progress=false
+	$(TORCHRUN) trainers/ppo.py config=arithmetic reward.model=runs/arithmetic-rm reward.mode=replace \
+		trainer.total_steps=40 trainer.output_dir=runs/arithmetic-ppo-rm trainer.progress=false
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -2,6 +2,7 @@
 
     python -m rl2gem.collect env=rl2/SearchQA-v0 policy=solver n=500 output=data/search.jsonl
     python -m rl2gem.collect env=rl2/GSM8K-v0 policy=model model=smollm2-135m-instruct n=200 min_reward=1.0 output=gsm8k.jsonl
+    python -m rl2gem.collect env=rl2/ReasoningGym-v0 model=smollm2-135m-instruct n=500 pairs=true output=pairs.jsonl
 
 Episodes are played by :func:`rl2gem.evaluate.evaluate` (same arguments, see
 :data:`rl2gem.evaluate.DEFAULTS`; here ``split`` defaults to ``train``):
@@ -13,7 +14,20 @@ unless given. With ``min_reward`` only episodes whose reward reaches it are kept
 
     {"messages": [...], "reward": 1.0, "env": "rl2/SearchQA-v0", "seed": 0, "index": 0, "policy": "solver"}
 
-(``"model": name`` is added when a model played). The messages are the ones a
+(``"model": name`` is added when a model played).
+
+With ``pairs=true`` (a model policy) each task is played ``responses_per_prompt`` times (default
+4) and each task whose episodes got different rewards yields one preference pair, RL2's RM / DPO
+format (:func:`rl2gem.data.load_preferences`)::
+
+    {"messages": [prompt...], "chosen": "...", "rejected": "...", "chosen_reward": 1.0,
+     "rejected_reward": 0.0, "env": ..., "seed": ..., "index": ..., "policy": "model", "model": ...}
+
+``chosen`` is the first episode with the group's highest reward, ``rejected`` the first with its
+lowest (with ``min_reward``: chosen must reach it and rejected must not); each is the assistant's
+reply as a string for a one-turn episode, else the messages from the first assistant turn on.
+
+The messages are the ones a
 :class:`~rl2gem.rollout.Rollout` renders: the optional system prompt, the first
 observation, then each action and the env's reply to it (tool results one
 ``role="tool"`` message each), ending with the last action. The file is RL2's
@@ -35,7 +49,7 @@ from rl2gem.config import ConfigError, load_config
 from rl2gem.evaluate import DEFAULTS as EVALUATE_DEFAULTS
 from rl2gem.evaluate import EpisodeRecord, evaluate
 
-__all__ = ["DEFAULTS", "POLICIES", "collect", "episode_row", "main", "parse_args"]
+__all__ = ["DEFAULTS", "POLICIES", "collect", "episode_row", "pair_rows", "main", "parse_args"]
 
 #: The ``policy`` values.
 POLICIES = ("solver", "random", "model")
@@ -47,7 +61,12 @@ DEFAULTS: dict[str, Any] = {
     "split": "train",
     "temperature": None,  # policy=model: 1.0 (sampling) unless given
     "min_reward": None,
+    "pairs": False,  # preference pairs from groups of responses_per_prompt episodes per task
+    "responses_per_prompt": None,  # None: 4 with pairs=true, else 1
 }
+
+#: Episodes per task of ``pairs=true`` when ``responses_per_prompt`` is not given.
+PAIR_GROUP = 4
 
 #: Sampling temperature of ``policy=model`` when none is given.
 MODEL_TEMPERATURE = 1.0
@@ -78,6 +97,12 @@ def _resolve(cfg: DictConfig) -> DictConfig:
         cfg.temperature = MODEL_TEMPERATURE if cfg.policy == "model" else 0.0
     if cfg.min_reward is not None:
         cfg.min_reward = float(cfg.min_reward)
+    if cfg.responses_per_prompt is None:
+        cfg.responses_per_prompt = PAIR_GROUP if cfg.pairs else 1
+    if cfg.pairs and cfg.policy != "model":
+        raise SystemExit("pairs=true samples several episodes per task: it needs policy=model and model=...")
+    if cfg.pairs and int(cfg.responses_per_prompt) < 2:
+        raise SystemExit(f"pairs=true needs responses_per_prompt >= 2, got {cfg.responses_per_prompt}")
     if int(cfg.n) < 1:
         raise SystemExit(f"n must be >= 1, got {cfg.n}")
     return cfg
@@ -98,6 +123,39 @@ def episode_row(record: EpisodeRecord, cfg: DictConfig) -> dict[str, Any]:
     return row
 
 
+def _continuation(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str | list[dict[str, Any]]]:
+    """An episode's messages as (prompt, continuation): the messages before the first assistant
+    turn, and the rest (the reply's text when it is a single assistant message)."""
+    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    rest = messages[first:]
+    return messages[:first], rest[0]["content"] if len(rest) == 1 else rest
+
+
+def pair_rows(records: list[EpisodeRecord], cfg: DictConfig) -> list[dict[str, Any]]:
+    """The preference pairs of groups of ``cfg.responses_per_prompt`` consecutive records (one
+    task each; see the module doc)."""
+    size, rows = int(cfg.responses_per_prompt), []
+    for start in range(0, len(records), size):
+        group = records[start : start + size]
+        best = max(group, key=lambda r: r.reward)
+        worst = min(group, key=lambda r: r.reward)
+        if best.reward <= worst.reward:
+            continue
+        if cfg.min_reward is not None and not (best.reward >= cfg.min_reward > worst.reward):
+            continue
+        prompt, chosen = _continuation(best.messages)
+        _, rejected = _continuation(worst.messages)
+        row = {
+            "messages": prompt,
+            "chosen": chosen,
+            "rejected": rejected,
+            "chosen_reward": float(best.reward),
+            "rejected_reward": float(worst.reward),
+        }
+        rows.append({**row, **{k: v for k, v in episode_row(best, cfg).items() if k not in ("messages", "reward")}})
+    return rows
+
+
 def collect(cfg: DictConfig) -> tuple[int, list[dict[str, Any]]]:
     """Play ``cfg.n`` episodes and write the kept ones to ``cfg.output`` (rewritten).
 
@@ -116,7 +174,12 @@ def collect(cfg: DictConfig) -> tuple[int, list[dict[str, Any]]]:
     if cfg.policy != "model":
         play.model = None
     records = evaluate(play)
-    rows = [episode_row(record, cfg) for record in records if cfg.min_reward is None or record.reward >= cfg.min_reward]
+    if cfg.pairs:
+        rows = pair_rows(records, cfg)
+    else:
+        rows = [
+            episode_row(record, cfg) for record in records if cfg.min_reward is None or record.reward >= cfg.min_reward
+        ]
     output = Path(cfg.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     with open(output, "w", encoding="utf-8") as sink:
@@ -144,9 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(sys.argv[1:] if argv is None else argv)
     played, rows = collect(cfg)
     rule = f" with reward >= {float(cfg.min_reward)}" if cfg.min_reward is not None else ""
-    print(
-        f"{cfg.env}  split={cfg.split}  seed={cfg.seed}: played {played} episodes, kept {len(rows)}{rule} -> {cfg.output}"
-    )
+    kept = f"{len(rows)} preference pairs" if cfg.pairs else f"kept {len(rows)}{rule}"
+    print(f"{cfg.env}  split={cfg.split}  seed={cfg.seed}: played {played} episodes, {kept} -> {cfg.output}")
     return 0
 
 

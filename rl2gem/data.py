@@ -5,6 +5,8 @@
   rows as dicts.
 * :func:`load_conversations` reads supervised fine-tuning data in RL2's formats
   (``{"prompt", "response"}`` or ``{"messages"}`` rows) as chat conversations.
+* :func:`load_preferences` reads preference pairs in RL2's RM / DPO format
+  (``{"prompt" | "messages", "chosen", "rejected"}`` rows).
 * :func:`prepared` caches a list of dict records built by a function as a
   JSON-lines file in the rl2gem cache, and memoises it in the process, so the
   first env that needs a data set builds it, and every later env (64 in a
@@ -17,12 +19,22 @@ import json
 import os
 import tempfile
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rl2gem.assets import cache_dir
 
-__all__ = ["CHAT_ROLES", "FILE_FORMATS", "DataUnavailable", "load_conversations", "load_table", "prepared"]
+__all__ = [
+    "CHAT_ROLES",
+    "FILE_FORMATS",
+    "DataUnavailable",
+    "PreferencePair",
+    "load_conversations",
+    "load_preferences",
+    "load_table",
+    "prepared",
+]
 
 #: File suffix -> ``datasets`` builder name.
 FILE_FORMATS = {
@@ -155,13 +167,8 @@ def load_conversations(source: str | Mapping[str, str], split: str = "train") ->
 
 def _conversation(messages: Any, where: str) -> list[dict[str, Any]]:
     """``messages`` checked and without null keys (see :func:`load_conversations`)."""
-    if not isinstance(messages, list) or not messages:
-        raise DataUnavailable(f"{where}: messages must be a non-empty list, got {messages!r:.200}")
     out = []
-    for position, message in enumerate(messages):
-        if not isinstance(message, Mapping):
-            raise DataUnavailable(f"{where}: message {position} is not a mapping: {message!r:.200}")
-        message = {key: value for key, value in message.items() if value is not None}
+    for position, message in enumerate(_message_list(messages, where)):
         if message.get("role") not in CHAT_ROLES:
             raise DataUnavailable(
                 f"{where}: message {position} has role {message.get('role')!r}; expected one of {', '.join(CHAT_ROLES)}"
@@ -172,6 +179,92 @@ def _conversation(messages: Any, where: str) -> list[dict[str, Any]]:
     if not any(message["role"] == "assistant" for message in out):
         raise DataUnavailable(f"{where}: the conversation has no assistant turn")
     return out
+
+
+@dataclass
+class PreferencePair:
+    """One preference pair: a shared prompt and two continuations of it.
+
+    Attributes:
+        prompt: the messages before the responses (at least one, the last not an assistant turn).
+        chosen: the preferred continuation (one assistant message, or a multi-turn list that
+            starts with an assistant turn: assistant turns and the env's replies).
+        rejected: the other continuation, same shape.
+        extra: the row's other keys (e.g. ``ref_chosen_logps`` / ``ref_rejected_logps``, rewards).
+    """
+
+    prompt: list[dict[str, Any]]
+    chosen: list[dict[str, Any]]
+    rejected: list[dict[str, Any]]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def load_preferences(source: str | Mapping[str, str], split: str = "train") -> list[PreferencePair]:
+    """Preference pairs in RL2's reward-model / DPO format, read with :func:`load_table`.
+
+    Rows are ``{"prompt": str | messages, "chosen": ..., "rejected": ...}`` or
+    ``{"messages": [...], "chosen": ..., "rejected": ...}`` (``messages`` is the prompt). A
+    ``chosen`` / ``rejected`` string is one assistant message; a list of messages is a multi-turn
+    continuation (``python -m rl2gem.collect pairs=true`` writes those for multi-turn envs). A
+    string prompt is one user message; JSON strings (CSV cells) are parsed.
+
+    Returns:
+        one :class:`PreferencePair` per row, in file order.
+
+    Raises:
+        DataUnavailable: anything :func:`load_table` raises; a row (numbered from 0) without a
+            prompt, chosen or rejected, a malformed message list, or a continuation that does
+            not start with an assistant turn.
+    """
+    pairs = []
+    for number, row in enumerate(load_table(source, split)):
+        present = {key: value for key, value in row.items() if value is not None}
+        where = f"{source}: row {number} (counting from 0)"
+        prompt_key = "messages" if "messages" in present else "prompt"
+        missing = [key for key in (prompt_key, "chosen", "rejected") if key not in present]
+        if missing:
+            raise DataUnavailable(
+                f"{where}: missing {missing} (keys {sorted(present)}); "
+                "expected {'prompt' or 'messages', 'chosen', 'rejected'}"
+            )
+        prompt = _messages(present[prompt_key], "user", where)
+        if prompt[-1]["role"] == "assistant":
+            raise DataUnavailable(f"{where}: the prompt ends with an assistant turn")
+        sides = {}
+        for side in ("chosen", "rejected"):
+            continuation = _messages(present[side], "assistant", where)
+            if continuation[0]["role"] != "assistant":
+                raise DataUnavailable(f"{where}: {side!r} must start with an assistant turn")
+            _conversation(prompt + continuation, where)
+            sides[side] = continuation
+        extra = {key: value for key, value in present.items() if key not in (prompt_key, "chosen", "rejected")}
+        pairs.append(PreferencePair(prompt, sides["chosen"], sides["rejected"], extra))
+    return pairs
+
+
+def _messages(value: Any, role: str, where: str) -> list[dict[str, Any]]:
+    """A string as one ``role`` message, a list (or its JSON string) as messages, checked."""
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value) if value.lstrip().startswith("[") else None
+        except json.JSONDecodeError:
+            parsed = None
+        if not (isinstance(parsed, list) and parsed and all(isinstance(m, Mapping) for m in parsed)):
+            return [{"role": role, "content": value}]  # text, even text like "[3]"
+        value = parsed
+    return _message_list(value, where)
+
+
+def _message_list(value: Any, where: str) -> list[dict[str, Any]]:
+    """A non-empty list of mappings, each without its null keys."""
+    if not isinstance(value, list) or not value:
+        raise DataUnavailable(f"{where}: messages must be a non-empty list, got {value!r:.200}")
+    messages = []
+    for position, message in enumerate(value):
+        if not isinstance(message, Mapping):
+            raise DataUnavailable(f"{where}: message {position} is not a mapping: {message!r:.200}")
+        messages.append({key: item for key, item in message.items() if item is not None})
+    return messages
 
 
 _memo: dict[str, list[dict[str, Any]]] = {}

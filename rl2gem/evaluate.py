@@ -13,7 +13,8 @@ episodes on the model's chat template, greedy unless ``temperature > 0``.
 
 Episodes: an env with a data set (``len(env)``) plays its first ``n`` items in
 order (``reset(options={"index": i})``), so runs are comparable across
-models; other envs play seeds ``seed, seed+1, ...``. ``split`` (default
+models; other envs play seeds ``seed, seed+1, ...``; with ``responses_per_prompt=k``
+each task is played ``k`` times in a row (episodes ``i*k`` to ``i*k+k-1``). ``split`` (default
 ``test``) is passed to envs that take one. Each finished episode is appended
 to ``output`` (JSON lines, flushed at once: a crash loses nothing written);
 a summary table is printed at the end.
@@ -37,6 +38,7 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
+from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 __all__ = [
@@ -56,6 +58,7 @@ DEFAULTS: dict[str, Any] = {
     "model": None,
     "policy": "solver",
     "n": 100,
+    "responses_per_prompt": 1,  # episodes per task (a group: pass@k, preference pairs)
     "split": "test",
     "seed": 0,
     "batch_size": 16,
@@ -90,6 +93,13 @@ class EpisodeRecord:
     final_info: dict[str, Any] = field(default_factory=dict)
 
 
+def env_kwargs(cfg) -> dict[str, Any]:
+    """``cfg.env_kwargs`` as plain Python values (OmegaConf lists and dicts converted: envs hash
+    and compare them)."""
+    value = cfg.env_kwargs
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else dict(value)
+
+
 def _scripted(policy: str, env: gym.Env, rng: np.random.Generator) -> Callable[[], Callable[[str], str]]:
     base = env.unwrapped
     if policy == "solver":
@@ -107,7 +117,7 @@ def _make_env(cfg) -> gym.Env:
     from rl2gem.registry import standard_kwargs
 
     kwargs = standard_kwargs(
-        cfg.env, dict(cfg.env_kwargs), split=cfg.split, tools_in_template=bool(getattr(cfg, "tools_in_template", False))
+        cfg.env, env_kwargs(cfg), split=cfg.split, tools_in_template=bool(getattr(cfg, "tools_in_template", False))
     )
     return gym.make(cfg.env, **kwargs)
 
@@ -286,10 +296,12 @@ def evaluate(cfg) -> list[EpisodeRecord]:
     import rl2gem  # noqa: F401  (registers the envs)
     from rl2gem.registry import standard_kwargs
 
-    kwargs = standard_kwargs(
-        cfg.env, dict(cfg.env_kwargs), split=cfg.split, tools_in_template=bool(cfg.tools_in_template)
-    )
+    kwargs = standard_kwargs(cfg.env, env_kwargs(cfg), split=cfg.split, tools_in_template=bool(cfg.tools_in_template))
     resets = task_resets(cfg.env, kwargs, cfg.n, cfg.seed)
+    group = int(cfg.get("responses_per_prompt", 1))
+    if group < 1:
+        raise SystemExit(f"responses_per_prompt must be >= 1, got {group}")
+    resets = [reset for reset in resets for _ in range(group)]  # a task's episodes are consecutive
     n = len(resets)
     out_path = Path(cfg.output) if cfg.output else None
     if out_path:

@@ -27,6 +27,10 @@ STDOUT_KEYS = (
     "actor/clip_ratio",
     "actor/grad_norm",
     "train/loss",
+    "rm/loss",
+    "rm/accuracy",
+    "rewards/accuracies",
+    "rewards/margins",
     "perf/tokens_per_second",
     "perf/mfu",
     "time/step",
@@ -35,6 +39,8 @@ STDOUT_KEYS = (
     "eval/em",
     "eval/searches",
     "eval/loss",
+    "eval/rm/accuracy",
+    "eval/rewards/accuracies",
 )
 
 

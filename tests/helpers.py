@@ -46,3 +46,18 @@ def masked_runs(ids, mask) -> list[list[int]]:
             runs.append(current)
             current = []
     return runs + ([current] if current else [])
+
+
+def stop_and_resume(nproc: int, script: str, args: list[str], stop: int, total: int, out) -> None:
+    """Run ``script`` to step ``stop`` (its checkpoint), then again with ``trainer.resume=true`` to
+    ``total`` in the same ``out`` folder; assert that the second run resumed at ``stop``."""
+    torchrun(nproc, script, *args, f"trainer.total_steps={stop}", f"trainer.output_dir={out}")
+    stdout = torchrun(
+        nproc, script, *args, f"trainer.total_steps={total}", "trainer.resume=true", f"trainer.output_dir={out}"
+    )
+    assert f"resumed from step {stop}" in stdout
+
+
+def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -m module args`` from the repository root, its output captured as text."""
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=ROOT)

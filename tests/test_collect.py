@@ -178,3 +178,43 @@ def test_model_rejection_sampling_rows_tokenise(tmp_path, tokenizer, monkeypatch
         assert messages[-1]["role"] == "assistant"
         sequence = renderer.conversation(messages)
         assert sum(sequence.action_mask) > 0 and len(sequence.input_ids) == len(sequence.action_mask)
+
+
+def _record(position, reward, reply, prompt="What is 2 + 3?"):
+    from rl2gem.evaluate import EpisodeRecord
+
+    messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]
+    return EpisodeRecord(position, 7, 3, reward, 1, reward > 0, True, False, 0, None, 4, messages)
+
+
+def test_pair_rows_take_the_best_and_worst_episode_of_each_task():
+    from rl2gem.collect import pair_rows
+
+    cfg = _resolve(parse_args(["model=m", "pairs=true", "output=x"]))
+    assert (cfg.responses_per_prompt, cfg.temperature) == (4, 1.0)
+    records = [_record(i, r, f"reply {i}") for i, r in enumerate([0.0, 1.0, 0.5, 1.0])]  # task 1
+    records += [_record(4 + i, 1.0, "5") for i in range(4)]  # task 2: all rewarded, no pair
+    multi = [
+        {"role": "user", "content": "Guess"},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "Higher"},
+        {"role": "assistant", "content": "3"},
+    ]
+    records += [_record(8 + i, float(i == 2), "1") for i in range(4)]  # task 3: a multi-turn winner
+    records[10].messages = multi
+    rows = pair_rows(records, cfg)
+    assert len(rows) == 2
+    assert rows[0]["messages"] == [{"role": "user", "content": "What is 2 + 3?"}]
+    assert (rows[0]["chosen"], rows[0]["rejected"]) == ("reply 1", "reply 0")  # first of the best, first of the worst
+    assert (rows[0]["chosen_reward"], rows[0]["rejected_reward"]) == (1.0, 0.0)
+    assert rows[1]["chosen"] == multi[1:] and rows[1]["rejected"] == "1"
+    assert {"env", "seed", "index", "model", "policy"} <= set(rows[0])
+    strict = _resolve(parse_args(["model=m", "pairs=true", "min_reward=0.5", "output=x"]))  # rejected below 0.5
+    assert len(pair_rows(records[:4], strict)) == 1 and pair_rows(records[1:3], strict) == []
+
+
+def test_pairs_need_a_model_and_groups():
+    with pytest.raises(SystemExit, match="policy=model"):
+        _resolve(parse_args(["pairs=true", "output=x"]))
+    with pytest.raises(SystemExit, match="responses_per_prompt >= 2"):
+        _resolve(parse_args(["model=m", "pairs=true", "responses_per_prompt=1", "output=x"]))

@@ -3,6 +3,7 @@
 import json
 import pathlib
 import re
+import shlex
 import subprocess
 import sys
 
@@ -173,7 +174,7 @@ def test_readme_shell_commands_run(tmp_path):
     assert commands, "the README lost its commands"
     for cmd in commands:
         assert cmd.startswith(".venv/bin/python "), cmd
-        args = cmd.split()[1:]
+        args = shlex.split(cmd)[1:]  # quoted arguments (a YAML mapping of env_kwargs) stay whole
         r = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, cmd + "\n" + r.stderr
 

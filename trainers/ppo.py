@@ -7,7 +7,10 @@ Defaults: ``trainers/config/ppo.yaml``; ``config=<recipe>`` and ``key=value`` ov
 keys are errors naming the closest valid one). One step:
 
 1. collect: every rank runs its own embedded engine over ``prompts_per_rollout / world`` GRPO
-   groups (token-in/token-out, prefix-merged), advantages per group; all samples are shared;
+   groups (token-in/token-out, prefix-merged); with ``reward.model`` a trained reward model
+   (:class:`rl2gem.rewards.RewardModel`) scores each episode and its score replaces the env's
+   reward (``reward.mode=replace``) or is added to it (``add``); advantages per group; all
+   samples are shared;
 2. score: the samples are planned over ranks and packed into micro-batches; old and reference
    log-probs, and with ``adv.estimator=gae`` the critic's values (KL in the reward first when
    ``kl.in_reward``) and GAE;
@@ -35,6 +38,7 @@ import rl2gem
 from rl2gem.algorithms import ESTIMATORS, importance_weights, kl_estimate, packed_loss_weights, policy_loss, value_loss
 from rl2gem.config import ConfigError
 from rl2gem.models import load_model
+from rl2gem.rewards.model import REWARD_MODES, RewardModel
 from rl2gem.rollout import EmbeddedEngine, Rollout, RolloutConfig, merge_rank_metrics
 from rl2gem.rollout.tito import load_chat_template
 from rl2gem.tracking import Tracker
@@ -57,6 +61,8 @@ def check_config(cfg) -> None:
     """
     if cfg.adv.estimator not in ESTIMATORS:
         raise ConfigError(f"adv.estimator={cfg.adv.estimator!r} is not one of {list(ESTIMATORS)}")
+    if cfg.reward.mode not in REWARD_MODES:
+        raise ConfigError(f"reward.mode={cfg.reward.mode!r} is not one of {list(REWARD_MODES)}")
     if cfg.kl.in_reward and cfg.kl.coef > 0 and cfg.adv.estimator != "gae":
         raise ConfigError(
             f"kl.in_reward=true needs token-level credit (adv.estimator=gae), got adv.estimator={cfg.adv.estimator}; "
@@ -101,6 +107,15 @@ class PPOTrainer(Trainer):
         self.peak_flops = peak_flops_from_config(c.trainer.peak_flops, self.device, self.actor.dtype)
         self.step = 0
         self.loop = asyncio.new_event_loop()
+        self.reward_model = None
+        if c.reward.model:  # every rank scores its own episodes with a full copy
+            self.reward_model = RewardModel(
+                c.reward.model,
+                device=self.device,
+                dtype=self.actor.dtype,
+                max_tokens=c.actor.max_length_per_device,
+                chat_template=c.rollout.chat_template,
+            )
         model, self.tokenizer = load_model(c.actor.model, dtype=self.actor.dtype, device=str(self.device))
         model.load_state_dict(self.actor.full_state_dict(), strict=True)
         self.engine = EmbeddedEngine(model, self.tokenizer, seed=c.seed * 1000 + self.rank)
@@ -128,6 +143,8 @@ class PPOTrainer(Trainer):
         c = self.cfg
         start = time.perf_counter()
         batch = self.loop.run_until_complete(self.rollout.collect(c.rollout.prompts_per_rollout // self.world))
+        if self.reward_model is not None:
+            batch.metrics.update(self.reward_model.apply(batch, c.reward.mode))
         local = samples_from_batch(batch, c.adv.estimator, c.adv.gamma, c.adv.lam)
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, (local, batch.metrics))

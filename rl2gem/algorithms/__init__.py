@@ -1,4 +1,5 @@
-"""RL algorithms: advantage estimators and PPO-family losses (token-level, action-masked)."""
+"""RL algorithms: advantage estimators, PPO-family losses (token-level, action-masked) and
+pairwise preference losses (Bradley-Terry, DPO, IPO)."""
 
 from rl2gem.algorithms.advantages import (
     ESTIMATORS,
@@ -23,13 +24,17 @@ from rl2gem.algorithms.losses import (
     policy_loss,
     value_loss,
 )
+from rl2gem.algorithms.preference import DPO_LOSS_TYPES, bradley_terry_loss, dpo_loss
 
 __all__ = [
+    "DPO_LOSS_TYPES",
     "ESTIMATORS",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "aggregate",
+    "bradley_terry_loss",
     "compute_advantages",
+    "dpo_loss",
     "drgrpo",
     "entropy_from_logits",
     "gae",

@@ -25,7 +25,38 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_distributed", "shard_model", "load_sharded", "full_state_dict", "decoder_layers"]
+__all__ = [
+    "HEADS",
+    "init_distributed",
+    "shard_model",
+    "load_sharded",
+    "full_state_dict",
+    "decoder_layers",
+    "head_class",
+]
+
+#: Model heads :func:`load_sharded` builds: a causal LM, a per-token value (critic), a sequence reward.
+HEADS = ("lm", "value", "reward")
+
+
+def head_class(head: str):
+    """The transformers auto class a head's Hugging Face export loads with:
+    ``AutoModelForCausalLM`` (``lm``), ``AutoModelForTokenClassification`` (``value``),
+    ``AutoModelForSequenceClassification`` (``reward``).
+
+    Raises:
+        ValueError: unknown head.
+    """
+    import transformers
+
+    names = {
+        "lm": "AutoModelForCausalLM",
+        "value": "AutoModelForTokenClassification",
+        "reward": "AutoModelForSequenceClassification",
+    }
+    if head not in names:
+        raise ValueError(f"head must be one of {HEADS}, got {head!r}")
+    return getattr(transformers, names[head])
 
 
 def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device]:
@@ -100,7 +131,10 @@ def load_sharded(
     Args:
         head: ``"lm"``: the causal LM (actor, reference); ``"value"``: the same backbone with a
             scalar head (``AutoModelForTokenClassification``, one label, no dropout) for a PPO
-            critic; the head starts at zero, so every initial value is 0.
+            critic; the head starts at zero, so every initial value is 0; ``"reward"``: the same
+            per-token model with the head's bias frozen at 0, for a reward model read at a
+            sequence's last token (exported as ``AutoModelForSequenceClassification``, whose
+            head has no bias; per-token outputs are what FSDP's backward hooks see).
 
     Returns the FSDP-wrapped model (train mode) with ``dtype`` parameters.
 
@@ -108,22 +142,21 @@ def load_sharded(
         ValueError: unknown ``head``.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from rl2gem.models import resolve_model
 
-    if head not in ("lm", "value"):
-        raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
+    if head not in HEADS:
+        raise ValueError(f"head must be one of {HEADS}, got {head!r}")
     path = resolve_model(name_or_path)
     config = AutoConfig.from_pretrained(path)
-    cls = AutoModelForCausalLM
-    if head == "value":
+    cls = head_class("value" if head == "reward" else head)
+    if head != "lm":
         config.num_labels, config.classifier_dropout = 1, 0.0
-        cls = AutoModelForTokenClassification
     full = None
     if dist.get_rank() == 0:
         full = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).state_dict()
-        if head == "value":
+        if head != "lm":
             full = {k: v for k, v in full.items() if not k.startswith("lm_head.")}
             full["score.weight"] = torch.zeros(1, config.hidden_size, dtype=dtype)
             full["score.bias"] = torch.zeros(1, dtype=dtype)
@@ -131,6 +164,8 @@ def load_sharded(
         model = cls.from_config(config, dtype=dtype)
     if head == "lm" and getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
+    if head == "reward":  # Bradley-Terry is blind to a shared offset: keep it exactly 0 for the export
+        model.score.bias.requires_grad_(False)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     shard_model(

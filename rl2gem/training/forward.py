@@ -20,7 +20,17 @@ import torch
 from rl2gem.algorithms import entropy_from_logits
 from rl2gem.parallel.packing import packed_attention_mask, packed_batch, plan
 
-__all__ = ["MicroBatch", "plan_micro_batches", "packed_inputs", "token_logprobs", "token_values", "sequence_ends"]
+__all__ = [
+    "MicroBatch",
+    "plan_micro_batches",
+    "packed_inputs",
+    "token_logprobs",
+    "token_values",
+    "sequence_scores",
+    "score_positions",
+    "sequence_ends",
+    "sequence_sums",
+]
 
 
 @dataclasses.dataclass
@@ -128,6 +138,58 @@ def token_values(critic, sequences: Sequence[Sequence[int]], device: torch.devic
     values = critic(**kwargs).logits[0, :, 0].float()
     out = torch.cat([torch.zeros(1, device=values.device), values[:-1]])
     return torch.where(_first_token(batch, device), torch.zeros_like(out), out)
+
+
+def score_positions(sequences: Sequence[Sequence[int]], pad_token_id: int | None) -> list[int]:
+    """Where a sequence classifier reads each sequence's score in the packed row: the last token
+    that is not ``pad_token_id`` (transformers' ``*ForSequenceClassification`` pooling, so an
+    exported reward model scores a sequence as training did): the last token when
+    ``pad_token_id`` is None, the first when every token is padding."""
+    positions, start = [], 0
+    for ids in sequences:
+        last = len(ids) - 1
+        if pad_token_id is not None:
+            last = next((i for i in range(len(ids) - 1, -1, -1) if ids[i] != pad_token_id), 0)
+        positions.append(start + last)
+        start += len(ids)
+    return positions
+
+
+def sequence_scores(model, sequences: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """Scalar scores of a packed micro-batch under a reward model: float32 ``[S]``, the model's
+    one-label output at :func:`score_positions` (``pad_token_id`` from the model's config);
+    differentiable when grad is enabled.
+
+    ``model`` is a token classifier with one label (the trained ``head="reward"`` worker) or a
+    sequence classifier with one label (its Hugging Face export), whose per-token head outputs
+    are read through a forward hook on ``model.score``.
+
+    Raises:
+        ValueError: a model without a one-label ``score`` head.
+    """
+    head = getattr(model, "score", None)
+    if head is None or getattr(head, "out_features", None) != 1:
+        raise ValueError(f"{type(model).__name__} has no one-label score head (a reward model)")
+    captured = []
+    handle = head.register_forward_hook(lambda module, args, output: captured.append(output))
+    try:
+        _, kwargs = packed_inputs(model, sequences, device)
+        output = model(**kwargs).logits
+    finally:
+        handle.remove()
+    per_token = (output if output.dim() == 3 else captured[-1])[0, :, 0].float()
+    positions = torch.tensor(score_positions(sequences, model.config.pad_token_id), device=per_token.device)
+    return per_token[positions]
+
+
+def sequence_sums(values: torch.Tensor, lengths: Sequence[int], masks: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Per-sequence sums of packed per-token ``values`` ``[N]`` over each sequence's ``mask``:
+    ``[S]`` in ``values``' dtype, differentiable (e.g. sequence log-probs of the response tokens)."""
+    mask = torch.tensor([m for ms in masks for m in ms], dtype=values.dtype, device=values.device)
+    owner = torch.repeat_interleave(
+        torch.arange(len(lengths), device=values.device), torch.tensor(list(lengths), device=values.device)
+    )
+    return torch.zeros(len(lengths), dtype=values.dtype, device=values.device).index_add(0, owner, values * mask)
 
 
 def sequence_ends(lengths: Sequence[int]) -> list[int]:

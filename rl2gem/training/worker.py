@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from rl2gem.parallel.fsdp import full_state_dict, init_distributed, load_sharded
+from rl2gem.parallel.fsdp import full_state_dict, head_class, init_distributed, load_sharded
 from rl2gem.parallel.mesh import ParallelMesh, build_mesh
 
 __all__ = ["Worker", "resolve_dtype", "setup_distributed", "SCHEDULES"]
@@ -87,8 +87,9 @@ class Worker:
             (:data:`SCHEDULES`). Missing keys take the defaults of ``trainers/config``.
         mesh: from :func:`setup_distributed`.
         device: this rank's device.
-        head: ``"lm"`` (a causal LM) or ``"value"`` (the backbone with a zero-initialised scalar
-            head, for a critic).
+        head: ``"lm"`` (a causal LM), ``"value"`` (the backbone with a zero-initialised per-token
+            scalar head, for a critic) or ``"reward"`` (a zero-initialised sequence score, for a
+            reward model); see :func:`rl2gem.parallel.fsdp.load_sharded`.
         model: overrides ``section.model``.
         trainable: False for frozen workers (a reference policy): eval mode, no optimizer.
         total_steps: optimizer steps of the run (for decaying schedules).
@@ -170,17 +171,18 @@ class Worker:
         self, path: str | Path, tokenizer=None, state: Mapping[str, torch.Tensor] | None = None
     ) -> Path | None:
         """Write a Hugging Face folder (config, safetensors, tokenizer) that ``from_pretrained`` loads:
-        a causal LM, or for ``head="value"`` a token classifier with one label.
+        a causal LM, for ``head="value"`` a token classifier and for ``head="reward"`` a sequence
+        classifier, each with one label.
 
         A collective (the full state dict is gathered on every rank, pass ``state`` when it already
         is); only rank 0 writes. Returns the folder on rank 0, None elsewhere.
         """
-        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
-
         full = state if state is not None else self.full_state_dict()
         if dist.get_rank() != 0:
             return None
-        cls = AutoModelForTokenClassification if self.head == "value" else AutoModelForCausalLM
+        cls = head_class(self.head)
+        if self.head == "reward":  # trained as a token classifier with a bias frozen at 0
+            full = {k: v for k, v in full.items() if k != "score.bias"}
         config = self.model.config
         with torch.device("meta"):
             skeleton = cls.from_config(config, dtype=self.dtype)

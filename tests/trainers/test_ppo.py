@@ -4,11 +4,10 @@ import contextlib
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, logged_steps, torchrun, torchrun_command
+from helpers import ROOT, logged_steps, run_module, torchrun, torchrun_command
 
 
 def arithmetic_run(model) -> list[str]:
@@ -24,11 +23,9 @@ def arithmetic_run(model) -> list[str]:
 
 
 def test_unknown_config_key_names_the_closest():
-    r = subprocess.run(
-        [sys.executable, "-m", "rl2gem.trainers.ppo", "actor.lrr=1e-5"], capture_output=True, text=True, cwd=ROOT
-    )
+    r = run_module("rl2gem.trainers.ppo", "actor.lrr=1e-5")
     assert r.returncode == 2 and "did you mean 'actor.lr'" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "rl2gem.trainers.ppo", "adv"], capture_output=True, text=True, cwd=ROOT)
+    r = run_module("rl2gem.trainers.ppo", "adv")
     assert r.returncode == 2 and "key=value" in r.stderr
 
 
@@ -231,10 +228,5 @@ def test_gae_critic_run_with_kl_in_reward(tiny_dir, tmp_path):
     assert steps[1]["critic/values"] == 0.0 and steps[1]["critic/vf_loss"] == 0.0  # zero head, zero KL at step 1
     assert steps[3]["actor/kl"] > 0 and steps[3]["critic/vf_loss"] > 0 and steps[3]["critic/values"] != 0.0
     assert (out / "checkpoint-3" / "dcp").exists()
-    r = subprocess.run(
-        [sys.executable, "-m", "rl2gem.trainers.ppo", "kl.coef=0.1", "kl.in_reward=true", "adv.estimator=grpo"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
+    r = run_module("rl2gem.trainers.ppo", "kl.coef=0.1", "kl.in_reward=true", "adv.estimator=grpo")
     assert r.returncode != 0 and "kl.in_reward=true needs" in r.stderr

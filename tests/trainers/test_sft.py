@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, logged_steps, masked_runs, torchrun
+from helpers import ROOT, logged_steps, masked_runs, run_module, stop_and_resume, torchrun
 from safetensors.torch import load_file
 
 
@@ -35,14 +35,9 @@ def episodes(tmp_path_factory):
 
 
 def test_config_errors_name_the_key():
-    r = subprocess.run([sys.executable, "-m", "rl2gem.trainers.sft"], capture_output=True, text=True, cwd=ROOT)
+    r = run_module("rl2gem.trainers.sft")
     assert r.returncode == 2 and "data.train is required" in r.stderr
-    r = subprocess.run(
-        [sys.executable, "-m", "rl2gem.trainers.sft", "data.train=x.jsonl", "actor.loss_agg=sum"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
+    r = run_module("rl2gem.trainers.sft", "data.train=x.jsonl", "actor.loss_agg=sum")
     assert r.returncode == 2 and "actor.loss_agg" in r.stderr
 
 
@@ -150,16 +145,7 @@ def test_resume_matches_an_uninterrupted_run(tiny_dir, episodes, tmp_path):
         "actor.max_length_per_device=256",
     ]
     torchrun(2, "trainers/sft.py", *args, "trainer.total_steps=4", f"trainer.output_dir={tmp_path / 'full'}")
-    torchrun(2, "trainers/sft.py", *args, "trainer.total_steps=2", f"trainer.output_dir={tmp_path / 'cut'}")
-    stdout = torchrun(
-        2,
-        "trainers/sft.py",
-        *args,
-        "trainer.total_steps=4",
-        "trainer.resume=true",
-        f"trainer.output_dir={tmp_path / 'cut'}",
-    )
-    assert "resumed from step 2" in stdout
+    stop_and_resume(2, "trainers/sft.py", args, 2, 4, tmp_path / "cut")
     full, cut = (
         logged_steps(tmp_path / "full" / "metrics.jsonl", "train/loss"),
         logged_steps(tmp_path / "cut" / "metrics.jsonl", "train/loss"),

@@ -1,0 +1,111 @@
+"""A trained reward model as a reward: scores token sequences, conversations and rollout episodes.
+
+``trainers/rm.py`` exports a folder that ``AutoModelForSequenceClassification`` loads (one label,
+the score read at the last non-padding token). :class:`RewardModel` runs it on packed rows, as
+training did, so it gives the training scores; PPO uses it through ``reward.model=PATH`` for envs
+without a verifiable reward (``reward.mode=replace``) or to shape one (``add``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from rl2gem.models import resolve_model
+from rl2gem.rollout.tito import ChatRenderer, load_chat_template
+from rl2gem.training.forward import sequence_scores
+
+__all__ = ["REWARD_MODES", "RewardModel"]
+
+#: How :meth:`RewardModel.apply` combines the model's score with the env's reward.
+REWARD_MODES = ("replace", "add")
+
+
+class RewardModel:
+    """A sequence-classifier reward model (one label) on one device, for scoring.
+
+    Args:
+        path: a ``trainers/rm.py`` run folder (its latest checkpoint's ``hf/`` is used), a
+            ``checkpoint-<step>/hf`` folder, or any one-label sequence classifier transformers loads.
+        device: where it runs (``"cpu"``, ``"cuda:0"``).
+        dtype: its parameters' dtype (float32 on CPU).
+        max_tokens: tokens per packed forward (a longer sequence runs alone).
+        chat_template: renders conversations for :meth:`score_conversations` (a built-in name,
+            Jinja file or text; default the tokenizer's), as ``rollout.chat_template`` does.
+
+    Raises:
+        ValueError: the model does not have exactly one label.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_tokens: int = 4096,
+        chat_template: str | None = None,
+    ):
+        run = Path(path)
+        if (run / "latest").is_file():  # a trainer's output folder
+            path = str(run / (run / "latest").read_text().strip() / "hf")
+        folder = resolve_model(path)
+        self.device = torch.device(device)
+        self.model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=dtype).to(self.device).eval()
+        if self.model.config.num_labels != 1:
+            raise ValueError(f"{path}: a reward model has one label, this one has {self.model.config.num_labels}")
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.renderer = ChatRenderer(self.tokenizer, load_chat_template(chat_template))
+        self.max_tokens = int(max_tokens)
+
+    @torch.no_grad()
+    def score_ids(self, sequences: Sequence[Sequence[int]]) -> list[float]:
+        """One score per token sequence (packed ``max_tokens`` at a time, in order)."""
+        scores: list[float] = []
+        chunk: list[Sequence[int]] = []
+        for ids in [*sequences, None]:
+            if chunk and (ids is None or sum(map(len, chunk)) + len(ids) > self.max_tokens):
+                scores += sequence_scores(self.model, chunk, self.device).tolist()
+                chunk = []
+            if ids is not None:
+                chunk.append(ids)
+        return scores
+
+    def score_conversations(self, conversations: Sequence[list[dict[str, Any]]]) -> list[float]:
+        """One score per conversation (``{"role", "content"}`` messages ending with the response),
+        tokenised as rollouts and ``trainers/rm.py`` do
+        (:meth:`~rl2gem.rollout.tito.ChatRenderer.conversation`)."""
+        return self.score_ids([self.renderer.conversation(list(m)).input_ids for m in conversations])
+
+    def apply(self, batch, mode: str = "replace") -> dict[str, float]:
+        """Score every finished episode of a rollout batch (:class:`rl2gem.rollout.RolloutBatch`)
+        on its last sequence's tokens and put the score into its reward, in place:
+        ``replace`` makes it the episode's only reward, ``add`` adds it to the env's. The score
+        goes on the last turn (``turn_rewards``) and the last action token (``Sequence.rewards``),
+        where the env's final reward is; ``info["rm_score"]`` keeps it.
+
+        Returns:
+            ``{"rollout/rm_score": mean score}`` (0 for an empty batch).
+
+        Raises:
+            ValueError: unknown ``mode``.
+        """
+        if mode not in REWARD_MODES:
+            raise ValueError(f"reward mode must be one of {REWARD_MODES}, got {mode!r}")
+        episodes = [e for e in batch.episodes if e.sequences and e.turn_rewards]
+        scores = self.score_ids([e.sequences[-1].input_ids for e in episodes])
+        for episode, score in zip(episodes, scores, strict=True):
+            if mode == "replace":
+                episode.turn_rewards = [0.0] * len(episode.turn_rewards)
+                for sequence in episode.sequences:
+                    sequence.rewards = [0.0] * len(sequence.rewards)
+            episode.turn_rewards[-1] += score
+            last = episode.sequences[-1]
+            position = max((i for i, m in enumerate(last.action_mask) if m), default=len(last.rewards) - 1)
+            last.rewards[position] += score
+            episode.info = {**episode.info, "rm_score": score}
+        return {"rollout/rm_score": sum(scores) / len(scores) if scores else 0.0}

@@ -1,0 +1,81 @@
+"""Preference pairs as training items: tokenised chosen / rejected sequences that share a prompt,
+planned so that a pair's two sequences are always in the same packed micro-batch (reward models
+and DPO compare them; RL2 packs them the same way, so a pair costs up to ``2 * max_length``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from rl2gem.data import PreferencePair
+from rl2gem.rollout.tito import ChatRenderer
+from rl2gem.training.forward import MicroBatch, plan_micro_batches
+from rl2gem.training.samples import Sample
+
+__all__ = ["PairSample", "tokenize_pairs", "plan_pair_micro_batches", "pair_sequences"]
+
+
+@dataclasses.dataclass
+class PairSample:
+    """One tokenised preference pair.
+
+    Attributes:
+        chosen, rejected: :class:`~rl2gem.training.Sample` s whose ``mask`` is 1 on the response's
+            assistant tokens only (the prompt's earlier assistant turns, if any, are 0).
+        ref_chosen_logps, ref_rejected_logps: reference sequence log-probs given by the data
+            (DPO), or None.
+    """
+
+    chosen: Sample
+    rejected: Sample
+    ref_chosen_logps: float | None = None
+    ref_rejected_logps: float | None = None
+
+    def __len__(self) -> int:
+        return len(self.chosen) + len(self.rejected)
+
+
+def _response_sample(renderer: ChatRenderer, pair: PreferencePair, side: str, max_length: int) -> Sample | None:
+    messages = pair.prompt + getattr(pair, side)
+    sequence = renderer.conversation(messages)
+    ids, mask = list(sequence.input_ids[:max_length]), list(sequence.action_mask[:max_length])
+    stop = 1  # each assistant turn is its encoded content and the stop token (ChatRenderer.conversation)
+    skip = sum(len(renderer.encode(m["content"])) + stop for m in pair.prompt if m["role"] == "assistant")
+    for position, on in enumerate(mask):
+        if skip == 0:
+            break
+        if on:
+            mask[position], skip = 0, skip - 1
+    return Sample(ids, mask) if any(mask) else None
+
+
+def tokenize_pairs(renderer: ChatRenderer, pairs: Sequence[PreferencePair], max_length: int) -> list[PairSample]:
+    """One :class:`PairSample` per pair, each side rendered as a rollout would tokenise it
+    (:meth:`~rl2gem.rollout.tito.ChatRenderer.conversation`) and cut to ``max_length`` tokens.
+    Pairs where either side keeps no response token after the cut are dropped. Reference
+    log-probs are taken from ``extra["ref_chosen_logps"]`` / ``extra["ref_rejected_logps"]``
+    when both are present."""
+    out = []
+    for pair in pairs:
+        chosen = _response_sample(renderer, pair, "chosen", max_length)
+        rejected = _response_sample(renderer, pair, "rejected", max_length)
+        if chosen is None or rejected is None:
+            continue
+        refs = (pair.extra.get("ref_chosen_logps"), pair.extra.get("ref_rejected_logps"))
+        refs = tuple(float(r) for r in refs) if None not in refs else (None, None)
+        out.append(PairSample(chosen, rejected, *refs))
+    return out
+
+
+def plan_pair_micro_batches(
+    pairs: Sequence[PairSample], dp_rank: int, dp_size: int, max_tokens: int
+) -> list[MicroBatch]:
+    """This rank's micro-batches of pair indices (:func:`rl2gem.training.plan_micro_batches` over
+    each pair's total length, so chosen and rejected are never split)."""
+    return plan_micro_batches([len(p) for p in pairs], dp_rank, dp_size, max_tokens)
+
+
+def pair_sequences(pairs: Sequence[PairSample]) -> list[Sample]:
+    """The samples of ``pairs`` in packing order: ``chosen_0, rejected_0, chosen_1, ...``."""
+    return [sample for pair in pairs for sample in (pair.chosen, pair.rejected)]
