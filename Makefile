@@ -54,7 +54,7 @@ preference-arithmetic: setup
 	$(TORCHRUN) trainers/dpo.py config=arithmetic_dpo trainer.progress=false
 	$(TORCHRUN) trainers/rm.py config=arithmetic_rm trainer.progress=false
 	$(TORCHRUN) trainers/ppo.py config=arithmetic reward.model=runs/arithmetic-rm reward.mode=replace \
-		trainer.total_steps=40 trainer.output_dir=runs/arithmetic-ppo-rm trainer.progress=false
+		trainer.total_steps=20 trainer.output_dir=runs/arithmetic-ppo-rm trainer.progress=false
 
 test: setup
 	$(BIN)/python -m pytest -q
