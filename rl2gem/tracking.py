@@ -21,6 +21,7 @@ LOGGERS = ("stdout", "jsonl", "wandb", "tensorboard")
 STDOUT_KEYS = (
     "rollout/reward",
     "rollout/response_length",
+    "rollout/rm_score",
     "actor/pg_loss",
     "actor/kl",
     "actor/entropy",
