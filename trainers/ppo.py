@@ -41,7 +41,6 @@ from rl2gem.models import load_model
 from rl2gem.rewards.model import REWARD_MODES, RewardModel
 from rl2gem.rollout import EmbeddedEngine, Rollout, RolloutConfig, merge_rank_metrics
 from rl2gem.rollout.tito import load_chat_template
-from rl2gem.tracking import Tracker
 from rl2gem.training.checkpoint import Checkpointer
 from rl2gem.training.evaluation import evaluate_env
 from rl2gem.training.forward import plan_micro_batches, token_logprobs, token_values
@@ -105,16 +104,10 @@ class PPOTrainer(Trainer):
             self.out, {"actor": self.actor, **({"critic": self.critic} if self.critic else {})}
         )
         self.peak_flops = peak_flops_from_config(c.trainer.peak_flops, self.device, self.actor.dtype)
-        self.step = 0
-        self.loop = asyncio.new_event_loop()
-        self.reward_model = None
+        self.step, self.loop, self.reward_model = 0, asyncio.new_event_loop(), None
         if c.reward.model:  # every rank scores its own episodes with a full copy
             self.reward_model = RewardModel(
-                c.reward.model,
-                device=self.device,
-                dtype=self.actor.dtype,
-                max_tokens=c.actor.max_length_per_device,
-                chat_template=c.rollout.chat_template,
+                c.reward.model, device=self.device, dtype=self.actor.dtype, chat_template=c.rollout.chat_template
             )
         model, self.tokenizer = load_model(c.actor.model, dtype=self.actor.dtype, device=str(self.device))
         model.load_state_dict(self.actor.full_state_dict(), strict=True)
@@ -130,11 +123,8 @@ class PPOTrainer(Trainer):
             env_kwargs=env_kwargs,
             chat_template=load_chat_template(c.rollout.chat_template),
         )
-        self.tracker = None
+        self.tracker = self.open_tracker(self.out)
         if self.rank == 0:
-            self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.yaml").write_text(OmegaConf.to_yaml(c))
-            self.tracker = Tracker(c.trainer.loggers, self.out, OmegaConf.to_container(c, resolve=True))
             print(OmegaConf.to_yaml(c), flush=True)
 
     # ------------------------------------------------------------------ 1. collect

@@ -26,7 +26,6 @@ from rl2gem.config import ConfigError
 from rl2gem.models import resolve_model
 from rl2gem.rollout import EmbeddedEngine, RolloutConfig
 from rl2gem.rollout.tito import ChatRenderer, load_chat_template
-from rl2gem.tracking import Tracker
 from rl2gem.training.checkpoint import Checkpointer
 from rl2gem.training.evaluation import evaluate_env
 from rl2gem.training.metrics import peak_flops_from_config, reduce_mean, train_flops
@@ -100,11 +99,9 @@ class OfflineTrainer(Trainer):
         self.actor = Worker(c.actor, self.mesh, self.device, head=self.head, total_steps=self.total_steps)
         self.checkpointer = Checkpointer(self.out, {"actor": self.actor})
         self.peak_flops = peak_flops_from_config(c.trainer.peak_flops, self.device, self.actor.dtype)
-        self.step, self.engine, self.loop, self.tracker = 0, None, asyncio.new_event_loop(), None
+        self.step, self.engine, self.loop = 0, None, asyncio.new_event_loop()
+        self.tracker = self.open_tracker(self.out)
         if self.rank == 0:
-            self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.yaml").write_text(OmegaConf.to_yaml(c))
-            self.tracker = Tracker(c.trainer.loggers, self.out, OmegaConf.to_container(c, resolve=True))
             print(
                 f"{self.name}: {len(self.train)} train / {len(self.test)} test {self.unit}, "
                 f"{self.steps_per_epoch} steps per epoch, {self.total_steps} steps",

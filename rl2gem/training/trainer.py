@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from rl2gem.config import ConfigError, load_config
+from rl2gem.tracking import Tracker
 
 __all__ = ["Trainer", "launch"]
 
@@ -25,7 +27,7 @@ __all__ = ["Trainer", "launch"]
 class Trainer:
     """Base of the trainers. Subclasses set ``cfg``, ``rank``, ``step``, ``total_steps``, ``actor``
     (a :class:`~rl2gem.training.Worker`), ``tokenizer``, ``checkpointer`` and ``tracker`` (rank 0, or
-    None), and implement :meth:`train_step` and :meth:`evaluate`.
+    None: :meth:`open_tracker`), and implement :meth:`train_step` and :meth:`evaluate`.
 
     Attributes:
         name: shown on the progress bar.
@@ -34,6 +36,15 @@ class Trainer:
 
     name = "trainer"
     report_keys: tuple[str, ...] = ()
+
+    def open_tracker(self, output_dir: Path) -> Tracker | None:
+        """On rank 0: create ``output_dir``, write the merged ``config.yaml`` there and open the
+        tracker of ``trainer.loggers``; None on the other ranks."""
+        if self.rank != 0:
+            return None
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg))
+        return Tracker(self.cfg.trainer.loggers, output_dir, OmegaConf.to_container(self.cfg, resolve=True))
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step (or rollout step); increments ``self.step``; returns its metrics."""
