@@ -67,12 +67,14 @@ class RewardModel:
         """One score per token sequence (packed ``max_tokens`` at a time, in order)."""
         scores: list[float] = []
         chunk: list[Sequence[int]] = []
+        tokens = 0
         for ids in [*sequences, None]:
-            if chunk and (ids is None or sum(map(len, chunk)) + len(ids) > self.max_tokens):
+            if chunk and (ids is None or tokens + len(ids) > self.max_tokens):
                 scores += sequence_scores(self.model, chunk, self.device).tolist()
-                chunk = []
+                chunk, tokens = [], 0
             if ids is not None:
                 chunk.append(ids)
+                tokens += len(ids)
         return scores
 
     def score_conversations(self, conversations: Sequence[list[dict[str, Any]]]) -> list[float]:
