@@ -4,6 +4,7 @@ import json
 import pathlib
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -177,6 +178,11 @@ def test_readme_shell_commands_run(tmp_path):
         args = shlex.split(cmd)[1:]  # quoted arguments (a YAML mapping of env_kwargs) stay whole
         r = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, cmd + "\n" + r.stderr
+        for output_dir in re.findall(r"trainer\.output_dir=(\S+)", cmd):
+            run_dir = tmp_path / output_dir
+            assert (run_dir / "metrics.jsonl").read_text().strip(), cmd
+            assert list(run_dir.glob("checkpoint-*/hf/config.json")), cmd
+            shutil.rmtree(run_dir)  # each checkpoint is about 2 GB; no later command reads it
 
 
 @pytest.mark.slow
