@@ -20,7 +20,7 @@ from rl2gem.tools.base import (
     validate_arguments,
 )
 from rl2gem.tools.function import FunctionTool, json_schema_of
-from rl2gem.tools.python import PythonTool, SandboxConfig, SandboxResult, run_python, sandbox_mode
+from rl2gem.tools.python import PythonTool, SandboxConfig, SandboxMode, SandboxResult, run_python, sandbox_mode
 from rl2gem.tools.search import SearchTool
 from rl2gem.tools.wrapper import ToolEnvWrapper, format_tool_results, run_tool_calls
 
@@ -36,6 +36,7 @@ __all__ = [
     "json_schema_of",
     "PythonTool",
     "SandboxConfig",
+    "SandboxMode",
     "SandboxResult",
     "run_python",
     "sandbox_mode",

@@ -1,17 +1,24 @@
 """Child-side start-up of the Python sandbox (run as ``python -I -B _sandbox_boot.py key=value ...``).
 
 Reads the user code from stdin, then, before running it: sets resource limits,
-installs an audit hook (PEP 578) that refuses network sockets, process
-creation, ctypes, signals to other processes, writes outside the working
-folder and reads of other processes' ``/proc`` entries, and finally executes
-the code like a notebook cell (the value of a final expression is printed).
+confines the process with the kernel layers it was asked for (Landlock: file
+access; seccomp: system calls), installs an audit hook (PEP 578) that refuses
+network sockets, process creation, ctypes, signals, writes outside the working
+folder and reads of other processes' ``/proc`` entries with a friendly error,
+and finally executes the code like a notebook cell (the value of a final
+expression is printed). A kernel layer that was asked for but cannot be
+installed stops the run (exit 125): the sandbox fails closed.
 
+``probe=1`` installs the layers on an empty program and prints what worked.
 This file imports only the standard library and must stay importable on its own.
 """
 
 import contextlib
+import errno
 import os
+import platform
 import resource
+import struct
 import sys
 
 _BLOCKED_EVENTS = {
@@ -53,6 +60,446 @@ _WRITE_EVENTS = {
     "os.lchflags",
 }
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+
+# ---------------------------------------------------------------------------------------------
+# Landlock (Linux >= 5.13, unprivileged): the file system hierarchies the process may touch.
+# uapi/linux/landlock.h; syscalls 444-446 on every architecture.
+_LANDLOCK_CREATE_RULESET, _LANDLOCK_ADD_RULE, _LANDLOCK_RESTRICT_SELF = 444, 445, 446
+_FS = {  # access right -> (bit, first ABI that has it)
+    "execute": (1 << 0, 1),
+    "write_file": (1 << 1, 1),
+    "read_file": (1 << 2, 1),
+    "read_dir": (1 << 3, 1),
+    "remove_dir": (1 << 4, 1),
+    "remove_file": (1 << 5, 1),
+    "make_char": (1 << 6, 1),
+    "make_dir": (1 << 7, 1),
+    "make_reg": (1 << 8, 1),
+    "make_sock": (1 << 9, 1),
+    "make_fifo": (1 << 10, 1),
+    "make_block": (1 << 11, 1),
+    "make_sym": (1 << 12, 1),
+    "refer": (1 << 13, 2),
+    "truncate": (1 << 14, 3),
+    "ioctl_dev": (1 << 15, 5),
+}
+_FILE_ONLY = {"execute", "write_file", "read_file", "truncate", "ioctl_dev"}
+# The working folder: everything but device nodes, device ioctls and execution.
+_WORKDIR_DENIED = {"make_char", "make_block", "ioctl_dev", "execute"}
+_DEVICES_READ = ("/dev/zero", "/dev/urandom", "/dev/random", "/dev/full")
+
+
+def _libc():
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    return ctypes, libc
+
+
+def _syscall(number, *args):
+    """``syscall(2)`` with every integer widened to a C long (variadic arguments are not)."""
+    ctypes, libc = _libc()
+    return libc.syscall(*(ctypes.c_long(a) if isinstance(a, int) else a for a in (number, *args)))
+
+
+def landlock_abi():
+    """The kernel's Landlock ABI version (0: none), without restricting anything."""
+    return max(0, int(_syscall(_LANDLOCK_CREATE_RULESET, None, 0, 1)))  # LANDLOCK_CREATE_RULESET_VERSION
+
+
+def _check(result, what):
+    if result < 0:
+        import ctypes
+
+        code = ctypes.get_errno()
+        raise OSError(code, f"{what}: {os.strerror(code)}")
+    return result
+
+
+def install_landlock(workdir, readable):
+    """Confine the file system view: ``workdir`` read/write (no device nodes), each path of
+    ``readable`` read-only, ``/dev/null`` read/write, a few read-only devices; nothing else.
+    Where the ABI allows, also: no TCP bind/connect (ABI 4) and no signals or abstract Unix
+    sockets outside the sandbox (ABI 6). Returns the ABI version used."""
+    ctypes, libc = _libc()
+    abi = landlock_abi()
+    if abi < 1:
+        raise OSError(errno.ENOSYS, "Landlock is not available in this kernel (or not enabled in its lsm= list)")
+    rights = {name: bit for name, (bit, since) in _FS.items() if since <= abi}
+    handled = sum(rights.values())
+    read_dir = rights["read_file"] | rights["read_dir"]
+    file_mask = sum(bit for name, bit in rights.items() if name in _FILE_ONLY)
+    attr = struct.pack("=Q", handled)
+    if abi >= 4:
+        attr += struct.pack("=Q", 1 | 2)  # LANDLOCK_ACCESS_NET_BIND_TCP | CONNECT_TCP, no rule: none allowed
+    if abi >= 6:
+        attr += struct.pack("=Q", 1 | 2)  # LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET | LANDLOCK_SCOPE_SIGNAL
+    buffer = ctypes.create_string_buffer(attr, len(attr))
+    ruleset = _check(_syscall(_LANDLOCK_CREATE_RULESET, buffer, len(attr), 0), "landlock_create_ruleset")
+    try:
+
+        def allow(path, access):
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                return  # a default path this host does not have
+            try:
+                if not os.path.isdir(f"/proc/self/fd/{fd}"):
+                    access &= file_mask
+                rule = ctypes.create_string_buffer(struct.pack("=Qi", access, fd), 12)
+                _check(_syscall(_LANDLOCK_ADD_RULE, ruleset, 1, rule, 0), f"landlock_add_rule({path})")
+            finally:
+                os.close(fd)
+
+        allow(workdir, handled & ~sum(rights.get(name, 0) for name in _WORKDIR_DENIED))
+        for path in readable:
+            allow(path, read_dir)
+        allow("/dev/null", rights["read_file"] | rights["write_file"] | rights.get("truncate", 0))
+        for path in _DEVICES_READ:
+            allow(path, rights["read_file"])
+        _check(libc.prctl(38, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+        _check(_syscall(_LANDLOCK_RESTRICT_SELF, ruleset, 0), "landlock_restrict_self")
+    finally:
+        os.close(ruleset)
+    return abi
+
+
+# ---------------------------------------------------------------------------------------------
+# seccomp-bpf: system calls refused by the kernel, whatever the code calls them through.
+# Numbers from asm/unistd_64.h (x86_64) and asm-generic/unistd.h (aarch64); the ones >= 424
+# are the same on both.
+_COMMON = {
+    "clone3": 435,
+    "pidfd_open": 434,
+    "pidfd_getfd": 438,
+    "pidfd_send_signal": 424,
+    "io_uring_setup": 425,
+    "io_uring_enter": 426,
+    "io_uring_register": 427,
+    "quotactl_fd": 443,
+    "move_mount": 429,
+    "open_tree": 428,
+    "fsopen": 430,
+    "fsconfig": 431,
+    "fsmount": 432,
+    "fspick": 433,
+    "mount_setattr": 442,
+    "fchmodat2": 452,
+    "setxattrat": 463,
+    "removexattrat": 466,
+    "open_tree_attr": 467,
+    "file_setattr": 469,
+}
+_SYSCALLS = {
+    "x86_64": (
+        0xC000003E,
+        dict(
+            _COMMON,
+            **{
+                "socket": 41,
+                "fork": 57,
+                "vfork": 58,
+                "execve": 59,
+                "execveat": 322,
+                "clone": 56,
+                "ptrace": 101,
+                "process_vm_readv": 310,
+                "process_vm_writev": 311,
+                "kcmp": 312,
+                "perf_event_open": 298,
+                "bpf": 321,
+                "userfaultfd": 323,
+                "keyctl": 250,
+                "add_key": 248,
+                "request_key": 249,
+                "init_module": 175,
+                "finit_module": 313,
+                "delete_module": 176,
+                "kexec_load": 246,
+                "kexec_file_load": 320,
+                "reboot": 169,
+                "swapon": 167,
+                "swapoff": 168,
+                "syslog": 103,
+                "acct": 163,
+                "quotactl": 179,
+                "iopl": 172,
+                "ioperm": 173,
+                "uselib": 134,
+                "personality": 135,
+                "mount": 165,
+                "umount2": 166,
+                "pivot_root": 155,
+                "chroot": 161,
+                "unshare": 272,
+                "setns": 308,
+                "name_to_handle_at": 303,
+                "open_by_handle_at": 304,
+                "chmod": 90,
+                "fchmod": 91,
+                "fchmodat": 268,
+                "chown": 92,
+                "fchown": 93,
+                "lchown": 94,
+                "fchownat": 260,
+                "setxattr": 188,
+                "lsetxattr": 189,
+                "fsetxattr": 190,
+                "removexattr": 197,
+                "lremovexattr": 198,
+                "fremovexattr": 199,
+                "utime": 132,
+                "utimes": 235,
+                "futimesat": 261,
+                "utimensat": 280,
+                "settimeofday": 164,
+                "clock_settime": 227,
+                "clock_adjtime": 305,
+                "adjtimex": 159,
+                "sethostname": 170,
+                "setdomainname": 171,
+                "tkill": 200,
+                "kill": 62,
+                "tgkill": 234,
+                "rt_sigqueueinfo": 129,
+                "rt_tgsigqueueinfo": 297,
+                "ioctl": 16,
+                "seccomp": 317,
+            },
+        ),
+    ),
+    "aarch64": (
+        0xC00000B7,
+        dict(
+            _COMMON,
+            **{
+                "socket": 198,
+                "execve": 221,
+                "execveat": 281,
+                "clone": 220,
+                "ptrace": 117,
+                "process_vm_readv": 270,
+                "process_vm_writev": 271,
+                "kcmp": 272,
+                "perf_event_open": 241,
+                "bpf": 280,
+                "userfaultfd": 282,
+                "keyctl": 219,
+                "add_key": 217,
+                "request_key": 218,
+                "init_module": 105,
+                "finit_module": 273,
+                "delete_module": 106,
+                "kexec_load": 104,
+                "kexec_file_load": 294,
+                "reboot": 142,
+                "swapon": 224,
+                "swapoff": 225,
+                "syslog": 116,
+                "acct": 89,
+                "quotactl": 60,
+                "personality": 92,
+                "mount": 40,
+                "umount2": 39,
+                "pivot_root": 41,
+                "chroot": 51,
+                "unshare": 97,
+                "setns": 268,
+                "name_to_handle_at": 264,
+                "open_by_handle_at": 265,
+                "fchmod": 52,
+                "fchmodat": 53,
+                "fchown": 55,
+                "fchownat": 54,
+                "setxattr": 5,
+                "lsetxattr": 6,
+                "fsetxattr": 7,
+                "removexattr": 14,
+                "lremovexattr": 15,
+                "fremovexattr": 16,
+                "utimensat": 88,
+                "settimeofday": 170,
+                "clock_settime": 112,
+                "clock_adjtime": 266,
+                "adjtimex": 171,
+                "sethostname": 161,
+                "setdomainname": 162,
+                "tkill": 130,
+                "kill": 129,
+                "tgkill": 131,
+                "rt_sigqueueinfo": 138,
+                "rt_tgsigqueueinfo": 240,
+                "ioctl": 29,
+                "seccomp": 277,
+            },
+        ),
+    ),
+}
+#: Refused outright (EPERM): new sockets of any family (``socketpair`` stays, for asyncio), program
+#: execution, process inspection, kernel facilities that bypass or widen filters (io_uring, bpf,
+#: userfaultfd, perf), keys, modules, mounts and namespaces, host settings, and changes of file
+#: metadata (mode, owner, times, extended attributes), which Landlock does not cover.
+SECCOMP_DENIED = (
+    "socket",
+    "fork",
+    "vfork",
+    "execve",
+    "execveat",
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "kcmp",
+    "pidfd_open",
+    "pidfd_getfd",
+    "pidfd_send_signal",
+    "perf_event_open",
+    "bpf",
+    "userfaultfd",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    "kexec_load",
+    "kexec_file_load",
+    "reboot",
+    "swapon",
+    "swapoff",
+    "syslog",
+    "acct",
+    "quotactl",
+    "quotactl_fd",
+    "iopl",
+    "ioperm",
+    "uselib",
+    "personality",
+    "mount",
+    "umount2",
+    "pivot_root",
+    "chroot",
+    "move_mount",
+    "open_tree",
+    "open_tree_attr",
+    "fsopen",
+    "fsconfig",
+    "fsmount",
+    "fspick",
+    "mount_setattr",
+    "unshare",
+    "setns",
+    "name_to_handle_at",
+    "open_by_handle_at",
+    "chmod",
+    "fchmod",
+    "fchmodat",
+    "fchmodat2",
+    "chown",
+    "fchown",
+    "lchown",
+    "fchownat",
+    "setxattr",
+    "lsetxattr",
+    "fsetxattr",
+    "removexattr",
+    "lremovexattr",
+    "fremovexattr",
+    "setxattrat",
+    "removexattrat",
+    "file_setattr",
+    "utime",
+    "utimes",
+    "futimesat",
+    "utimensat",
+    "settimeofday",
+    "clock_settime",
+    "clock_adjtime",
+    "adjtimex",
+    "sethostname",
+    "setdomainname",
+    "tkill",
+)
+_SIGNALS = ("kill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo")  # only to the sandbox's own pid
+_CLONE_THREAD = 0x00010000
+_CLONE_NEW = 0x7E020080  # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET | NEWTIME
+_TIOCSTI, _TIOCLINUX = 0x5412, 0x541C  # type into / control the terminal
+_LD, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ/JGE/JSET|K, BPF_RET|K
+_ALLOW, _KILL_PROCESS = 0x7FFF0000, 0x80000000
+
+
+def _errno(code):
+    return 0x00050000 | code  # SECCOMP_RET_ERRNO
+
+
+def _arg(index):
+    return 16 + 8 * index  # offsetof(struct seccomp_data, args[index]), low 32 bits on little endian
+
+
+def seccomp_program(machine, own_pid):
+    """The BPF program (a list of ``(code, jt, jf, k)``) for ``machine`` (``platform.machine()``).
+
+    Raises KeyError for an architecture without a syscall table here.
+    """
+    arch, numbers = _SYSCALLS[machine]
+    prog = [(_LD, 0, 0, 4), (_JEQ, 1, 0, arch), (_RET, 0, 0, _KILL_PROCESS), (_LD, 0, 0, 0)]
+    if machine == "x86_64":  # x32 system calls (bit 30) would skip every number below
+        prog += [(_JGE, 0, 1, 0x40000000), (_RET, 0, 0, _errno(errno.EPERM))]
+    for name in SECCOMP_DENIED:
+        if name in numbers:
+            prog += [(_JEQ, 0, 1, numbers[name]), (_RET, 0, 0, _errno(errno.EPERM))]
+    # clone3 passes its flags in memory a filter cannot read: ENOSYS makes glibc fall back to clone.
+    prog += [(_JEQ, 0, 1, numbers["clone3"]), (_RET, 0, 0, _errno(errno.ENOSYS))]
+    # clone: threads only, and no new namespaces.
+    prog += [
+        (_JEQ, 0, 5, numbers["clone"]),
+        (_LD, 0, 0, _arg(0)),
+        (_JSET, 2, 0, _CLONE_NEW),
+        (_JSET, 0, 1, _CLONE_THREAD),
+        (_RET, 0, 0, _ALLOW),
+        (_RET, 0, 0, _errno(errno.EPERM)),
+        (_LD, 0, 0, 0),
+    ]
+    # Signals: to this process (or its own process group, for kill) only.
+    for name in _SIGNALS:
+        prog += [
+            (_JEQ, 0, 6, numbers[name]),
+            (_LD, 0, 0, _arg(0)),
+            (_JEQ, 3, 0, own_pid),
+            (_JEQ, 0, 1, 0) if name == "kill" else (_JEQ, 0, 1, own_pid),
+            (_RET, 0, 0, _ALLOW),
+            (_RET, 0, 0, _errno(errno.EPERM)),
+            (_RET, 0, 0, _ALLOW),
+        ]
+    prog += [
+        (_JEQ, 0, 4, numbers["ioctl"]),
+        (_LD, 0, 0, _arg(1)),
+        (_JEQ, 1, 0, _TIOCSTI),
+        (_JEQ, 0, 1, _TIOCLINUX),
+        (_RET, 0, 0, _errno(errno.EPERM)),
+        (_RET, 0, 0, _ALLOW),
+    ]
+    return prog
+
+
+def install_seccomp():
+    """Install :func:`seccomp_program` on every thread of this process (no new privileges first)."""
+    ctypes, libc = _libc()
+    machine = platform.machine()
+    if machine not in _SYSCALLS:
+        raise OSError(errno.ENOSYS, f"no seccomp syscall table for {machine}")
+    prog = seccomp_program(machine, os.getpid())
+    code = b"".join(struct.pack("=HBBI", *ins) for ins in prog)
+    filters = ctypes.create_string_buffer(code, len(code))
+    fprog = ctypes.create_string_buffer(struct.pack("=HxxxxxxQ", len(prog), ctypes.addressof(filters)), 16)
+    _check(libc.prctl(38, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+    number = _SYSCALLS[machine][1]["seccomp"]
+    # seccomp(SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC, prog): all threads at once
+    _check(_syscall(number, 1, 1, fprog), "seccomp(SECCOMP_SET_MODE_FILTER)")
 
 
 def _install(workdir):
@@ -171,11 +618,46 @@ def _run(code):
     return 0
 
 
+def _confine(cfg):
+    """Install the kernel layers ``cfg`` asks for; return their names. Raises OSError."""
+    layers = []
+    if cfg.get("landlock"):
+        if len(os.listdir("/proc/self/task")) > 1:  # landlock_restrict_self binds the calling thread only
+            raise OSError(errno.EBUSY, "a preloaded module started threads before Landlock could be installed")
+        install_landlock(os.getcwd(), cfg.get("read", ()))
+        layers.append("landlock")
+    if cfg.get("seccomp"):
+        install_seccomp()
+        layers.append("seccomp")
+    return layers
+
+
+def _probe(cfg):
+    """Install the asked-for layers in this (empty) process and print what worked, one per line."""
+    for name in ("landlock", "seccomp"):
+        if not cfg.get(name):
+            continue
+        try:
+            _confine({name: 1})
+            print(f"{name}={landlock_abi() if name == 'landlock' else 1}")
+        except (OSError, AttributeError, KeyError) as e:
+            print(f"{name}=0 {e}")
+    sys.stdout.flush()
+    os._exit(0)
+
+
 def main():
     cfg = {}
-    for arg in sys.argv[1:]:  # key=value pairs: ints, or comma-separated module names for preload
+    for arg in sys.argv[1:]:  # key=value pairs: ints, or lists (preload: commas; read: newlines)
         key, _, value = arg.partition("=")
-        cfg[key] = tuple(v for v in value.split(",") if v) if key == "preload" else (int(value) if value else None)
+        if key == "preload":
+            cfg[key] = tuple(v for v in value.split(",") if v)
+        elif key == "read":
+            cfg[key] = tuple(v for v in value.split("\n") if v)
+        else:
+            cfg[key] = int(value) if value else None
+    if cfg.get("probe"):
+        _probe(cfg)
     code = sys.stdin.read()
     sys.stdin.close()
     sys.stdin = open(os.devnull)  # noqa: SIM115 (stdin for the rest of the process)
@@ -183,7 +665,14 @@ def main():
         with contextlib.suppress(Exception):
             __import__(name)
     _limits(cfg)
-    _install(os.getcwd())
+    try:
+        _confine(cfg)
+    except (OSError, KeyError) as e:  # fail closed: never run the code with a layer missing
+        sys.stderr.write(f"sandbox: could not install a kernel layer, the code was not run: {e}\n")
+        sys.stderr.flush()
+        os._exit(125)
+    if cfg.get("audit", 1):
+        _install(os.getcwd())
     sys.argv = ["<code>"]
     sys.path = [p for p in sys.path if p and os.path.realpath(p) != os.path.dirname(os.path.realpath(__file__))]
     rc = _run(code)

@@ -2,36 +2,46 @@
 
 Each execution is a fresh ``python -I -B`` process started with
 ``asyncio.create_subprocess_exec`` (the event loop never blocks), at most
-``max_concurrency`` at a time per event loop. What confines it:
+``max_concurrency`` at a time per event loop. The boundary is made of kernel
+layers, each used when the host has it (:func:`sandbox_mode` says which) and
+each enforced for the process and anything it could start:
 
 ===========================  ============================================================================
-wall clock                   ``timeout_s``; then the whole process group is SIGKILLed (no orphans)
-CPU time                     ``RLIMIT_CPU`` = ``cpu_s`` (SIGXCPU, then SIGKILL one second later)
-memory                       ``RLIMIT_AS`` = ``memory_mb`` (address space; a bomb gets ``MemoryError``)
-file size                    ``RLIMIT_FSIZE`` = ``max_file_mb``
-network                      **namespaces** mode: a new, empty network namespace (only a down
-                             loopback), made by ``unshare --user --map-root-user --net --pid --fork
-                             --mount-proc``; the child also gets its own PID namespace and ``/proc``,
-                             so other processes (and their environments) are invisible, and
-                             ``RLIMIT_NPROC`` caps the processes of that namespace. **audit** mode
-                             (no unprivileged user namespaces on the host): only the audit hook below.
-audit hook (both modes)      PEP 578 hook installed before the code runs: refuses socket creation
-                             and connection, ``fork``/``exec``/``subprocess``/``posix_spawn``,
-                             ``ctypes``, signals, writes/renames/deletes outside the working folder,
-                             and other processes' ``/proc`` entries. An audit hook is a Python-level
-                             guard: code that reaches native calls some other way can bypass it, which
-                             is why namespaces mode is preferred where the kernel allows it.
-working folder               a fresh temporary folder per execution, deleted afterwards
-environment                  empty except ``PATH``, ``HOME``/``TMPDIR`` (the working folder), ``LANG``
-                             and single-thread BLAS settings: nothing of the parent's variables
-output                       stdout and stderr each kept to ``max_output_chars``; a process that
-                             writes more than 1 MiB (or 256x the limit) to one stream is stopped early
+**landlock** (Linux >= 5.13) file system: read/write only in a fresh working folder (no device nodes
+                             there), read-only in the interpreter's prefixes, ``/usr``, ``/lib*``, the
+                             sandbox's own ``/proc/self`` and ``readable``; nothing else: not the
+                             user's home, other temporary folders, other processes' ``/proc``
+                             entries, or ``/dev`` except null/zero/urandom. Renames
+                             and hard links across folders are refused (no link to an outside file).
+                             ABI 4+: no TCP bind/connect; ABI 6+: no signals or abstract Unix
+                             sockets outside the sandbox. Other processes cannot be traced.
+**seccomp** (x86_64, arm64)  system calls refused with EPERM: ``socket`` (any family; ``socketpair``
+                             stays), ``execve``, ``fork``/``vfork``/``clone`` of anything but a thread
+                             or with new namespaces, ``ptrace``, ``process_vm_*``, ``pidfd_*``,
+                             ``io_uring``, ``bpf``, ``userfaultfd``, ``perf_event_open``, keys,
+                             modules, kexec, mounts, ``unshare``/``setns``, host clock and name, reboot,
+                             file mode/owner/time/xattr changes; signals only to the sandbox's own pid.
+                             A 32-bit or x32 system call kills the process.
+**namespaces**               a new user, network (only a down loopback), PID (its own ``/proc``) and
+                             mount namespace, made by ``unshare`` where unprivileged user namespaces
+                             are allowed; ``RLIMIT_NPROC`` = ``max_processes`` counts in it.
+**audit hook** (PEP 578)     a Python-level guard installed last that turns the same refusals into
+                             readable errors ("network access is disabled in the sandbox"). It is not
+                             the boundary: native calls can bypass it, the kernel layers cannot be.
+resource limits              wall clock ``timeout_s`` (then the process group is SIGKILLed), CPU
+                             ``RLIMIT_CPU`` = ``cpu_s``, memory ``RLIMIT_AS`` = ``memory_mb``, file size
+                             ``RLIMIT_FSIZE`` = ``max_file_mb``, 256 open files, no core dumps
+environment and output       only ``PATH``, ``HOME``/``TMPDIR`` (the working folder), ``LANG`` and
+                             single-thread BLAS settings; stdout and stderr each kept to
+                             ``max_output_chars`` and a flood (over 1 MiB) stops the process
 ===========================  ============================================================================
 
-:func:`sandbox_mode` says which network isolation this host gives (checked once).
-This is a resource and side-effect sandbox for RL rollouts of one's own
-policy, not a boundary against a determined attacker (no seccomp filter, the
-file system is readable).
+A layer asked for but not installable at run time stops the run before the
+code starts (fail closed); ``SandboxConfig(require=(...))`` refuses to run at
+all on a host without the named layers. What the boundary does not cover: the
+CPU time and memory bandwidth of the host (shared), reads of the allowed
+read-only paths, system calls newer than the filter's table (the filter allows
+what it does not name), and kernel bugs.
 """
 
 from __future__ import annotations
@@ -51,12 +61,32 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SandboxConfig", "SandboxResult", "run_python", "sandbox_mode", "PythonTool"]
+__all__ = ["SandboxConfig", "SandboxMode", "SandboxResult", "run_python", "sandbox_mode", "PythonTool"]
 
 #: Output (bytes per stream) after which a process is stopped early.
 _FLOOD_BYTES = 1 << 20
 _BOOT = str(Path(__file__).with_name("_sandbox_boot.py"))
 _UNSHARE = ["--user", "--map-root-user", "--net", "--pid", "--fork", "--mount-proc", "--kill-child"]
+#: Every layer, in the order they are installed around the code.
+LAYERS = ("namespaces", "landlock", "seccomp", "audit_hook")
+#: Read-only for the code, beside the interpreter's own prefixes (missing ones are skipped).
+SYSTEM_READABLE = (
+    "/usr",
+    "/lib",
+    "/lib64",
+    "/lib32",
+    "/bin",
+    "/etc/ld.so.cache",
+    "/etc/localtime",
+    "/sys/devices/system/cpu",
+    # /proc: only the sandbox's own entries (``/proc/self`` resolves to them) and host-wide facts;
+    # Landlock does not hide another process's environ or maps, this list does.
+    "/proc/self",
+    "/proc/cpuinfo",
+    "/proc/meminfo",
+    "/proc/stat",
+    "/proc/sys/kernel/random",
+)
 
 
 @functools.cache
@@ -64,17 +94,80 @@ def _unshare() -> str | None:
     return shutil.which("unshare")
 
 
+@dataclasses.dataclass(frozen=True)
+class SandboxMode:
+    """What this host offers the sandbox (see the module doc for each layer).
+
+    Attributes:
+        namespaces: ``unshare`` can make unprivileged user, network, PID and mount namespaces.
+        seccomp: a seccomp-bpf filter could be installed (x86_64 or arm64 Linux).
+        landlock: the kernel's Landlock ABI version, ``0`` when it has none.
+        missing: for each unavailable layer, why (the error the probe got).
+    """
+
+    namespaces: bool
+    seccomp: bool
+    landlock: int
+    missing: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def isolation(self) -> str:
+        """``"namespaces"`` where available, else ``"audit"`` (what ``isolation="auto"`` picks)."""
+        return "namespaces" if self.namespaces else "audit"
+
+    def has(self, layer: str) -> bool:
+        """Whether ``layer`` (one of :data:`LAYERS`) can be used here."""
+        return {"namespaces": self.namespaces, "seccomp": self.seccomp, "landlock": self.landlock > 0}.get(layer, True)
+
+    @property
+    def layers(self) -> tuple[str, ...]:
+        """The layers available here, in :data:`LAYERS` order."""
+        return tuple(layer for layer in LAYERS if self.has(layer))
+
+    def __str__(self) -> str:
+        names = [f"landlock (ABI {self.landlock})" if layer == "landlock" else layer for layer in self.layers]
+        missing = "; ".join(f"no {layer}: {why}" for layer, why in self.missing.items())
+        return ", ".join(names) + (f" ({missing})" if missing else "")
+
+
 @functools.cache
-def sandbox_mode() -> str:
-    """``"namespaces"`` when ``unshare`` can make unprivileged user/net/pid namespaces here, else ``"audit"``."""
+def sandbox_mode() -> SandboxMode:
+    """Probe (once per process) which sandbox layers this host offers; see :class:`SandboxMode`."""
+    missing = {}
+    namespaces = False
     exe = _unshare()
     if exe is None:
-        return "audit"
-    try:
-        r = subprocess.run([exe, *_UNSHARE, sys.executable, "-I", "-c", "pass"], capture_output=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return "audit"
-    return "namespaces" if r.returncode == 0 else "audit"
+        missing["namespaces"] = "no unshare program on PATH"
+    else:
+        try:
+            r = subprocess.run([exe, *_UNSHARE, sys.executable, "-I", "-c", "pass"], capture_output=True, timeout=30)
+            namespaces = r.returncode == 0
+            if not namespaces:
+                missing["namespaces"] = r.stderr.decode(errors="replace").strip() or f"unshare exited {r.returncode}"
+        except (OSError, subprocess.SubprocessError) as e:
+            missing["namespaces"] = str(e)
+    found = {}
+    with tempfile.TemporaryDirectory(prefix="rl2gem-sandbox-probe-") as folder:
+        try:
+            r = subprocess.run(
+                [sys.executable, "-I", "-B", _BOOT, "probe=1", "landlock=1", "seccomp=1"],
+                capture_output=True,
+                timeout=30,
+                cwd=folder,
+                text=True,
+            )
+            for line in r.stdout.splitlines():
+                key, _, rest = line.partition("=")
+                value, _, why = rest.partition(" ")
+                found[key] = int(value)
+                if not int(value):
+                    missing[key] = why
+        except (OSError, subprocess.SubprocessError, ValueError) as e:
+            missing.setdefault("seccomp", str(e))
+    for layer in ("landlock", "seccomp"):
+        if not found.get(layer):
+            missing.setdefault(layer, "the probe could not install it")
+    return SandboxMode(namespaces, bool(found.get("seccomp")), found.get("landlock", 0), missing)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +182,15 @@ class SandboxConfig:
         max_output_chars: characters of stdout (and of stderr) returned.
         max_processes: processes allowed in the sandbox's PID namespace (namespaces mode only).
         isolation: ``"auto"`` (namespaces when available), ``"namespaces"`` (error if not
-            available) or ``"audit"``.
+            available) or ``"audit"`` (no namespaces; the other layers still apply).
+        seccomp, landlock: use that kernel layer where the host has it (turn off only to
+            measure or to debug a layer).
+        audit_hook: install the audit hook (friendly errors); turn off only to test that the
+            kernel layers hold without it.
+        require: layers (:data:`LAYERS`) without which :func:`run_python` refuses to run,
+            e.g. ``("landlock", "seccomp")`` for a production rollout.
+        readable: more paths (folders or files) the code may read, beside
+            :data:`SYSTEM_READABLE` and the interpreter's prefixes.
         preload: modules imported before the limits and the audit hook (faster, and
             lets e.g. ``numpy`` load its native parts), e.g. ``("numpy",)``.
         max_concurrency: executions at once per event loop (further calls wait).
@@ -104,10 +205,25 @@ class SandboxConfig:
     isolation: str = "auto"
     preload: tuple[str, ...] = ()
     max_concurrency: int = 16
+    seccomp: bool = True
+    landlock: bool = True
+    audit_hook: bool = True
+    require: tuple[str, ...] = ()
+    readable: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.isolation not in ("auto", "namespaces", "audit"):
             raise ValueError(f"isolation must be 'auto', 'namespaces' or 'audit', got {self.isolation!r}")
+        unknown = [layer for layer in self.require if layer not in LAYERS]
+        if unknown:
+            raise ValueError(f"require names unknown layers {unknown}; the layers are {list(LAYERS)}")
+        switched_off = {"seccomp": not self.seccomp, "landlock": not self.landlock, "audit_hook": not self.audit_hook}
+        switched_off["namespaces"] = self.isolation == "audit"
+        contradicted = [layer for layer in self.require if switched_off[layer]]
+        if contradicted:
+            raise ValueError(f"require={list(self.require)} names layers this config switches off: {contradicted}")
+        if any("\n" in path for path in self.readable):
+            raise ValueError("readable paths cannot contain a newline")
         if self.timeout_s <= 0 or self.memory_mb < 32 or self.max_output_chars < 1 or self.max_concurrency < 1:
             raise ValueError(
                 "timeout_s > 0, memory_mb >= 32, max_output_chars >= 1 and max_concurrency >= 1 are required"
@@ -126,6 +242,7 @@ class SandboxResult:
         output_exceeded: the code flooded its output (see the module doc) and was stopped.
         elapsed_s: wall-clock seconds from start to exit.
         isolation: ``"namespaces"`` or ``"audit"``.
+        layers: the layers that confined this run (:data:`LAYERS` names).
     """
 
     stdout: str
@@ -136,6 +253,7 @@ class SandboxResult:
     elapsed_s: float
     isolation: str
     output_exceeded: bool = False
+    layers: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -210,6 +328,31 @@ async def _read_capped(stream: asyncio.StreamReader, cap: int, overflow: asyncio
     return bytes(kept), total > len(kept)
 
 
+def _layers(cfg: SandboxConfig, host: SandboxMode) -> tuple[str, ...]:
+    """The layers a run with ``cfg`` gets on ``host``; RuntimeError when a required one is missing."""
+    required = set(cfg.require) | ({"namespaces"} if cfg.isolation == "namespaces" else set())
+    lacking = [layer for layer in LAYERS if layer in required and not host.has(layer)]
+    if lacking:
+        why = "; ".join(f"{layer}: {host.missing.get(layer, 'not available')}" for layer in lacking)
+        raise RuntimeError(f"the sandbox config requires {', '.join(lacking)}, which this host lacks ({why})")
+    wanted = {
+        "namespaces": cfg.isolation != "audit",
+        "landlock": cfg.landlock,
+        "seccomp": cfg.seccomp,
+        "audit_hook": cfg.audit_hook,
+    }
+    return tuple(layer for layer in LAYERS if wanted[layer] and host.has(layer))
+
+
+def _readable(cfg: SandboxConfig) -> list[str]:
+    """Paths the code may read under Landlock: the interpreter's prefixes, the system's, ``cfg.readable``."""
+    prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    paths = [*sorted(prefixes), *SYSTEM_READABLE, *cfg.readable]
+    # /proc/self is resolved in the sandbox (it is its own process there), the rest here
+    resolved = [path if path.startswith("/proc/self") else os.path.abspath(path) for path in paths]
+    return [path for path in dict.fromkeys(resolved) if os.path.exists(path)]
+
+
 async def run_python(code: str, config: SandboxConfig | None = None) -> SandboxResult:
     """Run ``code`` in the sandbox (see the module doc) and return what it did.
 
@@ -221,23 +364,27 @@ async def run_python(code: str, config: SandboxConfig | None = None) -> SandboxR
         config: limits (default :class:`SandboxConfig()`).
 
     Raises:
-        RuntimeError: ``isolation="namespaces"`` on a host without user namespaces.
+        RuntimeError: a layer in ``config.require`` (or namespaces, for ``isolation="namespaces"``)
+            that this host lacks; the message says why it is missing.
     """
     cfg = config or SandboxConfig()
-    if sandbox_mode.cache_info().currsize == 0:  # the one-time probe starts a process: not on the loop
+    if sandbox_mode.cache_info().currsize == 0:  # the one-time probe starts processes: not on the loop
         await asyncio.to_thread(sandbox_mode)
-    mode = sandbox_mode() if cfg.isolation == "auto" else cfg.isolation
-    if cfg.isolation == "namespaces" and sandbox_mode() != "namespaces":
-        raise RuntimeError(
-            "isolation='namespaces' was asked for, but this host does not allow unprivileged user namespaces"
-        )
+    host = sandbox_mode()
+    layers = _layers(cfg, host)
+    mode = "namespaces" if "namespaces" in layers else "audit"
     limits = {
         "cpu_s": cfg.cpu_s or max(1, int(-(-cfg.timeout_s // 1))),
         "memory_bytes": cfg.memory_mb * 2**20,
         "file_bytes": cfg.max_file_mb * 2**20,
         "max_processes": cfg.max_processes if mode == "namespaces" else None,
+        "landlock": int("landlock" in layers),
+        "seccomp": int("seccomp" in layers),
+        "audit": int("audit_hook" in layers),
     }
     args = [f"{k}={'' if v is None else int(v)}" for k, v in limits.items()] + ["preload=" + ",".join(cfg.preload)]
+    if "landlock" in layers:
+        args.append("read=" + "\n".join(_readable(cfg)))
     argv = [sys.executable, "-I", "-B", _BOOT, *args]
     if mode == "namespaces":
         argv = [_unshare() or "unshare", *_UNSHARE, *argv]
@@ -306,7 +453,7 @@ async def run_python(code: str, config: SandboxConfig | None = None) -> SandboxR
             if len(stderr) > cap:
                 stderr, truncated = stderr[-cap:], True
             return SandboxResult(
-                stdout, stderr, exit_code, timed_out, bool(truncated), elapsed, mode, overflow.is_set()
+                stdout, stderr, exit_code, timed_out, bool(truncated), elapsed, mode, overflow.is_set(), layers
             )
         except BaseException:
             if proc is not None and proc.returncode is None:
