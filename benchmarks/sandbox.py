@@ -3,9 +3,9 @@
 Side by side, in one run, on the same snippets:
 
 * **rl2gem** :class:`rl2gem.tools.PythonTool`, async (``asyncio.create_subprocess_exec``),
-  ``c`` calls in flight on one event loop, in each isolation mode this host has
-  (``namespaces``: user+net+pid namespaces via ``unshare`` and the audit hook;
-  ``audit``: the audit hook only).
+  ``c`` calls in flight on one event loop, with every sandbox layer this host has, then with
+  each layer switched off in turn (namespaces, Landlock, seccomp), then with the audit hook
+  alone (no kernel layer): what each layer costs.
 * **GEM** 0.1.0 ``gem.tools.python_code_tool.PythonCodeTool`` (``sandbox_type="none"``:
   a string blacklist, ``subprocess.run``), which is synchronous, so ``c``
   threads each call it (what a vectorised GEM env does).
@@ -30,8 +30,8 @@ SNIPPET = "print(sum(i * i for i in range(1000)))"
 EXPECTED = "332833500"
 
 
-def bench_rl2gem(mode: str, concurrency: int, n: int) -> float:
-    tool = PythonTool(SandboxConfig(isolation=mode, max_concurrency=concurrency, timeout_s=60))
+def bench_rl2gem(layers: dict, concurrency: int, n: int) -> float:
+    tool = PythonTool(SandboxConfig(max_concurrency=concurrency, timeout_s=60, **layers))
 
     async def main() -> float:
         await tool.call({"code": SNIPPET})  # warm-up
@@ -71,25 +71,39 @@ def _same_python_for_gem() -> None:
     os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
 
 
+def configurations() -> dict[str, dict]:
+    """Column name -> SandboxConfig switches: all layers, each kernel layer off, the hook alone."""
+    host = sandbox_mode()
+    columns = {"all layers": {}}
+    if host.namespaces:
+        columns["no namespaces"] = {"isolation": "audit"}
+    if host.landlock:
+        columns["no landlock"] = {"landlock": False}
+    if host.seccomp:
+        columns["no seccomp"] = {"seccomp": False}
+    columns["audit hook only"] = {"isolation": "audit", "landlock": False, "seccomp": False}
+    return columns
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a smoke run (few executions)")
     args = ap.parse_args()
     levels = (1, 8, 32)
-    modes = ["namespaces", "audit"] if sandbox_mode() == "namespaces" else ["audit"]
+    columns = configurations()
     try:
         import gem  # noqa: F401
 
         has_gem = True
     except ImportError:
         has_gem = False
-    print(f"CPU cores: {os.cpu_count()}; snippet: {SNIPPET!r}; isolation available: {sandbox_mode()}")
+    print(f"CPU cores: {os.cpu_count()}; snippet: {SNIPPET!r}; sandbox layers here: {sandbox_mode()}")
     if not has_gem:
         print("GEM (gem-llm==0.1.0, the bench extra) is not installed: its column is left out.")
     header = (
         "| in flight | "
-        + " | ".join(f"rl2gem {m} (exec/s)" for m in modes)
-        + (" | GEM 0.1.0 none (exec/s) | rl2gem/GEM |" if has_gem else " |")
+        + " | ".join(f"rl2gem {name} (exec/s)" for name in columns)
+        + (" | GEM 0.1.0 none (exec/s) | rl2gem all layers / GEM |" if has_gem else " |")
     )
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
@@ -101,7 +115,7 @@ def main() -> None:
         try:
             for c in levels:
                 n = 8 if args.quick else max(48, 4 * c)
-                ours = [bench_rl2gem(m, c, n) for m in modes]
+                ours = [bench_rl2gem(layers, c, n) for layers in columns.values()]
                 row = f"| {c} | " + " | ".join(f"{x:.1f}" for x in ours)
                 if has_gem:
                     theirs = bench_gem(c, n)

@@ -1,4 +1,4 @@
-"""Child-side start-up of the Python sandbox (run as ``python -I -B _sandbox_boot.py key=value ...``).
+"""Child-side start-up of the Python sandbox (run as ``python -I -S -B _sandbox_boot.py key=value ...``).
 
 Reads the user code from stdin, then, before running it: sets resource limits,
 confines the process with the kernel layers it was asked for (Landlock: file
@@ -646,18 +646,31 @@ def _probe(cfg):
     os._exit(0)
 
 
+def _site(paths):
+    """What ``site`` gives a normal start (the interpreter runs with ``-S``: processing every
+    ``.pth`` file costs tens of milliseconds per execution): ``exit``/``quit``/``help`` and the
+    site-packages folders on ``sys.path`` (their ``.pth`` files are not run)."""
+    import site
+
+    site.setquit()
+    site.setcopyright()
+    site.sethelper()
+    sys.path.extend(path for path in paths if path not in sys.path)
+
+
 def main():
     cfg = {}
     for arg in sys.argv[1:]:  # key=value pairs: ints, or lists (preload: commas; read: newlines)
         key, _, value = arg.partition("=")
         if key == "preload":
             cfg[key] = tuple(v for v in value.split(",") if v)
-        elif key == "read":
+        elif key in ("read", "site"):
             cfg[key] = tuple(v for v in value.split("\n") if v)
         else:
             cfg[key] = int(value) if value else None
     if cfg.get("probe"):
         _probe(cfg)
+    _site(cfg.get("site", ()))
     code = sys.stdin.read()
     sys.stdin.close()
     sys.stdin = open(os.devnull)  # noqa: SIM115 (stdin for the rest of the process)

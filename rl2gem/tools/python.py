@@ -1,6 +1,6 @@
 """A Python sandbox for model-written code, and :class:`PythonTool` over it.
 
-Each execution is a fresh ``python -I -B`` process started with
+Each execution is a fresh ``python -I -S -B`` process started with
 ``asyncio.create_subprocess_exec`` (the event loop never blocks), at most
 ``max_concurrency`` at a time per event loop. The boundary is made of kernel
 layers, each used when the host has it (:func:`sandbox_mode` says which) and
@@ -53,6 +53,7 @@ import functools
 import os
 import shutil
 import signal
+import site
 import subprocess
 import sys
 import tempfile
@@ -344,10 +345,16 @@ def _layers(cfg: SandboxConfig, host: SandboxMode) -> tuple[str, ...]:
     return tuple(layer for layer in LAYERS if wanted[layer] and host.has(layer))
 
 
+@functools.cache
+def _site_packages() -> tuple[str, ...]:
+    """This interpreter's site-packages folders (the sandbox starts with ``-S`` and adds them itself)."""
+    return tuple(path for path in site.getsitepackages() if os.path.isdir(path))
+
+
 def _readable(cfg: SandboxConfig) -> list[str]:
     """Paths the code may read under Landlock: the interpreter's prefixes, the system's, ``cfg.readable``."""
     prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
-    paths = [*sorted(prefixes), *SYSTEM_READABLE, *cfg.readable]
+    paths = [*sorted(prefixes), *_site_packages(), *SYSTEM_READABLE, *cfg.readable]
     # /proc/self is resolved in the sandbox (it is its own process there), the rest here
     resolved = [path if path.startswith("/proc/self") else os.path.abspath(path) for path in paths]
     return [path for path in dict.fromkeys(resolved) if os.path.exists(path)]
@@ -385,7 +392,8 @@ async def run_python(code: str, config: SandboxConfig | None = None) -> SandboxR
     args = [f"{k}={'' if v is None else int(v)}" for k, v in limits.items()] + ["preload=" + ",".join(cfg.preload)]
     if "landlock" in layers:
         args.append("read=" + "\n".join(_readable(cfg)))
-    argv = [sys.executable, "-I", "-B", _BOOT, *args]
+    args.append("site=" + "\n".join(_site_packages()))
+    argv = [sys.executable, "-I", "-S", "-B", _BOOT, *args]
     if mode == "namespaces":
         argv = [_unshare() or "unshare", *_UNSHARE, *argv]
     cap = cfg.max_output_chars

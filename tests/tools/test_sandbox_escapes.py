@@ -108,6 +108,7 @@ def test_process_creation_runs_nothing_on_the_host(isolation, hook, outside):
 @pytest.mark.parametrize("isolation, hook", CONFIGS)
 def test_writes_through_every_file_api_stay_inside(isolation, hook, outside):
     o = str(outside)
+    shm = f"/dev/shm/rl2gem-escape-{os.urandom(4).hex()}"
     code = "import os, stat\n" + attempt(
         f"open({o!r} + '/a.txt', 'w').write('x')",
         f"os.close(os.open({o!r} + '/b.txt', os.O_CREAT | os.O_WRONLY))",
@@ -125,13 +126,13 @@ def test_writes_through_every_file_api_stay_inside(isolation, hook, outside):
         f"os.utime({o!r} + '/victim.txt', (0, 0))",
         f"os.setxattr({o!r} + '/victim.txt', 'user.pwned', b'1')",
         f"os.remove({o!r} + '/victim.txt')",
-        "open('/dev/shm/rl2gem-escape', 'w').write('x')",
+        f"open({shm!r}, 'w').write('x')",
     )
     r = sandbox(code, isolation, hook)
     assert sorted(p.name for p in outside.iterdir()) == ["victim.txt"], r.stdout + r.stderr
     assert victim_untouched(outside)
     assert os.listxattr(outside / "victim.txt") == []
-    assert not os.path.exists("/dev/shm/rl2gem-escape")
+    assert not os.path.exists(shm)
 
 
 @pytest.mark.parametrize("isolation, hook", CONFIGS)
