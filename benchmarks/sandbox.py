@@ -11,7 +11,8 @@ Side by side, in one run, on the same snippets:
   threads each call it (what a vectorised GEM env does).
 
 Each executes ``print(sum(i * i for i in range(1000)))`` and must print 332833500.
-Run: ``python benchmarks/sandbox.py`` (``--quick`` for a smoke run).
+Each cell is the rate over three interleaved rounds of max(48, 4c) executions.
+Run: ``python benchmarks/sandbox.py`` (``--quick`` for a smoke run: one round of 8).
 """
 
 from __future__ import annotations
@@ -115,11 +116,17 @@ def main() -> None:
         try:
             for c in levels:
                 n = 8 if args.quick else max(48, 4 * c)
-                ours = [bench_rl2gem(layers, c, n) for layers in columns.values()]
-                row = f"| {c} | " + " | ".join(f"{x:.1f}" for x in ours)
+                rounds = 1 if args.quick else 3  # interleaved, so drift of the machine hits every column
+                seconds = {name: 0.0 for name in [*columns, *(["GEM"] if has_gem else [])]}
+                for _ in range(rounds):
+                    for name, layers in columns.items():
+                        seconds[name] += n / bench_rl2gem(layers, c, n)
+                    if has_gem:
+                        seconds["GEM"] += n / bench_gem(c, n)
+                rates = {name: rounds * n / s for name, s in seconds.items()}
+                row = f"| {c} | " + " | ".join(f"{rates[name]:.1f}" for name in columns)
                 if has_gem:
-                    theirs = bench_gem(c, n)
-                    row += f" | {theirs:.1f} | {ours[0] / theirs:.2f}x |"
+                    row += f" | {rates['GEM']:.1f} | {rates['all layers'] / rates['GEM']:.2f}x |"
                 else:
                     row += " |"
                 print(row, flush=True)
