@@ -193,7 +193,9 @@ class SandboxConfig:
         readable: more paths (folders or files) the code may read, beside
             :data:`SYSTEM_READABLE` and the interpreter's prefixes.
         preload: modules imported before the limits and the audit hook (faster, and
-            lets e.g. ``numpy`` load its native parts), e.g. ``("numpy",)``.
+            lets e.g. ``numpy`` load its native parts), e.g. ``("numpy",)``. A module that
+            starts threads when imported cannot be preloaded under Landlock (which binds one
+            thread): the run then stops before the code starts.
         max_concurrency: executions at once per event loop (further calls wait).
     """
 
