@@ -57,7 +57,7 @@ preference-arithmetic: setup
 		trainer.total_steps=20 trainer.output_dir=runs/arithmetic-ppo-rm trainer.progress=false
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # ruff, pinned in the dev extra (also the pre-commit hook): lint rules and formatting, checked, not fixed.
 lint: setup
