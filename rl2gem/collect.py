@@ -10,7 +10,7 @@ Episodes are played by :func:`rl2gem.evaluate.evaluate` (same arguments, see
 plays ``model=`` through the rollout machinery, sampling at ``temperature=1.0``
 unless given. With ``min_reward`` only episodes whose reward reaches it are kept
 (rejection sampling when a model plays). Each kept episode becomes one JSON line of
-``output`` (the file is rewritten)::
+``output`` (the file is rewritten, and written as episodes end, in episode order)::
 
     {"messages": [...], "reward": 1.0, "env": "rl2/SearchQA-v0", "seed": 0, "index": 0, "policy": "solver"}
 
@@ -156,8 +156,35 @@ def pair_rows(records: list[EpisodeRecord], cfg: DictConfig) -> list[dict[str, A
     return rows
 
 
+class _RowWriter:
+    """Writes rows as episodes end, in episode order: a task's rows as soon as it and every task
+    before it are done, flushed, so a crash keeps every row of the tasks completed before it."""
+
+    def __init__(self, sink, cfg: DictConfig):
+        self.sink, self.cfg = sink, cfg
+        self.group = int(cfg.responses_per_prompt) if cfg.pairs else 1
+        self.pending: dict[int, EpisodeRecord] = {}
+        self.next = 0  # the first episode not yet written
+        self.rows: list[dict[str, Any]] = []
+
+    def __call__(self, record: EpisodeRecord) -> None:
+        self.pending[record.episode] = record
+        while all(self.next + k in self.pending for k in range(self.group)):
+            records = [self.pending.pop(self.next + k) for k in range(self.group)]
+            self.next += self.group
+            if self.cfg.pairs:
+                rows = pair_rows(records, self.cfg)
+            else:
+                minimum = self.cfg.min_reward
+                rows = [episode_row(r, self.cfg) for r in records if minimum is None or r.reward >= minimum]
+            self.sink.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+            self.sink.flush()
+            self.rows += rows
+
+
 def collect(cfg: DictConfig) -> tuple[int, list[dict[str, Any]]]:
-    """Play ``cfg.n`` episodes and write the kept ones to ``cfg.output`` (rewritten).
+    """Play ``cfg.n`` episodes and write the kept ones to ``cfg.output`` (rewritten), each task's
+    rows as soon as it and the tasks before it are done (a crash keeps what was finished).
 
     Args:
         cfg: :data:`DEFAULTS` merged with the arguments (see :func:`parse_args`).
@@ -173,18 +200,12 @@ def collect(cfg: DictConfig) -> tuple[int, list[dict[str, Any]]]:
     play.output = None  # evaluate's own records are not written; the rows below are
     if cfg.policy != "model":
         play.model = None
-    records = evaluate(play)
-    if cfg.pairs:
-        rows = pair_rows(records, cfg)
-    else:
-        rows = [
-            episode_row(record, cfg) for record in records if cfg.min_reward is None or record.reward >= cfg.min_reward
-        ]
     output = Path(cfg.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     with open(output, "w", encoding="utf-8") as sink:
-        sink.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-    return len(records), rows
+        writer = _RowWriter(sink, cfg)
+        records = evaluate(play, on_record=writer)
+    return len(records), writer.rows
 
 
 def parse_args(argv: list[str]) -> DictConfig:

@@ -291,8 +291,14 @@ def _evaluate_scripted(cfg, env, resets, emit) -> None:
         env.close()
 
 
-def evaluate(cfg) -> list[EpisodeRecord]:
-    """Play ``cfg.n`` episodes (see the module doc); returns their records."""
+def evaluate(cfg, on_record: Callable[[EpisodeRecord], None] | None = None) -> list[EpisodeRecord]:
+    """Play ``cfg.n`` episodes (see the module doc); returns their records.
+
+    Args:
+        cfg: :data:`DEFAULTS` merged with the arguments.
+        on_record: called with each record as its episode ends (in completion order, which with
+            a model is not the episode order), after it is written to ``cfg.output``.
+    """
     import rl2gem  # noqa: F401  (registers the envs)
     from rl2gem.registry import standard_kwargs
 
@@ -315,6 +321,8 @@ def evaluate(cfg) -> list[EpisodeRecord]:
         if sink:
             sink.write(json.dumps(asdict(rec), ensure_ascii=False) + "\n")
             sink.flush()
+        if on_record is not None:
+            on_record(rec)
         bar.update(1)
 
     try:

@@ -218,3 +218,32 @@ def test_pairs_need_a_model_and_groups():
         _resolve(parse_args(["pairs=true", "output=x"]))
     with pytest.raises(SystemExit, match="responses_per_prompt >= 2"):
         _resolve(parse_args(["model=m", "pairs=true", "responses_per_prompt=1", "output=x"]))
+
+
+def test_a_crash_keeps_the_rows_of_the_episodes_before_it(tmp_path, monkeypatch):
+    """Rows are written as episodes end: an env that fails at the 8th reset leaves the first 7."""
+    from rl2gem import evaluate as evaluate_module
+
+    common = ("env=rl2/GuessTheNumber-Easy-v0", "policy=solver", "n=12", "seed=5")
+    everything = collect(tmp_path / "all.jsonl", *common)
+    make_env = evaluate_module._make_env
+
+    def failing_env(cfg):
+        env = make_env(cfg)
+        reset, calls = env.reset, []
+
+        def reset_then_fail(**kw):
+            calls.append(1)
+            if len(calls) == 8:
+                raise RuntimeError("the env's back-end went away")
+            return reset(**kw)
+
+        env.reset = reset_then_fail
+        return env
+
+    monkeypatch.setattr(evaluate_module, "_make_env", failing_env)
+    path = tmp_path / "crashed.jsonl"
+    with pytest.raises(RuntimeError, match="went away"):
+        main([*common, f"output={path}", "progress=false"])
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    assert rows == everything[:7]
