@@ -16,7 +16,9 @@ keys are errors naming the closest valid one). One step:
    ``kl.in_reward``) and GAE;
 3. update: ``update_per_rollout`` passes of ``pg_loss + kl.coef * kl_loss - entropy_coef *
    entropy`` (clip-higher, dual clip, importance sampling against the rollout log-probs) with
-   global-batch token weights, and the clipped value loss;
+   global-batch token weights, and the clipped value loss; with ``kl.adaptive.type`` other than
+   ``fixed`` the coefficient then moves toward ``kl.adaptive.target_kl`` (logged as ``kl/coef``,
+   ``kl/target``; kept in checkpoints);
 4. weight sync into the engine; periodic evaluation and checkpoints.
 
 Everything shared with other trainers lives in :mod:`rl2gem.training`. CPU runs use gloo and
@@ -36,6 +38,7 @@ from omegaconf import OmegaConf
 
 import rl2gem
 from rl2gem.algorithms import ESTIMATORS, importance_weights, kl_estimate, packed_loss_weights, policy_loss, value_loss
+from rl2gem.algorithms.kl_control import KLController, make_kl_controller
 from rl2gem.config import ConfigError
 from rl2gem.models import load_model
 from rl2gem.rewards.model import REWARD_MODES, RewardModel
@@ -62,11 +65,24 @@ def check_config(cfg) -> None:
         raise ConfigError(f"adv.estimator={cfg.adv.estimator!r} is not one of {list(ESTIMATORS)}")
     if cfg.reward.mode not in REWARD_MODES:
         raise ConfigError(f"reward.mode={cfg.reward.mode!r} is not one of {list(REWARD_MODES)}")
-    if cfg.kl.in_reward and cfg.kl.coef > 0 and cfg.adv.estimator != "gae":
+    controller = kl_controller(cfg)
+    if cfg.kl.in_reward and controller.active and cfg.adv.estimator != "gae":
         raise ConfigError(
             f"kl.in_reward=true needs token-level credit (adv.estimator=gae), got adv.estimator={cfg.adv.estimator}; "
             "use kl.in_reward=false (a KL loss term) with outcome estimators"
         )
+
+
+def kl_controller(cfg) -> KLController:
+    """The KL coefficient's controller of ``cfg.kl`` (``kl.coef`` and ``kl.adaptive``).
+
+    Raises:
+        rl2gem.config.ConfigError: a bad ``kl.adaptive`` value, naming the key.
+    """
+    try:
+        return make_kl_controller(float(cfg.kl.coef), OmegaConf.to_container(cfg.kl.adaptive, resolve=True))
+    except ValueError as e:
+        raise ConfigError(f"kl.adaptive: {e}") from None
 
 
 def packed(samples, field, device, dtype=torch.float32):
@@ -90,7 +106,8 @@ class PPOTrainer(Trainer):
             )
         self.out, self.total_steps = Path(c.trainer.output_dir), int(c.trainer.total_steps)
         self.actor = Worker(c.actor, self.mesh, self.device, total_steps=self.total_steps)
-        self.ref = Worker(c.actor, self.mesh, self.device, trainable=False) if c.kl.coef > 0 else None
+        self.kl = kl_controller(c)
+        self.ref = Worker(c.actor, self.mesh, self.device, trainable=False) if self.kl.active else None
         self.critic = None
         if c.adv.estimator == "gae":  # a critic only where GAE needs one (the actor's backbone + a scalar head)
             self.critic = Worker(
@@ -156,7 +173,7 @@ class PPOTrainer(Trainer):
                 sc["ref"] = token_logprobs(self.ref.model, ids, self.device, temperature=temperature)[0]
             if self.critic is not None:
                 if self.ref is not None and c.kl.in_reward and not mb.placeholder:
-                    subtract_kl_from_rewards(part, sc["old"], sc["ref"], c.kl.coef, c.kl.estimator)
+                    subtract_kl_from_rewards(part, sc["old"], sc["ref"], self.kl.coef, c.kl.estimator)
                 sc["values"] = token_values(self.critic.model, ids, self.device)
                 sc["returns"] = apply_gae(part, sc["values"], c.adv.gamma, c.adv.lam)
                 mask = packed(part, "mask", self.device, torch.bool)
@@ -206,7 +223,7 @@ class PPOTrainer(Trainer):
         )  # fmt: skip
         kl = kl_estimate(logprobs, sc["ref"], c.kl.estimator) if self.ref is not None else torch.zeros_like(logprobs)
         kl_loss = (kl * weights * mask).sum() if not c.kl.in_reward else 0.0
-        loss = pg_loss + c.kl.coef * kl_loss - a.entropy_coef * (entropy * weights * mask).sum()
+        loss = pg_loss + self.kl.coef * kl_loss - a.entropy_coef * (entropy * weights * mask).sum()
         (loss * self.mesh.dp_size).backward()  # FSDP averages gradients over data-parallel ranks
         n = mask.sum().clamp(min=1)
         row = {
@@ -239,6 +256,9 @@ class PPOTrainer(Trainer):
         metrics.update(critic_metrics, **{"time/old_logprobs": time.perf_counter() - t})
         t = time.perf_counter()
         metrics.update(self.update(samples, micro_batches, scores), **{"time/update": time.perf_counter() - t})
+        if self.ref is not None:  # the coefficient this step used, then the next step's (same on every rank)
+            metrics.update(self.kl.metrics())
+            self.kl.update(metrics["actor/kl"], samples=len(samples))
         t = time.perf_counter()
         self.step += 1
         self.loop.run_until_complete(self.engine.update_weights(self.actor.full_state_dict(), version=self.step))
@@ -274,11 +294,13 @@ class PPOTrainer(Trainer):
 
     # ------------------------------------------------------------------ checkpoints
     def rank_state(self) -> dict:
-        return {"rollout": self.rollout.state_dict(), "engine": self.engine.state_dict()}
+        return {"rollout": self.rollout.state_dict(), "engine": self.engine.state_dict(), "kl": self.kl.state_dict()}
 
     def restore(self, trainer_state, rank_state) -> None:
         self.rollout.load_state_dict(rank_state["rollout"])
         self.engine.load_state_dict(rank_state["engine"])
+        if "kl" in rank_state:  # checkpoints written before the KL controller have none
+            self.kl.load_state_dict(rank_state["kl"])
         self.loop.run_until_complete(self.engine.update_weights(self.actor.full_state_dict(), version=self.step))
 
     def close(self):

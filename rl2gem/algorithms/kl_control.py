@@ -149,6 +149,12 @@ class KLController:
             self.coef = self._scheduled(self._steps)
         return self.coef
 
+    @property
+    def active(self) -> bool:
+        """Whether a KL term exists at all (a reference model is needed): a non-zero coefficient,
+        or a controller that may make it non-zero."""
+        return self.type != "fixed" or self.coef > 0
+
     def metrics(self) -> dict[str, float]:
         """``kl/coef`` and ``kl/target`` for the step's log."""
         return {"kl/coef": self.coef, "kl/target": self.target_kl}

@@ -125,6 +125,12 @@ def test_resume_after_kill_9_matches_an_uninterrupted_run(tiny_dir, tmp_path):
         "trainer.eval_n=2",
         "trainer.progress=false",
         "seed=7",
+        # an adaptive KL coefficient: its state must come back with the checkpoint
+        "kl.coef=0.05",
+        "kl.adaptive.type=exponential",
+        "kl.adaptive.exp_factor=2.0",
+        "kl.adaptive.exp_decay=0.5",
+        "kl.adaptive.target_kl=1e-4",
     ]
     full, cut = tmp_path / "full", tmp_path / "cut"
     torchrun(2, *args, f"trainer.output_dir={full}")
@@ -150,6 +156,7 @@ def test_resume_after_kill_9_matches_an_uninterrupted_run(tiny_dir, tmp_path):
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
     assert a[4]["actor/grad_norm"] > 0
     assert len({a[s]["rollout/tokens"] for s in a}) > 1  # prompts differ from step to step
+    assert len({a[s]["kl/coef"] for s in a}) > 1  # the controller moved the coefficient
     for step in (3, 4):
         for key in (
             "rollout/reward",
@@ -159,6 +166,8 @@ def test_resume_after_kill_9_matches_an_uninterrupted_run(tiny_dir, tmp_path):
             "actor/entropy",
             "actor/grad_norm",
             "actor/lr",
+            "actor/kl",
+            "kl/coef",
         ):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-4, abs=1e-6), (step, key)
     from safetensors.torch import load_file
@@ -215,6 +224,10 @@ def test_gae_critic_run_with_kl_in_reward(tiny_dir, tmp_path):
         "adv.estimator=gae",
         "kl.coef=1.0",
         "kl.in_reward=true",
+        "kl.adaptive.type=exponential",
+        "kl.adaptive.exp_factor=1.5",
+        "kl.adaptive.exp_decay=0.5",
+        "kl.adaptive.target_kl=1e-3",
         "actor.entropy_coef=0.05",
         "actor.lr=3e-3",
         "critic.lr=1e-2",
@@ -228,5 +241,13 @@ def test_gae_critic_run_with_kl_in_reward(tiny_dir, tmp_path):
     assert steps[1]["critic/values"] == 0.0 and steps[1]["critic/vf_loss"] == 0.0  # zero head, zero KL at step 1
     assert steps[3]["actor/kl"] > 0 and steps[3]["critic/vf_loss"] > 0 and steps[3]["critic/values"] != 0.0
     assert (out / "checkpoint-3" / "dcp").exists()
+    # the exponential controller, by hand from the logged KL: x1.5 above the target, x0.5 below
+    coef = 1.0
+    for step in (1, 2, 3):
+        assert steps[step]["kl/coef"] == pytest.approx(coef) and steps[step]["kl/target"] == 1e-3
+        kl = steps[step]["actor/kl"]
+        coef *= 1.5 if kl > 1e-3 else 0.5 if kl < 1e-3 else 1.0
     r = run_module("rl2gem.trainers.ppo", "kl.coef=0.1", "kl.in_reward=true", "adv.estimator=grpo")
     assert r.returncode != 0 and "kl.in_reward=true needs" in r.stderr
+    r = run_module("rl2gem.trainers.ppo", "kl.adaptive.type=bang_bang")
+    assert r.returncode != 0 and "kl.adaptive" in r.stderr and "proportional" in r.stderr
