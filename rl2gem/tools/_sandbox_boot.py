@@ -89,12 +89,22 @@ _WORKDIR_DENIED = {"make_char", "make_block", "ioctl_dev", "execute"}
 _DEVICES_READ = ("/dev/zero", "/dev/urandom", "/dev/random", "/dev/full")
 
 
-def _libc():
-    import ctypes
+_LIBC = []  # (ctypes, libc), opened once: every system call below goes through it
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype = ctypes.c_long
-    return ctypes, libc
+
+def _libc():
+    if not _LIBC:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        _LIBC.append((ctypes, libc))
+    return _LIBC[0]
+
+
+def _no_new_privs():
+    """``prctl(PR_SET_NO_NEW_PRIVS, 1)``: required by Landlock and seccomp; idempotent."""
+    _check(_libc()[1].prctl(38, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
 
 
 def _syscall(number, *args):
@@ -158,7 +168,7 @@ def install_landlock(workdir, readable):
         allow("/dev/null", rights["read_file"] | rights["write_file"] | rights.get("truncate", 0))
         for path in _DEVICES_READ:
             allow(path, rights["read_file"])
-        _check(libc.prctl(38, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+        _no_new_privs()
         _check(_syscall(_LANDLOCK_RESTRICT_SELF, ruleset, 0), "landlock_restrict_self")
     finally:
         os.close(ruleset)
@@ -495,7 +505,7 @@ def install_seccomp():
     code = b"".join(struct.pack("=HBBI", *ins) for ins in prog)
     filters = ctypes.create_string_buffer(code, len(code))
     fprog = ctypes.create_string_buffer(struct.pack("=HxxxxxxQ", len(prog), ctypes.addressof(filters)), 16)
-    _check(libc.prctl(38, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+    _no_new_privs()
     number = _SYSCALLS[machine][1]["seccomp"]
     # seccomp(SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC, prog): all threads at once
     _check(_syscall(number, 1, 1, fprog), "seccomp(SECCOMP_SET_MODE_FILTER)")
