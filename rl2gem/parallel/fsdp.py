@@ -25,6 +25,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from rl2gem.parallel.ring_attention import enable_ring_attention
+from rl2gem.parallel.tensor_parallel import check_tp, parallelize
+
 __all__ = [
     "HEADS",
     "init_distributed",
@@ -125,6 +128,8 @@ def load_sharded(
     param_dtype=None,
     gradient_checkpointing: bool = False,
     head: str = "lm",
+    tp_mesh=None,
+    sp_group=None,
 ):
     """Meta-device init on every rank, shard, then broadcast rank 0's weights into the shards.
 
@@ -139,7 +144,8 @@ def load_sharded(
     Returns the FSDP-wrapped model (train mode) with ``dtype`` parameters.
 
     Raises:
-        ValueError: unknown ``head``.
+        ValueError: unknown ``head``, or a model that ``tp_mesh`` cannot split
+            (:func:`rl2gem.parallel.tensor_parallel.check_tp`).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -153,6 +159,8 @@ def load_sharded(
     cls = head_class("value" if head == "reward" else head)
     if head != "lm":
         config.num_labels, config.classifier_dropout = 1, 0.0
+    if tp_mesh is not None:
+        check_tp(config, tp_mesh.size())
     full = None
     if dist.get_rank() == 0:
         full = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).state_dict()
@@ -166,6 +174,12 @@ def load_sharded(
         model.tie_weights()
     if head == "reward":  # Bradley-Terry is blind to a shared offset: keep it exactly 0 for the export
         model.score.bias.requires_grad_(False)
+    model.rl2_tp_group = model.rl2_sp_group = None
+    if tp_mesh is not None:
+        parallelize(model, tp_mesh)
+    if sp_group is not None:
+        enable_ring_attention(model)
+        model.rl2_sp_group = sp_group
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     shard_model(

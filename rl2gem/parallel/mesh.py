@@ -11,6 +11,15 @@ Data-parallel ranks (who gets which sequences) are the ``replicate x shard`` coo
 ranks that differ only in ``sp`` / ``tp`` see the same data. Trainers ask the mesh for
 ``data_mesh`` (what FSDP shards over), ``dp_rank`` and ``dp_size`` and never build meshes
 themselves, so a new dim changes this module and the model workers, not the trainers.
+
+FSDP shards parameters over ``shard x sp`` (flattened): the ``sp`` ranks of a sequence hold the
+same parameters and each computes gradients from its part of the tokens, so they reduce their
+gradients like data-parallel ranks (see :func:`rl2gem.parallel.ring_attention.gather_sequence_parallel`
+for why the average over them is right). The ``tp`` dim holds DTensor shards of each layer
+(:mod:`rl2gem.parallel.tensor_parallel`); FSDP composes with it (2-D FSDP x TP).
+
+Length rule (RL2's): a micro-batch holds at most ``sp_size * tp_size * max_length_per_device``
+tokens (:meth:`ParallelMesh.micro_batch_tokens`), and so does the longest sequence.
 """
 
 from __future__ import annotations
@@ -35,13 +44,46 @@ class ParallelMesh:
 
     mesh: object
     sizes: dict[str, int]
+    _data_mesh: object = None
+
+    @property
+    def sp_size(self) -> int:
+        return self.sizes["sp"]
+
+    @property
+    def tp_size(self) -> int:
+        return self.sizes["tp"]
+
+    @property
+    def sp_group(self):
+        """The process group of this rank's sequence-parallel ranks (None when ``sp == 1``)."""
+        return self.mesh["sp"].get_group() if self.sizes["sp"] > 1 else None
+
+    @property
+    def tp_mesh(self):
+        """The 1-D mesh of this rank's tensor-parallel ranks (None when ``tp == 1``)."""
+        return self.mesh["tp"] if self.sizes["tp"] > 1 else None
+
+    def micro_batch_tokens(self, max_length_per_device: int) -> int:
+        """Tokens one micro-batch (and one sequence) may hold: ``sp * tp * max_length_per_device``
+        (each rank then holds at most ``max_length_per_device`` of them, or their activations'
+        ``1 / tp`` share)."""
+        return int(max_length_per_device) * self.sizes["sp"] * self.sizes["tp"]
 
     @property
     def data_mesh(self):
-        """The mesh FSDP2 shards over: 1-D ``("shard",)``, or 2-D ``("replicate", "shard")`` for HSDP."""
-        if self.sizes["replicate"] == 1:
-            return self.mesh["shard"]
-        return self.mesh["replicate", "shard"]
+        """The mesh FSDP2 shards over: 1-D ``("shard",)`` (``shard x sp`` flattened when ``sp > 1``),
+        or 2-D with ``"replicate"`` in front for HSDP."""
+        if self._data_mesh is None:
+            if self.sizes["sp"] == 1:
+                dims = ("shard",) if self.sizes["replicate"] == 1 else ("replicate", "shard")
+                self._data_mesh = self.mesh[dims]
+            elif self.sizes["replicate"] == 1:
+                self._data_mesh = self.mesh["shard", "sp"]._flatten("shard_sp")
+            else:
+                self.mesh["shard", "sp"]._flatten("shard_sp")
+                self._data_mesh = self.mesh["replicate", "shard_sp"]
+        return self._data_mesh
 
     @property
     def dp_size(self) -> int:
@@ -59,8 +101,7 @@ def build_mesh(ddp_size: int = 1, tp_size: int = 1, sp_size: int = 1) -> Paralle
     """The mesh of the current process group: ``shard = world / (ddp_size * sp_size * tp_size)``.
 
     Raises:
-        ValueError: a size below 1, a world size the sizes do not divide (naming the config keys),
-            or ``tp_size`` / ``sp_size`` above 1 (not implemented yet).
+        ValueError: a size below 1 or a world size the sizes do not divide (naming the config keys).
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -68,11 +109,6 @@ def build_mesh(ddp_size: int = 1, tp_size: int = 1, sp_size: int = 1) -> Paralle
     for key, value in (("actor.ddp_size", ddp_size), ("actor.tp_size", tp_size), ("actor.sp_size", sp_size)):
         if int(value) < 1:
             raise ValueError(f"{key}={value} must be >= 1")
-    if tp_size > 1 or sp_size > 1:
-        raise ValueError(
-            f"actor.tp_size={tp_size} / actor.sp_size={sp_size}: tensor and sequence parallelism are "
-            "not implemented yet; use 1"
-        )
     inner = ddp_size * sp_size * tp_size
     if world % inner:
         raise ValueError(

@@ -3,7 +3,11 @@ per-token quantities every trainer computes from one packed row.
 
 A micro-batch is one row of concatenated sequences (no padding) whose ``position_ids`` restart at
 0 for every sequence: flash-attn's varlen kernels read the boundaries from them on GPU; other
-attention gets a block-diagonal causal mask (:mod:`rl2gem.parallel.packing`).
+attention gets a block-diagonal causal mask (:mod:`rl2gem.parallel.packing`). A model sharded
+over sequence-parallel ranks runs on its ZigZag share of the row and a model split over
+tensor-parallel ranks keeps its logits sharded over the vocabulary; both return the whole row's
+per-token results on every rank, equal to one rank's (:mod:`rl2gem.parallel.ring_attention`,
+:mod:`rl2gem.parallel.tensor_parallel`).
 
 Per-token outputs of a packed row of ``N`` tokens are float32 ``[N]`` aligned to the input
 positions: entry ``t`` belongs to token ``t`` (its log-probability given the tokens before it),
@@ -16,9 +20,12 @@ import dataclasses
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 from rl2gem.algorithms import entropy_from_logits
 from rl2gem.parallel.packing import packed_attention_mask, packed_batch, plan
+from rl2gem.parallel.ring_attention import gather_sequence_parallel, ring_context, zigzag_layout
+from rl2gem.parallel.tensor_parallel import vocab_parallel_logprobs
 
 __all__ = [
     "MicroBatch",
@@ -98,10 +105,59 @@ def _first_token(batch: dict, device: torch.device) -> torch.Tensor:
     return batch["position_ids"][0].to(device) == 0
 
 
+def _next_tokens(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Each token's successor in its sequence (``[N]`` int64; 0 at a sequence's last token)."""
+    following = torch.cat([ids[1:], ids.new_zeros(1)])
+    last = torch.cat([positions[1:] == 0, positions.new_ones(1, dtype=torch.bool)])
+    return following.masked_fill(last, 0)
+
+
+def _packed_forward(model, sequences: Sequence[Sequence[int]], device: torch.device, per_token):
+    """Run ``model`` on one packed row of ``sequences`` and return ``per_token(output, next_ids)``
+    for every token of the row, in packed order (``[N, ...]``; a tuple of tensors, some of which
+    may be None, is handled element-wise), together with the packed batch.
+
+    ``per_token`` gets the model output of the tokens this rank ran and their successors
+    (:func:`_next_tokens`). Without sequence parallelism that is the whole row. With it
+    (``model.rl2_sp_group``), the row is split ZigZag over the group
+    (:func:`rl2gem.parallel.ring_attention.zigzag_layout`), the model runs ring attention on
+    this rank's share, and the per-token results of all ranks are gathered back (differentiably)
+    so that every rank returns the whole row's results, as one rank would.
+    """
+    group = getattr(model, "rl2_sp_group", None)
+    batch, kwargs = packed_inputs(model, sequences, device) if group is None else (packed_batch(list(sequences)), None)
+    ids, positions = batch["input_ids"][0], batch["position_ids"][0]
+    if group is None:
+        return per_token(model(**kwargs), _next_tokens(ids, positions).to(device)), batch
+    layout = zigzag_layout([len(s) for s in sequences], dist.get_world_size(group))
+    rank = dist.get_rank(group)
+    padded_ids = layout.pad(ids)
+    local_ids = layout.local(padded_ids, rank).to(device)
+    local_positions = layout.local(layout.positions, rank).to(device)
+    local_next = layout.local(_next_tokens(padded_ids, layout.positions), rank).to(device)
+    with ring_context(layout, group):
+        output = model(input_ids=local_ids[None], position_ids=local_positions[None], use_cache=False)
+    local = per_token(output, local_next)
+    if isinstance(local, tuple):
+        return tuple(None if t is None else gather_sequence_parallel(t, layout, group) for t in local), batch
+    return gather_sequence_parallel(local, layout, group), batch
+
+
+def _shift_to_tokens(next_values: torch.Tensor, batch: dict) -> torch.Tensor:
+    """Values computed at each position for its successor, moved to the successor: entry ``t`` of
+    the result is ``next_values[t - 1]``, and 0 at each sequence's first token."""
+    out = torch.cat([next_values.new_zeros(1), next_values[:-1]])
+    return torch.where(_first_token(batch, out.device), torch.zeros_like(out), out)
+
+
 def token_logprobs(
     model, sequences: Sequence[Sequence[int]], device: torch.device, *, temperature: float = 1.0, entropy: str = "none"
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probabilities (and entropies) of a packed micro-batch under a causal LM.
+
+    Under tensor parallelism (``model.rl2_tp_group``) the LM head's logits stay sharded over the
+    vocabulary and :func:`rl2gem.parallel.tensor_parallel.vocab_parallel_logprobs` reduces them;
+    under sequence parallelism see :func:`_packed_forward`. Both give what one rank computes.
 
     Args:
         sequences: token id lists.
@@ -114,30 +170,33 @@ def token_logprobs(
         ``(logprobs [N] float32, entropies [N] float32 in nats or None)``; 0 at each sequence's
         first token.
     """
-    batch, kwargs = packed_inputs(model, sequences, device)
-    ids = kwargs["input_ids"]
-    logits = model(**kwargs).logits[0].float() / temperature
-    logprobs = torch.log_softmax(logits[:-1], -1).gather(1, ids[0, 1:, None]).squeeze(1)
-    out = torch.cat([torch.zeros(1, device=logprobs.device), logprobs])
-    first = _first_token(batch, device)
-    out = torch.where(first, torch.zeros_like(out), out)
-    entropies = None
-    if entropy != "none":
-        with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
-            source = logits[:-1] if entropy == "grad" else logits[:-1].detach()
-            entropies = torch.cat([torch.zeros(1, device=logprobs.device), entropy_from_logits(source)])
-            entropies = torch.where(first, torch.zeros_like(entropies), entropies)
-    return out, entropies
+    tp_group = getattr(model, "rl2_tp_group", None)
+
+    def per_token(output, next_ids):
+        logits = output.logits[0].float() / temperature
+        entropies = None
+        if tp_group is not None:
+            logprobs, entropies = vocab_parallel_logprobs(logits, next_ids, tp_group, entropy=entropy == "grad")
+            if entropy == "metric":
+                with torch.no_grad():
+                    _, entropies = vocab_parallel_logprobs(logits.detach(), next_ids, tp_group, entropy=True)
+            return logprobs, entropies
+        logprobs = torch.log_softmax(logits, -1).gather(1, next_ids[:, None]).squeeze(1)
+        if entropy != "none":
+            with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
+                entropies = entropy_from_logits(logits if entropy == "grad" else logits.detach())
+        return logprobs, entropies
+
+    (logprobs, entropies), batch = _packed_forward(model, sequences, device, per_token)
+    return _shift_to_tokens(logprobs, batch), None if entropies is None else _shift_to_tokens(entropies, batch)
 
 
 def token_values(critic, sequences: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
     """Per-token values of a packed micro-batch under a value-head model: float32 ``[N]`` where
     entry ``t`` is V(state before token ``t``), read from the hidden state at ``t - 1`` (0 at each
     sequence's first token), aligned like :func:`token_logprobs`."""
-    batch, kwargs = packed_inputs(critic, sequences, device)
-    values = critic(**kwargs).logits[0, :, 0].float()
-    out = torch.cat([torch.zeros(1, device=values.device), values[:-1]])
-    return torch.where(_first_token(batch, device), torch.zeros_like(out), out)
+    values, batch = _packed_forward(critic, sequences, device, lambda output, _: output.logits[0, :, 0].float())
+    return _shift_to_tokens(values, batch)
 
 
 def score_positions(sequences: Sequence[Sequence[int]], pad_token_id: int | None) -> list[int]:
@@ -173,11 +232,14 @@ def sequence_scores(model, sequences: Sequence[Sequence[int]], device: torch.dev
     captured = []
     handle = head.register_forward_hook(lambda module, args, output: captured.append(output))
     try:
-        _, kwargs = packed_inputs(model, sequences, device)
-        output = model(**kwargs).logits
+        per_token, _ = _packed_forward(
+            model,
+            sequences,
+            device,
+            lambda output, _: (output.logits if output.logits.dim() == 3 else captured[-1])[0, :, 0].float(),
+        )
     finally:
         handle.remove()
-    per_token = (output if output.dim() == 3 else captured[-1])[0, :, 0].float()
     positions = torch.tensor(score_positions(sequences, model.config.pad_token_id), device=per_token.device)
     return per_token[positions]
 

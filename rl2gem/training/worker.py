@@ -123,6 +123,8 @@ class Worker:
             cpu_offload=bool(get("cpu_offload", False)),
             reshard_after_forward=bool(get("reshard_after_forward", True)),
             gradient_checkpointing=trainable and bool(get("gradient_checkpointing", False)),
+            tp_mesh=mesh.tp_mesh,
+            sp_group=mesh.sp_group,
         )
         self.optimizer = self.scheduler = None
         if trainable:

@@ -1,6 +1,7 @@
 """Run under torchrun: loss and gradients of FSDP2 over N ranks equal one process's (written as JSON).
 
-Usage: ``fsdp_equivalence.py MODEL_DIR OUT.json [ddp_size=N] [cpu_offload=1] [gradient_checkpointing=1]``.
+Usage: ``fsdp_equivalence.py MODEL_DIR OUT.json [ddp_size=N] [tp_size=N] [sp_size=N] [cpu_offload=1]
+[gradient_checkpointing=1] [max_tokens=N] [lengths=a,b,c]``.
 """
 
 import json
@@ -19,21 +20,25 @@ def main(model_dir: str, out: str, *options: str) -> None:
     opts = dict(o.split("=", 1) for o in options)
     rank, world, device = init_distributed()
     torch.manual_seed(0)
-    mesh = build_mesh(int(opts.get("ddp_size", 1)))
+    mesh = build_mesh(int(opts.get("ddp_size", 1)), int(opts.get("tp_size", 1)), int(opts.get("sp_size", 1)))
     model = load_sharded(
         model_dir,
         mesh.data_mesh,
         device=device,
+        tp_mesh=mesh.tp_mesh,
+        sp_group=mesh.sp_group,
         cpu_offload=bool(int(opts.get("cpu_offload", 0))),
         gradient_checkpointing=bool(int(opts.get("gradient_checkpointing", 0))),
     )
     g = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(3, 1000, (int(n),), generator=g).tolist() for n in torch.randint(5, 40, (7,), generator=g)]
-    masks = [[0] * 3 + [1] * (len(s) - 3) for s in seqs]
+    lengths = [int(n) for n in opts["lengths"].split(",")] if "lengths" in opts else torch.randint(5, 40, (7,), generator=g)
+    seqs = [torch.randint(3, 1000, (int(n),), generator=g).tolist() for n in lengths]
+    masks = [[0] * min(3, len(s)) + [1] * max(0, len(s) - 3) for s in seqs]
     advs = [[float(i % 3 - 1)] * len(s) for i, s in enumerate(seqs)]
     total = float(sum(sum(m) for m in masks))
     loss_sum = torch.zeros(())
-    for mb in plan_micro_batches([len(s) for s in seqs], mesh.dp_rank, mesh.dp_size, 64):
+    max_tokens = mesh.micro_batch_tokens(int(opts.get("max_tokens", 64)))
+    for mb in plan_micro_batches([len(s) for s in seqs], mesh.dp_rank, mesh.dp_size, max_tokens):
         part = [seqs[i] for i in mb.indices]
         lp, _ = token_logprobs(model, part, device)
         old = lp.detach() + 0.05
@@ -46,6 +51,7 @@ def main(model_dir: str, out: str, *options: str) -> None:
         (loss * mesh.dp_size).backward()
         loss_sum += loss.detach()
     dist.all_reduce(loss_sum)
+    loss_sum /= mesh.sp_size * mesh.tp_size  # every sp / tp rank of a data-parallel rank holds its loss
     grads = {}
     from torch.distributed.tensor import DTensor
 

@@ -1,0 +1,315 @@
+"""ZigZag ring attention: sequence (context) parallelism for packed variable-length batches.
+
+A packed micro-batch of sequences is spread over the ``sp`` ranks of a sequence-parallel group
+ZigZag-style (Zhu's ring-flash-attention; Liu et al. 2023, "Ring Attention with Blockwise
+Transformers"): each sequence is padded to a multiple of ``2 * sp`` tokens and cut into ``2 * sp``
+equal chunks, and rank ``r`` holds chunks ``r`` and ``2 * sp - 1 - r``, so every rank gets the
+same number of tokens and about the same causal attention work (an early chunk with little
+context and a late one with much). Position ids are those of the tokens in their sequence, so
+rotary embeddings are unchanged. Padding tokens sit after a sequence's last real token: causal
+attention never lets a real token see them and their outputs are dropped.
+
+Attention over the ring: each rank keeps its queries; the keys and values of all ranks pass
+around the ring (rank ``r`` sends to ``r + 1`` and receives from ``r - 1``, ``sp - 1`` times), and
+each block's partial result is merged with the running one by log-sum-exp, which gives exact
+softmax attention. Two implementations:
+
+* :func:`ring_attention`: pure PyTorch, on any device and backend (gloo on CPU), the block mask
+  built from each token's sequence id and position; gradients flow by autograd through a ring
+  pass whose backward sends the key/value gradients the other way round;
+* on CUDA, when the ``ring_flash_attn`` package is installed (``pip install rl2gem[gpu]``), its
+  ``zigzag_ring_flash_attn_varlen_func`` (same layout, flash-attn kernels).
+
+The model side is transformers' attention interface: :func:`enable_ring_attention` registers
+``"rl2_ring"`` and switches a model to it, and :func:`ring_context` gives the attention function
+the layout of the current forward. No model code is copied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "ZigZagLayout",
+    "zigzag_layout",
+    "ring_attention",
+    "ring_context",
+    "enable_ring_attention",
+    "gather_sequence_parallel",
+    "RING_ATTENTION",
+]
+
+#: The name under which the ring attention is registered in transformers' attention interface.
+RING_ATTENTION = "rl2_ring"
+
+
+@dataclasses.dataclass
+class ZigZagLayout:
+    """Where each token of a packed row goes on the ``sp`` ranks.
+
+    Attributes:
+        sp_size: ranks of the sequence-parallel group.
+        padded_lengths: each sequence's length rounded up to a multiple of ``2 * sp_size``.
+        order: int64 ``[sp_size, n_local]``: for each rank, the indices into the padded row
+            (sequences concatenated at their padded lengths) of the tokens it holds, in local order.
+        source: int64 ``[n_padded]``: for each padded position, the index of its token in the
+            unpadded packed row, or -1 for a padding token.
+        positions: int64 ``[n_padded]``: each padded token's position in its sequence.
+        sequence_ids: int64 ``[n_padded]``: each padded token's sequence index.
+    """
+
+    sp_size: int
+    padded_lengths: list[int]
+    order: torch.Tensor
+    source: torch.Tensor
+    positions: torch.Tensor
+    sequence_ids: torch.Tensor
+
+    @property
+    def n_local(self) -> int:
+        """Tokens per rank (the same on every rank)."""
+        return int(self.order.shape[1])
+
+    def local(self, padded: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s entries of a per-padded-token tensor ``[n_padded, ...]``: ``[n_local, ...]``."""
+        return padded[self.order[rank].to(padded.device)]
+
+    def pad(self, packed: torch.Tensor, fill: int | float = 0) -> torch.Tensor:
+        """A per-token tensor of the unpadded row ``[N, ...]`` laid out on the padded row
+        ``[n_padded, ...]`` (``fill`` at padding)."""
+        source = self.source.to(packed.device)
+        out = torch.full((len(source), *packed.shape[1:]), fill, dtype=packed.dtype, device=packed.device)
+        real = source >= 0
+        out[real] = packed[source[real]]
+        return out
+
+    def unshard(self, gathered: torch.Tensor) -> torch.Tensor:
+        """Per-rank outputs stacked ``[sp_size, n_local, ...]`` back into the unpadded packed row
+        ``[N, ...]`` (differentiable)."""
+        order = self.order.to(gathered.device).reshape(-1)
+        flat = gathered.reshape(-1, *gathered.shape[2:])
+        padded = torch.empty_like(flat).index_copy(0, order, flat)
+        return padded[(self.source >= 0).to(gathered.device)]
+
+
+def zigzag_layout(lengths: Sequence[int], sp_size: int) -> ZigZagLayout:
+    """The ZigZag layout of a packed row of sequences of ``lengths`` over ``sp_size`` ranks.
+
+    Raises:
+        ValueError: ``sp_size < 1`` or a sequence of length < 1.
+    """
+    if sp_size < 1:
+        raise ValueError(f"sp_size must be >= 1, got {sp_size}")
+    if any(int(n) < 1 for n in lengths):
+        raise ValueError(f"every sequence needs at least one token, got lengths {list(lengths)}")
+    chunks = 2 * sp_size
+    padded_lengths = [-(-int(n) // chunks) * chunks for n in lengths]
+    per_rank: list[list[torch.Tensor]] = [[] for _ in range(sp_size)]
+    sources, positions, sequence_ids = [], [], []
+    padded_start = start = 0
+    for index, (length, padded) in enumerate(zip(lengths, padded_lengths, strict=True)):
+        chunk = padded // chunks
+        for rank in range(sp_size):
+            for c in (rank, chunks - 1 - rank):
+                per_rank[rank].append(torch.arange(padded_start + c * chunk, padded_start + (c + 1) * chunk))
+        position = torch.arange(padded)
+        sources.append(torch.where(position < length, start + position, torch.full_like(position, -1)))
+        positions.append(position)
+        sequence_ids.append(torch.full((padded,), index))
+        padded_start += padded
+        start += int(length)
+    return ZigZagLayout(
+        sp_size=sp_size,
+        padded_lengths=padded_lengths,
+        order=torch.stack([torch.cat(parts) for parts in per_rank]),
+        source=torch.cat(sources),
+        positions=torch.cat(positions),
+        sequence_ids=torch.cat(sequence_ids),
+    )
+
+
+# ---------------------------------------------------------------------------------- communication
+def _group_peers(group) -> tuple[int, int, int, int]:
+    """``(rank in group, size, global rank of the next, global rank of the previous)``."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    return rank, size, dist.get_global_rank(group, (rank + 1) % size), dist.get_global_rank(group, (rank - 1) % size)
+
+
+def _exchange(tensor: torch.Tensor, send_to: int, receive_from: int, group) -> torch.Tensor:
+    received = torch.empty_like(tensor)
+    ops = [dist.P2POp(dist.isend, tensor.contiguous(), send_to, group), dist.P2POp(dist.irecv, received, receive_from, group)]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    return received
+
+
+class _RingPass(torch.autograd.Function):
+    """Send to the next rank of the ring, receive from the previous; the backward sends the
+    gradient to the previous rank and receives it from the next."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        _, _, following, preceding = _group_peers(group)
+        return _exchange(tensor, following, preceding, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _, _, following, preceding = _group_peers(ctx.group)
+        return _exchange(grad, preceding, following, ctx.group), None
+
+
+class _GatherSequenceParallel(torch.autograd.Function):
+    """All-gather ``[n, ...]`` from each rank into ``[size, n, ...]``. Every rank then computes the
+    same loss from the gathered tensor; the backward sums the ranks' gradients and keeps this
+    rank's slice, so the parameters' gradients summed over the group are those of one rank that
+    ran the whole sequence, times the group size (the group is part of the FSDP data mesh, whose
+    gradient average divides it out)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[dist.get_rank(ctx.group)], None
+
+
+def gather_sequence_parallel(local: torch.Tensor, layout: ZigZagLayout, group) -> torch.Tensor:
+    """Per-token outputs of this rank ``[n_local, ...]`` gathered over the group and put back in
+    the unpadded packed order ``[N, ...]`` (differentiable; see :class:`_GatherSequenceParallel`)."""
+    return layout.unshard(_GatherSequenceParallel.apply(local, group))
+
+
+# ---------------------------------------------------------------------------------- attention
+def ring_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout: ZigZagLayout,
+    group,
+    scaling: float | None = None,
+) -> torch.Tensor:
+    """Exact causal attention of packed sequences split over a sequence-parallel group.
+
+    Args:
+        query: ``[1, H, n_local, D]`` this rank's queries (any float dtype).
+        key, value: ``[1, H_kv, n_local, D]`` (``H`` a multiple of ``H_kv``: grouped-query attention).
+        layout: the :class:`ZigZagLayout` of the micro-batch (the same on every rank).
+        group: the sequence-parallel process group (``sp_size`` ranks, this rank's index in it
+            is its place in ``layout``).
+        scaling: the softmax scale (default ``D ** -0.5``).
+
+    Returns:
+        ``[1, n_local, H, D]`` in ``query``'s dtype (transformers' attention-function layout).
+
+    A query attends to a key when both belong to the same sequence and the key's position is not
+    after the query's. Scores and the log-sum-exp merge run in float32.
+    """
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    groups = query.shape[1] // key.shape[1]
+    sequence_q = layout.local(layout.sequence_ids, rank).to(query.device)
+    position_q = layout.local(layout.positions, rank).to(query.device)
+    blocks = torch.stack([key, value])
+    out = lse = None
+    for step in range(size):
+        source = (rank - step) % size
+        if step:
+            blocks = _RingPass.apply(blocks, group)
+        sequence_k = layout.local(layout.sequence_ids, source).to(query.device)
+        position_k = layout.local(layout.positions, source).to(query.device)
+        allowed = (sequence_q[:, None] == sequence_k[None, :]) & (position_k[None, :] <= position_q[:, None])
+        if not bool(allowed.any()):
+            continue
+        k = blocks[0].repeat_interleave(groups, dim=1)
+        v = blocks[1].repeat_interleave(groups, dim=1)
+        scores = torch.matmul(query.float(), k.float().transpose(-1, -2)) * scale
+        scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
+        block_lse = torch.logsumexp(scores, dim=-1)
+        block_out = torch.matmul(torch.exp(scores - block_lse[..., None]), v.float())
+        if out is None:
+            out, lse = block_out, block_lse
+        else:
+            merged = torch.logaddexp(lse, block_lse)
+            out = out * torch.exp(lse - merged)[..., None] + block_out * torch.exp(block_lse - merged)[..., None]
+            lse = merged
+    return out.transpose(1, 2).to(query.dtype)
+
+
+def _flash_ring_attention(query, key, value, layout: ZigZagLayout, group, scaling):
+    """``ring_flash_attn.zigzag_ring_flash_attn_varlen_func`` on this layout (CUDA)."""
+    from ring_flash_attn import zigzag_ring_flash_attn_varlen_func
+
+    local_lengths = torch.tensor([0] + [n // layout.sp_size for n in layout.padded_lengths], device=query.device)
+    cu_seqlens = local_lengths.cumsum(0).to(torch.int32)
+    out = zigzag_ring_flash_attn_varlen_func(
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        cu_seqlens,
+        max(layout.padded_lengths) // layout.sp_size,
+        softmax_scale=scaling,
+        causal=True,
+        group=group,
+    )
+    return out[None]
+
+
+_STATE = threading.local()
+
+
+@contextlib.contextmanager
+def ring_context(layout: ZigZagLayout, group):
+    """The layout and group that ``"rl2_ring"`` attention uses inside this ``with`` block."""
+    previous = getattr(_STATE, "current", None)
+    _STATE.current = (layout, group)
+    try:
+        yield
+    finally:
+        _STATE.current = previous
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention-function signature; ``attention_mask`` is ignored (the layout
+    gives the mask)."""
+    current = getattr(_STATE, "current", None)
+    if current is None:
+        raise RuntimeError(
+            f"{RING_ATTENTION!r} attention ran outside rl2gem.parallel.ring_attention.ring_context "
+            "(a sequence-parallel model must be called through rl2gem.training.forward)"
+        )
+    layout, group = current
+    if query.is_cuda and _has_ring_flash_attn():
+        return _flash_ring_attention(query, key, value, layout, group, scaling), None
+    return ring_attention(query, key, value, layout, group, scaling), None
+
+
+def _has_ring_flash_attn() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("ring_flash_attn") is not None
+
+
+def enable_ring_attention(model) -> None:
+    """Register ``"rl2_ring"`` in transformers' attention interface (once) and switch ``model``
+    (and its sub-configs) to it. The model must then run inside :func:`ring_context`."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(RING_ATTENTION, _attention)
+    model.config._attn_implementation = RING_ATTENTION
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = RING_ATTENTION
