@@ -103,7 +103,10 @@ class DPOTrainer(OfflineTrainer):
         d, averager, tokens = self.cfg.dpo, Averager(), 0
         self.reference_tokens = 0
         for mb in plan_pair_micro_batches(
-            pairs, self.mesh.dp_rank, self.mesh.dp_size, self.cfg.actor.max_length_per_device
+            pairs,
+            self.mesh.dp_rank,
+            self.mesh.dp_size,
+            self.mesh.micro_batch_tokens(self.cfg.actor.max_length_per_device),
         ):
             part = [pairs[i] for i in mb.indices]
             if self.reference is not None:

@@ -250,7 +250,9 @@ class PPOTrainer(Trainer):
         if not samples:
             return metrics
         lengths = [len(s) for s in samples]
-        micro_batches = plan_micro_batches(lengths, self.mesh.dp_rank, self.mesh.dp_size, c.actor.max_length_per_device)
+        micro_batches = plan_micro_batches(
+            lengths, self.mesh.dp_rank, self.mesh.dp_size, self.mesh.micro_batch_tokens(c.actor.max_length_per_device)
+        )
         t = time.perf_counter()
         scores, critic_metrics = self.score(samples, micro_batches)
         metrics.update(critic_metrics, **{"time/old_logprobs": time.perf_counter() - t})

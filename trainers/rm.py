@@ -58,7 +58,10 @@ class RMTrainer(OfflineTrainer):
         """Bradley-Terry loss of ``pairs`` (mean over all of them) and their metrics."""
         averager, tokens = Averager(), 0
         for mb in plan_pair_micro_batches(
-            pairs, self.mesh.dp_rank, self.mesh.dp_size, self.cfg.actor.max_length_per_device
+            pairs,
+            self.mesh.dp_rank,
+            self.mesh.dp_size,
+            self.mesh.micro_batch_tokens(self.cfg.actor.max_length_per_device),
         ):
             part = [pairs[i] for i in mb.indices]
             with torch.set_grad_enabled(train):

@@ -75,7 +75,10 @@ class SFTTrainer(OfflineTrainer):
         totals = {"num_tokens": float(sum(sum(s.mask) for s in samples)), "num_sequences": float(len(samples))}
         total_loss, tokens = torch.zeros((), dtype=torch.float64), 0
         for mb in plan_micro_batches(
-            [len(s) for s in samples], self.mesh.dp_rank, self.mesh.dp_size, a.max_length_per_device
+            [len(s) for s in samples],
+            self.mesh.dp_rank,
+            self.mesh.dp_size,
+            self.mesh.micro_batch_tokens(a.max_length_per_device),
         ):
             part = [samples[i] for i in mb.indices]
             with torch.set_grad_enabled(train):

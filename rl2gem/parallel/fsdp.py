@@ -36,6 +36,7 @@ __all__ = [
     "full_state_dict",
     "decoder_layers",
     "head_class",
+    "clip_grad_norm",
 ]
 
 #: Model heads :func:`load_sharded` builds: a causal LM, a per-token value (critic), a sequence reward.
@@ -222,3 +223,32 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
             full = full.clone()
         out[name] = full
     return out
+
+
+def clip_grad_norm(parameters, max_norm: float) -> float:
+    """Scale the gradients so that their global L2 norm is at most ``max_norm``; return the norm
+    before clipping (over all ranks; a collective).
+
+    ``torch.nn.utils.clip_grad_norm_`` stacks the per-parameter norms, which fails when the
+    gradients are DTensors on different meshes (FSDP x TP shards beside FSDP-only norms): here
+    the norms are taken per (mesh, placements) group, each reduced over its own mesh, and summed.
+    """
+    from torch.distributed.tensor import DTensor
+
+    groups: dict = {}
+    for p in parameters:
+        if p.grad is not None:
+            key = (p.grad.device_mesh, tuple(p.grad.placements)) if isinstance(p.grad, DTensor) else None
+            groups.setdefault(key, []).append(p.grad)
+    squares = 0.0
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        squares += float(norm) ** 2
+    total = squares**0.5
+    coefficient = float(max_norm) / (total + 1e-6)
+    if coefficient < 1.0:
+        for grads in groups.values():
+            for g in grads:
+                g.mul_(coefficient)
+    return total

@@ -143,7 +143,10 @@ def _group_peers(group) -> tuple[int, int, int, int]:
 
 def _exchange(tensor: torch.Tensor, send_to: int, receive_from: int, group) -> torch.Tensor:
     received = torch.empty_like(tensor)
-    ops = [dist.P2POp(dist.isend, tensor.contiguous(), send_to, group), dist.P2POp(dist.irecv, received, receive_from, group)]
+    ops = [
+        dist.P2POp(dist.isend, tensor.contiguous(), send_to, group),
+        dist.P2POp(dist.irecv, received, receive_from, group),
+    ]
     for request in dist.batch_isend_irecv(ops):
         request.wait()
     return received

@@ -19,9 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 
-from rl2gem.parallel.fsdp import full_state_dict, head_class, init_distributed, load_sharded
+from rl2gem.parallel.fsdp import clip_grad_norm, full_state_dict, head_class, init_distributed, load_sharded
 from rl2gem.parallel.mesh import ParallelMesh, build_mesh
 
 __all__ = ["Worker", "resolve_dtype", "setup_distributed", "SCHEDULES"]
@@ -144,9 +143,7 @@ class Worker:
     def step(self) -> float:
         """Clip the gradient norm to ``max_grad_norm``, step the optimizer and the scheduler, zero
         the gradients. Returns the gradient norm before clipping (over all ranks)."""
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
+        norm = clip_grad_norm(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

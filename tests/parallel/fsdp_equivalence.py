@@ -31,11 +31,22 @@ def main(model_dir: str, out: str, *options: str) -> None:
         gradient_checkpointing=bool(int(opts.get("gradient_checkpointing", 0))),
     )
     g = torch.Generator().manual_seed(1)
-    lengths = [int(n) for n in opts["lengths"].split(",")] if "lengths" in opts else torch.randint(5, 40, (7,), generator=g)
+    lengths = (
+        [int(n) for n in opts["lengths"].split(",")] if "lengths" in opts else torch.randint(5, 40, (7,), generator=g)
+    )
     seqs = [torch.randint(3, 1000, (int(n),), generator=g).tolist() for n in lengths]
     masks = [[0] * min(3, len(s)) + [1] * max(0, len(s) - 3) for s in seqs]
     advs = [[float(i % 3 - 1)] * len(s) for i, s in enumerate(seqs)]
     total = float(sum(sum(m) for m in masks))
+    with torch.no_grad():  # per-token log-probs of the whole batch, and the logits of one sequence
+        logprobs = token_logprobs(model, seqs, device)[0]
+        logits = None
+        if mesh.sp_size == 1:
+            logits = model(input_ids=torch.tensor([seqs[0]], device=device), use_cache=False).logits[0]
+            if mesh.tp_size > 1:  # the LM head's output stays sharded over the vocabulary
+                parts = [torch.empty_like(logits) for _ in range(mesh.tp_size)]
+                dist.all_gather(parts, logits.contiguous(), group=model.rl2_tp_group)
+                logits = torch.cat(parts, -1)
     loss_sum = torch.zeros(())
     max_tokens = mesh.micro_batch_tokens(int(opts.get("max_tokens", 64)))
     for mb in plan_micro_batches([len(s) for s in seqs], mesh.dp_rank, mesh.dp_size, max_tokens):
@@ -61,7 +72,16 @@ def main(model_dir: str, out: str, *options: str) -> None:
     params = {k: float(v.norm()) for k, v in full_state_dict(model).items()}  # a collective: every rank
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"loss": float(loss_sum), "grads": grads, "params": params}, f)
+            json.dump(
+                {
+                    "loss": float(loss_sum),
+                    "grads": grads,
+                    "params": params,
+                    "logprobs": logprobs.tolist(),
+                    "logits": None if logits is None else logits[:, ::97].flatten().tolist(),
+                },
+                f,
+            )
     dist.destroy_process_group()
 
 

@@ -29,20 +29,34 @@ def test_unknown_config_key_names_the_closest():
     assert r.returncode == 2 and "key=value" in r.stderr
 
 
+UNEVEN = "lengths=3,1,17,40,90,9"  # shorter than 2*sp tokens, one token, longer than max_tokens=50
+
+
 @pytest.mark.parametrize(
     "options",
-    [(), ("ddp_size=2",), ("cpu_offload=1", "gradient_checkpointing=1")],
-    ids=["fsdp", "hsdp", "offload+checkpointing"],
+    [
+        (),
+        ("ddp_size=2",),
+        ("cpu_offload=1", "gradient_checkpointing=1"),
+        ("tp_size=2", UNEVEN, "max_tokens=50"),
+        ("sp_size=2", UNEVEN, "max_tokens=50"),
+    ],
+    ids=["fsdp", "hsdp", "offload+checkpointing", "tp", "sp"],
 )
 def test_fsdp_two_ranks_equal_one(tiny_dir, tmp_path, options):
-    """FSDP2 over 2 ranks (plain, HSDP replicas, CPU offload with activation checkpointing) gives
-    one process's loss and gradients."""
+    """FSDP2 over 2 ranks (plain, HSDP replicas, CPU offload with activation checkpointing),
+    tensor parallelism over 2 ranks and ZigZag sequence parallelism over 2 ranks (on uneven
+    packed lengths) give one process's logits, per-token log-probs, loss and gradients."""
     script = str(ROOT / "tests" / "parallel" / "fsdp_equivalence.py")
-    torchrun(1, script, str(tiny_dir), str(tmp_path / "one.json"))
+    same_data = [o for o in options if o.startswith(("lengths=", "max_tokens="))]
+    torchrun(1, script, str(tiny_dir), str(tmp_path / "one.json"), *same_data)
     torchrun(2, script, str(tiny_dir), str(tmp_path / "two.json"), *options)
     one, two = (json.loads((tmp_path / f).read_text()) for f in ("one.json", "two.json"))
     assert one["loss"] == pytest.approx(two["loss"], rel=1e-5, abs=1e-7)
     assert one["params"] == pytest.approx(two["params"], rel=1e-6)
+    assert two["logprobs"] == pytest.approx(one["logprobs"], rel=1e-6, abs=1e-5)
+    if two["logits"] is not None:
+        assert two["logits"] == pytest.approx(one["logits"], rel=1e-6, abs=1e-5)
     for name, g in one["grads"].items():
         assert g == pytest.approx(two["grads"][name], rel=1e-4, abs=1e-7), name
 

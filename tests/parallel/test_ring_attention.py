@@ -1,0 +1,74 @@
+"""ZigZag layout (properties, in process) and the sequence/tensor-parallel kernels against
+single-process references (under torchrun, 2 and 3 ranks, gloo)."""
+
+import json
+
+import pytest
+import torch
+from helpers import ROOT, torchrun
+
+from rl2gem.parallel.ring_attention import zigzag_layout
+from rl2gem.parallel.tensor_parallel import check_tp
+
+
+@pytest.mark.parametrize("sp", [1, 2, 3])
+def test_zigzag_layout_balances_ranks_and_round_trips(sp):
+    lengths = [3, 1, 17, 40, 9]
+    layout = zigzag_layout(lengths, sp)
+    chunks = 2 * sp
+    assert all(p % chunks == 0 and p >= n for p, n in zip(layout.padded_lengths, lengths, strict=True))
+    assert layout.padded_lengths == [-(-n // chunks) * chunks for n in lengths]
+    # every padded position is held by exactly one rank, and all ranks hold the same number
+    assert sorted(layout.order.flatten().tolist()) == list(range(sum(layout.padded_lengths)))
+    # rank r holds chunks r and 2*sp-1-r of each sequence, in that order
+    start, expected = 0, [[] for _ in range(sp)]
+    for padded in layout.padded_lengths:
+        size = padded // chunks
+        for r in range(sp):
+            for c in (r, chunks - 1 - r):
+                expected[r] += list(range(start + c * size, start + (c + 1) * size))
+        start += padded
+    assert layout.order.tolist() == expected
+    # positions restart per sequence; padding sits after each sequence's real tokens
+    packed = torch.arange(100, 100 + sum(lengths))
+    padded = layout.pad(packed, fill=-1)
+    assert padded[layout.source >= 0].tolist() == packed.tolist()
+    assert (padded[layout.source < 0] == -1).all()
+    real_positions = layout.positions[layout.source >= 0]
+    assert real_positions.tolist() == [p for n in lengths for p in range(n)]
+    stacked = torch.stack([layout.local(padded, r) for r in range(sp)])
+    assert layout.unshard(stacked).tolist() == packed.tolist()
+
+
+def test_zigzag_layout_rejects_bad_input():
+    with pytest.raises(ValueError, match="sp_size"):
+        zigzag_layout([4], 0)
+    with pytest.raises(ValueError, match="at least one token"):
+        zigzag_layout([4, 0], 2)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_ring_attention_and_vocab_parallel_logprobs_equal_one_process(tmp_path, ranks):
+    """Forward and backward of ring attention (4 packings, incl. sequences shorter than 2*sp and
+    of one token) against SDPA with a block-diagonal causal mask, and vocabulary-parallel
+    log-probs/entropies against log_softmax, to fp32 rounding."""
+    torchrun(ranks, str(ROOT / "tests" / "parallel" / "ring_and_vocab_check.py"), str(tmp_path / "out"))
+    for rank in range(ranks):
+        result = json.loads((tmp_path / f"out.rank{rank}.json").read_text())
+        for packing in result["ring"]:
+            assert max(packing.values()) < 1e-5, packing
+        assert max(result["vocab"].values()) < 1e-5, result["vocab"]
+
+
+def test_tensor_parallel_plan_errors_name_the_cause():
+    from transformers import GPT2Config, LlamaConfig
+
+    with pytest.raises(ValueError, match="no tensor-parallel plan for model_type='gpt2'"):
+        check_tp(GPT2Config(), 2)
+    smollm = LlamaConfig(
+        num_attention_heads=9, num_key_value_heads=3, hidden_size=576, intermediate_size=1536, vocab_size=49152
+    )
+    with pytest.raises(ValueError, match="actor.tp_size=2 does not divide the model's num_attention_heads=9"):
+        check_tp(smollm, 2)
+    check_tp(smollm, 3)
+    check_tp(GPT2Config(), 1)
