@@ -31,6 +31,7 @@ from rl2gem.parallel.tensor_parallel import check_tp, parallelize
 __all__ = [
     "HEADS",
     "init_distributed",
+    "uses_cuda",
     "shard_model",
     "load_sharded",
     "full_state_dict",
@@ -64,24 +65,29 @@ def head_class(head: str):
 
 
 def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device]:
-    """Join the torchrun process group (or make a 1-process one). Returns ``(rank, world_size, device)``."""
+    """Join the torchrun process group (or make a 1-process one). Returns ``(rank, world_size, device)``.
+
+    On GPU the group has NCCL for CUDA tensors and gloo for CPU tensors (``"cpu:gloo,cuda:nccl"``),
+    so the small host-side reductions (metrics, evaluation totals, flags) work on every device.
+    """
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        if backend == "nccl":
+        backend = backend or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+        if "nccl" in backend:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group(backend, timeout=timedelta(minutes=30))
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = (
-        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        if dist.get_backend() == "nccl"
-        else torch.device("cpu")
-    )
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if uses_cuda() else torch.device("cpu")
     return rank, world, device
+
+
+def uses_cuda() -> bool:
+    """Whether the initialised process group runs NCCL (its models then live on CUDA)."""
+    return "nccl" in str(dist.get_backend())
 
 
 def _free_port() -> int:

@@ -116,6 +116,6 @@ def build_mesh(ddp_size: int = 1, tp_size: int = 1, sp_size: int = 1) -> Paralle
             f"= {ddp_size} * {sp_size} * {tp_size}"
         )
     sizes = {"replicate": int(ddp_size), "shard": world // inner, "sp": int(sp_size), "tp": int(tp_size)}
-    kind = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    kind = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
     mesh = init_device_mesh(kind, tuple(sizes[d] for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
     return ParallelMesh(mesh, sizes)

@@ -15,8 +15,9 @@ each block's partial result is merged with the running one by log-sum-exp, which
 softmax attention. Two implementations:
 
 * :func:`ring_attention`: pure PyTorch, on any device and backend (gloo on CPU), the block mask
-  built from each token's sequence id and position; gradients flow by autograd through a ring
-  pass whose backward sends the key/value gradients the other way round;
+  built from each token's sequence id and position, with its own backward (flash-attention
+  style: the probabilities are recomputed block by block while the keys and values go round the
+  ring again, their gradients travelling with them back to their rank);
 * on CUDA, when the ``ring_flash_attn`` package is installed (``pip install rl2gem[gpu]``), its
   ``zigzag_ring_flash_attn_varlen_func`` (same layout, flash-attn kernels).
 
@@ -152,22 +153,6 @@ def _exchange(tensor: torch.Tensor, send_to: int, receive_from: int, group) -> t
     return received
 
 
-class _RingPass(torch.autograd.Function):
-    """Send to the next rank of the ring, receive from the previous; the backward sends the
-    gradient to the previous rank and receives it from the next."""
-
-    @staticmethod
-    def forward(ctx, tensor, group):
-        ctx.group = group
-        _, _, following, preceding = _group_peers(group)
-        return _exchange(tensor, following, preceding, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        _, _, following, preceding = _group_peers(ctx.group)
-        return _exchange(grad, preceding, following, ctx.group), None
-
-
 class _GatherSequenceParallel(torch.autograd.Function):
     """All-gather ``[n, ...]`` from each rank into ``[size, n, ...]``. Every rank then computes the
     same loss from the gathered tensor; the backward sums the ranks' gradients and keeps this
@@ -218,37 +203,99 @@ def ring_attention(
         ``[1, n_local, H, D]`` in ``query``'s dtype (transformers' attention-function layout).
 
     A query attends to a key when both belong to the same sequence and the key's position is not
-    after the query's. Scores and the log-sum-exp merge run in float32.
+    after the query's. Scores and the log-sum-exp merge run in float32. Like flash attention, the
+    forward keeps only the output and the log-sum-exp per query, and the backward recomputes each
+    block's probabilities while the keys and values go round the ring a second time, carrying
+    their gradients home: one ``[H, n_local, n_local]`` block lives at a time.
     """
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    groups = query.shape[1] // key.shape[1]
-    sequence_q = layout.local(layout.sequence_ids, rank).to(query.device)
-    position_q = layout.local(layout.positions, rank).to(query.device)
-    blocks = torch.stack([key, value])
-    out = lse = None
-    for step in range(size):
-        source = (rank - step) % size
-        if step:
-            blocks = _RingPass.apply(blocks, group)
-        sequence_k = layout.local(layout.sequence_ids, source).to(query.device)
-        position_k = layout.local(layout.positions, source).to(query.device)
-        allowed = (sequence_q[:, None] == sequence_k[None, :]) & (position_k[None, :] <= position_q[:, None])
-        if not bool(allowed.any()):
-            continue
-        k = blocks[0].repeat_interleave(groups, dim=1)
-        v = blocks[1].repeat_interleave(groups, dim=1)
-        scores = torch.matmul(query.float(), k.float().transpose(-1, -2)) * scale
-        scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
-        block_lse = torch.logsumexp(scores, dim=-1)
-        block_out = torch.matmul(torch.exp(scores - block_lse[..., None]), v.float())
-        if out is None:
-            out, lse = block_out, block_lse
-        else:
-            merged = torch.logaddexp(lse, block_lse)
-            out = out * torch.exp(lse - merged)[..., None] + block_out * torch.exp(block_lse - merged)[..., None]
-            lse = merged
-    return out.transpose(1, 2).to(query.dtype)
+    scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    return _RingAttention.apply(query, key, value, layout, group, scale).transpose(1, 2)
+
+
+def _block_mask(layout: ZigZagLayout, rank: int, source: int, device) -> torch.Tensor:
+    """``[n_local, n_local]`` bool: may rank ``rank``'s query attend to rank ``source``'s key."""
+    sequence_q = layout.local(layout.sequence_ids, rank).to(device)
+    position_q = layout.local(layout.positions, rank).to(device)
+    sequence_k = layout.local(layout.sequence_ids, source).to(device)
+    position_k = layout.local(layout.positions, source).to(device)
+    return (sequence_q[:, None] == sequence_k[None, :]) & (position_k[None, :] <= position_q[:, None])
+
+
+def _block_scores(query, key, allowed, groups: int, scale: float) -> torch.Tensor:
+    """Float32 scores ``[1, H, n, m]``, disallowed pairs at the float32 minimum."""
+    scores = torch.matmul(query.float(), key.repeat_interleave(groups, dim=1).float().transpose(-1, -2)) * scale
+    return scores.masked_fill_(~allowed, torch.finfo(torch.float32).min)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, layout, group, scale):
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        _, _, following, preceding = _group_peers(group)
+        groups = query.shape[1] // key.shape[1]
+        blocks = torch.stack([key, value])
+        out = lse = None
+        for step in range(size):
+            if step:
+                blocks = _exchange(blocks, following, preceding, group)
+            allowed = _block_mask(layout, rank, (rank - step) % size, query.device)
+            if not bool(allowed.any()):
+                continue
+            scores = _block_scores(query, blocks[0], allowed, groups, scale)
+            block_lse = torch.logsumexp(scores, dim=-1)
+            block_out = torch.matmul(
+                torch.exp_(scores - block_lse[..., None]), blocks[1].repeat_interleave(groups, dim=1).float()
+            )
+            if out is None:
+                out, lse = block_out, block_lse
+            else:
+                merged = torch.logaddexp(lse, block_lse)
+                out = out * torch.exp(lse - merged)[..., None] + block_out * torch.exp(block_lse - merged)[..., None]
+                lse = merged
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.layout, ctx.group, ctx.scale = layout, group, scale
+        return out.to(query.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, lse = ctx.saved_tensors
+        layout, group, scale = ctx.layout, ctx.group, ctx.scale
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        _, _, following, preceding = _group_peers(group)
+        heads, kv_heads = query.shape[1], key.shape[1]
+        groups = heads // kv_heads
+        grad_out = grad_out.float()
+        delta = (grad_out * out).sum(-1, keepdim=True)  # [1, H, n, 1]
+        grad_query = torch.zeros_like(query, dtype=torch.float32)
+        blocks = torch.stack([key, value])
+        grad_blocks = torch.zeros_like(blocks, dtype=torch.float32)  # travels with its block
+        for step in range(size):
+            if step:
+                blocks = _exchange(blocks, following, preceding, group)
+                grad_blocks = _exchange(grad_blocks, following, preceding, group)
+            allowed = _block_mask(layout, rank, (rank - step) % size, query.device)
+            if not bool(allowed.any()):
+                continue
+            probs = torch.exp_(_block_scores(query, blocks[0], allowed, groups, scale) - lse[..., None])
+            values = blocks[1].repeat_interleave(groups, dim=1).float()
+            grad_values = torch.matmul(probs.transpose(-1, -2), grad_out)  # [1, H, m, D]
+            grad_scores = probs.mul_(torch.matmul(grad_out, values.transpose(-1, -2)) - delta)
+            keys = blocks[0].repeat_interleave(groups, dim=1).float()
+            grad_query += torch.matmul(grad_scores, keys) * scale
+            grad_keys = torch.matmul(grad_scores.transpose(-1, -2), query.float()) * scale
+            length, dim = grad_keys.shape[-2:]
+            grad_blocks[0] += grad_keys.view(1, kv_heads, groups, length, dim).sum(2)
+            grad_blocks[1] += grad_values.view(1, kv_heads, groups, length, dim).sum(2)
+        if size > 1:  # the block held now belongs to the next rank: send its gradients home
+            grad_blocks = _exchange(grad_blocks, following, preceding, group)
+        return (
+            grad_query.to(query.dtype),
+            grad_blocks[0].to(key.dtype),
+            grad_blocks[1].to(value.dtype),
+            None,
+            None,
+            None,
+        )
 
 
 def _flash_ring_attention(query, key, value, layout: ZigZagLayout, group, scaling):

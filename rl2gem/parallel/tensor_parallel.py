@@ -102,6 +102,37 @@ class _AllReduceSum(torch.autograd.Function):
         return grad, None
 
 
+class _VocabParallelLogprobs(torch.autograd.Function):
+    """Log-probs of targets from vocabulary shards, saving only the local softmax ``[N, V / tp]``
+    for the backward (``d logp / d logits = onehot - softmax``), as Megatron's vocab-parallel
+    cross-entropy does: the per-rank logits memory is ``1 / tp`` of one rank's."""
+
+    @staticmethod
+    def forward(ctx, local_logits, targets, group):
+        width = local_logits.shape[-1]
+        start = dist.get_rank(group) * width
+        peak = local_logits.max(dim=-1).values
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        shifted = local_logits - peak[:, None]
+        inside = (targets >= start) & (targets < start + width)
+        local_target = (targets - start).clamp(0, width - 1)
+        picked = shifted.gather(1, local_target[:, None]).squeeze(1) * inside
+        softmax = shifted.exp_()
+        total = softmax.sum(-1)
+        dist.all_reduce(total, group=group)
+        dist.all_reduce(picked, group=group)
+        softmax.div_(total[:, None])
+        ctx.save_for_backward(softmax, local_target, inside)
+        return picked - total.log()
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local_target, inside = ctx.saved_tensors
+        grad_logits = softmax.mul_(-grad[:, None])
+        grad_logits.scatter_add_(1, local_target[:, None], (grad * inside)[:, None])
+        return grad_logits, None, None
+
+
 def vocab_parallel_logprobs(
     local_logits: torch.Tensor, targets: torch.Tensor, group, *, entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -113,12 +144,16 @@ def vocab_parallel_logprobs(
             temperature.
         targets: int64 ``[N]`` token ids in ``[0, V)``.
         group: the tensor-parallel process group.
-        entropy: also return the entropies.
+        entropy: also return differentiable entropies (autograd through the reductions, which
+            keeps more of the ``[N, V / tp]`` intermediates; without it only the local softmax is
+            kept for the backward).
 
     Returns:
         ``(logprobs [N], entropies [N] or None)`` in nats, equal on every rank and differentiable
         with respect to ``local_logits`` (the gradient of each rank's shard).
     """
+    if not entropy:
+        return _VocabParallelLogprobs.apply(local_logits, targets, group), None
     width = local_logits.shape[-1]
     start = dist.get_rank(group) * width
     peak = local_logits.detach().max(dim=-1).values
@@ -131,8 +166,5 @@ def vocab_parallel_logprobs(
     picked = shifted.gather(1, local_target[:, None]).squeeze(1) * inside
     log_total = total.log()
     logprobs = _AllReduceSum.apply(picked, group) - log_total
-    entropies = None
-    if entropy:
-        expected = _AllReduceSum.apply((exp * shifted).sum(-1), group) / total
-        entropies = log_total - expected
-    return logprobs, entropies
+    expected = _AllReduceSum.apply((exp * shifted).sum(-1), group) / total
+    return logprobs, log_total - expected

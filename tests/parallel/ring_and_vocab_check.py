@@ -5,8 +5,8 @@ single-process references, each rank writing its largest errors to ``OUT.rank<r>
   (sequences shorter than ``2 * sp`` tokens, of one token, longer than the others together)
   against ``scaled_dot_product_attention`` with a block-diagonal causal mask: outputs and the
   gradients of queries, keys and values;
-* vocabulary-parallel log-probs and entropies against ``log_softmax`` on the full logits: values
-  and the gradient of each rank's shard.
+* vocabulary-parallel log-probs (with and without entropies) against ``log_softmax`` on the full
+  logits: values and the gradient of each rank's shard.
 
 Usage: ``ring_and_vocab_check.py OUT``.
 """
@@ -74,11 +74,21 @@ def vocab_errors(rank, world, generator):
     shard = logits[:, rank * width : (rank + 1) * width].clone().requires_grad_()
     lp, h = vocab_parallel_logprobs(shard, targets, dist.group.WORLD, entropy=True)
     ((lp * weights[0]).sum() + (h * weights[1]).sum()).backward()
-    return {
+    errors = {
         "logprobs": (lp - ref_lp).abs().max().item(),
         "entropy": (h - ref_h).abs().max().item(),
         "grad": (shard.grad - full.grad[:, rank * width : (rank + 1) * width]).abs().max().item(),
     }
+    # without entropies: the memory-saving function with its own backward
+    full.grad = None
+    (torch.log_softmax(full, -1).gather(1, targets[:, None]).squeeze(1) * weights[0]).sum().backward()
+    shard = logits[:, rank * width : (rank + 1) * width].clone().requires_grad_()
+    lp, none = vocab_parallel_logprobs(shard, targets, dist.group.WORLD)
+    (lp * weights[0]).sum().backward()
+    assert none is None
+    errors["logprobs_only"] = (lp - ref_lp).abs().max().item()
+    errors["grad_logprobs_only"] = (shard.grad - full.grad[:, rank * width : (rank + 1) * width]).abs().max().item()
+    return errors
 
 
 def main(out: str) -> None:

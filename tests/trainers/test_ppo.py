@@ -29,6 +29,22 @@ def test_unknown_config_key_names_the_closest():
     assert r.returncode == 2 and "key=value" in r.stderr
 
 
+@pytest.fixture(scope="module")
+def one_rank_reference(tiny_dir, tmp_path_factory):
+    """The one-process result of ``fsdp_equivalence.py`` for given data options, run once per
+    option set."""
+    cache: dict = {}
+
+    def reference(options: tuple[str, ...]) -> dict:
+        if options not in cache:
+            out = tmp_path_factory.mktemp("one") / "one.json"
+            torchrun(1, str(ROOT / "tests" / "parallel" / "fsdp_equivalence.py"), str(tiny_dir), str(out), *options)
+            cache[options] = json.loads(out.read_text())
+        return cache[options]
+
+    return reference
+
+
 UNEVEN = "lengths=3,1,17,40,90,9"  # shorter than 2*sp tokens, one token, longer than max_tokens=50
 
 
@@ -43,15 +59,14 @@ UNEVEN = "lengths=3,1,17,40,90,9"  # shorter than 2*sp tokens, one token, longer
     ],
     ids=["fsdp", "hsdp", "offload+checkpointing", "tp", "sp"],
 )
-def test_fsdp_two_ranks_equal_one(tiny_dir, tmp_path, options):
+def test_fsdp_two_ranks_equal_one(tiny_dir, tmp_path, one_rank_reference, options):
     """FSDP2 over 2 ranks (plain, HSDP replicas, CPU offload with activation checkpointing),
     tensor parallelism over 2 ranks and ZigZag sequence parallelism over 2 ranks (on uneven
     packed lengths) give one process's logits, per-token log-probs, loss and gradients."""
     script = str(ROOT / "tests" / "parallel" / "fsdp_equivalence.py")
-    same_data = [o for o in options if o.startswith(("lengths=", "max_tokens="))]
-    torchrun(1, script, str(tiny_dir), str(tmp_path / "one.json"), *same_data)
+    one = one_rank_reference(tuple(o for o in options if o.startswith(("lengths=", "max_tokens="))))
     torchrun(2, script, str(tiny_dir), str(tmp_path / "two.json"), *options)
-    one, two = (json.loads((tmp_path / f).read_text()) for f in ("one.json", "two.json"))
+    two = json.loads((tmp_path / "two.json").read_text())
     assert one["loss"] == pytest.approx(two["loss"], rel=1e-5, abs=1e-7)
     assert one["params"] == pytest.approx(two["params"], rel=1e-6)
     assert two["logprobs"] == pytest.approx(one["logprobs"], rel=1e-6, abs=1e-5)
@@ -265,3 +280,43 @@ def test_gae_critic_run_with_kl_in_reward(tiny_dir, tmp_path):
     assert r.returncode != 0 and "kl.in_reward=true needs" in r.stderr
     r = run_module("rl2gem.trainers.ppo", "kl.adaptive.type=bang_bang")
     assert r.returncode != 0 and "kl.adaptive" in r.stderr and "proportional" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [("actor.ddp_size=2", "actor.tp_size=2"), ("actor.sp_size=2", "adv.estimator=gae")],
+    ids=["ddp2xtp2", "fsdp2xsp2+critic"],
+)
+def test_four_rank_tp_and_sp_runs_resume_identically(tiny_dir, tmp_path, layout):
+    """PPO on 4 ranks (HSDP 2 x TP 2; FSDP 2 x SP 2 with a GAE critic) for two steps; a copy of
+    the run resumed from its step-1 checkpoint under the same layout repeats step 2 exactly."""
+    import shutil
+
+    args = [
+        *arithmetic_run(tiny_dir),
+        *layout,
+        "rollout.prompts_per_rollout=4",
+        "rollout.max_new_tokens=12",
+        "rollout.temperature=20.0",
+        "actor.lr=3e-3",
+        "actor.entropy_coef=0.05",
+        "trainer.total_steps=2",
+        "trainer.save_every=1",
+        "trainer.eval_at_start=false",
+        "trainer.eval_n=2",
+        "trainer.progress=false",
+        "seed=3",
+    ]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    torchrun(4, *args, f"trainer.output_dir={full}")
+    shutil.copytree(full, cut)
+    shutil.rmtree(cut / "checkpoint-2")
+    (cut / "latest").write_text("checkpoint-1")
+    assert "resumed from step 1" in torchrun(4, *args, f"trainer.output_dir={cut}", "trainer.resume=true")
+    a, b = logged_steps(full / "metrics.jsonl", "actor/pg_loss"), logged_steps(cut / "metrics.jsonl", "actor/pg_loss")
+    assert sorted(a) == sorted(b) == [1, 2]
+    assert a[2]["actor/grad_norm"] > 0
+    for key in ("rollout/tokens", "rollout/response_length", "actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+        assert b[2][key] == pytest.approx(a[2][key], rel=1e-4, abs=1e-6), key
+    if "adv.estimator=gae" in layout:
+        assert b[2]["critic/vf_loss"] == pytest.approx(a[2]["critic/vf_loss"], rel=1e-4, abs=1e-6)
