@@ -114,6 +114,7 @@ bench: setup
 	$(BIN)/python benchmarks/retrieval.py
 	$(BIN)/python benchmarks/rollout.py
 	$(BIN)/python benchmarks/trainer.py
+	$(BIN)/python benchmarks/parallel.py
 
 clean:
 	rm -rf $(VENV) $(LATEST) .venv-uv *.egg-info .pytest_cache

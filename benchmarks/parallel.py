@@ -13,8 +13,8 @@ under four layouts run side by side:
 Per layout and length: tokens/s (global batch tokens per second of forward+backward, median of
 ``--repeats`` after a warm-up) and per-rank activation memory (on CPU: the bytes autograd saves
 for the backward, counted by ``torch.autograd.graph.saved_tensors_hooks``, largest rank; on CUDA:
-``max_memory_allocated``). Then the longest sequence (doubling) whose per-rank activation memory
-stays under ``--cap-mib``. Ratios are against ``fsdp 2`` (same ranks, same data).
+``max_memory_allocated``). Then the longest single sequence (lengths growing by 1.25x) whose
+per-rank activation memory stays under ``--cap-mib``. Ratios are against ``fsdp 2`` (same ranks, same data).
 
 The CPU ring attention is the pure-PyTorch twin (dense blocks, no kernel fusion), so on CPU the
 ``sp`` column shows memory, not speed; on CUDA with ``ring_flash_attn`` installed the flash kernels run.
@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+GROWTH = 1.25  # the longest-sequence search multiplies the length by this
 LAYOUTS = [("1 rank", 1, {}), ("fsdp 2", 2, {}), ("sp 2", 2, {"sp_size": 2}), ("tp 2", 2, {"tp_size": 2})]
 
 
@@ -105,14 +106,17 @@ def worker(model_dir: str, out: str, *options: str) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     mesh = build_mesh(1, int(opts.get("tp_size", 1)), int(opts.get("sp_size", 1)))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = load_sharded(model_dir, mesh.data_mesh, device=device, dtype=dtype, tp_mesh=mesh.tp_mesh, sp_group=mesh.sp_group)
+    model = load_sharded(
+        model_dir, mesh.data_mesh, device=device, dtype=dtype, tp_mesh=mesh.tp_mesh, sp_group=mesh.sp_group
+    )
     batch, repeats, cap = int(opts["batch"]), int(opts["repeats"]), float(opts["cap_mib"]) * 2**20
     generator = torch.Generator().manual_seed(0)
 
-    def step(length: int, backward: bool = True) -> int:
-        """One forward (+ backward) of this rank's share; returns the activation bytes."""
-        seqs = [torch.randint(3, 49000, (length,), generator=generator).tolist() for _ in range(batch)]
-        plan = plan_micro_batches([length] * batch, mesh.dp_rank, mesh.dp_size, mesh.micro_batch_tokens(10**9))
+    def step(length: int, backward: bool = True, count: int = batch) -> int:
+        """One forward (+ backward) of this rank's share of ``count`` sequences; returns the
+        activation bytes."""
+        seqs = [torch.randint(3, 49000, (length,), generator=generator).tolist() for _ in range(count)]
+        plan = plan_micro_batches([length] * count, mesh.dp_rank, mesh.dp_size, mesh.micro_batch_tokens(10**9))
         used = 0
         for mb in plan:
             if device.type == "cuda":
@@ -146,15 +150,17 @@ def worker(model_dir: str, out: str, *options: str) -> None:
             times.append(time.perf_counter() - start)
         peak = torch.tensor(float(used))
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        rows.append({"length": length, "tokens_per_s": batch * length / statistics.median(times), "mib": float(peak) / 2**20})
+        rows.append(
+            {"length": length, "tokens_per_s": batch * length / statistics.median(times), "mib": float(peak) / 2**20}
+        )
     longest, length = 0, int(opts["search_from"])
-    while length <= int(opts["search_to"]):
-        peak = torch.tensor(float(step(length, backward=False)))
+    while length <= int(opts["search_to"]):  # one sequence: what a single long rollout needs
+        peak = torch.tensor(float(step(length, backward=False, count=1)))
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         if float(peak) > cap:
             break
-        longest, length = length, length * 2
-        if float(peak) > cap / 2:  # activations grow at least linearly: the doubled length cannot fit
+        longest, length = length, max(length + 64, int(length * GROWTH) // 64 * 64)
+        if float(peak) * GROWTH > cap:  # activations grow at least linearly: the next cannot fit
             break
     if rank == 0:
         Path(out).write_text(json.dumps({"rows": rows, "longest": longest}))
@@ -199,7 +205,9 @@ def main() -> None:
     parser.add_argument("--cap-mib", type=float, default=None, help="per-rank activation memory cap")
     parser.add_argument("--search-from", type=int, default=None)
     parser.add_argument("--search-to", type=int, default=None)
-    parser.add_argument("--layouts", default=None, help="comma-separated subset of: " + ", ".join(n for n, _, _ in LAYOUTS))
+    parser.add_argument(
+        "--layouts", default=None, help="comma-separated subset of: " + ", ".join(n for n, _, _ in LAYOUTS)
+    )
     parser.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -207,9 +215,9 @@ def main() -> None:
         return
     args.lengths = args.lengths or ("64,128" if args.quick else "256,512,1024")
     args.repeats = args.repeats or (1 if args.quick else 3)
-    args.cap_mib = args.cap_mib or (16 if args.quick else 256)
-    args.search_from = args.search_from or (128 if args.quick else 512)
-    args.search_to = args.search_to or (1024 if args.quick else 16384)
+    args.cap_mib = args.cap_mib or (40 if args.quick else 256)
+    args.search_from = args.search_from or (64 if args.quick else 512)
+    args.search_to = args.search_to or (1024 if args.quick else 8192)
     wanted = set(args.layouts.split(",")) if args.layouts else {n for n, _, _ in LAYOUTS}
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -222,14 +230,18 @@ def main() -> None:
     memory = "max allocated" if torch.cuda.is_available() else "saved for backward"
     print(f"\n{device}, global batch {args.batch} sequences, forward + backward\n")
     base = results.get("fsdp 2")
-    print(f"| layout | length | tokens/s | activation MiB per rank ({memory}) | tokens/s vs fsdp 2 | memory vs fsdp 2 |")
+    print(
+        f"| layout | length | tokens/s | activation MiB per rank ({memory}) | tokens/s vs fsdp 2 | memory vs fsdp 2 |"
+    )
     print("|---|---:|---:|---:|---:|---:|")
     for name, result in results.items():
         for i, row in enumerate(result["rows"]):
             speed = f"{row['tokens_per_s'] / base['rows'][i]['tokens_per_s']:.2f}x" if base else "-"
             mem = f"{row['mib'] / base['rows'][i]['mib']:.2f}x" if base else "-"
             print(f"| {name} | {row['length']} | {row['tokens_per_s']:.0f} | {row['mib']:.1f} | {speed} | {mem} |")
-    print(f"\nLongest sequence (doubling from {args.search_from}) whose activations fit {args.cap_mib:g} MiB per rank:\n")
+    print(
+        f"\nLongest single sequence (from {args.search_from}, x{GROWTH}) whose activations fit {args.cap_mib:g} MiB per rank:\n"
+    )
     print("| layout | longest sequence | vs fsdp 2 |")
     print("|---|---:|---:|")
     for name, result in results.items():

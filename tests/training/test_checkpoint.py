@@ -39,8 +39,11 @@ def test_mesh_dims_and_errors(group):
     assert (mesh.dp_rank, mesh.dp_size) == (0, 1)
     with pytest.raises(ValueError, match="actor.ddp_size"):
         build_mesh(ddp_size=2)
-    with pytest.raises(ValueError, match="not implemented"):
+    with pytest.raises(ValueError, match=r"actor.ddp_size \* actor.sp_size \* actor.tp_size = 1 \* 1 \* 2"):
         build_mesh(tp_size=2)
+    with pytest.raises(ValueError, match="actor.sp_size=0 must be >= 1"):
+        build_mesh(sp_size=0)
+    assert mesh.micro_batch_tokens(100) == 100
 
 
 def test_save_then_load_restores_weights_optimizer_scheduler_and_rng(group, tiny_dir, tmp_path):
