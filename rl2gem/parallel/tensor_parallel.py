@@ -102,6 +102,13 @@ class _AllReduceSum(torch.autograd.Function):
         return grad, None
 
 
+def _shard_targets(targets: torch.Tensor, width: int, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(inside [N] bool, local index [N] int64)``: which targets fall in this rank's vocabulary
+    slice of ``width`` ids, and where (clamped into the slice for the others)."""
+    start = dist.get_rank(group) * width
+    return (targets >= start) & (targets < start + width), (targets - start).clamp(0, width - 1)
+
+
 class _VocabParallelLogprobs(torch.autograd.Function):
     """Log-probs of targets from vocabulary shards, saving only the local softmax ``[N, V / tp]``
     for the backward (``d logp / d logits = onehot - softmax``), as Megatron's vocab-parallel
@@ -109,13 +116,10 @@ class _VocabParallelLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, local_logits, targets, group):
-        width = local_logits.shape[-1]
-        start = dist.get_rank(group) * width
         peak = local_logits.max(dim=-1).values
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
         shifted = local_logits - peak[:, None]
-        inside = (targets >= start) & (targets < start + width)
-        local_target = (targets - start).clamp(0, width - 1)
+        inside, local_target = _shard_targets(targets, local_logits.shape[-1], group)
         picked = shifted.gather(1, local_target[:, None]).squeeze(1) * inside
         softmax = shifted.exp_()
         total = softmax.sum(-1)
@@ -154,15 +158,12 @@ def vocab_parallel_logprobs(
     """
     if not entropy:
         return _VocabParallelLogprobs.apply(local_logits, targets, group), None
-    width = local_logits.shape[-1]
-    start = dist.get_rank(group) * width
     peak = local_logits.detach().max(dim=-1).values
     dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
     shifted = local_logits - peak[:, None]
     exp = shifted.exp()
     total = _AllReduceSum.apply(exp.sum(-1), group)
-    inside = (targets >= start) & (targets < start + width)
-    local_target = (targets - start).clamp(0, width - 1)
+    inside, local_target = _shard_targets(targets, local_logits.shape[-1], group)
     picked = shifted.gather(1, local_target[:, None]).squeeze(1) * inside
     log_total = total.log()
     logprobs = _AllReduceSum.apply(picked, group) - log_total
