@@ -12,8 +12,10 @@ keys are errors naming the closest valid one). One step:
    reward (``reward.mode=replace``) or is added to it (``add``); advantages per group; all
    samples are shared;
 2. score: the samples are planned over ranks and packed into micro-batches; old and reference
-   log-probs, and with ``adv.estimator=gae`` the critic's values (KL in the reward first when
-   ``kl.in_reward``) and GAE;
+   log-probs, and with a critic estimator (``adv.estimator`` gae, vtrace, retrace, td_lambda,
+   clipped_is, multistep) the critic's values (KL in the reward first when ``kl.in_reward``) and
+   the advantages; off-policy estimators weight each token by its ratio to the policy version
+   that sampled it;
 3. update: ``update_per_rollout`` passes of ``pg_loss + kl.coef * kl_loss - entropy_coef *
    entropy`` (clip-higher, dual clip, importance sampling against the rollout log-probs) with
    global-batch token weights, and the clipped value loss; with ``kl.adaptive.type`` other than
@@ -37,7 +39,17 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 import rl2gem
-from rl2gem.algorithms import ESTIMATORS, importance_weights, kl_estimate, packed_loss_weights, policy_loss, value_loss
+from rl2gem.algorithms import (
+    CRITIC_ESTIMATORS,
+    ESTIMATORS,
+    WEIGHTED_ESTIMATORS,
+    compute_advantages,
+    importance_weights,
+    kl_estimate,
+    packed_loss_weights,
+    policy_loss,
+    value_loss,
+)
 from rl2gem.algorithms.kl_control import KLController, make_kl_controller
 from rl2gem.config import ConfigError
 from rl2gem.models import load_model
@@ -48,7 +60,7 @@ from rl2gem.training.checkpoint import Checkpointer
 from rl2gem.training.evaluation import evaluate_env
 from rl2gem.training.forward import plan_micro_batches, token_logprobs, token_values
 from rl2gem.training.metrics import Averager, peak_flops_from_config, reduce_mean, train_flops
-from rl2gem.training.samples import apply_gae, samples_from_batch, subtract_kl_from_rewards
+from rl2gem.training.samples import apply_critic_estimator, samples_from_batch, subtract_kl_from_rewards
 from rl2gem.training.trainer import Trainer, launch
 from rl2gem.training.worker import Worker, setup_distributed
 
@@ -66,11 +78,24 @@ def check_config(cfg) -> None:
     if cfg.reward.mode not in REWARD_MODES:
         raise ConfigError(f"reward.mode={cfg.reward.mode!r} is not one of {list(REWARD_MODES)}")
     controller = kl_controller(cfg)
-    if cfg.kl.in_reward and controller.active and cfg.adv.estimator != "gae":
+    if cfg.kl.in_reward and controller.active and cfg.adv.estimator not in CRITIC_ESTIMATORS:
         raise ConfigError(
-            f"kl.in_reward=true needs token-level credit (adv.estimator=gae), got adv.estimator={cfg.adv.estimator}; "
-            "use kl.in_reward=false (a KL loss term) with outcome estimators"
+            f"kl.in_reward=true needs token-level credit (adv.estimator one of {list(CRITIC_ESTIMATORS)}), got "
+            f"adv.estimator={cfg.adv.estimator}; use kl.in_reward=false (a KL loss term) with outcome estimators"
         )
+    try:  # the estimator's own options, checked on a one-token batch
+        one = torch.ones(1, 1)
+        compute_advantages(
+            cfg.adv.estimator, one, one.bool(), torch.zeros(1, dtype=torch.long), one, **estimator_options(cfg)
+        )
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"adv.{cfg.adv.estimator}: {e}") from None
+
+
+def estimator_options(cfg) -> dict:
+    """The keywords of ``cfg.adv.estimator`` from its own section (``adv.vtrace``, ``adv.multistep``, ...)."""
+    section = cfg.adv.get(cfg.adv.estimator)
+    return OmegaConf.to_container(section, resolve=True) if section is not None else {}
 
 
 def kl_controller(cfg) -> KLController:
@@ -109,7 +134,9 @@ class PPOTrainer(Trainer):
         self.kl = kl_controller(c)
         self.ref = Worker(c.actor, self.mesh, self.device, trainable=False) if self.kl.active else None
         self.critic = None
-        if c.adv.estimator == "gae":  # a critic only where GAE needs one (the actor's backbone + a scalar head)
+        if (
+            c.adv.estimator in CRITIC_ESTIMATORS
+        ):  # a critic only where the estimator needs one (the actor's backbone + a scalar head)
             self.critic = Worker(
                 {**c.actor, **{k: v for k, v in c.critic.items() if v is not None}},
                 self.mesh,
@@ -156,8 +183,12 @@ class PPOTrainer(Trainer):
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, (local, batch.metrics))
         metrics = merge_rank_metrics([m for _, m in gathered])
+        samples = [s for part, _ in gathered for s in part]
+        action = [v for s in samples for v, m in zip(s.versions, s.mask, strict=True) if m]
+        # action tokens sampled by an older policy version than the one being trained (partial rollouts)
+        metrics["rollout/stale_token_fraction"] = sum(v < self.step for v in action) / max(len(action), 1)
         metrics["time/rollout"] = time.perf_counter() - start
-        return [s for part, _ in gathered for s in part], metrics
+        return samples, metrics
 
     # ------------------------------------------------------------------ 2. score
     @torch.no_grad()
@@ -175,7 +206,9 @@ class PPOTrainer(Trainer):
                 if self.ref is not None and c.kl.in_reward and not mb.placeholder:
                     subtract_kl_from_rewards(part, sc["old"], sc["ref"], self.kl.coef, c.kl.estimator)
                 sc["values"] = token_values(self.critic.model, ids, self.device)
-                sc["returns"] = apply_gae(part, sc["values"], c.adv.gamma, c.adv.lam)
+                sc["returns"] = apply_critic_estimator(
+                    part, sc["values"], sc["old"], c.adv.estimator, c.adv.gamma, c.adv.lam, **estimator_options(c)
+                )
                 mask = packed(part, "mask", self.device, torch.bool)
                 values.add(
                     {"values": (sc["values"] * mask).sum() / mask.sum().clamp(min=1)},
@@ -216,6 +249,8 @@ class PPOTrainer(Trainer):
             [s.mask for s in part], a.loss_agg, float(c.rollout.max_length), **totals
         ).to(self.device)
         is_weights, is_mask = importance_weights(sc["old"], rollout_logprobs, mask, c.rollout.is_mode, c.rollout.is_cap)
+        if c.adv.estimator in WEIGHTED_ESTIMATORS:  # the advantage already carries the token's own weight
+            is_weights = torch.ones_like(is_weights)
         pg_loss, m = policy_loss(
             *(x[None] for x in (logprobs, sc["old"], packed(part, "advantages", self.device), is_mask)),
             clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip,

@@ -2,15 +2,24 @@
 pairwise preference losses (Bradley-Terry, DPO, IPO)."""
 
 from rl2gem.algorithms.advantages import (
+    BOOTSTRAP_METHODS,
+    CRITIC_ESTIMATORS,
     ESTIMATORS,
+    OFF_POLICY_ESTIMATORS,
+    WEIGHTED_ESTIMATORS,
+    clipped_is,
     compute_advantages,
     drgrpo,
     gae,
     grpo,
+    multistep,
     rebn,
     reinforce_pp,
+    retrace,
     returns_to_go,
     rloo,
+    td_lambda,
+    vtrace,
 )
 from rl2gem.algorithms.losses import (
     KL_ESTIMATORS,
@@ -27,6 +36,15 @@ from rl2gem.algorithms.losses import (
 from rl2gem.algorithms.preference import DPO_LOSS_TYPES, bradley_terry_loss, dpo_loss
 
 __all__ = [
+    "BOOTSTRAP_METHODS",
+    "CRITIC_ESTIMATORS",
+    "OFF_POLICY_ESTIMATORS",
+    "WEIGHTED_ESTIMATORS",
+    "clipped_is",
+    "multistep",
+    "retrace",
+    "td_lambda",
+    "vtrace",
     "DPO_LOSS_TYPES",
     "ESTIMATORS",
     "KL_ESTIMATORS",

@@ -10,8 +10,17 @@ Every estimator takes per-token tensors of one batch of sequences:
 
 and returns float32 advantages ``[B, T]``, zero outside the action mask.
 Env tokens (prompt, env replies) never get an advantage; in multi-turn
-sequences the estimators that look ahead (returns-to-go, GAE) step from one
-action token to the next action token, skipping env tokens.
+sequences the estimators that look ahead (returns-to-go, GAE and the other
+critic estimators) step from one action token to the next action token,
+skipping env tokens, so an episode is one MDP over its action tokens.
+
+Critic estimators (:data:`CRITIC_ESTIMATORS`) also take the critic's values
+``[B, T]``; the off-policy ones (:data:`OFF_POLICY_ESTIMATORS`) take per-token
+``log_ratio = log pi - log mu`` ``[B, T]``, the policy being trained against
+the behaviour policy that sampled each token (the rollout engine's log-probs,
+so tokens of a partial rollout sampled by older policy versions are each
+corrected by their own ratio). They return ``(advantages, returns)``, the
+returns being the critic's targets.
 
 Raises ``ValueError`` on mismatched shapes.
 """
@@ -20,7 +29,26 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ESTIMATORS", "compute_advantages", "gae", "grpo", "drgrpo", "rloo", "reinforce_pp", "rebn", "returns_to_go"]
+__all__ = [
+    "BOOTSTRAP_METHODS",
+    "CRITIC_ESTIMATORS",
+    "ESTIMATORS",
+    "OFF_POLICY_ESTIMATORS",
+    "WEIGHTED_ESTIMATORS",
+    "clipped_is",
+    "compute_advantages",
+    "drgrpo",
+    "gae",
+    "grpo",
+    "multistep",
+    "rebn",
+    "reinforce_pp",
+    "retrace",
+    "returns_to_go",
+    "rloo",
+    "td_lambda",
+    "vtrace",
+]
 
 
 def _check(rewards: torch.Tensor, action_mask: torch.Tensor, group: torch.Tensor | None = None):
@@ -159,34 +187,211 @@ def gae(rewards, action_mask, values, gamma: float = 1.0, lam: float = 1.0):
     Returns:
         ``(advantages, returns)``, both ``[B, T]``; ``returns = advantages + values`` on action tokens.
     """
-    r, m = _check(rewards, action_mask)
-    if values.shape != r.shape:
-        raise ValueError(f"values {tuple(values.shape)} must match rewards {tuple(r.shape)}")
-    v = values.float()
-    adv = torch.zeros_like(r)
-    next_v = torch.zeros(r.shape[0], dtype=r.dtype)
-    next_a = torch.zeros(r.shape[0], dtype=r.dtype)
-    for t in range(r.shape[1] - 1, -1, -1):
-        mt = m[:, t]
-        delta = r[:, t] + gamma * next_v - v[:, t]
-        a = delta + gamma * lam * next_a
-        adv[:, t] = torch.where(mt, a, torch.zeros_like(a))
-        next_v = torch.where(mt, v[:, t], next_v)
-        next_a = torch.where(mt, a, next_a)
-    returns = torch.where(m, adv + v, torch.zeros_like(v))
-    return adv, returns
+    steps = _Steps(rewards, action_mask, values)
+    delta = steps.td_errors(gamma)
+    advantages = steps.backward(lambda t, following: delta[:, t] + gamma * lam * following)
+    return steps.result(advantages, advantages + steps.values)
 
 
-ESTIMATORS = ("gae", "grpo", "drgrpo", "rloo", "reinforce_pp", "rebn")
+def _action_steps(action_mask: torch.Tensor):
+    """The action tokens of each row, in order: ``(positions [B, N] int64, valid [B, N] bool)`` with
+    ``N`` the most action tokens in a row; a row's valid steps come first."""
+    m = action_mask.bool()
+    count = m.sum(-1)
+    width = int(count.max()) if m.numel() else 0
+    positions = torch.argsort((~m).to(torch.int8), dim=-1, stable=True)[:, :width]
+    return positions, torch.arange(width)[None] < count[:, None]
+
+
+class _Steps:
+    """Per-token tensors compressed to action steps (env tokens dropped, so a multi-turn episode is
+    one MDP), with the critic's value after the last step 0 (terminal)."""
+
+    def __init__(self, rewards, action_mask, values, log_ratio=None):
+        r, m = _check(rewards, action_mask)
+        for name, x in (("values", values), ("log_ratio", log_ratio)):
+            if x is not None and x.shape != r.shape:
+                raise ValueError(f"{name} {tuple(x.shape)} must match rewards {tuple(r.shape)}")
+        self.shape, (self.positions, self.valid) = r.shape, _action_steps(m)
+        self.rewards = self.take(r)
+        values = self.take(values.float())
+        self.values = values  # V(s_t) [B, N]
+        self.next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], 1)  # V(s_{t+1}), 0 at the end
+        self.ratio = torch.exp(self.take(log_ratio.float())) if log_ratio is not None else torch.ones_like(values)
+        self.ratio = torch.where(self.valid, self.ratio, torch.zeros_like(self.ratio))
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.where(self.valid, x.gather(1, self.positions), torch.zeros((), dtype=x.dtype))
+
+    def td_errors(self, gamma: float) -> torch.Tensor:
+        """``delta_t = r_t + gamma V(s_{t+1}) - V(s_t)`` [B, N], 0 past the last step."""
+        return torch.where(self.valid, self.rewards + gamma * self.next_values - self.values, torch.zeros(()))
+
+    def backward(self, step) -> torch.Tensor:
+        """``x_t = step(t, x_{t+1})`` from the last step back, ``x_N = 0`` [B, N]."""
+        out = torch.zeros_like(self.values)
+        following = torch.zeros(self.values.shape[0])
+        for t in range(self.values.shape[1] - 1, -1, -1):
+            following = torch.where(self.valid[:, t], step(t, following), torch.zeros(()))
+            out[:, t] = following
+        return out
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """Back to ``[B, T]``, zero on env tokens."""
+        return torch.zeros(self.shape).scatter_(1, self.positions, torch.where(self.valid, x, torch.zeros(())))
+
+    def result(self, advantages, returns):
+        return self.scatter(advantages), self.scatter(returns)
+
+
+def vtrace(rewards, action_mask, values, log_ratio, gamma=1.0, lam=1.0, rho_bar=1.0, c_bar=1.0):
+    """V-trace (Espeholt et al. 2018, IMPALA, eq. 1 and Remark 1) over action tokens.
+
+    With per-token importance ratios ``rho_t = pi(a_t|s_t) / mu(a_t|s_t)`` (``exp(log_ratio)``; ``pi``
+    the policy being trained, ``mu`` the one that sampled the token), ``rho'_t = min(rho_bar,
+    rho_t)`` and traces ``c_t = lam * min(c_bar, rho_t)``::
+
+        v_s = V(s_s) + sum_{t>=s} gamma^(t-s) (prod_{i=s}^{t-1} c_i) rho'_t delta_t
+        A_s = rho'_s (r_s + gamma v_{s+1} - V(s_s))
+
+    ``returns`` are the value targets ``v_s``. Because ``A_s`` already carries ``rho'_s``, the PPO
+    trainer does not apply its own importance weight on top (``rollout.is_mode`` only masks).
+    On-policy (``log_ratio = 0``) with ``rho_bar, c_bar >= 1``, ``v_s`` is the TD(lambda) return.
+
+    Args:
+        values: float32 ``[B, T]`` critic values ``V(s_t)`` at each token.
+        log_ratio: float32 ``[B, T]``, ``log pi - log mu`` per token (0 on-policy).
+        rho_bar, c_bar: clipping thresholds (``float("inf")`` for none).
+
+    Returns:
+        ``(advantages, returns)``, float32 ``[B, T]``, zero on env tokens.
+    """
+    steps = _Steps(rewards, action_mask, values, log_ratio)
+    rho = steps.ratio.clamp(max=rho_bar)
+    trace = lam * steps.ratio.clamp(max=c_bar)
+    weighted = rho * steps.td_errors(gamma)
+    corrections = steps.backward(lambda t, following: weighted[:, t] + gamma * trace[:, t] * following)
+    targets = steps.values + corrections
+    next_targets = torch.cat([targets[:, 1:], torch.zeros_like(targets[:, :1])], 1)
+    return steps.result(rho * (steps.rewards + gamma * next_targets - steps.values), targets)
+
+
+def retrace(rewards, action_mask, values, log_ratio, gamma=1.0, lam=1.0):
+    """Retrace(lambda) (Munos et al. 2016) with a state-value critic, over action tokens.
+
+    Retrace's return for the taken action, ``Q_s = r_s + gamma [E_pi Q(s_{s+1}, .) + c_{s+1}
+    (Q_{s+1} - Q(s_{s+1}, a_{s+1}))]`` with traces ``c_t = lam * min(1, rho_t)``, written with the
+    critic's ``V`` for both ``E_pi Q`` and ``Q(s, a)``, gives::
+
+        A_s = delta_s + gamma c_{s+1} A_{s+1},   delta_s = r_s + gamma V(s_{s+1}) - V(s_s)
+
+    The sampled action itself is not reweighted (it is the one being evaluated); the trainer's
+    truncated importance weight does that. On-policy it equals GAE(gamma, lam). ``returns =
+    A + V``. Arguments and result as in :func:`vtrace`.
+    """
+    steps = _Steps(rewards, action_mask, values, log_ratio)
+    delta, trace = steps.td_errors(gamma), lam * steps.ratio.clamp(max=1.0)
+    next_trace = torch.cat([trace[:, 1:], torch.zeros_like(trace[:, :1])], 1)
+    advantages = steps.backward(lambda t, following: delta[:, t] + gamma * next_trace[:, t] * following)
+    return steps.result(advantages, advantages + steps.values)
+
+
+def td_lambda(rewards, action_mask, values, gamma=1.0, lam=1.0):
+    """TD(lambda) (Sutton 1988): lambda-returns ``G_t = r_t + gamma ((1 - lam) V(s_{t+1}) + lam
+    G_{t+1})`` as value targets and ``A_t = G_t - V(s_t)``, over action tokens.
+
+    The advantage equals GAE(gamma, lam) (Schulman et al. 2016, eq. 16); this is the return form,
+    computed from the returns rather than the TD errors. Returns ``(advantages, returns)`` ``[B, T]``.
+    """
+    steps = _Steps(rewards, action_mask, values)
+    bootstrap = (1 - lam) * steps.next_values
+    returns = steps.backward(lambda t, following: steps.rewards[:, t] + gamma * (bootstrap[:, t] + lam * following))
+    return steps.result(returns - steps.values, returns)
+
+
+def clipped_is(rewards, action_mask, values, log_ratio, gamma=1.0, lam=1.0, clip_ratio=0.2):
+    """Per-decision importance-sampled lambda-returns with the critic as control variate (Precup et
+    al. 2000; Sutton and Barto 2018, eq. 12.26), weights clipped to ``[1 - clip_ratio, 1 + clip_ratio]``::
+
+        G_t = w_t (r_t + gamma ((1 - lam) V(s_{t+1}) + lam G_{t+1})) + (1 - w_t) V(s_t)
+        A_t = G_t - V(s_t) = w_t (delta_t + gamma lam A_{t+1}),   w_t = clip(rho_t, 1 - clip_ratio, 1 + clip_ratio)
+
+    ``A_t`` carries the weight of its own token, so the trainer applies no importance weight on
+    top. On-policy it equals GAE(gamma, lam). Arguments and result as in :func:`vtrace`.
+    """
+    steps = _Steps(rewards, action_mask, values, log_ratio)
+    weight = steps.ratio.clamp(1 - clip_ratio, 1 + clip_ratio)
+    delta = steps.td_errors(gamma)
+    advantages = steps.backward(lambda t, following: weight[:, t] * (delta[:, t] + gamma * lam * following))
+    return steps.result(advantages, advantages + steps.values)
+
+
+BOOTSTRAP_METHODS = ("td", "gae", "mc")
+
+
+def multistep(rewards, action_mask, values, gamma=1.0, lam=1.0, n_steps=5, bootstrap_method="td"):
+    """n-step returns (Sutton and Barto 2018, ch. 7) over action tokens::
+
+        G_t = sum_{k<n} gamma^k r_{t+k} + gamma^n B_{t+n},   A_t = G_t - V(s_t)
+
+    where the tail estimate ``B`` is the critic's ``V(s_{t+n})`` (``bootstrap_method="td"``), the
+    GAE(gamma, lam) lambda-return ``V + A^GAE`` there (``"gae"``), or the Monte-Carlo return of
+    the rest of the episode (``"mc"``, so ``G_t`` is the full return for any ``n``). Past the
+    episode's last action token ``B = 0``. With ``n_steps=1`` and ``"td"``, ``A_t`` is the TD(0)
+    error. Returns ``(advantages, returns = G)`` ``[B, T]``.
+
+    Raises:
+        ValueError: ``n_steps < 1`` or an unknown ``bootstrap_method``.
+    """
+    if int(n_steps) < 1:
+        raise ValueError(f"n_steps must be >= 1, got {n_steps}")
+    if bootstrap_method not in BOOTSTRAP_METHODS:
+        raise ValueError(f"bootstrap_method must be one of {BOOTSTRAP_METHODS}, got {bootstrap_method!r}")
+    n, steps = int(n_steps), _Steps(rewards, action_mask, values)
+    if bootstrap_method == "td":
+        tail = steps.values
+    elif bootstrap_method == "gae":
+        delta = steps.td_errors(gamma)
+        tail = steps.values + steps.backward(lambda t, following: delta[:, t] + gamma * lam * following)
+    else:
+        tail = steps.backward(lambda t, following: steps.rewards[:, t] + gamma * following)
+    width = steps.values.shape[1]
+    rewards_padded = torch.nn.functional.pad(steps.rewards, (0, n))
+    tail_padded = torch.nn.functional.pad(tail, (0, n))  # 0 past the end: the episode is over
+    returns = sum(gamma**k * rewards_padded[:, k : k + width] for k in range(n)) + gamma**n * tail_padded[:, n:]
+    returns = torch.where(steps.valid, returns, torch.zeros(()))
+    return steps.result(returns - steps.values, returns)
+
+
+CRITIC_ESTIMATORS = ("gae", "vtrace", "retrace", "td_lambda", "clipped_is", "multistep")
+"""Estimators that need the critic's values (the PPO trainer builds a critic for them)."""
+OFF_POLICY_ESTIMATORS = ("vtrace", "retrace", "clipped_is")
+"""Estimators that read the per-token importance ratio against the behaviour policy."""
+WEIGHTED_ESTIMATORS = ("vtrace", "clipped_is")
+"""Estimators whose advantage already carries the sampled token's importance weight."""
+ESTIMATORS = ("gae", "grpo", "drgrpo", "rloo", "reinforce_pp", "rebn", *CRITIC_ESTIMATORS[1:])
 
 
 def compute_advantages(
-    estimator: str, rewards, action_mask, group=None, values=None, gamma: float = 1.0, lam: float = 1.0
+    estimator: str,
+    rewards,
+    action_mask,
+    group=None,
+    values=None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    log_ratio=None,
+    **options,
 ):
     """Dispatch by name (one of :data:`ESTIMATORS`). Returns ``(advantages, returns or None)``.
 
+    ``values`` (critic estimators, :data:`CRITIC_ESTIMATORS`) and ``log_ratio`` (off-policy ones,
+    :data:`OFF_POLICY_ESTIMATORS`; ``log pi - log mu`` per token, 0 when omitted) are ``[B, T]``;
+    ``options`` are the estimator's own keywords (``rho_bar``, ``c_bar``, ``clip_ratio``,
+    ``n_steps``, ``bootstrap_method``).
+
     Raises:
-        ValueError: unknown estimator, or ``gae`` without ``values``, or a group estimator without ``group``.
+        ValueError: unknown estimator, a critic estimator without ``values``, or a group estimator without ``group``.
     """
     if estimator not in ESTIMATORS:
         import difflib
@@ -196,10 +401,20 @@ def compute_advantages(
             f"unknown advantage estimator {estimator!r}"
             + (f"; did you mean {hint[0]!r}?" if hint else f"; choose from {ESTIMATORS}")
         )
-    if estimator == "gae":
+    if estimator in CRITIC_ESTIMATORS:
         if values is None:
-            raise ValueError("gae needs critic values")
-        return gae(rewards, action_mask, values, gamma, lam)
+            raise ValueError(f"{estimator} needs critic values")
+        if estimator in OFF_POLICY_ESTIMATORS:
+            options["log_ratio"] = torch.zeros_like(values) if log_ratio is None else log_ratio
+        fn = {
+            "gae": gae,
+            "vtrace": vtrace,
+            "retrace": retrace,
+            "td_lambda": td_lambda,
+            "clipped_is": clipped_is,
+            "multistep": multistep,
+        }[estimator]
+        return fn(rewards, action_mask, values, gamma=gamma, lam=lam, **options)
     if estimator in ("grpo", "drgrpo", "rloo") and group is None:
         raise ValueError(f"{estimator} needs group ids")
     fn = {"grpo": grpo, "drgrpo": drgrpo, "rloo": rloo}.get(estimator)

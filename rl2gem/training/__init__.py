@@ -34,7 +34,7 @@ from rl2gem.training.forward import (
 from rl2gem.training.metrics import Averager, measure_peak_flops, peak_flops_from_config, reduce_mean, train_flops
 from rl2gem.training.offline import OfflineTrainer, check_data_config, epoch_batch
 from rl2gem.training.pairs import PairSample, pair_sequences, plan_pair_micro_batches, tokenize_pairs
-from rl2gem.training.samples import Sample, apply_gae, samples_from_batch, subtract_kl_from_rewards
+from rl2gem.training.samples import Sample, apply_critic_estimator, samples_from_batch, subtract_kl_from_rewards
 from rl2gem.training.trainer import Trainer, launch
 from rl2gem.training.worker import Worker, resolve_dtype, setup_distributed
 
@@ -46,7 +46,7 @@ __all__ = [
     "PairSample",
     "Sample",
     "Worker",
-    "apply_gae",
+    "apply_critic_estimator",
     "atomic_write",
     "check_data_config",
     "epoch_batch",

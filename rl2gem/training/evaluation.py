@@ -36,7 +36,9 @@ def evaluate_env(
     """Play the first ``n`` tasks of ``env_id``'s ``split`` (rank ``r`` plays every ``world``-th one)
     with ``engine`` and return the means over all ranks' episodes as ``eval/<name>`` (reward,
     success, turns, invalid_actions, response_tokens, and em / f1 / searches where an env reports
-    them) plus ``eval/episodes``. A collective: call on every rank.
+    them) plus ``eval/episodes``. A collective: call on every rank. An engine paused by partial
+    rollouts is resumed for the evaluation and paused again after it (the paused groups stay
+    waiting for the next collect).
 
     Args:
         rollout_config: :class:`rl2gem.rollout.RolloutConfig` (``responses_per_prompt`` 1).
@@ -48,16 +50,23 @@ def evaluate_env(
     resets = task_resets(env_id, kwargs, n, seed)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     mine = list(range(rank, len(resets), world))
-    episodes = loop.run_until_complete(
-        play_model(
-            engine,
-            tokenizer,
-            lambda: rl2gem.make(env_id, **kwargs),
-            [resets[i] for i in mine],
-            rollout_config,
-            chat_template,
+    paused = engine.paused  # partial rollouts leave it paused between steps, their groups waiting
+    if paused:
+        loop.run_until_complete(engine.resume())
+    try:
+        episodes = loop.run_until_complete(
+            play_model(
+                engine,
+                tokenizer,
+                lambda: rl2gem.make(env_id, **kwargs),
+                [resets[i] for i in mine],
+                rollout_config,
+                chat_template,
+            )
         )
-    )
+    finally:
+        if paused:
+            loop.run_until_complete(engine.pause("abort"))
     sums = record_sums([episode_record(i, ep, resets[i][0]) for i, ep in zip(mine, episodes, strict=True)])
     names = sorted(sums)
     totals = torch.tensor([sums[k] for k in names], dtype=torch.float64)

@@ -2,7 +2,7 @@
 
 SFT and preference trainers fill ``ids`` and ``mask``; RL trainers get their samples from a
 rollout batch (:func:`samples_from_batch`), with advantages from an outcome estimator or, with a
-critic, from GAE over packed values (:func:`apply_gae`).
+critic, from GAE or an off-policy estimator over packed values (:func:`apply_critic_estimator`).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
-from rl2gem.algorithms import compute_advantages, gae, kl_estimate
+from rl2gem.algorithms import CRITIC_ESTIMATORS, OFF_POLICY_ESTIMATORS, compute_advantages, kl_estimate
 
-__all__ = ["Sample", "samples_from_batch", "apply_gae", "subtract_kl_from_rewards", "OUTCOME_ESTIMATORS"]
+__all__ = ["Sample", "samples_from_batch", "apply_critic_estimator", "subtract_kl_from_rewards", "OUTCOME_ESTIMATORS"]
 
 OUTCOME_ESTIMATORS = ("grpo", "drgrpo", "rloo")
 
@@ -30,7 +30,7 @@ class Sample:
         advantages: per-token advantages (RL; None until computed).
         rewards: per-token rewards (RL).
         versions: policy version of each action token (RL).
-        returns: per-token returns (GAE).
+        returns: per-token returns, the critic's targets (critic estimators).
     """
 
     ids: list[int]
@@ -50,8 +50,8 @@ def samples_from_batch(batch, estimator: str, gamma: float = 1.0, lam: float = 1
 
     With an outcome estimator (:data:`OUTCOME_ESTIMATORS`) every sequence of an episode is scored
     by the episode's return on its last action token; other estimators see the env's per-turn
-    rewards. ``gae`` leaves ``advantages`` as None: they need the critic's values
-    (:func:`apply_gae`).
+    rewards. Critic estimators (``gae``, ``vtrace``, ...) leave ``advantages`` as None: they need
+    the critic's values (:func:`apply_critic_estimator`).
 
     Raises:
         ValueError: unknown estimator (from :func:`rl2gem.algorithms.compute_advantages`).
@@ -73,7 +73,7 @@ def samples_from_batch(batch, estimator: str, gamma: float = 1.0, lam: float = 1
     samples = [
         Sample(s.input_ids, s.action_mask, s.logprobs, None, rows[i], s.versions) for i, s in enumerate(sequences)
     ]
-    if estimator == "gae":
+    if estimator in CRITIC_ESTIMATORS:
         return samples
     width = max(len(s) for s in sequences)
     rewards = torch.zeros(len(sequences), width)
@@ -87,24 +87,54 @@ def samples_from_batch(batch, estimator: str, gamma: float = 1.0, lam: float = 1
     return samples
 
 
-def apply_gae(samples: Sequence[Sample], values: torch.Tensor, gamma: float, lam: float) -> torch.Tensor:
-    """GAE (Schulman et al. 2016) for packed ``samples`` from their critic ``values`` ``[N]``
-    (:func:`rl2gem.training.forward.token_values`): sets each sample's ``advantages`` and
-    ``returns`` and returns the packed returns ``[N]`` float32 on ``values``' device."""
-    returns, start = [], 0
+def apply_critic_estimator(
+    samples: Sequence[Sample],
+    values: torch.Tensor,
+    logprobs: torch.Tensor,
+    estimator: str = "gae",
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    **options,
+) -> torch.Tensor:
+    """A critic estimator (:data:`rl2gem.algorithms.CRITIC_ESTIMATORS`: GAE, V-trace, Retrace, ...)
+    for packed ``samples``; sets each sample's ``advantages`` and ``returns``.
+
+    Args:
+        values: float32 ``[N]``, the critic's values of the packed samples
+            (:func:`rl2gem.training.forward.token_values`).
+        logprobs: float32 ``[N]``, the trained policy's log-probs before the update; off-policy
+            estimators weight each action token by ``exp(logprobs - rollout_logprobs)``, the
+            ratio against the policy version that sampled it.
+        options: the estimator's own keywords (``rho_bar``, ``c_bar``, ``clip_ratio``, ``n_steps``,
+            ``bootstrap_method``).
+
+    Returns:
+        The packed returns (critic targets) ``[N]`` float32 on ``values``' device.
+
+    Raises:
+        ValueError: unknown estimator or option (from :func:`rl2gem.algorithms.compute_advantages`).
+    """
+    returns, start, device = [], 0, values.device
+    values, logprobs = values.detach().float().cpu(), logprobs.detach().float().cpu()
     for s in samples:
         n = len(s)
-        adv, ret = gae(
+        log_ratio = None
+        if estimator in OFF_POLICY_ESTIMATORS:
+            log_ratio = (logprobs[start : start + n] - torch.tensor(s.rollout_logprobs, dtype=torch.float32))[None]
+        adv, ret = compute_advantages(
+            estimator,
             torch.tensor([s.rewards]),
             torch.tensor([s.mask], dtype=torch.bool),
-            values[None, start : start + n].detach().cpu(),
-            gamma,
-            lam,
+            values=values[None, start : start + n],
+            gamma=gamma,
+            lam=lam,
+            log_ratio=log_ratio,
+            **options,
         )
         s.advantages, s.returns = adv[0].tolist(), ret[0].tolist()
         returns.append(ret[0])
         start += n
-    return torch.cat(returns).to(values.device)
+    return torch.cat(returns).to(device)
 
 
 def subtract_kl_from_rewards(

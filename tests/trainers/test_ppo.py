@@ -216,7 +216,7 @@ def test_token_values_and_gae_align_with_the_state_before_each_token():
 
     import torch
 
-    from rl2gem.training import Sample, apply_gae, token_values
+    from rl2gem.training import Sample, apply_critic_estimator, token_values
 
     class IdCritic(torch.nn.Module):  # value = the id of the token just read
         config = types.SimpleNamespace(_attn_implementation="sdpa")
@@ -232,21 +232,45 @@ def test_token_values_and_gae_align_with_the_state_before_each_token():
     b = Sample([9, 10, 11], [0, 1, 1], [0.0] * 3, None, [0.0, 2.0, 0.0], [0] * 3)
     v = token_values(IdCritic(), [a.ids, b.ids], torch.device("cpu"))
     assert v.tolist() == [0, 5, 6, 7, 0, 9, 10]
-    rets = apply_gae([a, b], v, gamma=1.0, lam=1.0)
+    rets = apply_critic_estimator([a, b], v, torch.zeros(7), "gae", gamma=1.0, lam=1.0)
     # sequence a: action tokens 2, 3 with V = 6, 7; return 1 from both -> advantages 1-6, 1-7
     assert a.advantages == [0, 0, -5, -6] and a.returns == [0, 0, 1, 1]
     # sequence b: rewards 2 then 0 -> returns 2, 0; V = 9, 10
     assert b.advantages == [0, -7, -10] and b.returns == [0, 2, 0]
     assert rets.tolist() == [0, 0, 1, 1, 0, 2, 0]
     a2 = Sample([5, 6, 7, 8], [0, 0, 1, 1], [0.0] * 4, None, [0.0, 0.0, 0.0, 1.0], [0] * 4)
-    apply_gae([a2], token_values(IdCritic(), [a2.ids], torch.device("cpu")), gamma=0.5, lam=0.5)
+    v2 = token_values(IdCritic(), [a2.ids], torch.device("cpu"))
+    apply_critic_estimator([a2], v2, torch.zeros(4), "gae", gamma=0.5, lam=0.5)
     # delta_3 = 1 - 7 = -6; delta_2 = 0 + 0.5 * 7 - 6 = -2.5; A_2 = -2.5 + 0.25 * -6 = -4
     assert a2.advantages == pytest.approx([0, 0, -4.0, -6.0])
 
 
+def test_vtrace_weights_each_token_by_its_own_behaviour_policy():
+    """apply_critic_estimator: the ratio of each action token is exp(old - rollout log-prob); V-trace
+    by hand on two action tokens, the first sampled by a policy that gave it twice pi's probability."""
+    import math
+
+    import torch
+
+    from rl2gem.training import Sample, apply_critic_estimator
+
+    old = torch.tensor([0.0, 0.0, -1.0, -2.0])
+    s = Sample([5, 6, 7, 8], [0, 0, 1, 1], [0.0, 0.0, -1.0 + math.log(2), -2.0], None, [0.0, 0.0, 0.0, 1.0], [0] * 4)
+    values = torch.tensor([0.0, 5.0, 6.0, 7.0])
+    returns = apply_critic_estimator([s], values, old, "vtrace", rho_bar=1.0, c_bar=1.0)
+    # rho = (0.5, 1): delta'_3 = 1 - 7 = -6, v_3 = 1; delta'_2 = 0.5 (7 - 6), v_2 = 6 + 0.5 + 0.5 * -6 = 3.5
+    # A_3 = 1 - 7 = -6; A_2 = 0.5 (0 + v_3 - 6) = -2.5
+    assert s.returns == pytest.approx([0, 0, 3.5, 1]) and s.advantages == pytest.approx([0, 0, -2.5, -6])
+    assert returns.tolist() == pytest.approx([0, 0, 3.5, 1])
+    r = run_module("rl2gem.trainers.ppo", "adv.estimator=multistep", "adv.multistep.n_steps=0")
+    assert r.returncode != 0 and "adv.multistep" in r.stderr and "n_steps" in r.stderr
+
+
 def test_gae_critic_run_with_kl_in_reward(tiny_dir, tmp_path):
     """adv.estimator=gae builds a critic: values, value loss and its checkpoint; KL enters the
-    rewards (the entropy bonus moves the actor away from the reference after step 1)."""
+    rewards (the entropy bonus moves the actor away from the reference after step 1). Partial
+    rollouts: later steps train on tokens older weights sampled, and the final evaluation runs on
+    the engine they left paused."""
     out = tmp_path / "gae"
     torchrun(
         2,
@@ -260,6 +284,9 @@ def test_gae_critic_run_with_kl_in_reward(tiny_dir, tmp_path):
         "kl.adaptive.exp_factor=1.5",
         "kl.adaptive.exp_decay=0.5",
         "kl.adaptive.target_kl=1e-3",
+        "rollout.partial_rollout=true",
+        "rollout.partial_oversample=1.0",
+        "rollout.max_staleness=2",
         "actor.entropy_coef=0.05",
         "actor.lr=3e-3",
         "critic.lr=1e-2",
@@ -273,6 +300,9 @@ def test_gae_critic_run_with_kl_in_reward(tiny_dir, tmp_path):
     assert steps[1]["critic/values"] == 0.0 and steps[1]["critic/vf_loss"] == 0.0  # zero head, zero KL at step 1
     assert steps[3]["actor/kl"] > 0 and steps[3]["critic/vf_loss"] > 0 and steps[3]["critic/values"] != 0.0
     assert (out / "checkpoint-3" / "dcp").exists()
+    assert steps[1]["rollout/stale_token_fraction"] == 0
+    assert max(steps[s]["rollout/stale_token_fraction"] for s in (2, 3)) > 0
+    assert "eval/success" in logged_steps(out / "metrics.jsonl", "eval/success")[3]
     # the exponential controller, by hand from the logged KL: x1.5 above the target, x0.5 below
     coef = 1.0
     for step in (1, 2, 3):
@@ -287,12 +317,15 @@ def test_gae_critic_run_with_kl_in_reward(tiny_dir, tmp_path):
 
 @pytest.mark.parametrize(
     "layout",
-    [("actor.ddp_size=2", "actor.tp_size=2"), ("actor.sp_size=2", "adv.estimator=gae")],
-    ids=["ddp2xtp2", "fsdp2xsp2+critic"],
+    [
+        ("actor.ddp_size=2", "actor.tp_size=2"),
+        ("actor.sp_size=2", "adv.estimator=vtrace"),
+    ],
+    ids=["ddp2xtp2", "fsdp2xsp2+vtrace"],
 )
 def test_four_rank_tp_and_sp_runs_resume_identically(tiny_dir, tmp_path, layout):
-    """PPO on 4 ranks (HSDP 2 x TP 2; FSDP 2 x SP 2 with a GAE critic) for two steps; a copy of
-    the run resumed from its step-1 checkpoint under the same layout repeats step 2 exactly."""
+    """PPO on 4 ranks (HSDP 2 x TP 2; FSDP 2 x SP 2 with a critic and V-trace) for two steps; a copy of the run resumed from its step-1 checkpoint under the same layout
+    repeats step 2 exactly."""
     import shutil
 
     args = [
@@ -319,5 +352,6 @@ def test_four_rank_tp_and_sp_runs_resume_identically(tiny_dir, tmp_path, layout)
     assert a[2]["actor/grad_norm"] > 0
     for key in ("rollout/tokens", "rollout/response_length", "actor/pg_loss", "actor/entropy", "actor/grad_norm"):
         assert b[2][key] == pytest.approx(a[2][key], rel=1e-4, abs=1e-6), key
-    if "adv.estimator=gae" in layout:
+    if "adv.estimator=vtrace" in layout:
         assert b[2]["critic/vf_loss"] == pytest.approx(a[2]["critic/vf_loss"], rel=1e-4, abs=1e-6)
+        assert a[1]["actor/is_weight"] == a[2]["actor/is_weight"] == 1.0  # V-trace weights the advantages instead

@@ -201,6 +201,12 @@ class Engine(abc.ABC):
     async def resume(self) -> None:
         """Continue after :meth:`pause`."""
 
+    @property
+    def paused(self) -> bool:
+        """True between :meth:`pause` and :meth:`resume` (partial rollouts leave the engine paused
+        between collects; evaluation resumes it for its own requests)."""
+        return bool(getattr(self, "_paused", False))
+
     @abc.abstractmethod
     async def abort(self, rid: str | None = None) -> None:
         """Abort one request by id, or all in-flight and queued requests."""

@@ -357,10 +357,6 @@ class EmbeddedEngine(Engine):
 
         await self._acommand(do)
 
-    @property
-    def paused(self) -> bool:
-        return self._paused
-
     async def abort(self, rid: str | None = None) -> None:
         await self._acommand(lambda: self._abort_rid(rid, "aborted"))
 

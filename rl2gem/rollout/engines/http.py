@@ -139,9 +139,11 @@ class HTTPEngine(Engine):
 
     async def pause(self, mode: str = "abort") -> None:
         await self._all("POST", "/pause_generation", {"mode": mode})
+        self._paused = True
 
     async def resume(self) -> None:
         await self._all("POST", "/continue_generation", {})
+        self._paused = False
 
     async def abort(self, rid: str | None = None) -> None:
         await self._all("POST", "/abort_request", {"abort_all": True} if rid is None else {"rid": rid})
