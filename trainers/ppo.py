@@ -20,7 +20,9 @@ keys are errors naming the closest valid one). One step:
    entropy`` (clip-higher, dual clip, importance sampling against the rollout log-probs) with
    global-batch token weights, and the clipped value loss; with ``kl.adaptive.type`` other than
    ``fixed`` the coefficient then moves toward ``kl.adaptive.target_kl`` (logged as ``kl/coef``,
-   ``kl/target``; kept in checkpoints);
+   ``kl/target``; kept in checkpoints); with ``constraints.kl.bound`` / ``constraints.entropy.bound``
+   Lagrange multipliers add ``lambda_kl * KL - lambda_entropy * entropy`` and take a dual-ascent
+   step (:mod:`rl2gem.algorithms.constraints`; logged as ``constraint/*``, kept in checkpoints);
 4. weight sync into the engine; periodic evaluation and checkpoints.
 
 Everything shared with other trainers lives in :mod:`rl2gem.training`. CPU runs use gloo and
@@ -50,6 +52,7 @@ from rl2gem.algorithms import (
     policy_loss,
     value_loss,
 )
+from rl2gem.algorithms.constraints import Constraints
 from rl2gem.algorithms.kl_control import KLController, make_kl_controller
 from rl2gem.config import ConfigError
 from rl2gem.models import load_model
@@ -83,6 +86,7 @@ def check_config(cfg) -> None:
             f"kl.in_reward=true needs token-level credit (adv.estimator one of {list(CRITIC_ESTIMATORS)}), got "
             f"adv.estimator={cfg.adv.estimator}; use kl.in_reward=false (a KL loss term) with outcome estimators"
         )
+    constraints(cfg)
     try:  # the estimator's own options, checked on a one-token batch
         one = torch.ones(1, 1)
         compute_advantages(
@@ -90,6 +94,18 @@ def check_config(cfg) -> None:
         )
     except (ValueError, TypeError) as e:
         raise ConfigError(f"adv.{cfg.adv.estimator}: {e}") from None
+
+
+def constraints(cfg) -> Constraints:
+    """The Lagrangian constraints of ``cfg.constraints`` (:mod:`rl2gem.algorithms.constraints`).
+
+    Raises:
+        rl2gem.config.ConfigError: a bad bound, rate or multiplier, naming the key.
+    """
+    try:
+        return Constraints(OmegaConf.to_container(cfg.constraints, resolve=True))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def estimator_options(cfg) -> dict:
@@ -131,8 +147,9 @@ class PPOTrainer(Trainer):
             )
         self.out, self.total_steps = Path(c.trainer.output_dir), int(c.trainer.total_steps)
         self.actor = Worker(c.actor, self.mesh, self.device, total_steps=self.total_steps)
-        self.kl = kl_controller(c)
-        self.ref = Worker(c.actor, self.mesh, self.device, trainable=False) if self.kl.active else None
+        self.kl, self.constraints = kl_controller(c), constraints(c)
+        needs_ref = self.kl.active or "kl" in self.constraints
+        self.ref = Worker(c.actor, self.mesh, self.device, trainable=False) if needs_ref else None
         self.critic = None
         if (
             c.adv.estimator in CRITIC_ESTIMATORS
@@ -239,7 +256,11 @@ class PPOTrainer(Trainer):
         """Backward of ``pg_loss + kl.coef * kl_loss - entropy_coef * entropy`` (and the critic's value
         loss) on one packed micro-batch with global-batch token weights; returns its metrics."""
         c, a = self.cfg, self.cfg.actor
-        ids, entropy_mode = [s.ids for s in part], "grad" if a.entropy_coef > 0 else "metric"
+        entropy_weight = a.entropy_coef + self.constraints.multiplier("entropy")
+        ids, entropy_mode = (
+            [s.ids for s in part],
+            "grad" if entropy_weight > 0 or "entropy" in self.constraints else "metric",
+        )
         logprobs, entropy = token_logprobs(
             self.actor.model, ids, self.device, temperature=c.rollout.temperature or 1.0, entropy=entropy_mode
         )
@@ -257,8 +278,8 @@ class PPOTrainer(Trainer):
             is_weights=is_weights[None], token_weights=weights[None],
         )  # fmt: skip
         kl = kl_estimate(logprobs, sc["ref"], c.kl.estimator) if self.ref is not None else torch.zeros_like(logprobs)
-        kl_loss = (kl * weights * mask).sum() if not c.kl.in_reward else 0.0
-        loss = pg_loss + self.kl.coef * kl_loss - a.entropy_coef * (entropy * weights * mask).sum()
+        kl_weight = (0.0 if c.kl.in_reward else self.kl.coef) + self.constraints.multiplier("kl")
+        loss = pg_loss + kl_weight * (kl * weights * mask).sum() - entropy_weight * (entropy * weights * mask).sum()
         (loss * self.mesh.dp_size).backward()  # FSDP averages gradients over data-parallel ranks
         n = mask.sum().clamp(min=1)
         row = {
@@ -296,6 +317,8 @@ class PPOTrainer(Trainer):
         if self.ref is not None:  # the coefficient this step used, then the next step's (same on every rank)
             metrics.update(self.kl.metrics())
             self.kl.update(metrics["actor/kl"], samples=len(samples))
+        metrics.update(self.constraints.metrics())  # the multipliers this step used, then dual ascent
+        self.constraints.update({"kl": metrics.get("actor/kl", 0.0), "entropy": metrics["actor/entropy"]})
         t = time.perf_counter()
         self.step += 1
         self.loop.run_until_complete(self.engine.update_weights(self.actor.full_state_dict(), version=self.step))
@@ -331,13 +354,19 @@ class PPOTrainer(Trainer):
 
     # ------------------------------------------------------------------ checkpoints
     def rank_state(self) -> dict:
-        return {"rollout": self.rollout.state_dict(), "engine": self.engine.state_dict(), "kl": self.kl.state_dict()}
+        return {
+            "rollout": self.rollout.state_dict(),
+            "engine": self.engine.state_dict(),
+            "kl": self.kl.state_dict(),
+            "constraints": self.constraints.state_dict(),
+        }
 
     def restore(self, trainer_state, rank_state) -> None:
         self.rollout.load_state_dict(rank_state["rollout"])
         self.engine.load_state_dict(rank_state["engine"])
         if "kl" in rank_state:  # checkpoints written before the KL controller have none
             self.kl.load_state_dict(rank_state["kl"])
+        self.constraints.load_state_dict(rank_state.get("constraints", {}))
         self.loop.run_until_complete(self.engine.update_weights(self.actor.full_state_dict(), version=self.step))
 
     def close(self):

@@ -163,6 +163,10 @@ def test_resume_after_kill_9_matches_an_uninterrupted_run(tiny_dir, tmp_path):
         "kl.adaptive.exp_factor=2.0",
         "kl.adaptive.exp_decay=0.5",
         "kl.adaptive.target_kl=1e-4",
+        # Lagrange multipliers: their state must come back too
+        "constraints.entropy.bound=20",
+        "constraints.kl.bound=1e-5",
+        "constraints.lagrangian_lr=0.01",
     ]
     full, cut = tmp_path / "full", tmp_path / "cut"
     torchrun(2, *args, f"trainer.output_dir={full}")
@@ -200,8 +204,18 @@ def test_resume_after_kill_9_matches_an_uninterrupted_run(tiny_dir, tmp_path):
             "actor/lr",
             "actor/kl",
             "kl/coef",
+            "constraint/entropy_multiplier",
+            "constraint/kl_multiplier",
         ):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-4, abs=1e-6), (step, key)
+    # dual ascent by hand from the logged entropy and KL (entropy < 20 nats: always violated)
+    multipliers = {"entropy": 0.0, "kl": 0.0}
+    for step in (1, 2, 3, 4):
+        for name in multipliers:
+            assert a[step][f"constraint/{name}_multiplier"] == pytest.approx(multipliers[name], rel=1e-6, abs=1e-9)
+        multipliers["entropy"] = max(0.0, multipliers["entropy"] + 0.01 * (20 - a[step]["actor/entropy"]))
+        multipliers["kl"] = max(0.0, multipliers["kl"] + 0.01 * (a[step]["actor/kl"] - 1e-5))
+    assert multipliers["entropy"] > 0.3
     from safetensors.torch import load_file
 
     wa = load_file(full / "checkpoint-4" / "hf" / "model.safetensors")
