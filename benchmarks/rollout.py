@@ -102,11 +102,11 @@ def bench_engine(model, tokenizer, n: int, max_new: int, group: int = 1) -> list
     return rows
 
 
-def bench_router(tokenizer, n: int, max_new: int) -> list[tuple[str, float, float]]:
+def bench_router(tokenizer, n: int, max_new: int, model: str = MODEL) -> list[tuple[str, float, float]]:
     prompts = prompts_for(tokenizer, n)
     rows = []
     for servers, threads in ((1, 2), (2, 1)):
-        procs = [launch(MODEL, threads=threads, seed=i) for i in range(servers)]
+        procs = [launch(model, threads=threads, seed=i) for i in range(servers)]
         try:
             with Router([p.url for p in procs], policy="round_robin") as router:
 
@@ -203,14 +203,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     ap.add_argument("--only", default="engine,router,tokens,partial")
+    ap.add_argument("--model", default=MODEL, help="a model name or folder (the smoke test passes a tiny random one)")
     ap.add_argument(
         "--group", type=int, default=1, help="section 1: each prompt repeated this many times (a GRPO batch)"
     )
     args = ap.parse_args(argv)
     only = set(args.only.split(","))
     q = args.quick
-    model, tokenizer = load_model(resolve_model(MODEL))
-    print(f"# rollout benchmarks: SmolLM2-135M-Instruct, CPU fp32, torch threads {torch.get_num_threads()}\n")
+    model, tokenizer = load_model(resolve_model(args.model))
+    print(f"# rollout benchmarks: {args.model}, CPU fp32, torch threads {torch.get_num_threads()}\n")
     if "engine" in only:
         n, max_new = (8, 16) if q else (128, 256)
         shape = f"{n // args.group} GSM8K prompts x {args.group} samples" if args.group > 1 else f"{n} GSM8K prompts"
@@ -219,7 +220,7 @@ def main(argv=None) -> int:
     if "router" in only:
         n, max_new = (4, 8) if q else (64, 64)
         print(f"## 2. sglang-router (round_robin): {n} requests, max_new_tokens {max_new}\n")
-        throughput_table("setup", "ratio", bench_router(tokenizer, n, max_new))
+        throughput_table("setup", "ratio", bench_router(tokenizer, n, max_new, args.model))
     if "tokens" in only:
         g, max_new = (1, 16) if q else (4, 64)
         r = bench_tokens(model, tokenizer, g, max_new)

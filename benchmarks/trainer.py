@@ -42,7 +42,7 @@ TASK = dict(
 )
 
 
-def ours(steps: int, prompts: int, group: int, max_new: int, out: Path) -> dict[str, float]:
+def ours(steps: int, prompts: int, group: int, max_new: int, out: Path, model: str = MODEL) -> dict[str, float]:
     """Run the trainer for ``steps + 1`` steps; seconds per step after the first."""
     args = [f"env_kwargs.{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in TASK.items()]
     cmd = [
@@ -53,7 +53,7 @@ def ours(steps: int, prompts: int, group: int, max_new: int, out: Path) -> dict[
         "--nproc_per_node=2",
         str(ROOT / "trainers" / "ppo.py"),
         "env=rl2/ReasoningGym-v0",
-        f"actor.model={MODEL}",
+        f"actor.model={model}",
         *args,
         f"rollout.prompts_per_rollout={prompts}",
         f"rollout.responses_per_prompt={group}",
@@ -82,7 +82,9 @@ def ours(steps: int, prompts: int, group: int, max_new: int, out: Path) -> dict[
     }
 
 
-def trl(steps: int, prompts: int, group: int, max_new: int, out: Path, peak: float) -> dict[str, float]:
+def trl(
+    steps: int, prompts: int, group: int, max_new: int, out: Path, peak: float, model_name: str = MODEL
+) -> dict[str, float]:
     """TRL GRPOTrainer on the same prompts and reward; seconds per step after the first."""
     import torch
     from datasets import Dataset
@@ -104,7 +106,7 @@ def trl(steps: int, prompts: int, group: int, max_new: int, out: Path, peak: flo
     def reward(completions, answer, **_):
         return [float(last_number(c[-1]["content"]) == a) for c, a in zip(completions, answer, strict=True)]
 
-    model, tokenizer = load_model(MODEL, dtype=torch.float32)
+    model, tokenizer = load_model(model_name, dtype=torch.float32)
     tokenizer.padding_side = "left"
     cfg = GRPOConfig(
         output_dir=str(out),
@@ -168,6 +170,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--peak", type=float, default=1.52e11, help="fp32 matmul peak, FLOP/s")
     ap.add_argument("--only", default="rl2gem,trl")
+    ap.add_argument("--model", default=MODEL, help="a model name or folder (the smoke test passes a tiny random one)")
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.prompts, args.max_new = 1, 2, 8
@@ -176,14 +179,14 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if "rl2gem" in only:
             res["rl2gem PPO trainer (2 ranks, FSDP2, embedded engine)"] = ours(
-                args.steps, args.prompts, args.group, args.max_new, Path(tmp) / "ours"
+                args.steps, args.prompts, args.group, args.max_new, Path(tmp) / "ours", args.model
             )
         if "trl" in only:
             res["TRL GRPOTrainer (1 process, 2 threads, bf16=False)"] = trl(
-                args.steps, args.prompts, args.group, args.max_new, Path(tmp) / "trl", args.peak
+                args.steps, args.prompts, args.group, args.max_new, Path(tmp) / "trl", args.peak, args.model
             )
     print(
-        f"# trainer throughput: SmolLM2-135M-Instruct fp32, {args.prompts} prompts x {args.group} samples per step, "
+        f"# trainer throughput: {args.model} fp32, {args.prompts} prompts x {args.group} samples per step, "
         f"max_new_tokens {args.max_new}, {args.steps} measured steps\n"
     )
     base = next(iter(res.values()))["episodes_per_second"] if res else 1.0

@@ -18,15 +18,6 @@ def group():
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from tiny import tiny_model
-
-    d = tmp_path_factory.mktemp("tiny")
-    tiny_model().save_pretrained(d)
-    return d
-
-
 def train_once(worker, device):
     logprobs, _ = token_logprobs(worker.model, [[5, 6, 7, 8], [9, 10, 11]], device)
     (-logprobs.sum()).backward()
