@@ -302,7 +302,8 @@ class PPOTrainer(Trainer):
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:
         c, start = self.cfg, time.perf_counter()
-        samples, metrics = self.collect()
+        with self.memory.phase("rollout"):
+            samples, metrics = self.collect()
         if not samples:
             return metrics
         lengths = [len(s) for s in samples]
@@ -310,10 +311,12 @@ class PPOTrainer(Trainer):
             lengths, self.mesh.dp_rank, self.mesh.dp_size, self.mesh.micro_batch_tokens(c.actor.max_length_per_device)
         )
         t = time.perf_counter()
-        scores, critic_metrics = self.score(samples, micro_batches)
+        with self.memory.phase("score"):
+            scores, critic_metrics = self.score(samples, micro_batches)
         metrics.update(critic_metrics, **{"time/old_logprobs": time.perf_counter() - t})
         t = time.perf_counter()
-        metrics.update(self.update(samples, micro_batches, scores), **{"time/update": time.perf_counter() - t})
+        with self.memory.phase("update"):
+            metrics.update(self.update(samples, micro_batches, scores), **{"time/update": time.perf_counter() - t})
         if self.ref is not None:  # the coefficient this step used, then the next step's (same on every rank)
             metrics.update(self.kl.metrics())
             self.kl.update(metrics["actor/kl"], samples=len(samples))
@@ -321,7 +324,8 @@ class PPOTrainer(Trainer):
         self.constraints.update({"kl": metrics.get("actor/kl", 0.0), "entropy": metrics["actor/entropy"]})
         t = time.perf_counter()
         self.step += 1
-        self.loop.run_until_complete(self.engine.update_weights(self.actor.full_state_dict(), version=self.step))
+        with self.memory.phase("weight_sync"):
+            self.loop.run_until_complete(self.engine.update_weights(self.actor.full_state_dict(), version=self.step))
         metrics["time/weight_sync"] = time.perf_counter() - t
         seconds = time.perf_counter() - start
         models = 1 + (self.critic is not None)  # the critic has the actor's backbone

@@ -5,18 +5,27 @@ second over the machine's peak: a forward costs ``2 * P`` FLOPs per token and a 
 backward ``6 * P`` (``P`` parameters; attention's quadratic term left out, as usual). The peak is
 given (``trainer.peak_flops``, FLOP/s per rank) or, when it is null, measured once at start with a
 large matmul in the training dtype (:func:`measure_peak_flops`).
+
+Memory (``memory/<phase>_peak_mib``, :class:`PeakMemory`): the highest memory of a phase of a
+step, the maximum over ranks, in MiB: on CUDA ``torch.cuda.max_memory_allocated`` (tensors the
+caching allocator handed out), on CPU the process's resident set size (RSS) sampled every few
+milliseconds while the phase runs (everything the process holds, Python and libraries included).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 
+import psutil
 import torch
 import torch.distributed as dist
 
-__all__ = ["Averager", "reduce_mean", "measure_peak_flops", "train_flops", "peak_flops_from_config"]
+__all__ = ["Averager", "PeakMemory", "reduce_mean", "measure_peak_flops", "train_flops", "peak_flops_from_config"]
+
+MIB = 2**20
 
 
 class Averager:
@@ -94,3 +103,61 @@ def train_flops(
     """Model FLOPs: ``2 P`` per token of a forward-only pass (scoring, generation) and ``6 P`` per
     token of a forward + backward pass."""
     return 2.0 * num_parameters * (forward_tokens + generated_tokens) + 6.0 * num_parameters * train_tokens
+
+
+class PeakMemory:
+    """Peak memory per named phase of a step (see the module docstring).
+
+    ``with memory.phase("update"): ...`` once per phase; :meth:`metrics` returns
+    ``memory/<phase>_peak_mib`` for the phases since the last call (a collective: the maximum over
+    ranks when ``torch.distributed`` is initialised) and starts over.
+
+    Args:
+        device: the training device; CUDA devices report allocator peaks, others RSS.
+        interval: seconds between RSS samples on CPU.
+    """
+
+    def __init__(self, device: torch.device, interval: float = 0.005):
+        self.device, self.interval = torch.device(device), interval
+        self.peaks: dict[str, float] = {}
+        self._process = psutil.Process()
+
+    def phase(self, name: str):
+        return _Phase(self, name)
+
+    def metrics(self) -> dict[str, float]:
+        names = sorted(self.peaks)
+        values = torch.tensor([self.peaks[n] for n in names], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1 and names:
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        self.peaks = {}
+        return {f"memory/{n}_peak_mib": v / MIB for n, v in zip(names, values.tolist(), strict=True)}
+
+
+class _Phase:
+    def __init__(self, owner: PeakMemory, name: str):
+        self.owner, self.name = owner, name
+        self.peak, self.done = 0, threading.Event()
+
+    def _sample(self):
+        while not self.done.wait(self.owner.interval):
+            self.peak = max(self.peak, self.owner._process.memory_info().rss)
+
+    def __enter__(self):
+        if self.owner.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.owner.device)
+        else:
+            self.peak = self.owner._process.memory_info().rss
+            self.thread = threading.Thread(target=self._sample, daemon=True, name=f"rss-{self.name}")
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.owner.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.owner.device)
+        else:
+            self.done.set()
+            self.thread.join()
+            peak = max(self.peak, self.owner._process.memory_info().rss)
+        self.owner.peaks[self.name] = max(self.owner.peaks.get(self.name, 0), peak)
+        return False

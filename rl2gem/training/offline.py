@@ -137,8 +137,9 @@ class OfflineTrainer(Trainer):
     def train_step(self) -> dict[str, float]:
         start = time.perf_counter()
         items = self.batch(self.step)
-        metrics, tokens = self.batch_loss(items, train=True)
-        grad_norm = self.actor.step()
+        with self.memory.phase("update"):
+            metrics, tokens = self.batch_loss(items, train=True)
+            grad_norm = self.actor.step()
         self.step += 1
         seconds = time.perf_counter() - start
         flops = train_flops(

@@ -4,11 +4,14 @@ A trainer subclasses :class:`Trainer` and writes its own step (``train_step``: f
 score -> advantages -> update -> weight sync) and evaluation; :meth:`Trainer.fit` runs the steps
 with resume, evaluation at the start / every ``trainer.eval_every`` steps / at the end,
 checkpoints every ``trainer.save_every`` steps and at the end, logging, and the end-of-run report.
+Peak memory per phase (:class:`~rl2gem.training.metrics.PeakMemory`: ``memory/eval_peak_mib`` and
+the phases a ``train_step`` marks with ``self.memory.phase(name)``) is logged with each step.
 :func:`launch` is the ``main`` of a torchrun entry point.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +23,7 @@ from tqdm.auto import tqdm
 
 from rl2gem.config import ConfigError, load_config
 from rl2gem.tracking import Tracker
+from rl2gem.training.metrics import PeakMemory
 
 __all__ = ["Trainer", "launch"]
 
@@ -45,6 +49,15 @@ class Trainer:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg))
         return Tracker(self.cfg.trainer.loggers, output_dir, OmegaConf.to_container(self.cfg, resolve=True))
+
+    @functools.cached_property
+    def memory(self) -> PeakMemory:
+        """Peak memory of the phases of a step on ``self.device``."""
+        return PeakMemory(self.device)
+
+    def _evaluate(self) -> dict[str, float]:
+        with self.memory.phase("eval"):
+            return self.evaluate()
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step (or rollout step); increments ``self.step``; returns its metrics."""
@@ -87,7 +100,7 @@ class Trainer:
         if t.resume and self.load() and self.rank == 0:
             print(f"resumed from step {self.step}", flush=True)
         if t.eval_at_start and self.step == 0:
-            self.log(self.evaluate())
+            self.log({**self._evaluate(), **self.memory.metrics()})
         last: dict[str, float] = {}
         bar = tqdm(
             total=self.total_steps, initial=self.step, desc=self.name, disable=not (t.progress and self.rank == 0)
@@ -95,13 +108,15 @@ class Trainer:
         while self.step < self.total_steps:
             last = self.train_step()
             if t.eval_every and self.step % t.eval_every == 0 and self.step < self.total_steps:
-                last.update(self.evaluate())
+                last.update(self._evaluate())
+            last.update(self.memory.metrics())
             if t.save_every and self.step % t.save_every == 0:
                 self.save()
             self.log(last)
             bar.update(1)
         bar.close()
-        final = self.evaluate()
+        final = self._evaluate()
+        final.update(self.memory.metrics())
         checkpoint = self.save()
         self.log(final)
         if self.tracker is not None:

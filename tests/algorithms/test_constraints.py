@@ -11,7 +11,12 @@ from rl2gem.algorithms.constraints import Constraint, Constraints
 
 def test_dual_ascent_by_hand():
     c = Constraints(
-        {"lagrangian_lr": 0.5, "max_multiplier": 1.0, "kl": {"bound": 0.1}, "entropy": {"bound": 0.5, "initial_multiplier": 0.2}}
+        {
+            "lagrangian_lr": 0.5,
+            "max_multiplier": 1.0,
+            "kl": {"bound": 0.1},
+            "entropy": {"bound": 0.5, "initial_multiplier": 0.2},
+        }
     )
     assert c.multiplier("kl") == 0.0 and c.multiplier("entropy") == 0.2
     c.update({"kl": 0.3, "entropy": 0.1})  # KL over by 0.2, entropy under by 0.4

@@ -113,6 +113,10 @@ def test_two_rank_smoke_run_logs_evaluates_and_exports(tiny_dir, tmp_path):
     ):
         assert key in steps[0], key
     assert any("eval/success" in r for r in rows)
+    # peak RSS per phase (max over ranks): at least the model, its Adam moments and the engine's copy
+    for phase in ("rollout", "score", "update", "weight_sync"):
+        assert steps[0][f"memory/{phase}_peak_mib"] > 100, phase
+    assert rows[-1]["memory/eval_peak_mib"] > 100
     assert (out / "curves.png").stat().st_size > 1000 and (out / "config.yaml").exists()
     assert "final eval" in stdout and "| step | rollout/reward |" in stdout
     from transformers import AutoModelForCausalLM

@@ -36,3 +36,23 @@ def test_rollout_config_from_a_config_section():
     assert config.responses_per_prompt == RolloutConfig().responses_per_prompt  # not in the section: the default
     with pytest.raises(TypeError, match="no field"):
         RolloutConfig.from_mapping(section, prompts_per_rollout=3)
+
+
+def test_peak_memory_sees_a_freed_allocation_inside_its_phase():
+    import psutil
+
+    from rl2gem.training.metrics import PeakMemory
+
+    memory = PeakMemory(torch.device("cpu"), interval=0.001)
+    baseline = psutil.Process().memory_info().rss / 2**20
+    with memory.phase("big"):
+        block = torch.ones(64 * 2**20)  # 256 MiB, touched
+        block.add_(1)
+        del block
+    with memory.phase("small"):
+        torch.ones(1024).sum()
+    peaks = memory.metrics()
+    assert set(peaks) == {"memory/big_peak_mib", "memory/small_peak_mib"}
+    assert peaks["memory/big_peak_mib"] - baseline > 200  # seen although freed before the phase ended
+    assert peaks["memory/small_peak_mib"] < peaks["memory/big_peak_mib"] - 200
+    assert memory.metrics() == {}  # each call starts over
