@@ -1,0 +1,144 @@
+"""trainers/tune.py: search spaces, a study on a stand-in trainer (pruning, resume after kill -9,
+the best recipe) and one real trial of the PPO trainer."""
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import optuna
+import pytest
+from helpers import ROOT, run_module
+from omegaconf import OmegaConf
+from rl2gem.trainers import tune
+
+from rl2gem.config import ConfigError, load_config
+
+FAKE = str(ROOT / "tests" / "trainers" / "fake_trainer.py")
+
+
+def study_args(out, *extra):
+    return [
+        f"trainer={FAKE}",
+        "nproc_per_node=0",
+        "space={x: {type: float, low: 0.0, high: 10.0}}",
+        "metric=eval/score",
+        "sampler=random",
+        "pruner_startup_trials=2",
+        f"output_dir={out}",
+        *extra,
+    ]
+
+
+def tune_run(*args):
+    r = run_module("rl2gem.trainers.tune", *args)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return r.stdout
+
+
+def trials(out):
+    return optuna.load_study(study_name="tune", storage=f"sqlite:///{out / 'study.db'}").trials
+
+
+def test_search_space_and_config_errors():
+    space = tune.distributions(
+        {
+            "actor.lr": {"type": "float", "low": 1e-6, "high": 1e-4, "log": True},
+            "rollout.responses_per_prompt": {"type": "int", "low": 2, "high": 8, "step": 2},
+            "adv.estimator": {"type": "categorical", "choices": ["grpo", "drgrpo"]},
+        }
+    )
+    assert space["actor.lr"] == optuna.distributions.FloatDistribution(1e-6, 1e-4, log=True)
+    assert space["rollout.responses_per_prompt"] == optuna.distributions.IntDistribution(2, 8, step=2)
+    assert space["adv.estimator"].choices == ("grpo", "drgrpo")
+    for bad, message in [
+        ({"a": {"type": "normal"}}, "type must be float, int or categorical"),
+        ({"a": {"type": "float", "low": 1}}, "needs 'high'"),
+        ({"a": {"type": "float", "low": 0, "high": 1, "log": True}}, "space.a"),
+        ({}, "space is empty"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            tune.distributions(bad)
+    cfg = load_config(tune.CONFIG, ["sampler=grid", "space={a: {type: float, low: 0, high: 1}}"])
+    with pytest.raises(ConfigError, match="grid"):
+        tune.check_config(cfg)
+    r = run_module("rl2gem.trainers.tune", "space={a: {type: float, low: 0, high: 1}}", "trainer=ppx")
+    assert r.returncode == 2 and "trainer='ppx'" in r.stderr
+
+
+def test_study_prunes_resumes_and_writes_the_best_recipe(tmp_path):
+    out = tmp_path / "study"
+    stdout = tune_run(*study_args(out, "n_trials=6"))
+    done = trials(out)
+    states = [t.state.name for t in done]
+    assert len(done) == 6 and "PRUNED" in states and states[:2] == ["COMPLETE", "COMPLETE"]
+    for t in done:  # every logged value was reported at its step
+        assert set(t.intermediate_values) <= {1, 2, 3, 4, 5} and t.intermediate_values
+        x = t.params["x"]
+        assert all(v == pytest.approx(s * (10 - abs(x - 7))) for s, v in t.intermediate_values.items())
+        if t.state.name == "COMPLETE":
+            assert t.value == pytest.approx(5 * (10 - abs(x - 7)))
+    complete = [t for t in done if t.state.name == "COMPLETE"]
+    best = max(complete, key=lambda t: t.value)
+    recipe = OmegaConf.load(out / "best.yaml")
+    assert float(recipe.x) == pytest.approx(best.params["x"]) and recipe.trainer.output_dir == str(out / "best")
+    assert (out / "history.png").stat().st_size > 1000
+    assert (out / "results.md").read_text().count("| pruned |") == states.count("PRUNED")
+    assert f"best: trial {best.number}" in stdout
+    # the same command with more trials continues the study
+    tune_run(*study_args(out, "n_trials=8"))
+    more = trials(out)
+    assert len(more) == 8 and [t.params for t in more[:6]] == [t.params for t in done]
+
+
+def test_a_killed_study_resumes_and_reruns_the_interrupted_trial(tmp_path):
+    out = tmp_path / "study"
+    args = study_args(out, "n_trials=2", "pruner=none", "base=[seconds_per_step=1.0]")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rl2gem.trainers.tune", *args],
+        cwd=ROOT,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.time() + 120
+        while not (out / "trial-1" / "metrics.jsonl").exists():  # the second trial is running
+            assert proc.poll() is None and time.time() < deadline
+            time.sleep(0.1)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # tune; its trial runs in a session of its own
+        proc.wait()
+    subprocess.run(["pkill", "-9", "-f", str(out / "trial-1")], check=False)
+    before = trials(out)
+    assert [t.state.name for t in before] == ["COMPLETE", "RUNNING"]
+    time.sleep(2 * tune.HEARTBEAT_SECONDS + 1)  # the killed trial's heartbeat goes stale
+    tune_run(*args)
+    after = trials(out)
+    assert [t.state.name for t in after] == ["COMPLETE", "FAIL", "COMPLETE"]
+    assert after[2].params == before[1].params  # the interrupted trial again, same value
+    assert after[2].system_attrs.get("failed_trial") == before[1].number
+
+
+def test_one_real_ppo_trial(tiny_dir, tmp_path):
+    out = tmp_path / "ppo"
+    tune_run(
+        "trainer=ppo",
+        "nproc_per_node=1",
+        f"base=[env=rl2/ReasoningGym-v0, env_kwargs.task=basic_arithmetic, actor.model={tiny_dir}, "
+        "rollout.prompts_per_rollout=1, rollout.responses_per_prompt=2, rollout.max_new_tokens=4, "
+        "trainer.total_steps=1, trainer.eval_n=2]",
+        "space={actor.lr: {type: categorical, choices: [0.001]}, adv.estimator: {type: categorical, choices: [rloo]}}",
+        "metric=eval/reward",
+        "n_trials=1",
+        f"output_dir={out}",
+    )
+    [trial] = trials(out)
+    assert trial.state.name == "COMPLETE" and set(trial.intermediate_values) == {0, 1}  # eval at start and end
+    from rl2gem.trainers import ppo
+
+    cfg = load_config(ppo.CONFIG, [f"config={out / 'best.yaml'}"])  # the best recipe is a valid PPO recipe
+    assert cfg.actor.lr == 0.001 and cfg.adv.estimator == "rloo" and cfg.trainer.output_dir == str(out / "best")

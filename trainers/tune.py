@@ -1,0 +1,348 @@
+"""Hyperparameter search with optuna over any trainer config key; every trial is a real trainer run.
+
+    python -m rl2gem.trainers.tune config=tune_arithmetic               # a study file in trainers/config/
+    python -m rl2gem.trainers.tune trainer=ppo 'base=[config=arithmetic]' \\
+        'space={actor.lr: {type: float, low: 1e-6, high: 1e-4, log: true}}' n_trials=8
+
+Defaults: ``trainers/config/tune.yaml``. Each trial samples a value for every key of ``space``
+(``float``/``int`` with ``low``, ``high``, optional ``log`` and ``step``; ``categorical`` with
+``choices``; a ``grid`` list for the grid sampler), runs ``torchrun trainers/<trainer>.py`` with
+``base`` + the sampled ``key=value`` arguments + ``trainer.output_dir=<output_dir>/trial-<n>`` as a
+subprocess, and follows that run's ``metrics.jsonl``: each logged ``metric`` value is reported to
+optuna at its step, so the median pruner can stop a trial that is behind the earlier trials at
+the same step (the run's processes are killed; the trial counts as pruned). The trial's value is
+the last logged ``metric`` (the final evaluation). Samplers: TPE (Bergstra et al. 2011; the
+default), random, grid. The study lives in SQLite (``storage``): run the same command again
+after a crash and it continues, re-running the trials the crash interrupted with the same values.
+
+Written to ``output_dir``: ``results.md`` (one row per trial: number, state, value, seconds,
+parameters), ``best.yaml`` (the best trial's full config with ``trainer.output_dir`` set to
+``<output_dir>/best``: a recipe, ``trainers/<trainer>.py config=<output_dir>/best.yaml``), and
+optuna's optimisation-history and parameter-importance plots as PNG.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+from omegaconf import OmegaConf
+
+from rl2gem.config import ConfigError, load_config
+
+CONFIG = Path(__file__).with_name("config") / "tune.yaml"
+TRAINERS = ("ppo", "sft", "rm", "dpo")
+SAMPLERS = ("tpe", "random", "grid")
+HEARTBEAT_SECONDS = 2
+
+
+def distributions(space) -> dict[str, optuna.distributions.BaseDistribution]:
+    """optuna distributions of a ``space`` mapping (config key -> spec).
+
+    Raises:
+        rl2gem.config.ConfigError: an unknown type or a spec missing its fields, naming the key.
+    """
+    out = {}
+    for key, spec in dict(space).items():
+        spec = dict(spec)
+        kind = spec.get("type")
+        try:
+            if kind == "float":
+                out[key] = optuna.distributions.FloatDistribution(
+                    float(spec["low"]), float(spec["high"]), log=bool(spec.get("log", False)), step=spec.get("step")
+                )
+            elif kind == "int":
+                out[key] = optuna.distributions.IntDistribution(
+                    int(spec["low"]), int(spec["high"]), log=bool(spec.get("log", False)), step=int(spec.get("step", 1))
+                )
+            elif kind == "categorical":
+                out[key] = optuna.distributions.CategoricalDistribution(list(spec["choices"]))
+            else:
+                raise ConfigError(f"space.{key}: type must be float, int or categorical, got {kind!r}")
+        except KeyError as e:
+            raise ConfigError(f"space.{key}: a {kind} parameter needs {e.args[0]!r}") from None
+        except ValueError as e:
+            raise ConfigError(f"space.{key}: {e}") from None
+    if not out:
+        raise ConfigError("space is empty: give at least one config key to search")
+    return out
+
+
+def make_sampler(cfg) -> optuna.samplers.BaseSampler:
+    """The ``sampler`` of ``cfg`` with its ``seed``.
+
+    Raises:
+        rl2gem.config.ConfigError: unknown sampler, or a grid parameter with no finite set of values.
+    """
+    if cfg.sampler == "tpe":
+        return optuna.samplers.TPESampler(seed=cfg.seed)
+    if cfg.sampler == "random":
+        return optuna.samplers.RandomSampler(seed=cfg.seed)
+    if cfg.sampler == "grid":
+        grid = {}
+        for key, spec in dict(cfg.space).items():
+            values = spec.get("grid") or (spec.get("choices") if spec.get("type") == "categorical" else None)
+            if not values:
+                raise ConfigError(f"space.{key}: the grid sampler needs a grid: [values] (or a categorical parameter)")
+            grid[key] = list(values)
+        return optuna.samplers.GridSampler(grid, seed=cfg.seed)
+    raise ConfigError(f"sampler={cfg.sampler!r} is not one of {list(SAMPLERS)}")
+
+
+def check_config(cfg) -> None:
+    """Raises :class:`rl2gem.config.ConfigError` for values that cannot work, naming the key."""
+    distributions(cfg.space)
+    make_sampler(cfg)
+    if cfg.direction not in ("maximize", "minimize"):
+        raise ConfigError(f"direction={cfg.direction!r} must be maximize or minimize")
+    if cfg.pruner not in ("median", "none"):
+        raise ConfigError(f"pruner={cfg.pruner!r} must be median or none")
+    if int(cfg.n_trials) < 1:
+        raise ConfigError(f"n_trials={cfg.n_trials} must be >= 1")
+    script(cfg)
+
+
+def script(cfg) -> Path:
+    """The trainer script a trial runs."""
+    path = Path(__file__).with_name(f"{cfg.trainer}.py") if cfg.trainer in TRAINERS else Path(cfg.trainer)
+    if not path.exists():
+        raise ConfigError(f"trainer={cfg.trainer!r}: not one of {list(TRAINERS)} and no such script")
+    return path
+
+
+def trial_command(cfg, overrides: list[str]) -> list[str]:
+    """The command line of one trial: torchrun (or plain python with ``nproc_per_node=0``)."""
+    launcher = [sys.executable]
+    if int(cfg.nproc_per_node) > 0:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={int(cfg.nproc_per_node)}"]
+    return [*launcher, str(script(cfg)), *[str(a) for a in cfg.base], *overrides]
+
+
+def suggest(trial: optuna.Trial, key: str, dist):
+    """``trial``'s value for ``key`` from ``dist`` (one of :func:`distributions`)."""
+    if isinstance(dist, optuna.distributions.FloatDistribution):
+        return trial.suggest_float(key, dist.low, dist.high, log=dist.log, step=dist.step)
+    if isinstance(dist, optuna.distributions.IntDistribution):
+        return trial.suggest_int(key, dist.low, dist.high, log=dist.log, step=dist.step)
+    return trial.suggest_categorical(key, dist.choices)
+
+
+def grid_points(cfg) -> int | None:
+    """The number of grid points with the grid sampler (None with the others)."""
+    if cfg.sampler != "grid":
+        return None
+    count = 1
+    for spec in dict(cfg.space).values():
+        count *= len(spec.get("grid") or spec.get("choices"))
+    return count
+
+
+def format_value(value) -> str:
+    return json.dumps(value) if isinstance(value, str) and any(ch in value for ch in " ,[]{}:") else str(value)
+
+
+def logged(path: Path, metric: str, seen: int) -> tuple[list[tuple[int, float]], int]:
+    """New ``(step, value)`` rows of ``metric`` in a ``metrics.jsonl`` after its first ``seen`` lines."""
+    if not path.exists():
+        return [], seen
+    lines = path.read_text().splitlines()
+    complete = lines if path.read_text().endswith("\n") else lines[:-1]  # a line being written is read next time
+    out = []
+    for line in complete[seen:]:
+        row = json.loads(line)
+        if metric in row:
+            out.append((int(row["step"]), float(row[metric])))
+    return out, len(complete)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Kill a trial's process group (torchrun and its workers)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+class Objective:
+    """One trial: sample, run the trainer, report each logged metric value, prune or return the last."""
+
+    def __init__(self, cfg, out: Path):
+        self.cfg, self.out, self.space = cfg, out, distributions(cfg.space)
+
+    def __call__(self, trial: optuna.Trial) -> float:
+        params = {key: suggest(trial, key, dist) for key, dist in self.space.items()}
+        run_dir = self.out / f"trial-{trial.number}"
+        overrides = [f"{k}={format_value(v)}" for k, v in params.items()]
+        overrides += [f"trainer.output_dir={run_dir}", "trainer.progress=false"]
+        run_dir.mkdir(parents=True, exist_ok=True)
+        start, seen, last = time.monotonic(), 0, None
+        with open(run_dir / "trial.log", "w") as log:
+            proc = subprocess.Popen(
+                trial_command(self.cfg, overrides), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            try:
+                while True:
+                    exited = proc.poll() is not None
+                    rows, seen = logged(run_dir / "metrics.jsonl", self.cfg.metric, seen)
+                    for step, value in rows:
+                        last = value
+                        trial.report(value, step)
+                        if trial.should_prune():
+                            stop(proc)
+                            trial.set_user_attr("seconds", time.monotonic() - start)
+                            raise optuna.TrialPruned(f"{self.cfg.metric}={value} at step {step}")
+                    if exited:
+                        break
+                    if self.cfg.trial_timeout and time.monotonic() - start > float(self.cfg.trial_timeout):
+                        stop(proc)
+                        raise RuntimeError(f"trial {trial.number} ran past trial_timeout={self.cfg.trial_timeout} s")
+                    time.sleep(0.5)
+            finally:
+                if proc.poll() is None:
+                    stop(proc)
+        trial.set_user_attr("seconds", time.monotonic() - start)
+        if proc.returncode != 0:
+            raise RuntimeError(f"trial {trial.number} exited with {proc.returncode}; see {run_dir / 'trial.log'}")
+        if last is None:
+            raise RuntimeError(f"trial {trial.number} logged no {self.cfg.metric!r}; see {run_dir / 'metrics.jsonl'}")
+        return last
+
+
+def open_study(cfg, out: Path) -> optuna.Study:
+    """The study in ``storage`` (created or loaded). Each running trial beats a heartbeat; one a
+    crash left running has a stale heartbeat, is marked failed when the study continues and is
+    queued again with the same values (optuna's ``RetryFailedTrialCallback``)."""
+    storage = optuna.storages.RDBStorage(
+        cfg.storage or f"sqlite:///{(out / 'study.db').resolve()}",
+        heartbeat_interval=HEARTBEAT_SECONDS,
+        grace_period=2 * HEARTBEAT_SECONDS,
+        failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=2),
+    )
+    pruner = (
+        optuna.pruners.MedianPruner(
+            n_startup_trials=int(cfg.pruner_startup_trials), n_warmup_steps=int(cfg.pruner_warmup_steps)
+        )
+        if cfg.pruner == "median"
+        else optuna.pruners.NopPruner()
+    )
+    study = optuna.create_study(
+        study_name=cfg.study_name,
+        storage=storage,
+        sampler=make_sampler(cfg),
+        pruner=pruner,
+        direction=cfg.direction,
+        load_if_exists=True,
+    )
+    optuna.storages.fail_stale_trials(study)
+    return study
+
+
+def finished(study: optuna.Study) -> int:
+    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    return len(study.get_trials(deepcopy=False, states=states))
+
+
+def results_table(study: optuna.Study, metric: str) -> str:
+    keys = sorted({k for t in study.trials for k in t.params})
+    lines = [
+        f"| trial | state | {metric} | seconds | " + " | ".join(keys) + " |",
+        "|---:|---|---:|---:|" + "---|" * len(keys),
+    ]
+    for t in study.trials:
+        value = f"{t.value:.4g}" if t.value is not None else ""
+        if t.value is None and t.intermediate_values:
+            step = max(t.intermediate_values)
+            value = f"({t.intermediate_values[step]:.4g} at step {step})"
+        seconds = t.user_attrs.get("seconds")
+        cells = [format_value(t.params.get(k, "")) for k in keys]
+        lines.append(
+            f"| {t.number} | {t.state.name.lower()} | {value} | {'' if seconds is None else f'{seconds:.0f}'} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def write_best(study: optuna.Study, out: Path) -> Path | None:
+    """``best.yaml``: the best trial's merged config (its ``config.yaml``), writing to ``<out>/best``."""
+    try:
+        best = study.best_trial
+    except ValueError:  # no complete trial
+        return None
+    config = OmegaConf.load(out / f"trial-{best.number}" / "config.yaml")
+    OmegaConf.update(config, "trainer.output_dir", str(out / "best"), force_add=True)
+    path = out / "best.yaml"
+    path.write_text(
+        f"# best of study {study.study_name!r}: trial {best.number}, value {best.value:.6g}\n"
+        f"# parameters: {json.dumps(best.params)}\n" + OmegaConf.to_yaml(config)
+    )
+    return path
+
+
+def write_plots(study: optuna.Study, out: Path) -> list[Path]:
+    """optuna's optimisation history and (with 2+ complete trials and 2+ parameters' worth of
+    variation) parameter importances, as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from optuna.visualization import matplotlib as plots
+
+    written = []
+    makers = {"history": plots.plot_optimization_history, "importances": plots.plot_param_importances}
+    for name, make in makers.items():
+        try:
+            ax = make(study)
+        except (ValueError, RuntimeError):  # too few complete trials for importances
+            continue
+        path = out / f"{name}.png"
+        ax.figure.tight_layout()
+        ax.figure.savefig(path, dpi=110)
+        plt.close(ax.figure)
+        written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = load_config(CONFIG, sys.argv[1:] if argv is None else argv)
+        check_config(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = open_study(cfg, out)
+    objective = Objective(cfg, out)
+    start = time.monotonic()
+    while finished(study) < int(cfg.n_trials):
+        points = grid_points(cfg)
+        if points is not None and finished(study) >= points:
+            break  # every grid point tried
+        study.optimize(objective, n_trials=1, catch=(RuntimeError,))
+        t = study.trials[-1]
+        value = t.value if t.value is not None else t.intermediate_values.get(max(t.intermediate_values, default=0))
+        print(f"trial {t.number}: {t.state.name.lower()} {cfg.metric}={value} {t.params}", flush=True)
+    table = results_table(study, cfg.metric)
+    (out / "results.md").write_text(table + "\n")
+    print(table)
+    best = write_best(study, out)
+    plots = write_plots(study, out)
+    print(f"\n{finished(study)} trials finished ({len(study.trials)} in the study) in {time.monotonic() - start:.0f} s")
+    if best is not None:
+        print(f"best: trial {study.best_trial.number}, {cfg.metric}={study.best_value:.6g}, {study.best_params}")
+        print(f"recipe: {best}")
+    for path in plots:
+        print(f"plot: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
