@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import optuna
@@ -298,7 +299,9 @@ def write_plots(study: optuna.Study, out: Path) -> list[Path]:
     makers = {"history": plots.plot_optimization_history, "importances": plots.plot_param_importances}
     for name, make in makers.items():
         try:
-            ax = make(study)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # optuna marks its matplotlib plots experimental
+                ax = make(study)
         except (ValueError, RuntimeError):  # too few complete trials for importances
             continue
         path = out / f"{name}.png"
