@@ -230,6 +230,7 @@ class MathEnv(Env):
             "reference": self.problem["answer"],
             "verify_error": s.error,
             "success": s.correct,
+            "reward_components": {"correctness": float(s.correct), "format": float(s.format_ok)},
         }
         return "", s.reward, True, False, info
 

@@ -135,7 +135,13 @@ class ReasoningGymEnv(Env):
             answer, missing = action.strip(), ""
         if answer is None:
             return self.invalid_action(
-                missing, "", terminated=True, format_ok=False, raw_score=0.0, reference=self.item["answer"]
+                missing,
+                "",
+                terminated=True,
+                format_ok=False,
+                raw_score=0.0,
+                reference=self.item["answer"],
+                reward_components={"correctness": 0.0, "format": 0.0},
             )
         try:
             raw = float(self.dataset.score_answer(answer, self.item))
@@ -149,6 +155,7 @@ class ReasoningGymEnv(Env):
             "reference": self.item["answer"],
             "format_ok": True,
             "success": raw >= 1.0,
+            "reward_components": {"correctness": float(raw >= 1.0), "format": 1.0},
         }
         return "", reward, True, False, info
 

@@ -196,6 +196,7 @@ class SearchQAEnv(Env):
                 "golds": list(self.item["answers"]),
                 "num_searches": self.num_searches,
                 "success": em == 1.0,
+                "reward_components": {"correctness": em, "f1": f1, "searches": float(self.num_searches)},
             }
             return "", em, True, False, info
         searches = _TAG["search"].findall(action)
@@ -229,7 +230,13 @@ class SearchQAEnv(Env):
     def _unanswered(self) -> dict[str, Any]:
         """The scores of a step without an answer, so that an episode cut short (turn or search
         limit) still reports em / f1 of 0 and its searches."""
-        return {"num_searches": self.num_searches, "em": 0.0, "f1": 0.0, "success": False}
+        return {
+            "num_searches": self.num_searches,
+            "em": 0.0,
+            "f1": 0.0,
+            "success": False,
+            "reward_components": {"correctness": 0.0, "f1": 0.0, "searches": float(self.num_searches)},
+        }
 
     async def _aclose(self) -> None:
         await self._retrieval.aclose()

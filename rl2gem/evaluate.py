@@ -122,9 +122,16 @@ def _make_env(cfg) -> gym.Env:
     return gym.make(cfg.env, **kwargs)
 
 
+def _scalar(value) -> bool:
+    return isinstance(value, (str, int, float, bool, type(None)))
+
+
 def _plain(info: dict) -> dict:
+    """The JSON-plain part of an info: scalars and mappings of scalars (``reward_components``)."""
     return {
-        k: v for k, v in info.items() if isinstance(v, (str, int, float, bool, type(None))) and not k.startswith("_")
+        k: v
+        for k, v in info.items()
+        if not k.startswith("_") and (_scalar(v) or (isinstance(v, dict) and all(map(_scalar, v.values()))))
     }
 
 
@@ -182,9 +189,13 @@ _REPORTED = {"em": "em", "f1": "f1", "searches": "num_searches"}
 
 def record_sums(records: list[EpisodeRecord]) -> dict[str, float]:
     """Sums of the per-episode numbers of ``records``, ``reported/<name>`` (how many episodes'
-    envs report em, f1, searches) and ``episodes`` (their count): add them over ranks, then divide
-    by ``episodes`` for the means (:func:`rl2gem.training.evaluate_env`)."""
+    envs report em, f1, searches), ``component/<name>`` (the env's ``info["reward_components"]``)
+    and ``episodes`` (their count): add them over ranks, then divide by ``episodes`` for the means
+    (:func:`rl2gem.training.evaluate_env`)."""
     sums = {name: float(sum(get(r) for r in records)) for name, get in _SUMS.items()}
+    for r in records:
+        for name, value in dict(r.final_info.get("reward_components") or {}).items():
+            sums[f"component/{name}"] = sums.get(f"component/{name}", 0.0) + float(value)
     for name, key in _REPORTED.items():  # episodes whose env reports the number at all
         sums[f"reported/{name}"] = float(sum(isinstance(r.final_info.get(key), (int, float)) for r in records))
     sums["episodes"] = float(len(records))

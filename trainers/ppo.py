@@ -9,8 +9,9 @@ keys are errors naming the closest valid one). One step:
 1. collect: every rank runs its own embedded engine over ``prompts_per_rollout / world`` GRPO
    groups (token-in/token-out, prefix-merged); with ``reward.model`` a trained reward model
    (:class:`rl2gem.rewards.RewardModel`) scores each episode and its score replaces the env's
-   reward (``reward.mode=replace``) or is added to it (``add``); advantages per group; all
-   samples are shared;
+   reward (``reward.mode=replace``) or is added to it (``add``); ``reward.objectives`` combines
+   the env's named reward components (weighted sum or Tchebycheff, then ``reward.transform``;
+   :mod:`rl2gem.rewards.objectives`); advantages per group; all samples are shared;
 2. score: the samples are planned over ranks and packed into micro-batches; old and reference
    log-probs, and with a critic estimator (``adv.estimator`` gae, vtrace, retrace, td_lambda,
    clipped_is, multistep) the critic's values (KL in the reward first when ``kl.in_reward``) and
@@ -32,6 +33,7 @@ float32; GPU runs NCCL and bfloat16.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 from pathlib import Path
@@ -57,6 +59,7 @@ from rl2gem.algorithms.kl_control import KLController, make_kl_controller
 from rl2gem.config import ConfigError
 from rl2gem.models import load_model
 from rl2gem.rewards.model import REWARD_MODES, RewardModel
+from rl2gem.rewards.objectives import COMBINERS, ParetoArchive, apply_objectives, load_transform
 from rl2gem.rollout import EmbeddedEngine, Rollout, RolloutConfig, merge_rank_metrics
 from rl2gem.rollout.tito import load_chat_template
 from rl2gem.training.checkpoint import Checkpointer
@@ -87,6 +90,7 @@ def check_config(cfg) -> None:
             f"adv.estimator={cfg.adv.estimator}; use kl.in_reward=false (a KL loss term) with outcome estimators"
         )
     constraints(cfg)
+    reward_objectives(cfg)
     try:  # the estimator's own options, checked on a one-token batch
         one = torch.ones(1, 1)
         compute_advantages(
@@ -106,6 +110,36 @@ def constraints(cfg) -> Constraints:
         return Constraints(OmegaConf.to_container(cfg.constraints, resolve=True))
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def reward_objectives(cfg) -> tuple:
+    """``(transform or None, ParetoArchive or None)`` of ``cfg.reward``, after checking its keys.
+
+    Raises:
+        rl2gem.config.ConfigError: naming the key.
+    """
+    o = cfg.reward.objectives
+    if o.combine is not None and o.combine not in COMBINERS:
+        raise ConfigError(f"reward.objectives.combine={o.combine!r} is not null or one of {list(COMBINERS)}")
+    if o.combine is not None and not o.weights:
+        raise ConfigError(f"reward.objectives.combine={o.combine} needs reward.objectives.weights")
+    if o.combine == "tchebycheff":
+        missing = sorted(set(o.weights) - set(o.reference))
+        if missing:
+            raise ConfigError(f"reward.objectives.reference needs a value for {missing} (tchebycheff)")
+    bad = {k: v for k, v in dict(o.pareto).items() if v not in ("max", "min")}
+    if bad:
+        raise ConfigError(f"reward.objectives.pareto values must be max or min, got {bad}")
+    try:
+        transform = load_transform(cfg.reward.transform) if cfg.reward.transform else None
+        archive = None
+        if o.pareto:
+            archive = ParetoArchive(
+                list(o.pareto), [k for k, v in o.pareto.items() if v == "min"], dict(o.hv_reference)
+            )
+    except ValueError as e:
+        raise ConfigError(f"reward: {e}") from None
+    return transform, archive
 
 
 def estimator_options(cfg) -> dict:
@@ -148,6 +182,7 @@ class PPOTrainer(Trainer):
         self.out, self.total_steps = Path(c.trainer.output_dir), int(c.trainer.total_steps)
         self.actor = Worker(c.actor, self.mesh, self.device, total_steps=self.total_steps)
         self.kl, self.constraints = kl_controller(c), constraints(c)
+        self.transform, self.pareto = reward_objectives(c)
         needs_ref = self.kl.active or "kl" in self.constraints
         self.ref = Worker(c.actor, self.mesh, self.device, trainable=False) if needs_ref else None
         self.critic = None
@@ -196,6 +231,8 @@ class PPOTrainer(Trainer):
         batch = self.loop.run_until_complete(self.rollout.collect(c.rollout.prompts_per_rollout // self.world))
         if self.reward_model is not None:
             batch.metrics.update(self.reward_model.apply(batch, c.reward.mode))
+        o = c.reward.objectives  # component means, and the combined reward when configured
+        batch.metrics.update(apply_objectives(batch, o.combine, dict(o.weights), dict(o.reference), self.transform))
         local = samples_from_batch(batch, c.adv.estimator, c.adv.gamma, c.adv.lam)
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, (local, batch.metrics))
@@ -351,10 +388,21 @@ class PPOTrainer(Trainer):
         greedy = {"responses_per_prompt": 1, "temperature": 0.0, "partial_rollout": False, "dynamic_filter": False}
         config = RolloutConfig.from_mapping(c.rollout, **greedy, seed=t.eval_seed, progress=False)
         template = self.rollout.renderer.chat_template
-        return evaluate_env(
+        out = evaluate_env(
             self.engine, self.tokenizer, c.env, kwargs, t.eval_n, config,
             loop=self.loop, chat_template=template, seed=t.eval_seed, split=t.eval_split,
         )  # fmt: skip
+        if self.pareto is not None:  # the evaluation point joins the archive unless dominated
+            point = {n: out.get(f"eval/component/{n}", out.get(f"eval/{n}")) for n in self.pareto.names}
+            missing = sorted(n for n, v in point.items() if v is None)
+            if missing:
+                raise KeyError(f"reward.objectives.pareto: the evaluation reports no {missing} (have {sorted(out)})")
+            self.pareto.add(point, self.step)
+            out.update(self.pareto.metrics())
+            if self.rank == 0:
+                self.pareto.plot(self.out / "pareto.png")
+                (self.out / "pareto.json").write_text(json.dumps(self.pareto.state_dict(), indent=1))
+        return out
 
     # ------------------------------------------------------------------ checkpoints
     def rank_state(self) -> dict:
@@ -363,6 +411,7 @@ class PPOTrainer(Trainer):
             "engine": self.engine.state_dict(),
             "kl": self.kl.state_dict(),
             "constraints": self.constraints.state_dict(),
+            "pareto": self.pareto.state_dict() if self.pareto is not None else None,
         }
 
     def restore(self, trainer_state, rank_state) -> None:
@@ -371,6 +420,8 @@ class PPOTrainer(Trainer):
         if "kl" in rank_state:  # checkpoints written before the KL controller have none
             self.kl.load_state_dict(rank_state["kl"])
         self.constraints.load_state_dict(rank_state.get("constraints", {}))
+        if self.pareto is not None and rank_state.get("pareto"):
+            self.pareto.load_state_dict(rank_state["pareto"])
         self.loop.run_until_complete(self.engine.update_weights(self.actor.full_state_dict(), version=self.step))
 
     def close(self):

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from rl2gem.models import resolve_model
+from rl2gem.rewards.objectives import set_final_reward
 from rl2gem.rollout.tito import ChatRenderer, load_chat_template
 from rl2gem.training.forward import sequence_scores
 
@@ -101,13 +102,6 @@ class RewardModel:
         episodes = [e for e in batch.episodes if e.sequences and e.turn_rewards]
         scores = self.score_ids([e.sequences[-1].input_ids for e in episodes])
         for episode, score in zip(episodes, scores, strict=True):
-            if mode == "replace":
-                episode.turn_rewards = [0.0] * len(episode.turn_rewards)
-                for sequence in episode.sequences:
-                    sequence.rewards = [0.0] * len(sequence.rewards)
-            episode.turn_rewards[-1] += score
-            last = episode.sequences[-1]
-            position = max((i for i, m in enumerate(last.action_mask) if m), default=len(last.rewards) - 1)
-            last.rewards[position] += score
+            set_final_reward(episode, score, mode)
             episode.info = {**episode.info, "rm_score": score}
         return {"rollout/rm_score": sum(scores) / len(scores) if scores else 0.0}

@@ -68,6 +68,10 @@ def evaluate_env(
         if paused:
             loop.run_until_complete(engine.pause("abort"))
     sums = record_sums([episode_record(i, ep, resets[i][0]) for i, ep in zip(mine, episodes, strict=True)])
+    if dist.is_initialized():  # a rank whose episodes lack a reward component still reduces its slot
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, sorted(sums))
+        sums = {name: sums.get(name, 0.0) for name in sorted(set().union(*every))}
     names = sorted(sums)
     totals = torch.tensor([sums[k] for k in names], dtype=torch.float64)
     if dist.is_initialized():

@@ -32,6 +32,12 @@ def test_unknown_config_key_names_the_closest():
     assert r.returncode == 2 and "did you mean 'actor.lr'" in r.stderr
     r = run_module("rl2gem.trainers.ppo", "adv")
     assert r.returncode == 2 and "key=value" in r.stderr
+    r = run_module(
+        "rl2gem.trainers.ppo", "reward.objectives.combine=tchebycheff", "reward.objectives.weights={correctness: 1}"
+    )
+    assert r.returncode == 2 and "reward.objectives.reference needs a value for ['correctness']" in r.stderr
+    r = run_module("rl2gem.trainers.ppo", "reward.objectives.pareto={response_tokens: min}")
+    assert r.returncode == 2 and "hypervolume reference" in r.stderr
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +102,11 @@ def test_two_rank_smoke_run_logs_evaluates_and_exports(tiny_dir, tmp_path):
         f"trainer.output_dir={out}",
         "trainer.progress=false",
         "kl.coef=0.01",
+        # a combined reward and a Pareto archive of the evaluations
+        "reward.objectives.combine=weighted_sum",
+        "reward.objectives.weights={reward: 1.0, length: -0.01}",
+        "reward.objectives.pareto={reward: max, response_tokens: min}",
+        "reward.objectives.hv_reference={response_tokens: 100}",
     )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "actor/pg_loss" in r]
@@ -117,6 +128,12 @@ def test_two_rank_smoke_run_logs_evaluates_and_exports(tiny_dir, tmp_path):
     for phase in ("rollout", "score", "update", "weight_sync"):
         assert steps[0][f"memory/{phase}_peak_mib"] > 100, phase
     assert rows[-1]["memory/eval_peak_mib"] > 100
+    assert steps[0]["rollout/component/length"] == pytest.approx(steps[0]["rollout/response_length"])
+    assert steps[0]["rollout/component/reward"] == pytest.approx(steps[0]["rollout/reward"])
+    evals = [r for r in rows if "pareto/size" in r]
+    assert len(evals) == 2 and evals[-1]["pareto/size"] >= 1  # at the start and at the end
+    archive = json.loads((out / "pareto.json").read_text())["points"]
+    assert len(archive) == evals[-1]["pareto/size"] and {"reward", "response_tokens"} == set(archive[0]["values"])
     assert (out / "curves.png").stat().st_size > 1000 and (out / "config.yaml").exists()
     assert "final eval" in stdout and "| step | rollout/reward |" in stdout
     from transformers import AutoModelForCausalLM

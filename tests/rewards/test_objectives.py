@@ -1,0 +1,131 @@
+"""Multi-objective rewards: combiners by hand, the combined reward placed where the env's was,
+hypervolume against hand values and Monte Carlo, the Pareto archive, and the envs' components."""
+
+import random
+
+import pytest
+
+import rl2gem
+from rl2gem.evaluate import episode_record, record_sums
+from rl2gem.rewards.objectives import (
+    ParetoArchive,
+    apply_objectives,
+    dominates,
+    episode_components,
+    hypervolume,
+    load_transform,
+    tchebycheff,
+    weighted_sum,
+)
+from rl2gem.rollout.rollout import RolloutBatch
+from rl2gem.rollout.tito import Episode, Sequence
+
+
+def episode(correct: float, fmt: float, action_tokens: int) -> Episode:
+    """A one-turn episode: 3 prompt tokens, then ``action_tokens`` action tokens, reward = correctness."""
+    n = 3 + action_tokens
+    mask = [0, 0, 0] + [1] * action_tokens
+    rewards = [0.0] * n
+    rewards[-1] = correct
+    seq = Sequence(list(range(n)), mask, [0.0] * n, [0] * n, rewards)
+    return Episode(
+        sequences=[seq],
+        turns=1,
+        turn_rewards=[correct],
+        info={"reward_components": {"correctness": correct, "format": fmt}},
+    )
+
+
+def test_combiners_by_hand():
+    c = {"correctness": 1.0, "format": 0.0, "length": 20.0}
+    assert weighted_sum(c, {"correctness": 1.0, "format": 0.5, "length": -0.01}) == pytest.approx(0.8)
+    # distances to the ideal point (1, 1, 0) weighted: |0|*1, |1|*0.5, |20|*0.01 -> worst is 0.5
+    assert (
+        tchebycheff(
+            c, {"correctness": 1.0, "format": 0.5, "length": -0.01}, {"correctness": 1, "format": 1, "length": 0}
+        )
+        == -0.5
+    )
+    with pytest.raises(KeyError, match="searches"):
+        weighted_sum(c, {"searches": 1.0})
+    with pytest.raises(ValueError, match="module:function"):
+        load_transform("no_colon")
+    assert load_transform("math:sqrt")(4.0) == 2.0
+
+
+def test_apply_replaces_the_reward_where_the_env_put_it():
+    batch = RolloutBatch([[episode(1.0, 1.0, 4), episode(0.0, 1.0, 10)], [episode(0.0, 0.0, 2)]], {})
+    metrics = apply_objectives(batch, "weighted_sum", {"correctness": 1.0, "format": 0.5, "length": -0.1})
+    expected = [1.0 + 0.5 - 0.4, 0.0 + 0.5 - 1.0, 0.0 + 0.0 - 0.2]
+    for e, value in zip(batch.episodes, expected, strict=True):
+        assert e.reward == pytest.approx(value) and e.turn_rewards == [pytest.approx(value)]
+        assert e.sequences[0].rewards[-1] == pytest.approx(value) and sum(e.sequences[0].rewards) == pytest.approx(
+            value
+        )
+        assert e.info["reward_components"]["length"] == e.num_action_tokens
+    assert metrics["rollout/component/correctness"] == pytest.approx(1 / 3)
+    assert metrics["rollout/component/length"] == pytest.approx(16 / 3)
+    # without a combiner only the means are reported; the rewards stay
+    batch = RolloutBatch([[episode(1.0, 1.0, 4)]], {})
+    assert apply_objectives(batch, None)["rollout/component/format"] == 1.0 and batch.episodes[0].reward == 1.0
+    # a transform sees the combined value and the components
+    batch = RolloutBatch([[episode(1.0, 1.0, 4)]], {})
+    apply_objectives(batch, None, transform=lambda r, comps, ep: r - 0.25 * comps["length"])
+    assert batch.episodes[0].reward == 0.0
+    assert episode_components(episode(0.0, 1.0, 7)) == {
+        "correctness": 0.0,
+        "format": 1.0,
+        "reward": 0.0,
+        "length": 7.0,
+        "turns": 1.0,
+    }
+
+
+def test_hypervolume_by_hand_and_against_monte_carlo():
+    assert hypervolume([(1, 3), (2, 2), (3, 1)], (0, 0)) == 6  # a staircase of three unit columns
+    assert hypervolume([(1, 3), (2, 2), (3, 1), (1, 1)], (0, 0)) == 6  # a dominated point adds nothing
+    assert hypervolume([(1, 2, 3)], (0, 0, 0)) == 6 and hypervolume([(-1, 5)], (0, 0)) == 0
+    rng = random.Random(0)
+    points = [tuple(rng.uniform(0.1, 1.0) for _ in range(3)) for _ in range(6)]
+    hits = 0
+    samples = 200_000
+    for _ in range(samples):
+        x = (rng.random(), rng.random(), rng.random())
+        hits += any(all(p[i] >= x[i] for i in range(3)) for p in points)
+    assert hypervolume(points, (0, 0, 0)) == pytest.approx(hits / samples, abs=0.005)
+
+
+def test_pareto_archive_keeps_the_non_dominated_points():
+    archive = ParetoArchive(["correctness", "length"], minimize=["length"], reference={"length": 100})
+    assert archive.add({"correctness": 0.5, "length": 40}, step=0)
+    assert not archive.add({"correctness": 0.4, "length": 50}, step=1)  # worse in both
+    assert archive.add({"correctness": 0.6, "length": 60}, step=2)  # better and longer: a trade-off
+    assert archive.add({"correctness": 0.7, "length": 30}, step=3)  # dominates both
+    assert [p["step"] for p in archive.points] == [3]
+    assert archive.add({"correctness": 0.8, "length": 90}, step=4)
+    # (0.7, 100-30=70) and (0.8, 10) against (0, 0): 0.7 * 70 + 0.1 * 10
+    assert archive.metrics() == {"pareto/size": 2.0, "pareto/hypervolume": pytest.approx(0.7 * 70 + 0.1 * 10)}
+    restored = ParetoArchive(["correctness", "length"], minimize=["length"], reference={"length": 100})
+    restored.load_state_dict(archive.state_dict())
+    assert restored.points == archive.points
+    assert dominates((1, 1), (1, 0)) and not dominates((1, 0), (0, 1)) and not dominates((1, 1), (1, 1))
+    with pytest.raises(ValueError, match="hypervolume reference"):
+        ParetoArchive(["length"], minimize=["length"])
+
+
+def test_envs_report_components_and_evaluation_sums_them():
+    env = rl2gem.make("rl2/ReasoningGym-v0", task="basic_arithmetic", answer="last_number")
+    env.reset(seed=0)
+    answer = env.unwrapped.item["answer"]
+    _, reward, _, _, info = env.step(f"It is {answer}")
+    assert reward == 1.0 and info["reward_components"] == {"correctness": 1.0, "format": 1.0}
+    env.reset(seed=1)
+    _, _, _, _, info = env.step("no idea")
+    assert info["reward_components"] == {"correctness": 0.0, "format": 0.0}
+    math_env = rl2gem.make("rl2/GSM8K-v0")
+    math_env.reset(seed=0)
+    _, _, _, _, info = math_env.step("The answer is \\boxed{-1}")
+    assert info["reward_components"]["format"] == 1.0
+    records = [episode_record(i, e, 0) for i, e in enumerate([episode(1.0, 1.0, 4), episode(0.0, 1.0, 5)])]
+    sums = record_sums(records)
+    assert sums["component/correctness"] == 1.0 and sums["component/format"] == 2.0
