@@ -53,12 +53,12 @@ def kl_table(runs: dict[str, list[dict]]) -> str:
         target = next((v for _, v in series(records, "kl/target")), float("nan"))
         success = series(records, "eval/success")
         second = mean(kl[len(kl) // 2 :])
-        ratio = second / target if name != "fixed" else float("nan")
+        controlled = name != "fixed"  # a fixed coefficient has no target (the config default is logged)
+        target_cell = f"{target:.3g}" if controlled else "-"
+        ratio_cell = f"{second / target:.2f}" if controlled else "-"
+        success_cell = f"{success[-1][1]:.2f}" if success else ""
         lines.append(
-            f"| {name} | {target:.3g} | {second:.4f} | {ratio:.2f} | {coef[0]:.3g} -> {coef[-1]:.3g} | "
-            f"{success[-1][1]:.2f} |"
-            if success
-            else f"| {name} | {target:.3g} | {second:.4f} | {ratio:.2f} | {coef[0]:.3g} -> {coef[-1]:.3g} | |"
+            f"| {name} | {target_cell} | {second:.4f} | {ratio_cell} | {coef[0]:.3g} -> {coef[-1]:.3g} | {success_cell} |"
         )
     return "\n".join(lines)
 

@@ -14,7 +14,8 @@ other overrides; its keys are checked the same way.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -90,3 +91,18 @@ def load_config(defaults: str | Path | Mapping[str, Any], argv: list[str]) -> Di
         base = OmegaConf.merge(base, recipe)
     check_overrides(plain, argv)
     return OmegaConf.merge(base, OmegaConf.from_dotlist([a.lstrip("+") for a in argv]))
+
+
+def command_line_config(
+    defaults: str | Path, check: Callable[[DictConfig], None], argv: list[str] | None = None
+) -> DictConfig | None:
+    """The config of a command line (:func:`load_config` on ``argv``, default ``sys.argv[1:]``)
+    after ``check`` (combinations that cannot work); on a :class:`ConfigError` the message goes to
+    stderr as ``error: ...`` and the result is None (the command then exits with 2)."""
+    try:
+        cfg = load_config(defaults, sys.argv[1:] if argv is None else argv)
+        check(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+    return cfg

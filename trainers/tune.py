@@ -36,7 +36,7 @@ from pathlib import Path
 import optuna
 from omegaconf import OmegaConf
 
-from rl2gem.config import ConfigError, load_config
+from rl2gem.config import ConfigError, command_line_config
 
 CONFIG = Path(__file__).with_name("config") / "tune.yaml"
 TRAINERS = ("ppo", "sft", "rm", "dpo")
@@ -313,11 +313,8 @@ def write_plots(study: optuna.Study, out: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        cfg = load_config(CONFIG, sys.argv[1:] if argv is None else argv)
-        check_config(cfg)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+    cfg = command_line_config(CONFIG, check_config, argv)
+    if cfg is None:
         return 2
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)

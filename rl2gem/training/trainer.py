@@ -12,7 +12,6 @@ the phases a ``train_step`` marks with ``self.memory.phase(name)``) is logged wi
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
-from rl2gem.config import ConfigError, load_config
+from rl2gem.config import command_line_config
 from rl2gem.tracking import Tracker
 from rl2gem.training.metrics import PeakMemory
 
@@ -137,11 +136,8 @@ def launch(
     overrides from ``argv`` (default ``sys.argv[1:]``), ``check`` for combinations that cannot work,
     then the trainer's :meth:`Trainer.fit`. Returns the exit code: 2 (with the message on stderr)
     for a config error."""
-    try:
-        cfg = load_config(config, sys.argv[1:] if argv is None else argv)
-        check(cfg)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+    cfg = command_line_config(config, check, argv)
+    if cfg is None:
         return 2
     trainer = trainer_cls(cfg)
     try:
