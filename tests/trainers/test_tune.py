@@ -95,7 +95,7 @@ def test_study_prunes_resumes_and_writes_the_best_recipe(tmp_path):
 
 def test_a_killed_study_resumes_and_reruns_the_interrupted_trial(tmp_path):
     out = tmp_path / "study"
-    args = study_args(out, "n_trials=2", "pruner=none", "base=[seconds_per_step=1.0]")
+    args = study_args(out, "n_trials=2", "pruner=none", "base=[seconds_per_step=0.5]")
     proc = subprocess.Popen(
         [sys.executable, "-m", "rl2gem.trainers.tune", *args],
         cwd=ROOT,
