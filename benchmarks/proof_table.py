@@ -2,7 +2,9 @@
 
     python benchmarks/proof_table.py kl runs/kl-proof            # benchmarks/kl_control.sh
     python benchmarks/proof_table.py entropy runs/entropy-proof  # benchmarks/entropy_constraint.sh
+    python benchmarks/proof_table.py offpolicy runs/offpolicy-proof  # benchmarks/offpolicy.sh
 
+``offpolicy``: stale-token fraction, reward, value loss and held-out success of each run.
 ``kl``: one row per run (fixed coefficient and each controller): the KL target, the mean measured
 KL per token over the last half of the run, its ratio to the target, the first and last
 coefficient, and held-out success; a plot of KL and coefficient per step. ``entropy``: the policy
@@ -85,6 +87,23 @@ def entropy_table(runs: dict[str, list[dict]]) -> str:
     return "\n".join(lines + summary)
 
 
+def offpolicy_table(runs: dict[str, list[dict]]) -> str:
+    lines = [
+        "| run | stale token fraction, steps 2-10 | mean rollout/reward | mean critic/vf_loss | mean mismatch KL | held-out success |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, records in runs.items():
+        stale = [v for s, v in series(records, "rollout/stale_token_fraction") if s > 1]
+        success = series(records, "eval/success")
+        lines.append(
+            f"| {name} | {mean(stale):.2f} | {mean(v for _, v in series(records, 'rollout/reward')):.3f} | "
+            f"{mean(v for _, v in series(records, 'critic/vf_loss')):.4f} | "
+            f"{mean(v for _, v in series(records, 'actor/mismatch_kl')):.4f} | "
+            f"{(success[-1][1] if success else float('nan')):.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def plot(runs: dict[str, list[dict]], keys: list[str], path: Path) -> None:
     import matplotlib
 
@@ -115,7 +134,7 @@ def plot(runs: dict[str, list[dict]], keys: list[str], path: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("kind", choices=["kl", "entropy"])
+    ap.add_argument("kind", choices=["kl", "entropy", "offpolicy"])
     ap.add_argument("runs", type=Path, help="the folder holding one sub-folder per run")
     ap.add_argument("--plot", type=Path, default=None, help="also write the plot here")
     args = ap.parse_args(argv)
@@ -123,9 +142,12 @@ def main(argv=None) -> int:
     if args.kind == "kl":
         print(kl_table(runs))
         keys = ["actor/kl", "kl/coef", "rollout/reward"]
-    else:
+    elif args.kind == "entropy":
         print(entropy_table(runs))
         keys = ["actor/entropy", "constraint/entropy_multiplier", "rollout/reward"]
+    else:
+        print(offpolicy_table(runs))
+        keys = ["rollout/stale_token_fraction", "critic/vf_loss", "rollout/reward"]
     for path in [args.runs / "curves.png", *([args.plot] if args.plot else [])]:
         plot(runs, keys, path)
         print(f"plot: {path}", file=sys.stderr)
