@@ -1,8 +1,8 @@
 """Tables and plots of the enhanced-RL2 proof runs (benchmarks/learning.md) from their ``metrics.jsonl``.
 
-    python benchmarks/proof_table.py kl runs/kl-proof            # benchmarks/kl_control.sh
-    python benchmarks/proof_table.py entropy runs/entropy-proof  # benchmarks/entropy_constraint.sh
-    python benchmarks/proof_table.py offpolicy runs/offpolicy-proof  # benchmarks/offpolicy.sh
+    python benchmarks/proof_table.py kl runs/kl-proof            # bash benchmarks/proofs.sh kl
+    python benchmarks/proof_table.py entropy runs/entropy-proof  # bash benchmarks/proofs.sh entropy
+    python benchmarks/proof_table.py offpolicy runs/offpolicy-proof  # bash benchmarks/proofs.sh offpolicy
 
 ``offpolicy``: stale-token fraction, reward, value loss and held-out success of each run.
 ``kl``: one row per run (fixed coefficient and each controller): the KL target, the mean measured

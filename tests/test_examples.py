@@ -202,3 +202,25 @@ def test_trainer_benchmark_smoke(tiny_dir):
     stdout = run("benchmarks/trainer.py", "--quick", "--model", str(tiny_dir))
     rows = [line for line in stdout.splitlines() if line.startswith("| ") and line.rstrip().endswith("x |")]
     assert len(rows) == 2 and "rl2gem PPO trainer" in rows[0] and "TRL GRPOTrainer" in rows[1], stdout
+
+
+def test_proof_tables_read_runs(tmp_path):
+    """benchmarks/proof_table.py on hand-written metrics of two runs per kind."""
+    for name, kl, coef in (("fixed", 0.04, 0.05), ("pid", 0.02, 0.1)):
+        run_dir = tmp_path / "kl" / name
+        run_dir.mkdir(parents=True)
+        rows = [
+            {"step": s, "actor/kl": kl, "kl/coef": coef * s, "kl/target": 0.02, "rollout/reward": 0.5, "actor/entropy": 0.5,
+             "constraint/entropy_multiplier": 0.1, "rollout/stale_token_fraction": 0.5, "critic/vf_loss": 0.1,
+             "actor/mismatch_kl": 0.001}
+            for s in (1, 2, 3, 4)
+        ] + [{"step": 4, "eval/success": 0.25}]  # fmt: skip
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    stdout = run("benchmarks/proof_table.py", "kl", str(tmp_path / "kl"))
+    assert "| fixed | - | 0.0400 | - | 0.05 -> 0.2 | 0.25 |" in stdout
+    assert "| pid | 0.02 | 0.0200 | 1.00 | 0.1 -> 0.4 | 0.25 |" in stdout
+    assert "| 4 | 0.500 | 0.500 | 0.100 |" in run("benchmarks/proof_table.py", "entropy", str(tmp_path / "kl"))
+    assert "| pid | 0.50 | 0.500 | 0.1000 | 0.0010 | 0.25 |" in run(
+        "benchmarks/proof_table.py", "offpolicy", str(tmp_path / "kl")
+    )
+    assert (tmp_path / "kl" / "curves.png").stat().st_size > 1000
