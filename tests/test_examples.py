@@ -164,6 +164,7 @@ def test_readme_python_blocks_run(index, tmp_path):
     assert run(str(script)).strip().endswith("snippet ok")
 
 
+@pytest.mark.timeout(900)
 def test_readme_shell_commands_run(tmp_path):
     """Every README command except the Quickstart's make targets (.ci/run runs those)."""
     commands = [
