@@ -33,7 +33,6 @@ float32; GPU runs NCCL and bfloat16.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import time
 from pathlib import Path
@@ -393,15 +392,7 @@ class PPOTrainer(Trainer):
             loop=self.loop, chat_template=template, seed=t.eval_seed, split=t.eval_split,
         )  # fmt: skip
         if self.pareto is not None:  # the evaluation point joins the archive unless dominated
-            point = {n: out.get(f"eval/component/{n}", out.get(f"eval/{n}")) for n in self.pareto.names}
-            missing = sorted(n for n, v in point.items() if v is None)
-            if missing:
-                raise KeyError(f"reward.objectives.pareto: the evaluation reports no {missing} (have {sorted(out)})")
-            self.pareto.add(point, self.step)
-            out.update(self.pareto.metrics())
-            if self.rank == 0:
-                self.pareto.plot(self.out / "pareto.png")
-                (self.out / "pareto.json").write_text(json.dumps(self.pareto.state_dict(), indent=1))
+            out.update(self.pareto.add_evaluation(out, self.step, self.out if self.rank == 0 else None))
         return out
 
     # ------------------------------------------------------------------ checkpoints

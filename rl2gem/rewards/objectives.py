@@ -22,7 +22,9 @@ ones with a negative weight negated first) and their hypervolume against a refer
 from __future__ import annotations
 
 import importlib
+import json
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -209,6 +211,24 @@ class ParetoArchive:
         self.points = [p for p in self.points if not dominates(point, self._vector(p["values"]))]
         self.points.append({"step": int(step), "values": {n: float(values[n]) for n in self.names}})
         return True
+
+    def add_evaluation(self, metrics: Mapping[str, float], step: int, output_dir=None) -> dict[str, float]:
+        """Offer an evaluation's point (each objective read as ``eval/component/<name>``, else
+        ``eval/<name>``); with ``output_dir`` write ``pareto.json`` and ``pareto.png`` there.
+        Returns :meth:`metrics`.
+
+        Raises:
+            KeyError: the evaluation reports an objective under neither name.
+        """
+        point = {n: metrics.get(f"eval/component/{n}", metrics.get(f"eval/{n}")) for n in self.names}
+        missing = sorted(n for n, v in point.items() if v is None)
+        if missing:
+            raise KeyError(f"reward.objectives.pareto: the evaluation reports no {missing} (have {sorted(metrics)})")
+        self.add(point, step)
+        if output_dir is not None:
+            self.plot(Path(output_dir) / "pareto.png")
+            (Path(output_dir) / "pareto.json").write_text(json.dumps(self.state_dict(), indent=1))
+        return self.metrics()
 
     def hypervolume(self) -> float:
         """Hypervolume of the archive against ``reference`` (0 for unset maximised objectives)."""
