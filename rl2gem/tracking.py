@@ -1,4 +1,5 @@
-"""Metric logging: stdout, JSON lines, wandb (offline by default) or TensorBoard; a PNG of the curves.
+"""Metric logging: stdout, JSON lines, wandb (offline by default), TensorBoard or MLflow (a local
+SQLite store by default); a PNG of the curves.
 
 Metric names follow the field: ``rollout/reward``, ``actor/pg_loss``,
 ``actor/kl``, ``perf/tokens_per_second``, ``time/rollout`` ...
@@ -9,14 +10,18 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 __all__ = ["Tracker", "plot_metrics"]
 
-LOGGERS = ("stdout", "jsonl", "wandb", "tensorboard")
+LOGGERS = ("stdout", "jsonl", "wandb", "tensorboard", "mlflow")
+#: MLflow's limits: parameters and metrics per ``log_batch`` call, characters of a parameter's value
+MLFLOW_BATCH, MLFLOW_METRICS, MLFLOW_PARAM_CHARS = 100, 1000, 6000
 #: what one stdout line shows (everything goes to the other loggers)
 STDOUT_KEYS = (
     "rollout/reward",
@@ -49,9 +54,17 @@ class Tracker:
     """Fan-out of ``log(metrics, step)`` to the chosen loggers (only rank 0 should make one).
 
     Args:
-        loggers: subset of ``("stdout", "jsonl", "wandb", "tensorboard")``.
-        output_dir: where ``metrics.jsonl`` / TensorBoard events / wandb files go.
-        config: the run's resolved config (stored by wandb).
+        loggers: subset of ``("stdout", "jsonl", "wandb", "tensorboard", "mlflow")``.
+        output_dir: where ``metrics.jsonl`` / TensorBoard events / wandb files / the MLflow store go.
+        config: the run's resolved config (stored by wandb; MLflow parameters, flattened to dotted keys).
+        project: the wandb project and the MLflow experiment.
+
+    MLflow: the tracking URI is ``MLFLOW_TRACKING_URI`` when set, else a SQLite store
+    ``<output_dir>/mlflow.db`` with artifacts in ``<output_dir>/mlartifacts`` (MLflow 3 keeps its
+    ``./mlruns`` file store in maintenance mode and refuses it by default; a SQLite file is its local
+    store now). Browse with ``mlflow ui --backend-store-uri sqlite:///<output_dir>/mlflow.db``. The
+    run id is kept in ``<output_dir>/mlflow_run_id``, so a resumed run logs into the same MLflow run
+    (a re-logged step adds a point at that step; :func:`metrics_table` and plots read ``metrics.jsonl``).
 
     Raises:
         ValueError: unknown logger.
@@ -70,6 +83,7 @@ class Tracker:
         self._jsonl = open(self.path, "a", encoding="utf-8") if "jsonl" in self.loggers else None  # noqa: SIM115 (closed by close())
         self._wandb = None
         self._tb = None
+        self._mlflow = None
         if "wandb" in self.loggers:
             import wandb
 
@@ -79,6 +93,8 @@ class Tracker:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(self.dir / "tensorboard"))
+        if "mlflow" in self.loggers:
+            self._mlflow = MlflowRun(self.dir, project, config)
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
@@ -94,6 +110,8 @@ class Tracker:
         if self._tb is not None:
             for k, v in clean.items():
                 self._tb.add_scalar(k, v, step)
+        if self._mlflow is not None:
+            self._mlflow.log(clean, step)
 
     def report(self, final: Mapping[str, float], checkpoint: str | Path, keys: tuple[str, ...]) -> Path:
         """End of a run: close the loggers, plot ``keys`` to ``curves.png``, print their table per
@@ -119,6 +137,69 @@ class Tracker:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._mlflow is not None:
+            self._mlflow.close()
+            self._mlflow = None
+
+
+def _mlflow_key(key: str) -> str:
+    """A metric or parameter name MLflow accepts (letters, digits, ``_ - . / space``; others -> ``_``)."""
+    return re.sub(r"[^\w\-./ ]", "_", key)
+
+
+def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    out = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            out.update(_flatten(value, f"{name}."))
+        else:
+            out[_mlflow_key(name)] = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+    return out
+
+
+class MlflowRun:
+    """One MLflow run of a :class:`Tracker`: the run recorded in ``directory/mlflow_run_id`` if it is
+    still in the store, else a new run in ``experiment`` with ``config`` as its parameters."""
+
+    def __init__(self, directory: Path, experiment: str, config: Mapping[str, Any] | None):
+        from mlflow.entities import Metric, Param
+        from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
+
+        self._metric = Metric
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(directory / 'mlflow.db').resolve()}"
+        self.client = MlflowClient(tracking_uri=uri)
+        id_file = directory / "mlflow_run_id"
+        if id_file.exists():
+            self.run_id = id_file.read_text().strip()
+            try:
+                self.client.update_run(self.run_id, status="RUNNING")
+                return
+            except MlflowException:  # the store was moved or deleted: start a new run
+                pass
+        found = self.client.get_experiment_by_name(experiment)
+        experiment_id = (
+            found.experiment_id
+            if found is not None
+            else self.client.create_experiment(
+                experiment, artifact_location=(directory / "mlartifacts").resolve().as_uri()
+            )
+        )
+        self.run_id = self.client.create_run(experiment_id, run_name=directory.name).info.run_id
+        params = [Param(k, v[:MLFLOW_PARAM_CHARS]) for k, v in _flatten(dict(config or {})).items()]
+        for i in range(0, len(params), MLFLOW_BATCH):
+            self.client.log_batch(self.run_id, params=params[i : i + MLFLOW_BATCH])
+        id_file.write_text(self.run_id + "\n")
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        now = int(time.time() * 1000)
+        rows = [self._metric(_mlflow_key(k), v, now, step) for k, v in metrics.items()]
+        for i in range(0, len(rows), MLFLOW_METRICS):
+            self.client.log_batch(self.run_id, metrics=rows[i : i + MLFLOW_METRICS])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id, "FINISHED")
 
 
 def plot_metrics(jsonl: str | Path, out_png: str | Path, keys=("rollout/reward", "eval/success")) -> Path:

@@ -2,7 +2,7 @@
 
 import json
 
-from rl2gem.tracking import metrics_table
+from rl2gem.tracking import Tracker, metrics_table
 
 
 def test_metrics_table_keeps_eval_steps_and_the_last_value_of_a_step(tmp_path):
@@ -19,3 +19,32 @@ def test_metrics_table_keeps_eval_steps_and_the_last_value_of_a_step(tmp_path):
     assert body[0] == "| 0 |  | 0.250 |" and body[30] == "| 30 | 0.300 | 0.750 |"
     full = metrics_table(path, keys=("rollout/reward",), max_rows=100)
     assert "| 5 | 0.990 |" in full and full.count("\n| ") == 30
+
+
+def test_mlflow_and_tensorboard_record_what_was_logged_and_a_resumed_run_continues(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    config = {"actor": {"lr": 1e-5, "model": "m"}, "loggers": ["jsonl", "mlflow"], "seed": 3}
+    tracker = Tracker(["jsonl", "mlflow", "tensorboard"], tmp_path, config=config, project="proj")
+    tracker.log({"eval/success": 0.25, "actor/kl": 0.5, "bad": float("nan"), "note": "text"}, step=1)
+    tracker.log({"eval/success": 0.5, "weird key@1": 2.0}, step=2)
+    tracker.close()
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = (tmp_path / "mlflow_run_id").read_text().strip()
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and client.get_experiment(run.info.experiment_id).name == "proj"
+    assert run.data.params == {"actor.lr": "1e-05", "actor.model": "m", "loggers": '["jsonl", "mlflow"]', "seed": "3"}
+    assert run.data.metrics == {"eval/success": 0.5, "actor/kl": 0.5, "weird key_1": 2.0}  # no NaN, no text
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "eval/success")] == [(1, 0.25), (2, 0.5)]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("eval/success")] == [(1, 0.25), (2, 0.5)]
+
+    resumed = Tracker(["mlflow"], tmp_path, config={"actor": {"lr": 2e-5}}, project="proj")
+    resumed.log({"eval/success": 0.75}, step=3)
+    resumed.close()
+    assert (tmp_path / "mlflow_run_id").read_text().strip() == run_id
+    assert [m.step for m in client.get_metric_history(run_id, "eval/success")] == [1, 2, 3]
+    assert client.get_run(run_id).data.params["actor.lr"] == "1e-05"  # parameters are the first run's

@@ -8,12 +8,13 @@ Defaults: ``trainers/config/tune.yaml``. Each trial samples a value for every ke
 (``float``/``int`` with ``low``, ``high``, optional ``log`` and ``step``; ``categorical`` with
 ``choices``; a ``grid`` list for the grid sampler), runs ``torchrun trainers/<trainer>.py`` with
 ``base`` + the sampled ``key=value`` arguments + ``trainer.output_dir=<output_dir>/trial-<n>`` as a
-subprocess, and follows that run's ``metrics.jsonl``: each logged ``metric`` value is reported to
-optuna at its step, so the median pruner can stop a trial that is behind the earlier trials at
-the same step (the run's processes are killed; the trial counts as pruned). The trial's value is
-the last logged ``metric`` (the final evaluation). Samplers: TPE (Bergstra et al. 2011; the
-default), random, grid. The study lives in SQLite (``storage``): run the same command again
-after a crash and it continues, re-running the trials the crash interrupted with the same values.
+subprocess (``enqueue`` lists settings tried first, e.g. the defaults as a baseline), and follows
+that run's ``metrics.jsonl``: each logged ``metric`` value is reported to optuna at its step, so the
+median pruner can stop a trial that is behind the earlier trials at the same step (the run's
+processes are killed; the trial counts as pruned). The trial's value is the last logged ``metric``
+(the final evaluation). Samplers: TPE (Bergstra et al. 2011; the default), random, grid. The study
+lives in SQLite (``storage``): run the same command again after a crash and it continues, re-running
+the trials the crash interrupted with the same values.
 
 Written to ``output_dir``: ``results.md`` (one row per trial: number, state, value, seconds,
 parameters), ``best.yaml`` (the best trial's full config with ``trainer.output_dir`` set to
@@ -107,6 +108,10 @@ def check_config(cfg) -> None:
         raise ConfigError(f"pruner={cfg.pruner!r} must be median or none")
     if int(cfg.n_trials) < 1:
         raise ConfigError(f"n_trials={cfg.n_trials} must be >= 1")
+    for i, params in enumerate(cfg.enqueue):
+        unknown = set(params) - set(cfg.space)
+        if unknown:
+            raise ConfigError(f"enqueue[{i}]: {sorted(unknown)} not in space (keys: {sorted(cfg.space)})")
     script(cfg)
 
 
@@ -218,13 +223,15 @@ class Objective:
 def open_study(cfg, out: Path) -> optuna.Study:
     """The study in ``storage`` (created or loaded). Each running trial beats a heartbeat; one a
     crash left running has a stale heartbeat, is marked failed when the study continues and is
-    queued again with the same values (optuna's ``RetryFailedTrialCallback``)."""
-    storage = optuna.storages.RDBStorage(
-        cfg.storage or f"sqlite:///{(out / 'study.db').resolve()}",
-        heartbeat_interval=HEARTBEAT_SECONDS,
-        grace_period=2 * HEARTBEAT_SECONDS,
-        failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=2),
-    )
+    queued again with the same values (optuna's ``RetryHeartbeatStaleTrialCallback``)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats are "experimental"
+        storage = optuna.storages.RDBStorage(
+            cfg.storage or f"sqlite:///{(out / 'study.db').resolve()}",
+            heartbeat_interval=HEARTBEAT_SECONDS,
+            grace_period=2 * HEARTBEAT_SECONDS,
+            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=2),
+        )
     pruner = (
         optuna.pruners.MedianPruner(
             n_startup_trials=int(cfg.pruner_startup_trials), n_warmup_steps=int(cfg.pruner_warmup_steps)
@@ -240,7 +247,12 @@ def open_study(cfg, out: Path) -> optuna.Study:
         direction=cfg.direction,
         load_if_exists=True,
     )
-    optuna.storages.fail_stale_trials(study)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
+    if not study.trials:  # a new study: the given points first (a resumed one already holds them)
+        for params in cfg.enqueue:
+            study.enqueue_trial(dict(params), skip_if_exists=True)
     return study
 
 

@@ -93,6 +93,20 @@ def test_study_prunes_resumes_and_writes_the_best_recipe(tmp_path):
     assert len(more) == 8 and [t.params for t in more[:6]] == [t.params for t in done]
 
 
+def test_enqueued_settings_run_first_and_only_once(tmp_path):
+    out = tmp_path / "study"
+    args = study_args(out, "pruner=none", "enqueue=[{x: 7.0}, {x: 1.5}]", "base=[steps=1]")
+    tune_run(*args, "n_trials=3")
+    done = trials(out)
+    assert [t.params["x"] for t in done[:2]] == [7.0, 1.5] and done[0].value == pytest.approx(10.0)
+    assert done[1].value == pytest.approx(10 - 5.5)
+    tune_run(*args, "n_trials=4")  # resumed: the enqueued points are not queued again
+    assert [t.params["x"] for t in trials(out)].count(7.0) == 1
+    cfg = load_config(tune.CONFIG, ["space={x: {type: float, low: 0, high: 1}}", "enqueue=[{y: 1}]"])
+    with pytest.raises(ConfigError, match=r"enqueue\[0\]: \['y'\] not in space"):
+        tune.check_config(cfg)
+
+
 def test_a_killed_study_resumes_and_reruns_the_interrupted_trial(tmp_path):
     out = tmp_path / "study"
     args = study_args(out, "n_trials=2", "pruner=none", "base=[seconds_per_step=0.5]")
