@@ -61,9 +61,10 @@ from rl2gem.rewards.model import REWARD_MODES, RewardModel
 from rl2gem.rewards.objectives import COMBINERS, ParetoArchive, apply_objectives, load_transform
 from rl2gem.rollout import EmbeddedEngine, Rollout, RolloutConfig, merge_rank_metrics
 from rl2gem.rollout.tito import load_chat_template
+from rl2gem.training.autosize import MaxLength
 from rl2gem.training.checkpoint import Checkpointer
 from rl2gem.training.evaluation import evaluate_env
-from rl2gem.training.forward import plan_micro_batches, token_logprobs, token_values
+from rl2gem.training.forward import MicroBatch, plan_micro_batches, regroup_scores, token_logprobs, token_values
 from rl2gem.training.metrics import Averager, peak_flops_from_config, reduce_mean, train_flops
 from rl2gem.training.samples import apply_critic_estimator, samples_from_batch, subtract_kl_from_rewards
 from rl2gem.training.trainer import Trainer, launch
@@ -218,6 +219,10 @@ class PPOTrainer(Trainer):
             env_kwargs=env_kwargs,
             chat_template=load_chat_template(c.rollout.chat_template),
         )
+        trained = [self.actor] + ([self.critic] if self.critic is not None else [])
+        self.max_length = MaxLength(
+            c.actor, trained, self.mesh, self.device, self.out
+        )  # after the engine took its share
         self.tracker = self.open_tracker(self.out)
         if self.rank == 0:
             print(OmegaConf.to_yaml(c), flush=True)
@@ -343,16 +348,23 @@ class PPOTrainer(Trainer):
         if not samples:
             return metrics
         lengths = [len(s) for s in samples]
-        micro_batches = plan_micro_batches(
-            lengths, self.mesh.dp_rank, self.mesh.dp_size, self.mesh.micro_batch_tokens(c.actor.max_length_per_device)
-        )
+
+        def plan_step() -> list[MicroBatch]:
+            return plan_micro_batches(lengths, self.mesh.dp_rank, self.mesh.dp_size, self.max_length.micro_batch_tokens)
+
+        micro_batches = plan_step()
         t = time.perf_counter()
         with self.memory.phase("score"):
             scores, critic_metrics = self.score(samples, micro_batches)
         metrics.update(critic_metrics, **{"time/old_logprobs": time.perf_counter() - t})
+
+        def passes() -> dict:  # after an out-of-memory back-off: the same scores on a finer plan
+            plan = plan_step()
+            return self.update(samples, plan, regroup_scores(scores, micro_batches, plan, lengths))
+
         t = time.perf_counter()
         with self.memory.phase("update"):
-            metrics.update(self.update(samples, micro_batches, scores), **{"time/update": time.perf_counter() - t})
+            metrics.update(self.max_length.run(passes, max(lengths)), **{"time/update": time.perf_counter() - t})
         if self.ref is not None:  # the coefficient this step used, then the next step's (same on every rank)
             metrics.update(self.kl.metrics())
             self.kl.update(metrics["actor/kl"], samples=len(samples))

@@ -61,7 +61,7 @@ class RMTrainer(OfflineTrainer):
             pairs,
             self.mesh.dp_rank,
             self.mesh.dp_size,
-            self.mesh.micro_batch_tokens(self.cfg.actor.max_length_per_device),
+            self.max_length.micro_batch_tokens,
         ):
             part = [pairs[i] for i in mb.indices]
             with torch.set_grad_enabled(train):

@@ -78,7 +78,7 @@ class SFTTrainer(OfflineTrainer):
             [len(s) for s in samples],
             self.mesh.dp_rank,
             self.mesh.dp_size,
-            self.mesh.micro_batch_tokens(a.max_length_per_device),
+            self.max_length.micro_batch_tokens,
         ):
             part = [samples[i] for i in mb.indices]
             with torch.set_grad_enabled(train):

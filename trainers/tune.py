@@ -16,7 +16,8 @@ processes are killed; the trial counts as pruned). The trial's value is the last
 lives in SQLite (``storage``): run the same command again after a crash and it continues, re-running
 the trials the crash interrupted with the same values.
 
-Written to ``output_dir``: ``results.md`` (one row per trial: number, state, value, seconds,
+Each trial's checkpoints are deleted when it ends unless ``keep_checkpoints`` (``best.yaml`` is the
+recipe to train the best setting again). Written to ``output_dir``: ``results.md`` (one row per trial: number, state, value, seconds,
 parameters), ``best.yaml`` (the best trial's full config with ``trainer.output_dir`` set to
 ``<output_dir>/best``: a recipe, ``trainers/<trainer>.py config=<output_dir>/best.yaml``), and
 optuna's optimisation-history and parameter-importance plots as PNG.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -77,16 +79,17 @@ def distributions(space) -> dict[str, optuna.distributions.BaseDistribution]:
     return out
 
 
-def make_sampler(cfg) -> optuna.samplers.BaseSampler:
-    """The ``sampler`` of ``cfg`` with its ``seed``.
+def make_sampler(cfg, trials_before: int = 0) -> optuna.samplers.BaseSampler:
+    """The ``sampler`` of ``cfg``, seeded with ``seed + trials_before`` (a resumed study must not
+    replay the random draws of its first session).
 
     Raises:
         rl2gem.config.ConfigError: unknown sampler, or a grid parameter with no finite set of values.
     """
     if cfg.sampler == "tpe":
-        return optuna.samplers.TPESampler(seed=cfg.seed)
+        return optuna.samplers.TPESampler(seed=cfg.seed + trials_before)
     if cfg.sampler == "random":
-        return optuna.samplers.RandomSampler(seed=cfg.seed)
+        return optuna.samplers.RandomSampler(seed=cfg.seed + trials_before)
     if cfg.sampler == "grid":
         grid = {}
         for key, spec in dict(cfg.space).items():
@@ -94,7 +97,7 @@ def make_sampler(cfg) -> optuna.samplers.BaseSampler:
             if not values:
                 raise ConfigError(f"space.{key}: the grid sampler needs a grid: [values] (or a categorical parameter)")
             grid[key] = list(values)
-        return optuna.samplers.GridSampler(grid, seed=cfg.seed)
+        return optuna.samplers.GridSampler(grid, seed=cfg.seed + trials_before)
     raise ConfigError(f"sampler={cfg.sampler!r} is not one of {list(SAMPLERS)}")
 
 
@@ -199,7 +202,7 @@ class Objective:
                     for step, value in rows:
                         last = value
                         trial.report(value, step)
-                        if trial.should_prune():
+                        if not exited and trial.should_prune():  # a finished run is not pruned
                             stop(proc)
                             trial.set_user_attr("seconds", time.monotonic() - start)
                             raise optuna.TrialPruned(f"{self.cfg.metric}={value} at step {step}")
@@ -212,6 +215,9 @@ class Objective:
             finally:
                 if proc.poll() is None:
                     stop(proc)
+                if not self.cfg.keep_checkpoints:
+                    for checkpoint in run_dir.glob("checkpoint-*"):
+                        shutil.rmtree(checkpoint, ignore_errors=True)
         trial.set_user_attr("seconds", time.monotonic() - start)
         if proc.returncode != 0:
             raise RuntimeError(f"trial {trial.number} exited with {proc.returncode}; see {run_dir / 'trial.log'}")
@@ -247,6 +253,7 @@ def open_study(cfg, out: Path) -> optuna.Study:
         direction=cfg.direction,
         load_if_exists=True,
     )
+    study.sampler = make_sampler(cfg, trials_before=len(study.trials))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)

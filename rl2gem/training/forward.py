@@ -26,6 +26,7 @@ from rl2gem.algorithms import entropy_from_logits
 from rl2gem.parallel.packing import packed_attention_mask, packed_batch, plan
 from rl2gem.parallel.ring_attention import gather_sequence_parallel, ring_context, zigzag_layout
 from rl2gem.parallel.tensor_parallel import vocab_parallel_logprobs
+from rl2gem.training.metrics import SavedTensorBytes, simulated_memory_bytes
 
 __all__ = [
     "MicroBatch",
@@ -80,6 +81,36 @@ def plan_micro_batches(
     return [MicroBatch(list(mb)) if mb else MicroBatch([shortest], placeholder=True) for mb in per_rank]
 
 
+def regroup_scores(
+    scores: Sequence[dict[str, torch.Tensor]],
+    old: Sequence[MicroBatch],
+    new: Sequence[MicroBatch],
+    lengths: Sequence[int],
+) -> list[dict[str, torch.Tensor]]:
+    """Per-token tensors packed for the micro-batches ``old`` (``scores[j][key]``: ``[sum of the
+    lengths of old[j]'s sequences]``), packed again for ``new`` (the same sequences planned with
+    another token budget). A sequence of ``new`` that ``old`` did not hold on this rank (a
+    placeholder's, whose loss is multiplied by 0) gets zeros."""
+    if [(m.indices, m.placeholder) for m in old] == [(m.indices, m.placeholder) for m in new]:
+        return list(scores)
+    per_sequence: dict[int, dict[str, torch.Tensor]] = {}
+    for mb, packed in zip(old, scores, strict=True):
+        sizes = [lengths[i] for i in mb.indices]
+        for key, tensor in packed.items():
+            for i, chunk in zip(mb.indices, tensor.split(sizes), strict=True):
+                per_sequence.setdefault(i, {})[key] = chunk
+    template = scores[0]
+    return [
+        {
+            key: torch.cat(
+                [per_sequence[i][key] if i in per_sequence else template[key].new_zeros(lengths[i]) for i in mb.indices]
+            )
+            for key in template
+        }
+        for mb in new
+    ]
+
+
 def packed_inputs(model, sequences: Sequence[Sequence[int]], device: torch.device) -> tuple[dict, dict]:
     """One packed row of ``sequences`` and the model's keyword arguments.
 
@@ -124,6 +155,10 @@ def _packed_forward(model, sequences: Sequence[Sequence[int]], device: torch.dev
     this rank's share, and the per-token results of all ranks are gathered back (differentiably)
     so that every rank returns the whole row's results, as one rank would.
     """
+    limit = simulated_memory_bytes()
+    if limit is not None and torch.is_grad_enabled() and not SavedTensorBytes.active:
+        with SavedTensorBytes(limit):  # a drill: RL2GEM_SIMULATED_MEMORY_MIB (rl2gem.training.autosize)
+            return _packed_forward(model, sequences, device, per_token)
     group = getattr(model, "rl2_sp_group", None)
     batch, kwargs = packed_inputs(model, sequences, device) if group is None else (packed_batch(list(sequences)), None)
     ids, positions = batch["input_ids"][0], batch["position_ids"][0]

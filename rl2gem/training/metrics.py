@@ -10,10 +10,13 @@ Memory (``memory/<phase>_peak_mib``, :class:`PeakMemory`): the highest memory of
 step, the maximum over ranks, in MiB: on CUDA ``torch.cuda.max_memory_allocated`` (tensors the
 caching allocator handed out), on CPU the process's resident set size (RSS) sampled every few
 milliseconds while the phase runs (everything the process holds, Python and libraries included).
+:class:`SavedTensorBytes` counts the activations autograd keeps for backward (what
+``actor.max_length_per_device=auto`` sizes on CPU, :mod:`rl2gem.training.autosize`).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import defaultdict
@@ -23,7 +26,16 @@ import psutil
 import torch
 import torch.distributed as dist
 
-__all__ = ["Averager", "PeakMemory", "reduce_mean", "measure_peak_flops", "train_flops", "peak_flops_from_config"]
+__all__ = [
+    "Averager",
+    "PeakMemory",
+    "SavedTensorBytes",
+    "measure_peak_flops",
+    "peak_flops_from_config",
+    "reduce_mean",
+    "simulated_memory_bytes",
+    "train_flops",
+]
 
 MIB = 2**20
 
@@ -161,3 +173,48 @@ class _Phase:
             peak = max(self.peak, self.owner._process.memory_info().rss)
         self.owner.peaks[self.name] = max(self.owner.peaks.get(self.name, 0), peak)
         return False
+
+
+def simulated_memory_bytes() -> int | None:
+    """``RL2GEM_SIMULATED_MEMORY_MIB`` in bytes, or None (see the module docstring)."""
+    value = os.environ.get("RL2GEM_SIMULATED_MEMORY_MIB")
+    return int(float(value) * MIB) if value else None
+
+
+class SavedTensorBytes:
+    """Counts the bytes of the tensors autograd saves for backward inside the ``with`` block (each
+    storage once). With ``limit``, saving past it raises ``torch.OutOfMemoryError``.
+
+    Attributes:
+        bytes: the count so far.
+    """
+
+    active = 0  # blocks open now: autograd uses only the innermost hooks, so one counter at a time
+
+    def __init__(self, limit: int | None = None):
+        self.limit, self.bytes, self._seen = limit, 0, set()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        local = getattr(tensor, "_local_tensor", tensor)  # a DTensor's shard
+        storage = local.untyped_storage()
+        key = (storage.device, storage.data_ptr())
+        if key not in self._seen:
+            self._seen.add(key)
+            self.bytes += storage.nbytes()
+            if self.limit is not None and self.bytes > self.limit:
+                raise torch.OutOfMemoryError(
+                    f"simulated device memory: activations need more than {self.limit / MIB:.0f} MiB "
+                    "(RL2GEM_SIMULATED_MEMORY_MIB)"
+                )
+        return tensor
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        SavedTensorBytes.active += 1
+        return self
+
+    def __exit__(self, *exc):
+        SavedTensorBytes.active -= 1
+        self._seen.clear()
+        return self._hooks.__exit__(*exc)

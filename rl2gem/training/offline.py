@@ -26,6 +26,7 @@ from rl2gem.config import ConfigError
 from rl2gem.models import resolve_model
 from rl2gem.rollout import EmbeddedEngine, RolloutConfig
 from rl2gem.rollout.tito import ChatRenderer, load_chat_template
+from rl2gem.training.autosize import MaxLength
 from rl2gem.training.checkpoint import Checkpointer
 from rl2gem.training.evaluation import evaluate_env
 from rl2gem.training.metrics import peak_flops_from_config, reduce_mean, train_flops
@@ -97,6 +98,7 @@ class OfflineTrainer(Trainer):
         self.steps_per_epoch = math.ceil(len(self.train) / c.data.batch_size)
         self.total_steps = int(c.trainer.total_steps or c.trainer.epochs * self.steps_per_epoch)
         self.actor = Worker(c.actor, self.mesh, self.device, head=self.head, total_steps=self.total_steps)
+        self.max_length = MaxLength(c.actor, [self.actor], self.mesh, self.device, self.out)
         self.checkpointer = Checkpointer(self.out, {"actor": self.actor})
         self.peak_flops = peak_flops_from_config(c.trainer.peak_flops, self.device, self.actor.dtype)
         self.step, self.engine, self.loop = 0, None, asyncio.new_event_loop()
@@ -138,7 +140,9 @@ class OfflineTrainer(Trainer):
         start = time.perf_counter()
         items = self.batch(self.step)
         with self.memory.phase("update"):
-            metrics, tokens = self.batch_loss(items, train=True)
+            metrics, tokens = self.max_length.run(
+                lambda: self.batch_loss(items, train=True), longest=max(len(item) for item in items)
+            )
             grad_norm = self.actor.step()
         self.step += 1
         seconds = time.perf_counter() - start

@@ -106,6 +106,8 @@ class Trainer:
         )
         while self.step < self.total_steps:
             last = self.train_step()
+            if getattr(self, "max_length", None) is not None:  # after any out-of-memory back-off
+                last["actor/max_length_per_device"] = float(self.max_length.value)
             if t.eval_every and self.step % t.eval_every == 0 and self.step < self.total_steps:
                 last.update(self._evaluate())
             last.update(self.memory.metrics())

@@ -126,6 +126,7 @@ class Worker:
             sp_group=mesh.sp_group,
         )
         self.optimizer = self.scheduler = None
+        self.optimizer_steps = 0  # in this process (a resumed run counts from 0)
         if trainable:
             self.optimizer = torch.optim.AdamW(
                 self.model.parameters(), lr=float(get("lr", 1e-6)), weight_decay=float(get("weight_decay", 0.0))
@@ -145,6 +146,7 @@ class Worker:
         the gradients. Returns the gradient norm before clipping (over all ranks)."""
         norm = clip_grad_norm(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
+        self.optimizer_steps += 1
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)

@@ -1,6 +1,7 @@
 """The PPO trainer: config errors, FSDP2 equivalence over 2 ranks, a 2-step 2-rank smoke run."""
 
 import contextlib
+import itertools
 import json
 import os
 import subprocess
@@ -390,3 +391,97 @@ def test_four_rank_tp_and_sp_runs_resume_identically(tiny_dir, tmp_path, layout)
     if "adv.estimator=vtrace" in layout:
         assert b[2]["critic/vf_loss"] == pytest.approx(a[2]["critic/vf_loss"], rel=1e-4, abs=1e-6)
         assert a[1]["actor/is_weight"] == a[2]["actor/is_weight"] == 1.0  # V-trace weights the advantages instead
+
+
+BACKOFF_RUN = [
+    "rollout.max_new_tokens=64",
+    "rollout.temperature=20",
+    "adv.estimator=gae",  # a critic: its values and returns are regrouped onto the finer plan
+    "actor.entropy_coef=0.05",
+    "actor.lr=3e-3",
+    "trainer.total_steps=2",
+    "trainer.eval_at_start=false",
+    "trainer.eval_n=2",
+    "trainer.progress=false",
+]
+
+
+def test_out_of_memory_backs_off_and_the_step_equals_one_run_at_the_smaller_length(tiny_dir, tmp_path):
+    """On a simulated device (100 MiB of activations, a few hundred tokens of the tiny model), a
+    step planned at 1024 tokens (the whole batch in one micro-batch) runs out of memory before any
+    optimizer step; the trainer halves the length until the passes fit and runs them again. The
+    step then equals a run planned at the final length from the start."""
+    backoff, direct = tmp_path / "backoff", tmp_path / "direct"
+    torchrun(
+        1,
+        *arithmetic_run(tiny_dir),
+        *BACKOFF_RUN,
+        "actor.max_length_per_device=1024",
+        f"trainer.output_dir={backoff}",
+        env={"RL2GEM_SIMULATED_MEMORY_MIB": "100"},
+    )
+    got = logged_steps(backoff / "metrics.jsonl", "actor/pg_loss")
+    length = int(got[1]["actor/max_length_per_device"])
+    assert length < 1024 and got[2]["actor/max_length_per_device"] == length
+    torchrun(
+        1,
+        *arithmetic_run(tiny_dir),
+        *BACKOFF_RUN,
+        f"actor.max_length_per_device={length}",
+        f"trainer.output_dir={direct}",
+    )
+    want = logged_steps(direct / "metrics.jsonl", "actor/pg_loss")
+    for key in ("rollout/reward", "actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/vf_loss"):
+        assert got[1][key] == pytest.approx(want[1][key], rel=1e-4, abs=1e-6), key
+    assert "eval/success" in logged_steps(backoff / "metrics.jsonl", "eval/success")[2]
+    fixed = subprocess.run(
+        torchrun_command(1, *arithmetic_run(tiny_dir), *BACKOFF_RUN, "actor.max_length_per_device=1024",
+                         "actor.oom_backoff=false", f"trainer.output_dir={tmp_path / 'fixed'}")[0],
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+        env={**torchrun_command(1)[1], "RL2GEM_SIMULATED_MEMORY_MIB": "100"},
+    )  # fmt: skip
+    assert fixed.returncode != 0 and "OutOfMemoryError" in fixed.stderr
+    tiny = subprocess.run(  # 20 MiB: not even one sequence fits
+        torchrun_command(1, *arithmetic_run(tiny_dir), *BACKOFF_RUN, "actor.max_length_per_device=128",
+                         f"trainer.output_dir={tmp_path / 'tiny'}")[0],
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+        env={**torchrun_command(1)[1], "RL2GEM_SIMULATED_MEMORY_MIB": "20"},
+    )  # fmt: skip
+    assert tiny.returncode != 0 and "a micro-batch holds one sequence" in tiny.stderr
+    assert "nothing left to halve" in tiny.stderr
+
+
+def test_two_ranks_record_the_halved_length_and_a_relaunch_resumes_with_it(tiny_dir, tmp_path):
+    """With two ranks an out-of-memory error cannot be retried in place: the rank records half the
+    length and fails; each relaunch with trainer.resume=true plans with the recorded length, until
+    the step fits (150 MiB of activations: each rank's two sequences do not fit in one micro-batch,
+    one does)."""
+    out = tmp_path / "relaunches"
+    cmd, env = torchrun_command(
+        2,
+        *arithmetic_run(tiny_dir),
+        *BACKOFF_RUN,
+        "actor.max_length_per_device=1024",
+        "trainer.resume=true",
+        "trainer.save_every=1",
+        f"trainer.output_dir={out}",
+    )
+    recorded = []
+    for _ in range(4):
+        r = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=600,
+            env={**env, "RL2GEM_SIMULATED_MEMORY_MIB": "150"},
+        )
+        if r.returncode == 0:
+            break
+        assert "OutOfMemoryError: out of memory at actor.max_length_per_device=" in r.stderr, r.stderr[-3000:]
+        recorded.append(int((out / "max_length_per_device").read_text()))
+    assert r.returncode == 0 and recorded and recorded == sorted(recorded, reverse=True)
+    steps = logged_steps(out / "metrics.jsonl", "actor/pg_loss")
+    assert [steps[s]["actor/max_length_per_device"] for s in (1, 2)] == [recorded[-1]] * 2
+    assert recorded[0] == 512 and all(b == a // 2 for a, b in itertools.pairwise(recorded))
+    assert (out / "checkpoint-2").exists()

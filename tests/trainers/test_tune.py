@@ -91,6 +91,7 @@ def test_study_prunes_resumes_and_writes_the_best_recipe(tmp_path):
     tune_run(*study_args(out, "n_trials=8"))
     more = trials(out)
     assert len(more) == 8 and [t.params for t in more[:6]] == [t.params for t in done]
+    assert not {t.params["x"] for t in more[6:]} & {t.params["x"] for t in done}  # new draws, not a replay
 
 
 def test_enqueued_settings_run_first_and_only_once(tmp_path):
@@ -152,6 +153,7 @@ def test_one_real_ppo_trial(tiny_dir, tmp_path):
     )
     [trial] = trials(out)
     assert trial.state.name == "COMPLETE" and set(trial.intermediate_values) == {0, 1}  # eval at start and end
+    assert (out / "trial-0" / "metrics.jsonl").exists() and not list((out / "trial-0").glob("checkpoint-*"))
     from rl2gem.trainers import ppo
 
     cfg = load_config(ppo.CONFIG, [f"config={out / 'best.yaml'}"])  # the best recipe is a valid PPO recipe

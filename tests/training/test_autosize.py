@@ -1,0 +1,76 @@
+"""actor.max_length_per_device=auto and out-of-memory back-off (rl2gem.training.autosize)."""
+
+import types
+
+import pytest
+import torch
+from tiny import tiny_model
+
+from rl2gem.training.autosize import MULTIPLE, PROBE_LENGTHS, auto_max_length, fit_max_length
+from rl2gem.training.forward import MicroBatch, regroup_scores, token_logprobs
+from rl2gem.training.metrics import SavedTensorBytes
+
+
+def test_fit_solves_the_quadratic_for_the_budget():
+    def peak(length):
+        return 1000 + 2 * length + 0.01 * length**2
+
+    lengths = [256, 512, 1024]
+    assert fit_max_length(lengths, [peak(n) for n in lengths], peak(3000)) == 2944  # 3000 rounded down to 64
+    assert fit_max_length(lengths, [peak(n) for n in lengths], peak(3000) - 1) == 2944
+    assert fit_max_length(lengths, [peak(n) for n in lengths], peak(2944) - 1) == 2880
+    linear = [100 + 4 * n for n in lengths]
+    assert fit_max_length(lengths, linear, 100 + 4 * 5000) == 4992
+    assert fit_max_length(lengths, [peak(n) for n in lengths], 999) == 0  # not even the constant fits
+    with pytest.raises(ValueError, match="three probe points"):
+        fit_max_length([1, 2], [1, 2], 10)
+
+
+def test_saved_tensor_bytes_counts_each_storage_once_and_enforces_a_limit():
+    x = torch.randn(1000, requires_grad=True)
+    with SavedTensorBytes() as saved:
+        y = x.exp()  # saves its result (4000 bytes)
+        z = x.sin()  # saves x (4000 bytes)
+        w = x.cos()  # saves x again: the same storage, not counted twice
+    assert saved.bytes == 8000
+    (y + z + w).sum().backward()  # the hooks kept the tensors usable
+    assert torch.allclose(x.grad, x.exp() + x.cos() - x.sin())
+    with pytest.raises(torch.OutOfMemoryError, match="simulated device memory"), SavedTensorBytes(limit=6000):
+        x.exp()
+        x.sin()
+    assert SavedTensorBytes.active == 0
+
+
+def test_regroup_keeps_every_sequences_values_and_zero_fills_placeholders():
+    lengths = [3, 2, 4, 1]
+    per_sequence = [torch.arange(n, dtype=torch.float32) + 10 * i for i, n in enumerate(lengths)]
+    old = [MicroBatch([0, 1]), MicroBatch([2, 3])]
+    scores = [{"old": torch.cat([per_sequence[i] for i in mb.indices])} for mb in old]
+    new = [MicroBatch([2]), MicroBatch([0]), MicroBatch([1, 3])]
+    out = regroup_scores(scores, old, new, lengths)
+    for mb, packed in zip(new, out, strict=True):
+        assert torch.equal(packed["old"], torch.cat([per_sequence[i] for i in mb.indices]))
+    assert regroup_scores(scores, old, [MicroBatch([0, 1]), MicroBatch([2, 3])], lengths) == scores
+    [filled] = regroup_scores(scores[:1], old[:1], [MicroBatch([3], placeholder=True)], lengths)
+    assert torch.equal(filled["old"], torch.zeros(1))  # sequence 3 was never on this rank
+
+
+def activation_bytes(model, length):
+    ids = [torch.randint(model.config.vocab_size, (length,), generator=torch.Generator().manual_seed(length)).tolist()]
+    with SavedTensorBytes() as saved:
+        token_logprobs(model, ids, torch.device("cpu"), entropy="grad")
+    return saved.bytes
+
+
+def test_auto_picks_the_longest_length_that_fits_a_simulated_device(monkeypatch):
+    model = tiny_model()
+    worker = types.SimpleNamespace(model=model, head="lm", optimizer=torch.optim.AdamW(model.parameters()))
+    limit = activation_bytes(model, 1500)
+    monkeypatch.setenv("RL2GEM_SIMULATED_MEMORY_MIB", str(limit / 2**20))
+    chosen = auto_max_length([worker], torch.device("cpu"), fraction=0.8)
+    assert chosen % MULTIPLE == 0 and chosen > max(PROBE_LENGTHS)  # extrapolated past the probes
+    assert activation_bytes(model, chosen) <= limit < activation_bytes(model, chosen + MULTIPLE)
+    assert all(p.grad is None for p in model.parameters())  # the probes leave no gradients behind
+    monkeypatch.setenv("RL2GEM_SIMULATED_MEMORY_MIB", str(activation_bytes(model, 64) / 2**20 / 2))
+    with pytest.raises(RuntimeError, match="not even 64 tokens"):
+        auto_max_length([worker], torch.device("cpu"), fraction=0.8)
