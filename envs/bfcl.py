@@ -431,6 +431,11 @@ class FunctionCallEnv(Env):
             )
             info.update(valid=bool(result["valid"]), error=result.get("error", []), error_type=result.get("error_type"))
         info["success"] = info["valid"]
+        info["reward_components"] = {  # rl2gem.rewards.objectives
+            "correctness": float(info["valid"]),
+            "format": float(info["error_type"] != "decode"),
+            "tool_calls": float(len(calls)),
+        }
         return "", 1.0 if info["valid"] else 0.0, True, False, info
 
     def sample_random_action(self, rng=None) -> str:
@@ -660,6 +665,10 @@ class ToolUseEnv(Env):
             success=valid,
             error_type=result.get("error_type"),
             error_message=result.get("error_message"),
+            reward_components={
+                "correctness": float(valid),
+                "tool_calls": float(sum(len(step) for turn in self.calls for step in turn)),
+            },
         )
         return "", 1.0 if valid else 0.0, True, False, info
 

@@ -2,7 +2,8 @@
 
 Envs report named reward components in ``info["reward_components"]`` (the built-in ones:
 ``correctness`` and ``format`` for math and reasoning-gym, ``correctness``, ``f1`` and
-``searches`` for SearchQA). :func:`episode_components` adds what every episode has: ``reward``
+``searches`` for SearchQA, ``correctness``, ``format`` and ``tool_calls`` for BFCL, and
+``tool_calls`` added by :class:`~rl2gem.tools.ToolEnvWrapper` to the env it wraps). :func:`episode_components` adds what every episode has: ``reward``
 (the env's total), ``length`` (action tokens) and ``turns``. A combiner turns the components into
 the scalar the estimators see:
 

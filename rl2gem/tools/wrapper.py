@@ -158,6 +158,8 @@ class ToolEnvWrapper(Wrapper):
             obs, reward, terminated, truncated, info = await self.env.astep(action)  # type: ignore[attr-defined]
             info = dict(info)
             info.update(tool_calls=[], num_tool_calls=self._num_calls, turn=self._turn)
+            if "reward_components" in info:  # the wrapped env's parts, and the tool calls it took
+                info["reward_components"] = {**info["reward_components"], "tool_calls": float(self._num_calls)}
             info["num_invalid_actions"] = info.get("num_invalid_actions", 0) + self._num_invalid
             self._over = bool(terminated or truncated)
             return obs, reward, terminated, truncated, info
@@ -175,6 +177,7 @@ class ToolEnvWrapper(Wrapper):
                 "tool_calls": calls_info,
                 "num_tool_calls": self._num_calls,
                 "truncated_reason": "max_tool_calls",
+                "reward_components": {"tool_calls": float(self._num_calls)},
                 "invalid_action": None,
                 "turn": self._turn,
             }

@@ -17,9 +17,8 @@ when one raises ``torch.OutOfMemoryError`` before any optimizer step, the gradie
 the length halves, and the passes run again on a new micro-batch plan (logged as
 ``actor/max_length_per_device``). With more than one rank an out-of-memory error leaves the
 others inside a collective, so no rank can go on: the halved length is written to
-``<output_dir>/max_length_per_device`` and the error raised; a run restarted with
-``trainer.resume=true`` (``torchrun --max-restarts=N`` does it) resumes from the last checkpoint
-with that length.
+``<output_dir>/max_length_per_device`` and the error raised; the run relaunched with
+``trainer.resume=true`` resumes from the last checkpoint with that length.
 
 **Drills.** ``RL2GEM_SIMULATED_MEMORY_MIB=<n>`` makes every device one whose forward passes may
 keep ``n`` MiB of activations: a pass that saves more raises ``torch.OutOfMemoryError`` as CUDA
@@ -223,8 +222,7 @@ class MaxLength:
                     self.record.write_text(f"{halved}\n")
                     raise torch.OutOfMemoryError(
                         f"out of memory at actor.max_length_per_device={self.value}; {self.record} now says {halved}: "
-                        "restart with trainer.resume=true (torchrun --max-restarts=N does it) to go on from the last "
-                        "checkpoint with it"
+                        "relaunch with trainer.resume=true to go on from the last checkpoint with it"
                     ) from None
                 warnings.warn(
                     f"out of memory at actor.max_length_per_device={self.value}; retrying the step at {halved}",

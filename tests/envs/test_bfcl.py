@@ -79,7 +79,11 @@ def test_ast_checker_agrees_with_possible_answers(category):
         item = env.item
         if item["id"] in UNSATISFIABLE:
             continue
-        assert play(env, int(i), solve)[0] == 1.0, item["id"]
+        r, info = play(env, int(i), solve)
+        assert r == 1.0 and info["reward_components"]["correctness"] == 1.0, item["id"]
+        assert (
+            info["reward_components"]["tool_calls"] == len(info["calls"]) and info["reward_components"]["format"] == 1
+        )
         if category in NO_CALL_CATEGORIES:
             name = item["functions"][0]["name"] if item["functions"] else "anything"
             assert play(env, int(i), tool_call(name, {}))[0] == 0.0
@@ -89,7 +93,8 @@ def test_ast_checker_agrees_with_possible_answers(category):
             for bad in perturbations(item, rng):
                 r, info = play(env, int(i), bad)
                 assert r == 0.0 and info["error"], (item["id"], bad)
-            assert play(env, int(i), "I do not know.")[0] == 0.0
+            r, info = play(env, int(i), "I do not know.")
+            assert r == 0.0 and info["reward_components"] == {"correctness": 0.0, "format": 0.0, "tool_calls": 0.0}
         checked += 1
     assert checked >= min(12, len(env))
 
@@ -146,8 +151,12 @@ def executor_instances():
 def test_scripted_gold_policy_scores_one_on_every_multi_turn_base_task():
     env = ToolUseEnv("base")
     solve = env.make_solver()
-    rewards = [run_episode(env, i, solve)[0] for i in range(len(env))]
-    assert len(rewards) == 200 and rewards == [1.0] * 200
+    episodes = [run_episode(env, i, solve) for i in range(len(env))]
+    assert len(episodes) == 200 and [r for r, _ in episodes] == [1.0] * 200
+    gold_calls_per_task = [sum(map(len, item["ground_truth"])) for item in env.items]
+    assert [info["reward_components"] for _, info in episodes] == [
+        {"correctness": 1.0, "tool_calls": float(n)} for n in gold_calls_per_task
+    ]
     env.close()
     assert executor_instances() == []
 

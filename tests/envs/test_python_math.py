@@ -22,6 +22,7 @@ def test_compute_with_python_then_answer():
     assert "creating processes is disabled" in obs and not term
     obs, r, term, trunc, info = env.step(f"So the answer is \\boxed{{{answer}}}.")
     assert (r, term, info["correct"], info["num_tool_calls"]) == (1.0, True, True, 2)
+    assert info["reward_components"] == {"correctness": 1.0, "format": 1.0, "tool_calls": 2.0}
     env.close()
 
 
@@ -30,7 +31,7 @@ def test_wrong_answer_after_tools_scores_zero_and_limit_truncates():
     env.reset(options={"index": 0})
     env.step(code_call("print(1)"))
     obs, r, term, trunc, info = env.step(code_call("print(2)"))
-    assert trunc and info["truncated_reason"] == "max_tool_calls"
+    assert trunc and info["truncated_reason"] == "max_tool_calls" and info["reward_components"] == {"tool_calls": 1.0}
     env.reset(options={"index": 0})
     assert env.step("\\boxed{-123456}")[1] == 0.0
     env.close()

@@ -485,3 +485,21 @@ def test_two_ranks_record_the_halved_length_and_a_relaunch_resumes_with_it(tiny_
     assert [steps[s]["actor/max_length_per_device"] for s in (1, 2)] == [recorded[-1]] * 2
     assert recorded[0] == 512 and all(b == a // 2 for a, b in itertools.pairwise(recorded))
     assert (out / "checkpoint-2").exists()
+
+
+def test_auto_length_fits_the_simulated_device_without_backing_off(tiny_dir, tmp_path):
+    """max_length_per_device=auto probes the actor and the critic and plans a length that runs
+    (a back-off would have halved it between the two steps, or failed the run with 2 ranks)."""
+    out = tmp_path / "auto"
+    torchrun(
+        2,
+        *arithmetic_run(tiny_dir),
+        *BACKOFF_RUN,
+        "actor.max_length_per_device=auto",
+        f"trainer.output_dir={out}",
+        env={"RL2GEM_SIMULATED_MEMORY_MIB": "150"},
+    )
+    steps = logged_steps(out / "metrics.jsonl", "actor/pg_loss")
+    length = steps[1]["actor/max_length_per_device"]
+    assert length % 64 == 0 and 64 <= length < 512 and steps[2]["actor/max_length_per_device"] == length
+    assert not (out / "max_length_per_device").exists()
