@@ -37,6 +37,7 @@ import warnings
 from pathlib import Path
 
 import optuna
+import psutil
 from omegaconf import OmegaConf
 
 from rl2gem.config import ConfigError, command_line_config
@@ -171,11 +172,34 @@ def logged(path: Path, metric: str, seen: int) -> tuple[list[tuple[int, float]],
     return out, len(complete)
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """Kill a trial's process group (torchrun and its workers)."""
+def stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """Stop a trial: torchrun and every process under it. torchrun starts its workers in sessions
+    of their own, so killing its process group would leave them training; SIGTERM first (torchrun
+    then stops its workers), and after ``grace`` seconds SIGKILL for whatever is left."""
+    try:
+        root = psutil.Process(proc.pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    for p in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.terminate()
+    _, alive = psutil.wait_procs(tree, timeout=grace)
+    alive += [c for c in _children_now(tree) if c not in alive]  # started while stopping
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+
+
+def _children_now(tree: list[psutil.Process]) -> list[psutil.Process]:
+    out = []
+    for p in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            out += p.children(recursive=True)
+    return out
 
 
 class Objective:

@@ -9,6 +9,7 @@ import sys
 import time
 
 import optuna
+import psutil
 import pytest
 from helpers import ROOT, run_module
 from omegaconf import OmegaConf
@@ -106,6 +107,16 @@ def test_enqueued_settings_run_first_and_only_once(tmp_path):
     cfg = load_config(tune.CONFIG, ["space={x: {type: float, low: 0, high: 1}}", "enqueue=[{y: 1}]"])
     with pytest.raises(ConfigError, match=r"enqueue\[0\]: \['y'\] not in space"):
         tune.check_config(cfg)
+
+
+def test_a_pruned_trial_stops_every_process_under_it(tmp_path):
+    out = tmp_path / "study"
+    args = study_args(out, "enqueue=[{x: 7.0}, {x: 0.0}]", "pruner_startup_trials=1", "n_trials=2")
+    tune_run(*args, "base=[worker=1, seconds_per_step=1.0, steps=8]")
+    assert [t.state.name for t in trials(out)] == ["COMPLETE", "PRUNED"]
+    for trial in ("trial-0", "trial-1"):  # the pruned trial's worker too, though it is in its own session
+        pid = int((out / trial / "worker.pid").read_text())
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
 def test_a_killed_study_resumes_and_reruns_the_interrupted_trial(tmp_path):
