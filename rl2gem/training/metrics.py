@@ -197,7 +197,10 @@ class SavedTensorBytes:
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         local = getattr(tensor, "_local_tensor", tensor)  # a DTensor's shard
-        storage = local.untyped_storage()
+        try:
+            storage = local.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without a storage of its own
+            return tensor
         key = (storage.device, storage.data_ptr())
         if key not in self._seen:
             self._seen.add(key)
