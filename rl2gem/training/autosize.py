@@ -1,7 +1,7 @@
 """Micro-batch sizing: ``actor.max_length_per_device=auto`` and back-off on out-of-memory.
 
 **auto** (:func:`auto_max_length`). Each trained model runs a forward and backward pass on one
-synthetic sequence at three probe lengths (256, 512 and 1024 tokens per device by default) and the
+synthetic sequence at three probe lengths (128, 256 and 512 tokens per device) and the
 memory each pass adds is measured: on CUDA the allocator's peak above what was allocated before
 the pass; elsewhere the bytes of the tensors autograd saved for the backward pass (the
 activations; :class:`~rl2gem.training.metrics.SavedTensorBytes`). A quadratic ``a + b L + c L^2`` is fitted by least
@@ -44,7 +44,7 @@ from rl2gem.training.metrics import SavedTensorBytes, simulated_memory_bytes
 
 __all__ = ["MaxLength", "auto_max_length", "device_budget", "fit_max_length"]
 
-PROBE_LENGTHS = (256, 512, 1024)
+PROBE_LENGTHS = (128, 256, 512)
 MULTIPLE = 64
 LIMIT = 2**20  # tokens per device: a ceiling for the fitted length
 RECORD = "max_length_per_device"  # the halved length a multi-rank run leaves for its restart
