@@ -219,10 +219,9 @@ class PPOTrainer(Trainer):
             env_kwargs=env_kwargs,
             chat_template=load_chat_template(c.rollout.chat_template),
         )
+        # sized after the engine took its share of the device
         trained = [self.actor] + ([self.critic] if self.critic is not None else [])
-        self.max_length = MaxLength(
-            c.actor, trained, self.mesh, self.device, self.out
-        )  # after the engine took its share
+        self.max_length = MaxLength(c.actor, trained, self.mesh, self.device, self.out)
         self.tracker = self.open_tracker(self.out)
         if self.rank == 0:
             print(OmegaConf.to_yaml(c), flush=True)

@@ -39,6 +39,7 @@ class Trainer:
 
     name = "trainer"
     report_keys: tuple[str, ...] = ()
+    max_length = None  # a subclass's MaxLength (rl2gem.training.autosize): logged each step
 
     def open_tracker(self, output_dir: Path) -> Tracker | None:
         """On rank 0: create ``output_dir``, write the merged ``config.yaml`` there and open the
@@ -106,7 +107,7 @@ class Trainer:
         )
         while self.step < self.total_steps:
             last = self.train_step()
-            if getattr(self, "max_length", None) is not None:  # after any out-of-memory back-off
+            if self.max_length is not None:  # the length the step ran at, after any out-of-memory back-off
                 last["actor/max_length_per_device"] = float(self.max_length.value)
             if t.eval_every and self.step % t.eval_every == 0 and self.step < self.total_steps:
                 last.update(self._evaluate())
