@@ -24,6 +24,18 @@ Tool envs offer their tools as text in the observation by default. With
 (the env's ``info["tools"]`` passed as ``tools=``; the env is made with
 ``tool_prompt=None``); ``chat_template`` (a Jinja file or text) overrides the
 tokenizer's, for models whose template has no tool support.
+
+Served models: ``server=URL`` plays through
+:class:`~rl2gem.rollout.engines.http.HTTPEngine` (SGLang's native API, token-in/token-out:
+an SGLang server, ``python -m rl2gem.serve`` or an ``sglang-router``), exactly as a local
+model plays, so greedy numbers equal those of the same weights run locally; the tokenizer is
+``model=``'s, else the server's ``/get_model_info`` ``tokenizer_path``.
+``openai_base_url=URL openai_model=NAME`` plays through the OpenAI Chat Completions API with
+the official ``openai`` client: messages in, text out (the chat history is re-rendered by the
+server each turn); a tool env's tools go as ``tools=`` and the reply's ``tool_calls`` become
+the env's ``<tool_call>`` action; the API key is read from ``OPENAI_API_KEY`` (``EMPTY`` when
+unset, which local servers accept); failed requests are retried with exponential backoff
+(``openai_max_retries``); at most ``openai_concurrency`` requests are in flight.
 """
 
 from __future__ import annotations
@@ -71,6 +83,12 @@ DEFAULTS: dict[str, Any] = {
     "env_kwargs": {},
     "tools_in_template": False,
     "chat_template": None,
+    "server": None,  # URL of a server speaking SGLang's native API (or a router in front of several)
+    "openai_base_url": None,  # e.g. http://127.0.0.1:30000/v1: play through the OpenAI Chat Completions API
+    "openai_model": None,  # the model name the API serves (required with openai_base_url)
+    "openai_concurrency": 16,  # requests in flight
+    "openai_max_retries": 5,  # per request, exponential backoff (the openai client's own retry logic)
+    "openai_timeout": 300.0,  # seconds per request
 }
 
 
@@ -113,12 +131,12 @@ def _scripted(policy: str, env: gym.Env, rng: np.random.Generator) -> Callable[[
     raise SystemExit(f"unknown policy {policy!r}; use solver or random (or model=...)")
 
 
-def _make_env(cfg) -> gym.Env:
+def _make_env(cfg, tools_in_template: bool | None = None) -> gym.Env:
     from rl2gem.registry import standard_kwargs
 
-    kwargs = standard_kwargs(
-        cfg.env, env_kwargs(cfg), split=cfg.split, tools_in_template=bool(getattr(cfg, "tools_in_template", False))
-    )
+    if tools_in_template is None:
+        tools_in_template = bool(getattr(cfg, "tools_in_template", False))
+    kwargs = standard_kwargs(cfg.env, env_kwargs(cfg), split=cfg.split, tools_in_template=tools_in_template)
     return gym.make(cfg.env, **kwargs)
 
 
@@ -227,10 +245,13 @@ def _evaluate_model(cfg, resets, emit) -> None:
     import asyncio
 
     from rl2gem.models import load_model
-    from rl2gem.rollout import EmbeddedEngine, RolloutConfig
+    from rl2gem.rollout import EmbeddedEngine, HTTPEngine, RolloutConfig
     from rl2gem.rollout.tito import load_chat_template
 
-    model, tokenizer = load_model(cfg.model)
+    if cfg.server:
+        model, tokenizer = None, _served_tokenizer(cfg)
+    else:
+        model, tokenizer = load_model(cfg.model)
     rcfg = RolloutConfig.from_mapping(
         cfg,
         responses_per_prompt=1,
@@ -241,7 +262,10 @@ def _evaluate_model(cfg, resets, emit) -> None:
     )
 
     async def run() -> None:
-        engine = EmbeddedEngine(model, tokenizer, max_batch_size=cfg.batch_size, seed=cfg.seed)
+        if cfg.server:
+            engine = HTTPEngine(cfg.server)
+        else:
+            engine = EmbeddedEngine(model, tokenizer, max_batch_size=cfg.batch_size, seed=cfg.seed)
         try:
             await play_model(
                 engine,
@@ -254,6 +278,122 @@ def _evaluate_model(cfg, resets, emit) -> None:
             )
         finally:
             await engine.close()
+
+    asyncio.run(run())
+
+
+def _served_tokenizer(cfg):
+    """The tokenizer for ``server=``: ``model=``'s, else the one ``/get_model_info`` names."""
+    import json as _json
+    import urllib.request
+
+    from transformers import AutoTokenizer
+
+    from rl2gem.models import resolve_model
+
+    if cfg.model:
+        return AutoTokenizer.from_pretrained(resolve_model(cfg.model))
+    url = cfg.server.rstrip("/") + "/get_model_info"
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            path = _json.loads(r.read().decode())["tokenizer_path"]
+    except Exception as e:
+        raise SystemExit(f"server={cfg.server}: could not read the tokenizer from {url} ({e}); pass model=") from None
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _record(position: int, reset_seed: int, total: float, term: bool, trunc: bool, info, messages, tokens: int):
+    """The :class:`EpisodeRecord` of an episode played step by step (a scripted policy, an API)."""
+    return EpisodeRecord(
+        episode=position,
+        seed=info.get("seed", reset_seed),
+        index=info.get("index"),
+        reward=total,
+        turns=info["turn"],
+        success=bool(info.get("success", total > 0)),
+        terminated=term,
+        truncated=trunc,
+        invalid_actions=info.get("num_invalid_actions", 0),
+        format_ok=info.get("format_ok"),
+        generated_tokens=tokens,
+        messages=messages,
+        final_info=_plain(info),
+    )
+
+
+def _evaluate_openai(cfg, resets, emit) -> None:
+    """Play ``resets`` through an OpenAI-compatible Chat Completions API (see the module doc)."""
+    import asyncio
+    import os
+
+    from openai import NOT_GIVEN, AsyncOpenAI, BadRequestError
+
+    from rl2gem.openai_api import hermes_tool_calls
+    from rl2gem.rollout.rollout import reply_messages
+
+    if not cfg.openai_model:
+        raise SystemExit("openai_base_url needs openai_model=NAME (the model the API serves; see its /v1/models)")
+
+    async def run() -> None:
+        client = AsyncOpenAI(
+            base_url=cfg.openai_base_url,
+            api_key=os.environ.get("OPENAI_API_KEY") or "EMPTY",
+            max_retries=int(cfg.openai_max_retries),
+            timeout=float(cfg.openai_timeout),
+        )
+        in_flight = asyncio.Semaphore(int(cfg.openai_concurrency))
+
+        async def episode(position: int, seed: int, options) -> None:
+            env = _make_env(cfg, tools_in_template=True)
+            try:
+                obs, info = await env.areset(seed=seed, options=options)
+                system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+                api = system + [{"role": info.get("role", "user"), "content": obs}]  # what the API sees
+                shown = [dict(m) for m in api]  # the rl2gem form, as a local evaluation records it
+                tools = info.get("tools") or NOT_GIVEN
+                total, tokens, done = 0.0, 0, False
+                while not done:
+                    async with in_flight:
+                        reply = await client.chat.completions.create(
+                            model=cfg.openai_model,
+                            messages=api,
+                            tools=tools,
+                            max_tokens=int(cfg.max_new_tokens),
+                            temperature=float(cfg.temperature),
+                            top_p=float(cfg.top_p),
+                            seed=int(seed),
+                        )
+                    message = reply.choices[0].message
+                    tokens += reply.usage.completion_tokens if reply.usage else 0
+                    calls = [c.model_dump() for c in message.tool_calls or []]
+                    action = "\n".join(t for t in (message.content or "", hermes_tool_calls(calls)) if t)
+                    obs, reward, term, trunc, info = await env.astep(action)
+                    total += float(reward)
+                    done = term or trunc
+                    api.append(
+                        {"role": "assistant", "content": message.content, **({"tool_calls": calls} if calls else {})}
+                    )
+                    shown.append({"role": "assistant", "content": action})
+                    if not done:
+                        replies = reply_messages(obs, info)
+                        shown += replies
+                        for k, m in enumerate(replies):  # tool results answer the calls, in order
+                            if m["role"] == "tool" and k < len(calls):
+                                api.append({**m, "tool_call_id": calls[k]["id"]})
+                            else:
+                                api.append(
+                                    {"role": "user" if m["role"] == "tool" else m["role"], "content": m["content"]}
+                                )
+                emit(_record(position, seed, total, term, trunc, info, shown, tokens))
+            finally:
+                await env.aclose()
+
+        try:
+            await asyncio.gather(*(episode(i, seed, options) for i, (seed, options) in enumerate(resets)))
+        except BadRequestError as e:  # a request the API refuses will not pass on the next episode either
+            raise SystemExit(f"{cfg.openai_base_url} refused the request: {e.message}") from None
+        finally:
+            await client.close()
 
     asyncio.run(run())
 
@@ -272,7 +412,6 @@ def _evaluate_scripted(cfg, env, resets, emit) -> None:
             messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
             messages.append({"role": info.get("role", "user"), "content": obs})
             policy, total, done = make_policy(), 0.0, False
-            ep_seed, index = info["seed"], info.get("index")
             while not done:
                 action = policy(obs)
                 obs, r, term, trunc, info = env.step(action)
@@ -281,23 +420,7 @@ def _evaluate_scripted(cfg, env, resets, emit) -> None:
                 done = term or trunc
                 if not done:
                     messages += reply_messages(obs, info)
-            emit(
-                EpisodeRecord(
-                    episode=i,
-                    seed=ep_seed,
-                    index=index,
-                    reward=total,
-                    turns=info["turn"],
-                    success=bool(info.get("success", total > 0)),
-                    terminated=term,
-                    truncated=trunc,
-                    invalid_actions=info.get("num_invalid_actions", 0),
-                    format_ok=info.get("format_ok"),
-                    generated_tokens=0,
-                    messages=messages,
-                    final_info=_plain(info),
-                )
-            )
+            emit(_record(i, seed, total, term, trunc, info, messages, 0))
     finally:
         env.close()
 
@@ -313,7 +436,10 @@ def evaluate(cfg, on_record: Callable[[EpisodeRecord], None] | None = None) -> l
     import rl2gem  # noqa: F401  (registers the envs)
     from rl2gem.registry import standard_kwargs
 
-    kwargs = standard_kwargs(cfg.env, env_kwargs(cfg), split=cfg.split, tools_in_template=bool(cfg.tools_in_template))
+    if cfg.openai_base_url and cfg.server:
+        raise SystemExit("give server= (SGLang's native API) or openai_base_url= (the OpenAI API), not both")
+    tools_in_template = bool(cfg.tools_in_template) or bool(cfg.openai_base_url)
+    kwargs = standard_kwargs(cfg.env, env_kwargs(cfg), split=cfg.split, tools_in_template=tools_in_template)
     resets = task_resets(cfg.env, kwargs, cfg.n, cfg.seed)
     group = int(cfg.get("responses_per_prompt", 1))
     if group < 1:
@@ -337,7 +463,9 @@ def evaluate(cfg, on_record: Callable[[EpisodeRecord], None] | None = None) -> l
         bar.update(1)
 
     try:
-        if cfg.model:
+        if cfg.openai_base_url:
+            _evaluate_openai(cfg, resets, emit)
+        elif cfg.model or cfg.server:
             _evaluate_model(cfg, resets, emit)
         else:
             _evaluate_scripted(cfg, _make_env(cfg), resets, emit)
@@ -383,7 +511,7 @@ def parse_args(argv: list[str]):
     except ConfigError as e:
         raise SystemExit(f"{e} (e.g. env=rl2/GSM8K-v0 n=50)") from None
     if cfg.output is None:
-        tag = (cfg.model or cfg.policy).replace("/", "_")
+        tag = (cfg.openai_model or cfg.model or ("server" if cfg.server else cfg.policy)).replace("/", "_")
         cfg.output = f"runs/evaluate/{cfg.env.replace('/', '_')}-{tag}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
     return cfg
 
@@ -392,7 +520,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(sys.argv[1:] if argv is None else argv)
     t0 = time.perf_counter()
     records = evaluate(cfg)
-    who = f"model={cfg.model}" if cfg.model else f"policy={cfg.policy}"
+    if cfg.openai_base_url:
+        who = f"openai_model={cfg.openai_model} at {cfg.openai_base_url}"
+    elif cfg.server:
+        who = f"server={cfg.server}"
+    else:
+        who = f"model={cfg.model}" if cfg.model else f"policy={cfg.policy}"
     print(f"{cfg.env}  {who}  split={cfg.split}  seed={cfg.seed}  episodes -> {cfg.output}")
     print(summarize(records, time.perf_counter() - t0))
     return 0

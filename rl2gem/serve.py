@@ -27,6 +27,13 @@ SGLang's HTTP API that RL needs, so the same client
 ==============================  ==========================================================
 
 Bad requests get HTTP 400 with ``{"error": {"message": ...}}``.
+
+It also speaks the OpenAI API (:mod:`rl2gem.openai_api`: ``/v1/models``,
+``/v1/chat/completions`` with tools and streaming, ``/v1/completions``), so any OpenAI
+client can use it. ``--upstream URL`` serves that API (and ``/health``) in front of another
+server speaking SGLang's native API instead of a local engine: an SGLang server, our own, or an
+``sglang-router`` balancing over several; ``--model`` then only gives the tokenizer and chat
+template.
 """
 
 from __future__ import annotations
@@ -68,10 +75,29 @@ def _output_json(out, tokenizer, return_logprob: bool) -> dict[str, Any]:
     return {"text": text, "output_ids": list(out.output_ids), "meta_info": meta}
 
 
-def make_app(engine, *, model_path: str = "", tokenizer=None):
-    """The aiohttp application serving ``engine`` (an :class:`EmbeddedEngine`)."""
+def make_app(
+    engine,
+    *,
+    model_path: str = "",
+    tokenizer=None,
+    served_model_name: str | None = None,
+    chat_template: str | None = None,
+    native: bool = True,
+):
+    """The aiohttp application serving ``engine``.
+
+    Args:
+        engine: an :class:`EmbeddedEngine`; with ``native=False`` any
+            :class:`~rl2gem.rollout.engines.base.Engine` (an ``HTTPEngine`` to an upstream server).
+        model_path: reported by ``/get_model_info``.
+        tokenizer: the model's tokenizer; without one only the native API is served.
+        served_model_name: the model id of the OpenAI API (default: ``model_path``).
+        chat_template: overrides the tokenizer's chat template in the OpenAI API.
+        native: serve SGLang's native API (else only ``/health`` and the OpenAI API).
+    """
     from aiohttp import web
 
+    from rl2gem.openai_api import add_openai_routes
     from rl2gem.rollout.engines.base import SamplingParams
 
     routes = web.RouteTableDef()
@@ -81,6 +107,20 @@ def make_app(engine, *, model_path: str = "", tokenizer=None):
     async def health(_):
         ok = await engine.health()
         return web.Response(status=200 if ok else 503)
+
+    if tokenizer is not None:
+        add_openai_routes(
+            routes, engine, tokenizer, model_name=served_model_name or model_path, chat_template=chat_template
+        )
+    if not native:
+        app = web.Application(client_max_size=256 * 1024 * 1024)
+        app.add_routes(routes)
+
+        async def _close_upstream(_app):
+            await engine.close()
+
+        app.on_cleanup.append(_close_upstream)
+        return app
 
     @routes.get("/get_load")
     async def get_load(_):
@@ -228,14 +268,36 @@ async def _serve(args) -> None:
     from rl2gem.models import load_model, resolve_model
     from rl2gem.procs import stop_on_stdin_eof
     from rl2gem.rollout.engines.embedded import EmbeddedEngine
+    from rl2gem.rollout.tito import load_chat_template
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model)
-    engine = EmbeddedEngine(
-        model, tokenizer, max_batch_size=args.max_batch_size, max_cached_tokens=args.max_cached_tokens, seed=args.seed
-    )
-    app = make_app(engine, model_path=resolve_model(args.model), tokenizer=tokenizer)
+    template = load_chat_template(args.chat_template)
+    name = args.served_model_name or args.model
+    if args.upstream:
+        from transformers import AutoTokenizer
+
+        from rl2gem.rollout.engines.http import HTTPEngine
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
+        engine = HTTPEngine(args.upstream)
+        app = make_app(engine, tokenizer=tokenizer, served_model_name=name, chat_template=template, native=False)
+    else:
+        model, tokenizer = load_model(args.model)
+        engine = EmbeddedEngine(
+            model,
+            tokenizer,
+            max_batch_size=args.max_batch_size,
+            max_cached_tokens=args.max_cached_tokens,
+            seed=args.seed,
+        )
+        app = make_app(
+            engine,
+            model_path=resolve_model(args.model),
+            tokenizer=tokenizer,
+            served_model_name=name,
+            chat_template=template,
+        )
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
@@ -252,9 +314,19 @@ async def _serve(args) -> None:
 
 
 def launch(
-    model: str, *, port: int = 0, threads: int = 0, max_batch_size: int = 64, seed: int = 0, timeout: float = 300.0
+    model: str,
+    *,
+    port: int = 0,
+    threads: int = 0,
+    max_batch_size: int = 64,
+    seed: int = 0,
+    timeout: float = 300.0,
+    served_model_name: str | None = None,
+    chat_template: str | None = None,
+    upstream: str | None = None,
 ):
-    """Start ``python -m rl2gem.serve`` as a child process and wait until it listens.
+    """Start ``python -m rl2gem.serve`` as a child process and wait until it listens
+    (the keyword arguments are its options, see :func:`main`).
 
     Returns:
         a :class:`rl2gem.procs.ServiceProcess` (``.url``, ``.stop()``, ``.kill()``);
@@ -281,6 +353,13 @@ def launch(
         str(seed),
         "--exit-on-stdin-eof",
     ]
+    for flag, value in (
+        ("--served-model-name", served_model_name),
+        ("--chat-template", chat_template),
+        ("--upstream", upstream),
+    ):
+        if value:
+            cmd += [flag, str(value)]
     return ServiceProcess(cmd, ready_prefix=READY_PREFIX, timeout=timeout)
 
 
@@ -293,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-cached-tokens", type=int, default=1 << 17)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--served-model-name", default=None, help="model id of the OpenAI API (default: --model)")
+    p.add_argument("--chat-template", default=None, help="built-in name, Jinja file or text (OpenAI API rendering)")
+    p.add_argument("--upstream", default=None, help="serve the OpenAI API in front of this SGLang-API server/router")
     p.add_argument("--exit-on-stdin-eof", action="store_true", help="stop when stdin closes (used by launchers)")
     args = p.parse_args(argv)
     with contextlib.suppress(KeyboardInterrupt):

@@ -31,6 +31,7 @@ __all__ = [
     "Tool",
     "ToolCall",
     "parse_tool_calls",
+    "remove_tool_calls",
     "tool_schema",
     "tools_prompt",
     "validate_arguments",
@@ -160,6 +161,12 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
             objs = obj if isinstance(obj, list) else [obj]
             calls.extend(_call_from_obj(o, body.strip()) for o in objs)
     return calls
+
+
+def remove_tool_calls(text: str) -> str:
+    """``text`` without its ``<tool_call>...</tool_call>`` blocks (a block cut off by the end of the
+    text included), stripped: the prose of a reply whose calls :func:`parse_tool_calls` read."""
+    return _TAGGED.sub("", text).strip()
 
 
 def tool_schema(tool: Tool) -> dict[str, Any]:

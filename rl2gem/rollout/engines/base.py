@@ -21,7 +21,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import difflib
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
 
 __all__ = ["SamplingParams", "GenerateOutput", "Engine", "EngineError", "seeded_uniform", "mix_seed"]
@@ -189,6 +189,26 @@ class Engine(abc.ABC):
             ValueError: empty or out-of-vocabulary input, bad sampling parameters.
             EngineError: the engine is closed or unreachable.
         """
+
+    async def generate_stream(
+        self,
+        input_ids: list[int],
+        sampling_params: SamplingParams | Mapping[str, Any] | None = None,
+        *,
+        rid: str | None = None,
+    ) -> AsyncIterator[tuple[int, float] | GenerateOutput]:
+        """:meth:`generate`, streamed: yields ``(token_id, logprob)`` as tokens are sampled, then
+        the :class:`GenerateOutput`. This default yields every token once the completion is done
+        (an engine without token streaming, e.g. a remote server behind ``/generate``);
+        :class:`~rl2gem.rollout.engines.embedded.EmbeddedEngine` yields each as it decodes it.
+
+        Raises:
+            as :meth:`generate`.
+        """
+        out = await self.generate(input_ids, sampling_params, return_logprob=True, rid=rid)
+        for token, logprob in zip(out.output_ids, out.output_logprobs, strict=True):
+            yield token, logprob
+        yield out
 
     @abc.abstractmethod
     async def pause(self, mode: str = "abort") -> None:

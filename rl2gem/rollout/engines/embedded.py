@@ -168,6 +168,7 @@ class _Request:
         "t_submit",
         "version",
         "cached",
+        "on_token",
     )
 
     def __init__(self, rid, input_ids, params, logprob_start_len, loop, future, stop_ids):
@@ -182,6 +183,7 @@ class _Request:
         self.input_lp = None
         self.t_submit = time.perf_counter()
         self.version = 0
+        self.on_token = None  # called on the requester's loop with (token, logprob) as each is sampled
 
 
 def _sample(
@@ -311,6 +313,23 @@ class EmbeddedEngine(Engine):
 
     # ------------------------------------------------------------------ public API
     async def generate(self, input_ids, sampling_params=None, *, return_logprob=True, logprob_start_len=-1, rid=None):
+        return await self._submit(input_ids, sampling_params, logprob_start_len, rid, None)
+
+    async def generate_stream(self, input_ids, sampling_params=None, *, rid=None):
+        """Yields ``(token_id, logprob)`` as each token is sampled, then the
+        :class:`GenerateOutput` (see :meth:`Engine.generate_stream`)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        task = asyncio.ensure_future(self._submit(input_ids, sampling_params, -1, rid, queue.put_nowait))
+        task.add_done_callback(lambda _: queue.put_nowait(None))
+        try:
+            while (item := await queue.get()) is not None:
+                yield item
+            yield task.result()
+        finally:
+            if not task.done():  # the consumer stopped early: the request is cancelled (and aborted)
+                task.cancel()
+
+    async def _submit(self, input_ids, sampling_params, logprob_start_len, rid, on_token):
         params = SamplingParams.from_dict(sampling_params)
         ids = [int(t) for t in input_ids]
         if not ids:
@@ -328,6 +347,7 @@ class EmbeddedEngine(Engine):
         req = _Request(
             rid or f"r{next(self._ids)}-{uuid.uuid4().hex[:6]}", ids, params, int(logprob_start_len), loop, fut, stop
         )
+        req.on_token = on_token
         with self._cv:
             self._waiting.append(req)
             self.stats["requests"] += 1
@@ -706,6 +726,8 @@ class EmbeddedEngine(Engine):
         for r, t, lp in zip(reqs, tokens, lps, strict=True):
             r.out_ids.append(t)
             r.out_lp.append(lp)
+            if r.on_token is not None:
+                r.loop.call_soon_threadsafe(r.on_token, (t, lp))
             if t in r.stop_ids:
                 self._finish(r, {"type": "stop", "matched": t})
             elif len(r.out_ids) >= r.params.max_new_tokens or r.length + 1 >= self.context_length:

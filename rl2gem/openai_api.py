@@ -1,0 +1,531 @@
+"""The OpenAI-compatible HTTP API of ``python -m rl2gem.serve``, and the conversions between
+OpenAI messages and rl2gem's text protocol.
+
+Routes (added to :func:`rl2gem.serve.make_app`), following the OpenAI API reference:
+
+==============================  ==========================================================
+``GET /v1/models``              the one served model (``id`` = ``--served-model-name``)
+``POST /v1/chat/completions``   ``messages`` (text content, or a list of ``{"type": "text"}``
+                                parts), ``tools`` (rendered by the chat template), ``tool_choice``
+                                (``auto`` or ``none``), ``max_tokens`` / ``max_completion_tokens``,
+                                ``temperature``, ``top_p``, ``n``, ``seed``, ``stop``, ``logprobs``,
+                                ``stream`` (server-sent events) and ``stream_options.include_usage``.
+                                Tool calls the model writes in the Hermes format
+                                (``<tool_call>{"name": .., "arguments": {..}}</tool_call>``) come back
+                                as ``message.tool_calls`` with ``finish_reason="tool_calls"``.
+``POST /v1/completions``        ``prompt`` (text, a list of texts, token ids or a list of those),
+                                ``max_tokens`` (default 16), ``temperature``, ``top_p``, ``n``,
+                                ``seed``, ``stop``, ``logprobs`` (0 or 1), ``stream``
+==============================  ==========================================================
+
+Not supported, and answered with HTTP 400 rather than ignored: ``top_logprobs > 0`` (the
+engines return the sampled token's log-probability only), ``echo``, a ``tool_choice`` that
+forces a call, images and audio.
+
+Generation goes through any :class:`~rl2gem.rollout.engines.base.Engine`: the embedded engine
+streams token by token; a remote one (``--upstream``, an SGLang server or an ``sglang-router``
+in front of several) answers whole completions, so its streams arrive in one piece.
+
+Token-in/token-out: a chat request is rendered by the model's chat template and tokenised
+exactly as :class:`rl2gem.rollout.tito.ChatRenderer` does for a rollout's first turn, so a
+conversation played through this API sees the same prompt tokens as a local evaluation. Later
+turns are re-rendered from the messages (the API is stateless); where a reply does not
+re-tokenise to the ids that were sampled, the tokens differ from those of a prefix-merged local
+rollout (:mod:`rl2gem.rollout.tito`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rl2gem.rollout.engines.base import Engine, GenerateOutput, SamplingParams
+from rl2gem.tools.base import parse_tool_calls, remove_tool_calls
+
+__all__ = [
+    "add_openai_routes",
+    "OpenAIRequestError",
+    "hermes_tool_calls",
+    "openai_tool_calls",
+    "template_messages",
+]
+
+
+class OpenAIRequestError(ValueError):
+    """A request the API cannot serve (answered with HTTP 400 and OpenAI's error body)."""
+
+
+# --------------------------------------------------------------------------- conversions
+def _decoded_calls(tool_calls: Any) -> list[tuple[str, Any]]:
+    """``(name, arguments)`` of OpenAI ``tool_calls``, arguments decoded from their JSON text
+    (kept as text when it is not JSON: the env then tells the model so)."""
+    if not isinstance(tool_calls, list):
+        raise OpenAIRequestError("tool_calls must be a list")
+    out = []
+    for call in tool_calls:
+        function = (call.get("function") if isinstance(call, dict) else None) or {}
+        name = function.get("name")
+        if not name:
+            raise OpenAIRequestError(f"a tool call has no function name: {call!r}"[:300])
+        arguments = function.get("arguments") or "{}"
+        if isinstance(arguments, str):
+            with contextlib.suppress(json.JSONDecodeError):
+                arguments = json.loads(arguments)
+        out.append((name, arguments))
+    return out
+
+
+def hermes_tool_calls(tool_calls: list[dict[str, Any]]) -> str:
+    """OpenAI ``tool_calls`` (``{"function": {"name", "arguments": JSON text}}``) as the text a
+    Hermes-style model writes, one ``<tool_call>`` block per call: what rl2gem's tool envs read
+    (:func:`rl2gem.tools.parse_tool_calls`).
+
+    Raises:
+        OpenAIRequestError: a call without a function name.
+    """
+    return "\n".join(
+        "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
+        for name, arguments in _decoded_calls(tool_calls)
+    )
+
+
+def openai_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """Split a reply into its prose and its tool calls in OpenAI's format.
+
+    Returns:
+        ``(content, tool_calls)``: ``tool_calls`` are ``{"id", "type": "function", "function":
+        {"name", "arguments": JSON text}}``; ``content`` is the text outside the calls (``None``
+        when empty). A reply with a malformed call comes back whole as content with no calls, so
+        the caller sees what the model wrote.
+    """
+    calls = parse_tool_calls(text)
+    if not calls or any(c.error for c in calls) or "<tool_call>" not in text:
+        return text, []
+    out = [
+        {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)},
+        }
+        for c in calls
+    ]
+    return remove_tool_calls(text) or None, out
+
+
+def _text(content: Any, role: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise OpenAIRequestError(f"{role} message: only text content parts are supported, got {kind!r}")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+    raise OpenAIRequestError(f"{role} message: content must be a string or a list of text parts")
+
+
+def template_messages(messages: Any, *, template_reads_tool_calls: bool = False) -> list[dict[str, Any]]:
+    """OpenAI chat messages as the ``{"role", "content"}`` dicts a chat template renders.
+
+    An assistant message's ``tool_calls`` become Hermes ``<tool_call>`` blocks after its content
+    (what the model wrote), unless the template renders ``tool_calls`` itself
+    (``template_reads_tool_calls``: they are then passed on, arguments decoded to objects).
+
+    Raises:
+        OpenAIRequestError: not a non-empty list of messages with known roles.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise OpenAIRequestError("messages must be a non-empty list")
+    out = []
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+            raise OpenAIRequestError(f"each message needs a role of system, user, assistant or tool: {m!r}"[:300])
+        role = "system" if m["role"] == "developer" else m["role"]
+        content = _text(m.get("content"), role)
+        calls = m.get("tool_calls") or []
+        if role == "assistant" and calls:
+            if template_reads_tool_calls:
+                decoded = [
+                    {"type": "function", "function": {"name": name, "arguments": arguments}}
+                    for name, arguments in _decoded_calls(calls)
+                ]
+                out.append({"role": role, "content": content, "tool_calls": decoded})
+                continue
+            content = (content + "\n" if content else "") + hermes_tool_calls(calls)
+        out.append({"role": role, "content": content})
+    return out
+
+
+# --------------------------------------------------------------------------- the API
+@dataclass
+class _Choice:
+    """One generated choice's progress while it streams."""
+
+    index: int
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    sent_chars: int = 0  # characters of the text already sent
+    sent_tokens: int = 0  # tokens whose log-probs were sent
+    output: GenerateOutput | None = None
+    started: bool = False  # a chunk of it was sent (the first carries the role)
+    text: str = ""
+    stopped_at: int | None = None  # where a stop string cut the text
+
+
+def _stop_strings(value: Any) -> list[str]:
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
+        raise OpenAIRequestError("stop must be a string or a list of at most 4 non-empty strings")
+    return stops
+
+
+def _number(body: dict, key: str, default, kind=float, low=None, high=None):
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+        raise OpenAIRequestError(f"{key} must be a{'n integer' if kind is int else ' number'}, got {value!r}")
+    value = kind(value)
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise OpenAIRequestError(f"{key} must be in [{low}, {high}], got {value}")
+    return value
+
+
+def _held_back(text: str, markers: list[str]) -> int:
+    """How many trailing characters of ``text`` could begin one of ``markers`` (kept unsent until
+    the next tokens tell)."""
+    keep = 0
+    for marker in markers:
+        for k in range(min(len(marker) - 1, len(text)), 0, -1):
+            if text.endswith(marker[:k]):
+                keep = max(keep, k)
+                break
+    return keep
+
+
+def add_openai_routes(
+    routes,
+    engine: Engine,
+    tokenizer,
+    *,
+    model_name: str,
+    chat_template: str | None = None,
+    context_length: int | None = None,
+) -> None:
+    """Add the ``/v1`` routes (see the module doc) to an aiohttp ``RouteTableDef``.
+
+    Args:
+        engine: generates (any :class:`Engine`).
+        tokenizer: the served model's tokenizer (chat template, detokenisation).
+        model_name: the ``id`` of ``/v1/models``; requests may name it or leave ``model`` out.
+        chat_template: overrides the tokenizer's template (text).
+        context_length: prompt + completion limit (default: the engine's, else 4096).
+    """
+    from aiohttp import web
+
+    from rl2gem.rollout.tito import ChatRenderer
+
+    renderer = ChatRenderer(tokenizer, chat_template)
+    template = str(chat_template or tokenizer.chat_template or "")
+    reads_tool_calls = "tool_calls" in template
+    limit = int(context_length or getattr(engine, "context_length", 0) or 4096)
+
+    def error(message: str, status: int = 400, kind: str = "invalid_request_error"):
+        return web.json_response(
+            {"error": {"message": message, "type": kind, "param": None, "code": None}}, status=status
+        )
+
+    @routes.get("/v1/models")
+    async def models(_):
+        return web.json_response(
+            {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "rl2gem"}]}
+        )
+
+    def check_common(body: dict) -> None:
+        if body.get("model") not in (None, model_name):
+            raise OpenAIRequestError(f"model {body.get('model')!r} is not served here; /v1/models lists {model_name!r}")
+        if body.get("top_logprobs"):
+            raise OpenAIRequestError("top_logprobs > 0 is not supported: the engine returns the sampled token's only")
+        if body.get("echo"):
+            raise OpenAIRequestError("echo is not supported")
+
+    def sampling(body: dict, prompt_len: int, default_max: int | None) -> tuple[list[SamplingParams], list[str]]:
+        room = limit - prompt_len - 1
+        if room < 1:
+            raise OpenAIRequestError(f"the prompt has {prompt_len} tokens; this model's context is {limit}")
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_tokens = room if max_tokens is None and default_max is None else (max_tokens or default_max)
+        max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", room, int, 1, None)
+        n = _number(body, "n", 1, int, 1, 16)
+        seed = _number(body, "seed", None, int)
+        params = [
+            SamplingParams(
+                max_new_tokens=min(max_tokens, room),
+                temperature=_number(body, "temperature", 1.0, float, 0.0, 2.0),
+                top_p=_number(body, "top_p", 1.0, float, 1e-6, 1.0),
+                sampling_seed=None if seed is None else seed + i,
+            )
+            for i in range(n)
+        ]
+        return params, _stop_strings(body.get("stop"))
+
+    def finish(choice: _Choice, stops: list[str]) -> str:
+        """The choice's final text (cut at a stop string) and OpenAI finish reason."""
+        text = tokenizer.decode(choice.ids, skip_special_tokens=True)
+        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+        if cut >= 0:
+            choice.text, choice.stopped_at = text[:cut], cut
+            return "stop"
+        choice.text = text
+        kind = choice.output.finish_reason.get("type") if choice.output else "stop"
+        return "length" if kind == "length" else "stop"
+
+    def token_logprobs(ids: list[int], lps: list[float]) -> list[dict[str, Any]]:
+        out = []
+        for t, lp in zip(ids, lps, strict=True):
+            piece = tokenizer.decode([t])
+            out.append({"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []})
+        return out
+
+    async def run_choice(choice: _Choice, prompt: list[int], params: SamplingParams, on_token: Callable | None):
+        async for item in engine.generate_stream(prompt, params):
+            if isinstance(item, GenerateOutput):
+                choice.output = item
+            else:
+                choice.ids.append(item[0])
+                choice.logprobs.append(item[1])
+                if on_token is not None:
+                    await on_token(choice)
+
+    async def stream(request, prompt, params, stops, chunk: Callable, final: Callable, usage_chunk: Callable, markers):
+        """Server-sent events: ``chunk(choice, text, logprob_entries)`` for new text,
+        ``final(choice, reason)`` when a choice ends, ``usage_chunk(usage)`` last when asked."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        lock = asyncio.Lock()
+
+        async def send(obj: dict) -> None:
+            async with lock:
+                await response.write(f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode())
+
+        async def on_token(choice: _Choice) -> None:
+            if choice.stopped_at is not None:
+                return
+            text = tokenizer.decode(choice.ids, skip_special_tokens=True)
+            if text.endswith("\ufffd"):  # a multi-byte character is not complete yet
+                return
+            cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+            if cut >= 0:  # a stop string: send what precedes it, then nothing more
+                choice.stopped_at = cut
+                end = cut
+            else:
+                end = len(text) - _held_back(text, markers)
+                if markers and (i := text.find(markers[0])) >= 0:  # a tool call: sent whole at the end
+                    end = min(end, i)
+            if end > choice.sent_chars:
+                new_lps = token_logprobs(choice.ids[choice.sent_tokens :], choice.logprobs[choice.sent_tokens :])
+                choice.sent_tokens = len(choice.ids)
+                await send(chunk(choice, text[choice.sent_chars : end], new_lps))
+                choice.sent_chars = end
+
+        choices = [_Choice(i) for i in range(len(params))]
+        try:
+            await asyncio.gather(*(run_choice(c, prompt, p, on_token) for c, p in zip(choices, params, strict=True)))
+        except Exception as e:  # headers are sent: the error goes into the stream
+            await send({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}})
+            await response.write(b"data: [DONE]\n\n")
+            return response
+        for c in choices:
+            reason = finish(c, stops)
+            rest = token_logprobs(c.ids[c.sent_tokens :], c.logprobs[c.sent_tokens :])
+            await send(final(c, reason, c.text[c.sent_chars :], rest))
+        if usage_chunk is not None:
+            await send(usage_chunk(usage(prompt, choices)))
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    def usage(prompt: list[int], choices: list[_Choice]) -> dict[str, int]:
+        completion = sum(len(c.ids) for c in choices)
+        return {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion}
+
+    async def read_json(request) -> dict:
+        try:
+            body = await request.json()
+        except Exception as e:
+            raise OpenAIRequestError(f"request body is not JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise OpenAIRequestError("request body must be a JSON object")
+        return body
+
+    @routes.post("/v1/chat/completions")
+    async def chat_completions(request):
+        try:
+            body = await read_json(request)
+            check_common(body)
+            tools = body.get("tools") or None
+            if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+                raise OpenAIRequestError("tools must be a list of function schemas")
+            choice_mode = body.get("tool_choice", "auto")
+            if choice_mode not in ("auto", "none", None):
+                raise OpenAIRequestError(f"tool_choice {choice_mode!r} is not supported (auto or none)")
+            if choice_mode == "none":
+                tools = None
+            if tools and not renderer.supports_tools:
+                raise OpenAIRequestError(
+                    "this model's chat template does not render tools; serve it with --chat-template"
+                )
+            messages = template_messages(body.get("messages"), template_reads_tool_calls=reads_tool_calls)
+            prompt = renderer.prompt_ids(messages, tools=tools)
+            params, stops = sampling(body, len(prompt), None)
+            want_logprobs = bool(body.get("logprobs"))
+        except (OpenAIRequestError, ValueError, TypeError) as e:
+            return error(str(e))
+        ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": ident, "created": created, "model": model_name}
+
+        def message_of(choice: _Choice, reason: str) -> tuple[dict, str]:
+            content, calls = openai_tool_calls(choice.text) if tools else (choice.text, [])
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+                reason = "tool_calls"
+            return message, reason
+
+        if body.get("stream"):
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+            def chunk(choice, text, lps, reason=None, extra=None):
+                delta: dict[str, Any] = {} if choice.started else {"role": "assistant"}
+                choice.started = True
+                if text:
+                    delta["content"] = text
+                delta.update(extra or {})
+                entry = {"index": choice.index, "delta": delta, "finish_reason": reason}
+                entry["logprobs"] = {"content": lps} if want_logprobs else None
+                return {**head, "object": "chat.completion.chunk", "choices": [entry]}
+
+            def final(choice, reason, rest, lps):
+                extra: dict[str, Any] = {}
+                if tools:
+                    content, calls = openai_tool_calls(choice.text)
+                    if calls:  # the calls were held back: send them whole, with any prose not yet sent
+                        rest = (content or "")[choice.sent_chars :]
+                        extra["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+                        reason = "tool_calls"
+                return chunk(choice, rest, lps, reason, extra)
+
+            def usage_chunk(u):
+                return {**head, "object": "chat.completion.chunk", "choices": [], "usage": u}
+
+            markers = ["<tool_call>"] if tools else []
+            return await stream(
+                request, prompt, params, stops, chunk, final, usage_chunk if include_usage else None, markers + stops
+            )
+
+        choices = [_Choice(i) for i in range(len(params))]
+        try:
+            await asyncio.gather(*(run_choice(c, prompt, p, None) for c, p in zip(choices, params, strict=True)))
+        except ValueError as e:
+            return error(str(e))
+        out = []
+        for c in choices:
+            message, reason = message_of(c, finish(c, stops))
+            entry = {"index": c.index, "message": message, "finish_reason": reason, "logprobs": None}
+            if want_logprobs:
+                n_kept = len(tokenizer(c.text, add_special_tokens=False)["input_ids"]) if c.stopped_at else len(c.ids)
+                entry["logprobs"] = {"content": token_logprobs(c.ids[:n_kept], c.logprobs[:n_kept])}
+            out.append(entry)
+        return web.json_response(
+            {
+                **head,
+                "object": "chat.completion",
+                "choices": out,
+                "usage": usage(prompt, choices),
+                "system_fingerprint": f"rl2gem-w{engine.weight_version}",
+            }
+        )
+
+    @routes.post("/v1/completions")
+    async def completions(request):
+        try:
+            body = await read_json(request)
+            check_common(body)
+            prompt = body.get("prompt")
+            if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
+                prompts = [prompt]
+            elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+                prompts = prompt
+            else:
+                raise OpenAIRequestError("prompt must be a string, a list of token ids, or a non-empty list of those")
+            prompts = [renderer.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+            if any(not p for p in prompts):
+                raise OpenAIRequestError("a prompt is empty")
+            logprobs = _number(body, "logprobs", None, int, 0, 1)
+            plans = [sampling(body, len(p), 16) for p in prompts]
+            if body.get("stream") and len(prompts) > 1:
+                raise OpenAIRequestError("stream=true takes one prompt")
+        except (OpenAIRequestError, ValueError, TypeError) as e:
+            return error(str(e))
+        ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": ident, "object": "text_completion", "created": created, "model": model_name}
+
+        def legacy_logprobs(ids: list[int], lps: list[float]) -> dict | None:
+            if logprobs is None:
+                return None
+            pieces = [tokenizer.decode([t]) for t in ids]
+            offsets, at = [], 0
+            for piece in pieces:
+                offsets.append(at)
+                at += len(piece)
+            return {"tokens": pieces, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
+
+        if body.get("stream"):
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+            def chunk(choice, text, lps, reason=None):
+                ids = choice.ids[choice.sent_tokens - len(lps) : choice.sent_tokens] if lps else []
+                entry = {"index": choice.index, "text": text, "finish_reason": reason}
+                entry["logprobs"] = legacy_logprobs(ids, [x["logprob"] for x in lps])
+                return {**head, "choices": [entry]}
+
+            def final(choice, reason, rest, lps):
+                ids = choice.ids[len(choice.ids) - len(lps) :] if lps else []
+                entry = {"index": choice.index, "text": rest, "finish_reason": reason}
+                entry["logprobs"] = legacy_logprobs(ids, [x["logprob"] for x in lps])
+                return {**head, "choices": [entry]}
+
+            def usage_chunk(u):
+                return {**head, "choices": [], "usage": u}
+
+            params, stops = plans[0]
+            return await stream(
+                request, prompts[0], params, stops, chunk, final, usage_chunk if include_usage else None, stops
+            )
+
+        out, total = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        try:
+            for prompt, (params, stops) in zip(prompts, plans, strict=True):
+                choices = [_Choice(len(out) + i) for i in range(len(params))]
+                await asyncio.gather(*(run_choice(c, prompt, p, None) for c, p in zip(choices, params, strict=True)))
+                for c in choices:
+                    reason = finish(c, stops)
+                    entry = {"index": c.index, "text": c.text, "finish_reason": reason}
+                    entry["logprobs"] = legacy_logprobs(c.ids, c.logprobs)
+                    out.append(entry)
+                for k, v in usage(prompt, choices).items():
+                    total[k] += v
+        except ValueError as e:
+            return error(str(e))
+        return web.json_response({**head, "choices": out, "usage": total})
