@@ -1,0 +1,335 @@
+"""The OpenAI-compatible API of rl2gem.serve, used through the real ``openai`` client, and
+``rl2gem.evaluate`` against served models (live servers on 127.0.0.1 only)."""
+
+import asyncio
+import contextlib
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from tiny import tiny_model
+from transformers import AutoTokenizer
+
+from rl2gem.evaluate import evaluate, parse_args
+from rl2gem.openai_api import hermes_tool_calls, openai_tool_calls, template_messages
+from rl2gem.rollout.engines.base import Engine, GenerateOutput
+from rl2gem.rollout.tito import ChatRenderer, load_chat_template
+from rl2gem.serve import launch, make_app
+from rl2gem.tools import parse_tool_calls
+
+ROOT = Path(__file__).resolve().parents[1]
+QUESTION = [{"role": "user", "content": "What is 6 times 7?"}]
+PYTHON_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "python",
+        "description": "Run Python code and return what it prints.",
+        "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+    },
+}
+CALL = 'Let me compute it.\n<tool_call>\n{"name": "python", "arguments": {"code": "print(6 * 7)"}}\n</tool_call>'
+ANSWER = "The product is \\boxed{42}."
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_dir):
+    return AutoTokenizer.from_pretrained(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    srv = launch(str(tiny_dir), threads=1, served_model_name="tiny")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="EMPTY", max_retries=0)
+
+
+def greedy_ids(prompt: list[int], n: int) -> list[int]:
+    """The tiny model's greedy continuation by transformers' generate (the reference)."""
+    out = tiny_model().generate(
+        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=2, pad_token_id=2
+    )
+    ids = out[0, len(prompt) :].tolist()
+    return ids[: ids.index(2) + 1] if 2 in ids else ids
+
+
+# ----------------------------------------------------------------------------- conversions
+def test_tool_calls_convert_both_ways():
+    content, calls = openai_tool_calls(CALL)
+    assert content == "Let me compute it."
+    assert [(c["type"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("function", "python", {"code": "print(6 * 7)"})
+    ]
+    text = hermes_tool_calls(calls)
+    assert [(c.name, c.arguments, c.error) for c in parse_tool_calls(text)] == [
+        ("python", {"code": "print(6 * 7)"}, None)
+    ]
+    assert openai_tool_calls("no call here") == ("no call here", [])
+    broken = "<tool_call>{not json}</tool_call>"
+    assert openai_tool_calls(broken) == (broken, [])  # the client sees what the model wrote
+
+
+def test_template_messages_render_tool_turns_as_the_model_wrote_them():
+    messages = [
+        {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": "6*7?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "python", "arguments": '{"code": "print(6*7)"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    ]
+    out = template_messages(messages)
+    assert out[0] == {"role": "system", "content": "Be brief."}
+    assert out[2] == {"role": "assistant", "content": hermes_tool_calls(messages[2]["tool_calls"])}
+    assert out[3] == {"role": "tool", "content": "42"}
+    native = template_messages(messages, template_reads_tool_calls=True)[2]
+    assert native["tool_calls"] == [
+        {"type": "function", "function": {"name": "python", "arguments": {"code": "print(6*7)"}}}
+    ]
+    for bad in ([], [{"role": "robot", "content": "x"}], [{"role": "user", "content": [{"type": "image_url"}]}]):
+        with pytest.raises(ValueError):
+            template_messages(bad)
+
+
+# ----------------------------------------------------------------------------- live embedded server
+def test_models_and_a_greedy_chat_completion_equal_the_model(client, tokenizer):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    reply = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=8, temperature=0, logprobs=True)
+    prompt = ChatRenderer(tokenizer).prompt_ids(QUESTION)
+    expected = greedy_ids(prompt, 8)
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant" and choice.message.tool_calls is None
+    assert choice.message.content == tokenizer.decode(expected, skip_special_tokens=True)
+    assert choice.finish_reason == ("stop" if expected[-1] == 2 else "length")
+    assert reply.usage.prompt_tokens == len(prompt) and reply.usage.completion_tokens == len(expected)
+    assert len(choice.logprobs.content) == len(expected) and all(t.logprob <= 0 for t in choice.logprobs.content)
+
+
+def test_a_streamed_reply_arrives_in_pieces_and_equals_the_whole(client):
+    whole = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=12, temperature=0)
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=QUESTION,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(pieces) >= 2  # token by token, not one block at the end
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_completions_follow_the_model_and_cut_at_stop_strings(client, tokenizer):
+    prompt = "The capital of France is"
+    expected = greedy_ids(tokenizer.encode(prompt, add_special_tokens=False), 6)
+    reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=1)
+    text = tokenizer.decode(expected, skip_special_tokens=True)
+    assert reply.choices[0].text == text and len(reply.choices[0].logprobs.token_logprobs) == len(expected)
+    stop = text[len(text) // 2 :][:3]
+    if stop.strip():
+        cut = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, stop=[stop])
+        assert cut.choices[0].text == text[: text.find(stop)] and cut.choices[0].finish_reason == "stop"
+    ids = client.completions.create(model="tiny", prompt=[[1, 1000, 2000]], max_tokens=3, temperature=1.0, n=2, seed=7)
+    assert [c.index for c in ids.choices] == [0, 1] and ids.usage.completion_tokens <= 6
+
+
+def test_requests_it_cannot_serve_get_400_with_a_reason(client):
+    cases = [
+        ({"model": "gpt-4o"}, "not served here"),
+        ({"top_logprobs": 3, "logprobs": True}, "top_logprobs"),
+        ({"tools": [PYTHON_TOOL], "tool_choice": "required"}, "tool_choice"),
+        ({"tools": [PYTHON_TOOL]}, "--chat-template"),  # SmolLM2's own template has no tools
+        ({"temperature": 5}, "temperature"),
+    ]
+    for extra, reason in cases:
+        kwargs = {"model": "tiny", "messages": QUESTION, "max_tokens": 2, **extra}
+        with pytest.raises(openai.BadRequestError, match=reason.replace("-", r"\-")):
+            client.chat.completions.create(**kwargs)
+    with pytest.raises(openai.BadRequestError, match="non-empty list"):
+        client.chat.completions.create(model="tiny", messages=[], max_tokens=2)
+
+
+def test_the_api_in_front_of_another_server_answers_the_same(server, client, tiny_dir):
+    front = launch(str(tiny_dir), threads=1, served_model_name="tiny", upstream=server.url)
+    try:
+        via = openai.OpenAI(base_url=front.url + "/v1", api_key="EMPTY", max_retries=0)
+        direct = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=8, temperature=0)
+        proxied = via.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=8, temperature=0)
+        assert proxied.choices[0].message.content == direct.choices[0].message.content
+        streamed = via.chat.completions.create(
+            model="tiny", messages=QUESTION, max_tokens=8, temperature=0, stream=True
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in streamed) == direct.choices[0].message.content
+    finally:
+        front.stop()
+
+
+# ----------------------------------------------------------------------------- tool calls, scripted model
+class ScriptedEngine(Engine):
+    """Writes a python tool call, then (once the prompt holds a tool response) a boxed answer;
+    records each prompt it was given."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.prompts = tokenizer, []
+
+    async def generate(self, input_ids, sampling_params=None, *, return_logprob=True, logprob_start_len=-1, rid=None):
+        prompt = self.tokenizer.decode(input_ids)
+        self.prompts.append(prompt)
+        reply = ANSWER if "<tool_response>" in prompt else CALL
+        ids = self.tokenizer.encode(reply, add_special_tokens=False) + [
+            self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        ]
+        return GenerateOutput(ids, [-0.5] * len(ids), {"type": "stop"}, len(input_ids))
+
+    async def pause(self, mode="abort"):
+        pass
+
+    async def resume(self):
+        pass
+
+    async def abort(self, rid=None):
+        pass
+
+    async def update_weights(self, weights, version=None):
+        return 0
+
+    async def health(self):
+        return True
+
+
+@contextlib.contextmanager
+def serving(app):
+    """Serve an aiohttp app on a free local port from a thread; yields its URL."""
+    from aiohttp import web
+
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = site._server.sockets[0].getsockname()[1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def scripted(tokenizer):
+    engine = ScriptedEngine(tokenizer)
+    app = make_app(
+        engine,
+        tokenizer=tokenizer,
+        served_model_name="scripted",
+        chat_template=load_chat_template("chatml_tools"),
+        native=False,
+    )
+    with serving(app) as url:
+        yield engine, url
+
+
+def test_a_tool_call_round_trip_with_the_openai_client(scripted):
+    engine, url = scripted
+    client = openai.OpenAI(base_url=url + "/v1", api_key="EMPTY", max_retries=0)
+    messages = list(QUESTION)
+    first = client.chat.completions.create(model="scripted", messages=messages, tools=[PYTHON_TOOL])
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me compute it."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "python" and json.loads(call.function.arguments) == {"code": "print(6 * 7)"}
+    assert json.dumps(PYTHON_TOOL) in engine.prompts[-1]  # the template rendered the schema
+    messages += [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "42"},
+    ]
+    second = client.chat.completions.create(model="scripted", messages=messages, tools=[PYTHON_TOOL])
+    assert second.choices[0].finish_reason == "stop" and second.choices[0].message.content == ANSWER
+    prompt = engine.prompts[-1]  # the call went back as the model wrote it, the result as a tool response
+    assert '<tool_call>\n{"name": "python", "arguments": {"code": "print(6 * 7)"}}\n</tool_call>' in prompt
+    assert "<tool_response>\n42\n</tool_response>" in prompt
+
+    stream = list(client.chat.completions.create(model="scripted", messages=QUESTION, tools=[PYTHON_TOOL], stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in stream)
+    assert "<tool_call" not in text and text.strip() == "Let me compute it."
+    calls = [t for c in stream for t in c.choices[0].delta.tool_calls or []]
+    assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in calls] == [
+        (0, "python", {"code": "print(6 * 7)"})
+    ]
+    assert stream[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_evaluate_plays_a_tool_env_through_the_openai_api(scripted, tmp_path):
+    """The python tool really ran on this host: its printed 42 reached the model's next prompt."""
+    engine, url = scripted
+    cfg = parse_args(
+        [
+            "env=rl2/PythonMath-v0",
+            f"openai_base_url={url}/v1",
+            "openai_model=scripted",
+            "n=2",
+            "progress=false",
+            f"output={tmp_path}/e.jsonl",
+        ]
+    )
+    records = evaluate(cfg)
+    assert len(records) == 2
+    for r in records:
+        assert r.final_info["num_tool_calls"] == 1 and r.turns == 2
+        assert [m["role"] for m in r.messages] == ["user", "assistant", "tool", "assistant"]
+        assert r.messages[1]["content"].endswith("</tool_call>") and r.messages[2]["content"].strip() == "42"
+        assert r.final_info["answer"] == "42" and r.messages[3]["content"] == ANSWER
+    assert sum("<tool_response>\n42" in p for p in engine.prompts) >= 2
+    assert len((tmp_path / "e.jsonl").read_text().splitlines()) == 2
+
+
+# ----------------------------------------------------------------------------- evaluate and the example
+def test_evaluate_through_a_server_equals_local_evaluation(server, tiny_dir, tmp_path):
+    common = ["env=rl2/GuessTheNumber-v0", "n=3", "max_new_tokens=12", "progress=false"]
+    local = evaluate(parse_args([*common, f"model={tiny_dir}", f"output={tmp_path}/local.jsonl"]))
+    served = evaluate(parse_args([*common, f"server={server.url}", f"output={tmp_path}/served.jsonl"]))
+    api = evaluate(
+        parse_args([*common, f"openai_base_url={server.url}/v1", "openai_model=tiny", f"output={tmp_path}/api.jsonl"])
+    )
+    assert [r.messages for r in served] == [r.messages for r in local]  # token in, token out: the same episodes
+    assert [r.generated_tokens for r in served] == [r.generated_tokens for r in local]
+    assert [r.reward for r in served] == [r.reward for r in local]
+    # the API re-renders text each turn; its first turn sees the same prompt, so it answers the same
+    assert [r.messages[:2] for r in api] == [r.messages[:2] for r in local]
+
+
+def test_the_openai_client_example_runs_against_a_local_server(server):
+    r = subprocess.run(
+        [sys.executable, "examples/eval_with_openai_client.py", "--base-url", server.url + "/v1"]
+        + ["--env", "rl2/GuessTheNumber-v0", "--episodes", "2", "--max-tokens", "8"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert [line.split(":")[0] for line in lines[:2]] == ["episode 0", "episode 1"]
+    assert lines[-1].startswith("rl2/GuessTheNumber-v0 with tiny: mean reward")
