@@ -1,0 +1,1 @@
+"""Bridges from rl2gem envs to other libraries' trainers (:mod:`rl2gem.integrations.trl`)."""

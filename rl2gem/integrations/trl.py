@@ -1,0 +1,187 @@
+"""rl2gem envs inside TRL's ``GRPOTrainer``: a data set, reward functions and an environment
+factory made from any registered env id.
+
+Single-turn tasks (math, QA answered at once)::
+
+    from trl import GRPOConfig, GRPOTrainer
+    from rl2gem.integrations.trl import env_dataset, env_reward
+
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=env_reward("rl2/GSM8K-v0"),
+        train_dataset=env_dataset("rl2/GSM8K-v0", n=1000, split="train"),
+        args=GRPOConfig(...),
+    )
+
+Each row of :func:`env_dataset` is one task: ``prompt`` (the env's first observation as a user
+message) and ``rl2gem_seed`` / ``rl2gem_index`` (how to reset the env to it). :func:`env_reward`
+resets an env to the row's task, plays the completion as the action and returns the env's reward,
+so TRL scores completions with the env's own checker (math-verify, EM, the game's rules).
+
+Multi-turn envs (search, games): add ``environment_factory=env_factory("rl2/SearchQA-v0")``.
+Each rollout then gets its own :class:`EnvironmentTool`, whose ``act(action)`` method TRL offers
+the model as a tool (TRL's ``environment_factory`` contract, TRL >= 1.0 with transformers >= 5.2,
+a chat template TRL can parse tool calls for, e.g. Qwen3's): every call is one env step and
+returns the env's reply. When the model stops calling the tool, :func:`env_reward` (given the
+rollout's environments by TRL) plays its final message as the last action if the episode is still
+running, and returns the episode's total reward.
+
+Nothing here imports TRL: the objects are what its ``GRPOTrainer`` takes, so any TRL version
+with the same contract works.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import rl2gem
+
+__all__ = ["env_dataset", "env_reward", "env_factory", "EnvironmentTool"]
+
+
+def _kwargs(env_id: str, split: str | None, env_kwargs: dict[str, Any]) -> dict[str, Any]:
+    from rl2gem.registry import standard_kwargs
+
+    return standard_kwargs(env_id, dict(env_kwargs), split=split)
+
+
+def env_dataset(env_id: str, n: int, split: str | None = "train", seed: int = 0, **env_kwargs):
+    """The first ``n`` tasks of an env as a ``datasets.Dataset`` for TRL.
+
+    An env with a data set gives its items in order (at most ``len(env)``), others the seeds
+    ``seed, seed + 1, ...`` (as :func:`rl2gem.evaluate.task_resets`).
+
+    Returns:
+        a ``datasets.Dataset`` with columns ``prompt`` (``[{"role", "content"}]``, the first
+        observation), ``rl2gem_seed`` (int) and ``rl2gem_index`` (int, -1 for envs without a data set).
+    """
+    from datasets import Dataset
+
+    from rl2gem.evaluate import task_resets
+
+    kwargs = _kwargs(env_id, split, env_kwargs)
+    env = rl2gem.make(env_id, **kwargs)
+    rows = []
+    try:
+        for task_seed, options in task_resets(env_id, kwargs, n, seed):
+            obs, info = env.reset(seed=task_seed, options=options)
+            rows.append(
+                {
+                    "prompt": [{"role": info.get("role", "user"), "content": obs}],
+                    "rl2gem_seed": int(task_seed),
+                    "rl2gem_index": int((options or {}).get("index", -1)),
+                }
+            )
+    finally:
+        env.close()
+    return Dataset.from_list(rows)
+
+
+def _reset(env, rl2gem_seed: int, rl2gem_index: int):
+    options = {"index": int(rl2gem_index)} if rl2gem_index is not None and int(rl2gem_index) >= 0 else None
+    return env.reset(seed=int(rl2gem_seed), options=options)
+
+
+class EnvironmentTool:
+    """One rl2gem env as an environment of TRL's ``environment_factory``: ``reset(**row)`` puts
+    the env on the row's task; the model plays it through the ``act`` tool.
+
+    Attributes:
+        env: the rl2gem env (made once, reset for each rollout).
+        total_reward: the episode's reward so far (float).
+        done: whether the episode ended (terminated or truncated).
+        info: the last step's (or the reset's) info.
+    """
+
+    def __init__(self, env_id: str, split: str | None = "train", **env_kwargs):
+        self.env = rl2gem.make(env_id, **_kwargs(env_id, split, env_kwargs))
+        self.total_reward, self.done, self.info = 0.0, False, {}
+
+    def reset(self, rl2gem_seed: int = 0, rl2gem_index: int = -1, **row) -> None:
+        """Start the row's task (the prompt already holds its first observation: nothing is added)."""
+        _, self.info = _reset(self.env, rl2gem_seed, rl2gem_index)
+        self.total_reward, self.done = 0.0, False
+
+    def act(self, action: str) -> str:
+        """Take one turn in the environment: send your action, written in the format the task asks
+        for, and get the environment's reply.
+
+        Args:
+            action: the full text of your move, for example a search request or a guess.
+
+        Returns:
+            The environment's reply; it says when the episode is over.
+        """
+        if self.done:
+            return "The episode is over; no further actions are taken."
+        obs, reward, terminated, truncated, self.info = self.env.step(action)
+        self.total_reward += float(reward)
+        self.done = bool(terminated or truncated)
+        return obs + ("\n(The episode is over.)" if self.done else "")
+
+    def _finish(self, final_message: str) -> float:
+        """Play the model's final message as the last action if the episode is still running;
+        returns the episode's total reward. (Private: TRL offers every public method as a tool.)"""
+        if not self.done and final_message.strip():
+            self.act(final_message)
+        return self.total_reward
+
+
+def env_factory(env_id: str, split: str | None = "train", **env_kwargs) -> Callable[[], EnvironmentTool]:
+    """A zero-argument factory of :class:`EnvironmentTool` for ``GRPOTrainer(environment_factory=...)``."""
+
+    def make() -> EnvironmentTool:
+        return EnvironmentTool(env_id, split, **env_kwargs)
+
+    return make
+
+
+def _final_text(completion: Any) -> str:
+    """The last assistant message of a completion (conversational: a list of messages; else text)."""
+    if isinstance(completion, str):
+        return completion
+    for message in reversed(completion):
+        if message.get("role") == "assistant":
+            content = message.get("content") or ""
+            if isinstance(content, list):
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            return content
+    return ""
+
+
+def env_reward(env_id: str, split: str | None = "train", **env_kwargs) -> Callable[..., list[float]]:
+    """A reward function for ``GRPOTrainer(reward_funcs=...)`` scored by the env itself.
+
+    Called by TRL as ``f(prompts=..., completions=..., rl2gem_seed=[...], rl2gem_index=[...],
+    environments=[...] (with an environment factory), **other_columns)``. With ``environments``
+    each rollout's :class:`EnvironmentTool` finishes its episode with the final message; without,
+    an env is reset to each row's task and the completion is played as one action.
+
+    Returns:
+        a function returning one float per completion, named ``rl2gem/<env>`` in TRL's logs.
+
+    Raises:
+        KeyError: the data set lacks ``rl2gem_seed`` (make it with :func:`env_dataset`).
+    """
+    scorer: list[Any] = []  # one env, made on first use and reused
+
+    def reward(completions, rl2gem_seed=None, rl2gem_index=None, environments=None, **_) -> list[float]:
+        texts = [_final_text(c) for c in completions]
+        if environments is not None:
+            return [float(e._finish(t)) for e, t in zip(environments, texts, strict=True)]
+        if rl2gem_seed is None:
+            raise KeyError("the data set has no rl2gem_seed column; build it with rl2gem.integrations.trl.env_dataset")
+        if not scorer:
+            scorer.append(rl2gem.make(env_id, **_kwargs(env_id, split, env_kwargs)))
+        env = scorer[0]
+        indexes = rl2gem_index if rl2gem_index is not None else [-1] * len(texts)
+        out = []
+        for text, task_seed, index in zip(texts, rl2gem_seed, indexes, strict=True):
+            _reset(env, task_seed, index)
+            _, value, *_ = env.step(text)
+            out.append(float(value))
+        return out
+
+    reward.__name__ = f"rl2gem/{env_id.split('/')[-1]}"
+    return reward

@@ -1,0 +1,176 @@
+"""rl2gem envs inside TRL's GRPOTrainer: data set, env-scored rewards, and a multi-turn env whose
+tool calls reach the env on this host (one GRPO step each, tiny models, CPU)."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import tiny_model
+from transformers import AutoTokenizer
+
+import rl2gem
+from rl2gem.integrations.trl import EnvironmentTool, env_dataset, env_factory, env_reward
+
+trl = pytest.importorskip("trl")  # the bench extra (pinned in the lock)
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+ARITHMETIC = {"task": "basic_arithmetic"}
+
+
+def grpo_config(tmp_path, max_completion_length=32, **kw):
+    return trl.GRPOConfig(
+        max_completion_length=max_completion_length,
+        output_dir=str(tmp_path / "trl"),
+        max_steps=1,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        learning_rate=1e-3,
+        beta=0.0,
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        shuffle_dataset=False,
+        seed=0,
+        **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    tok.padding_side = "left"
+    return tok
+
+
+def test_the_dataset_holds_each_tasks_first_observation_and_how_to_reset_to_it():
+    data = env_dataset("rl2/ReasoningGym-v0", n=3, split="train", **ARITHMETIC)
+    assert data.column_names == ["prompt", "rl2gem_seed", "rl2gem_index"] and len(data) == 3
+    env = rl2gem.make("rl2/ReasoningGym-v0", split="train", **ARITHMETIC)
+    for row in data:
+        obs, _ = env.reset(seed=row["rl2gem_seed"])
+        assert row["prompt"] == [{"role": "user", "content": obs}]
+    indexed = env_dataset("rl2/SearchQA-v0", n=2, split="test")
+    assert indexed["rl2gem_index"] == [0, 1]
+
+
+def test_the_reward_is_the_envs_own_verdict():
+    data = env_dataset("rl2/ReasoningGym-v0", n=3, split="train", **ARITHMETIC)
+    env = rl2gem.make("rl2/ReasoningGym-v0", split="train", **ARITHMETIC).unwrapped
+    answers = []
+    for row in data:
+        env.reset(seed=row["rl2gem_seed"])
+        answers.append(str(env.item["answer"]))
+    reward = env_reward("rl2/ReasoningGym-v0", **ARITHMETIC)
+    right = [[{"role": "assistant", "content": f"<answer>{a}</answer>"}] for a in answers]
+    wrong = [[{"role": "assistant", "content": f"<answer>{a}1</answer>"}] for a in answers]
+    kw = {"rl2gem_seed": data["rl2gem_seed"], "rl2gem_index": data["rl2gem_index"]}
+    assert reward(completions=right, **kw) == [1.0, 1.0, 1.0]
+    assert reward(completions=wrong, **kw) == [0.0, 0.0, 0.0]
+    assert reward.__name__ == "rl2gem/ReasoningGym-v0"
+    with pytest.raises(KeyError, match="env_dataset"):
+        reward(completions=right)
+
+
+def test_one_grpo_step_on_a_single_turn_env(tmp_path, tokenizer):
+    scored = []
+    reward = env_reward("rl2/ReasoningGym-v0", **ARITHMETIC)
+
+    def recorded(completions, **kw):
+        scored.append(reward(completions=completions, **kw))
+        return scored[-1]
+
+    recorded.__name__ = reward.__name__
+    trainer = trl.GRPOTrainer(
+        model=tiny_model(),
+        processing_class=tokenizer,
+        reward_funcs=recorded,
+        train_dataset=env_dataset("rl2/ReasoningGym-v0", n=4, split="train", **ARITHMETIC),
+        args=grpo_config(tmp_path),
+    )
+    trainer.train()
+    assert trainer.state.global_step == 1 and len(scored) == 1 and len(scored[0]) == 4
+    logged = trainer.state.log_history[0]
+    assert logged["rewards/rl2gem/ReasoningGym-v0/mean"] == pytest.approx(sum(scored[0]) / 4)
+
+
+class ScriptedLlama(type(tiny_model())):
+    """Generation is scripted (the forward passes TRL trains on are the tiny model's): first a
+    Qwen3-style call of the env's ``act`` tool, then, once a tool response is in the prompt, a
+    final message."""
+
+    tokenizer = None
+    first_guess = final_guess = None
+
+    def generate(self, input_ids=None, attention_mask=None, **kw):
+        tok = self.tokenizer
+        rows = []
+        for ids, mask in zip(input_ids, attention_mask, strict=True):
+            prompt = tok.decode(ids[mask.bool()])
+            if "<tool_response>" in prompt:
+                text = f"\\boxed{{{self.final_guess}}}"
+            else:
+                call = {"name": "act", "arguments": {"action": f"\\boxed{{{self.first_guess}}}"}}
+                text = f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+            rows.append(tok.encode(text, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")])
+        width = max(map(len, rows))
+        pad = tok.pad_token_id
+        out = torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=input_ids.dtype)
+        return torch.cat([input_ids, out], dim=1)
+
+
+def test_one_grpo_step_on_a_multi_turn_env_whose_tool_calls_reach_the_env(tmp_path, tokenizer):
+    env_id = "rl2/GuessTheNumber-v0"
+    data = env_dataset(env_id, n=1)
+    probe = rl2gem.make(env_id)
+    probe.reset(seed=data[0]["rl2gem_seed"])
+    target = probe.unwrapped.target
+    first = 1 if target != 1 else 2
+    # the expected reward, played on a fresh env: the tool call's guess, then the final message's
+    probe.reset(seed=data[0]["rl2gem_seed"])
+    feedback, r1, *_ = probe.step(f"\\boxed{{{first}}}")
+    _, r2, terminated, *_ = probe.step(f"\\boxed{{{target}}}")
+    assert terminated and r1 + r2 > 0
+
+    tok = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    tok.padding_side = "left"
+    tok.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja").read_text()  # tool calls
+    model = ScriptedLlama(tiny_model().config)
+    model.load_state_dict(tiny_model().state_dict())
+    ScriptedLlama.tokenizer, ScriptedLlama.first_guess, ScriptedLlama.final_guess = tok, first, target
+    seen = []
+    reward = env_reward(env_id)
+
+    def recorded(completions, environments, **kw):
+        seen.append((completions, [e.info.get("turn") for e in environments]))
+        return reward(completions=completions, environments=environments, **kw)
+
+    recorded.__name__ = reward.__name__
+    trainer = trl.GRPOTrainer(
+        model=model,
+        processing_class=tok,
+        reward_funcs=recorded,
+        environment_factory=env_factory(env_id),
+        train_dataset=data.select([0] * 4),
+        args=grpo_config(tmp_path, max_completion_length=160),  # room for the call, its reply and the answer
+    )
+    trainer.train()
+    assert trainer.state.global_step == 1
+    completions, turns = seen[0]
+    assert turns == [1] * 4  # the tool call was one env step; the final message is played by the reward
+    tool_replies = [m["content"] for c in completions for m in c if m["role"] == "tool"]
+    assert len(tool_replies) == 4 and all(feedback in str(t) for t in tool_replies)  # the env's own reply
+    logged = trainer.state.log_history[0]
+    assert logged["rewards/rl2gem/GuessTheNumber-v0/mean"] == pytest.approx(r1 + r2)
+    assert logged["tools/call_frequency"] > 0
+
+
+def test_the_environment_tool_stops_at_the_end_of_an_episode():
+    tool = EnvironmentTool("rl2/GuessTheNumber-v0", difficulty="easy")
+    tool.reset(rl2gem_seed=3)
+    target = tool.env.unwrapped.target
+    assert "over" in tool.act(f"\\boxed{{{target}}}") and tool.done and tool.total_reward > 0
+    assert tool.act("\\boxed{1}").startswith("The episode is over")
+    assert tool._finish("\\boxed{2}") == tool.total_reward  # nothing more is played
