@@ -22,6 +22,7 @@ parser.add_argument("--model", default=None, help="default: the first model the 
 parser.add_argument("--env", default="rl2/SearchQA-v0")
 parser.add_argument("--episodes", type=int, default=5)
 parser.add_argument("--max-tokens", type=int, default=48)
+parser.add_argument("--max-turns", type=int, default=None, help="the env's turn limit (default: its own)")
 args = parser.parse_args()
 
 client = OpenAI(base_url=args.base_url, api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"), max_retries=5)
@@ -29,7 +30,7 @@ model = args.model or client.models.list().data[0].id
 
 rewards = []
 for episode in range(args.episodes):
-    env = gym.make(args.env)
+    env = gym.make(args.env, **({"max_turns": args.max_turns} if args.max_turns else {}))
     observation, info = env.reset(seed=episode)
     messages = [{"role": "user", "content": observation}]
     total, done = 0.0, False

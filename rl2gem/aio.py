@@ -1,4 +1,4 @@
-"""asyncio helpers shared by the HTTP clients (retrieval, engines)."""
+"""asyncio helpers shared by the HTTP clients (retrieval, engines) and servers."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 import weakref
 from typing import Any
 
-__all__ = ["LoopSessions"]
+__all__ = ["LoopSessions", "read_json_object"]
 
 
 class LoopSessions:
@@ -40,3 +40,23 @@ class LoopSessions:
         session = self._sessions.pop(asyncio.get_running_loop(), None)
         if session is not None and not session.closed:
             await session.close()
+
+
+async def read_json_object(request, *, allow_empty: bool = False) -> dict[str, Any]:
+    """The JSON object in an aiohttp request's body.
+
+    Args:
+        allow_empty: a request without a body reads as ``{}``.
+
+    Raises:
+        ValueError: the body is not JSON, or not a JSON object.
+    """
+    if allow_empty and not request.can_read_body:
+        return {}
+    try:
+        body = await request.json()
+    except Exception as e:
+        raise ValueError(f"request body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ValueError("request body must be a JSON object")
+    return body

@@ -302,12 +302,13 @@ def _served_tokenizer(cfg):
     return AutoTokenizer.from_pretrained(path)
 
 
-def _record(position: int, reset_seed: int, total: float, term: bool, trunc: bool, info, messages, tokens: int):
-    """The :class:`EpisodeRecord` of an episode played step by step (a scripted policy, an API)."""
+def _record(position: int, reset_info, total: float, term: bool, trunc: bool, info, messages, tokens: int):
+    """The :class:`EpisodeRecord` of an episode played step by step (a scripted policy, an API);
+    ``reset_info`` is the info ``reset`` returned, ``info`` the last step's."""
     return EpisodeRecord(
         episode=position,
-        seed=info.get("seed", reset_seed),
-        index=info.get("index"),
+        seed=reset_info["seed"],
+        index=reset_info.get("index"),
         reward=total,
         turns=info["turn"],
         success=bool(info.get("success", total > 0)),
@@ -347,6 +348,7 @@ def _evaluate_openai(cfg, resets, emit) -> None:
             env = _make_env(cfg, tools_in_template=True)
             try:
                 obs, info = await env.areset(seed=seed, options=options)
+                reset_info = info
                 system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
                 api = system + [{"role": info.get("role", "user"), "content": obs}]  # what the API sees
                 shown = [dict(m) for m in api]  # the rl2gem form, as a local evaluation records it
@@ -384,7 +386,7 @@ def _evaluate_openai(cfg, resets, emit) -> None:
                                 api.append(
                                     {"role": "user" if m["role"] == "tool" else m["role"], "content": m["content"]}
                                 )
-                emit(_record(position, seed, total, term, trunc, info, shown, tokens))
+                emit(_record(position, reset_info, total, term, trunc, info, shown, tokens))
             finally:
                 await env.aclose()
 
@@ -409,6 +411,7 @@ def _evaluate_scripted(cfg, env, resets, emit) -> None:
     try:
         for i, (seed, options) in enumerate(resets):
             obs, info = env.reset(seed=seed, options=options)
+            reset_info = info
             messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
             messages.append({"role": info.get("role", "user"), "content": obs})
             policy, total, done = make_policy(), 0.0, False
@@ -420,7 +423,7 @@ def _evaluate_scripted(cfg, env, resets, emit) -> None:
                 done = term or trunc
                 if not done:
                     messages += reply_messages(obs, info)
-            emit(_record(i, seed, total, term, trunc, info, messages, 0))
+            emit(_record(i, reset_info, total, term, trunc, info, messages, 0))
     finally:
         env.close()
 

@@ -45,6 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rl2gem.aio import read_json_object
 from rl2gem.rollout.engines.base import Engine, GenerateOutput, SamplingParams
 from rl2gem.tools.base import parse_tool_calls, remove_tool_calls
 
@@ -360,19 +361,10 @@ def add_openai_routes(
         completion = sum(len(c.ids) for c in choices)
         return {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion}
 
-    async def read_json(request) -> dict:
-        try:
-            body = await request.json()
-        except Exception as e:
-            raise OpenAIRequestError(f"request body is not JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise OpenAIRequestError("request body must be a JSON object")
-        return body
-
     @routes.post("/v1/chat/completions")
     async def chat_completions(request):
         try:
-            body = await read_json(request)
+            body = await read_json_object(request)
             check_common(body)
             tools = body.get("tools") or None
             if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
@@ -460,7 +452,7 @@ def add_openai_routes(
     @routes.post("/v1/completions")
     async def completions(request):
         try:
-            body = await read_json(request)
+            body = await read_json_object(request)
             check_common(body)
             prompt = body.get("prompt")
             if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):

@@ -97,6 +97,7 @@ def make_app(
     """
     from aiohttp import web
 
+    from rl2gem.aio import read_json_object
     from rl2gem.openai_api import add_openai_routes
     from rl2gem.rollout.engines.base import SamplingParams
 
@@ -113,14 +114,7 @@ def make_app(
             routes, engine, tokenizer, model_name=served_model_name or model_path, chat_template=chat_template
         )
     if not native:
-        app = web.Application(client_max_size=256 * 1024 * 1024)
-        app.add_routes(routes)
-
-        async def _close_upstream(_app):
-            await engine.close()
-
-        app.on_cleanup.append(_close_upstream)
-        return app
+        return _application(routes, engine)
 
     @routes.get("/get_load")
     async def get_load(_):
@@ -158,16 +152,8 @@ def make_app(
     async def weight_version(_):
         return web.json_response({"weight_version": str(engine.weight_version)})
 
-    async def _json(request) -> dict:
-        if not request.can_read_body:
-            return {}
-        try:
-            body = await request.json()
-        except Exception as e:
-            raise ValueError(f"request body is not JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise ValueError("request body must be a JSON object")
-        return body
+    def _json(request):
+        return read_json_object(request, allow_empty=True)
 
     @routes.post("/generate")
     async def generate(request):
@@ -250,6 +236,13 @@ def make_app(
         except (ValueError, KeyError, FileNotFoundError, OSError) as e:
             return web.json_response({"success": False, "message": f"{type(e).__name__}: {e}"}, status=400)
         return web.json_response({"success": True, "message": "weights updated", "weight_version": str(version)})
+
+    return _application(routes, engine)
+
+
+def _application(routes, engine):
+    """An aiohttp application of ``routes`` that closes ``engine`` on shutdown."""
+    from aiohttp import web
 
     app = web.Application(client_max_size=256 * 1024 * 1024)
     app.add_routes(routes)

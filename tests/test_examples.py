@@ -7,6 +7,8 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
+import urllib.request
 
 import pytest
 
@@ -175,20 +177,49 @@ def test_readme_shell_commands_run(tmp_path):
         if line.strip() and not line.startswith("make ")
     ]
     assert commands, "the README lost its commands"
-    for cmd in commands:
-        assert cmd.startswith(".venv/bin/python "), cmd
-        args = shlex.split(cmd)[1:]  # quoted arguments (a YAML mapping of env_kwargs) stay whole
-        benchmark = args[0].startswith("benchmarks/")  # run from the checkout; they write nothing there
-        cwd = ROOT if benchmark else tmp_path
-        r = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, cmd + "\n" + r.stderr
-        if benchmark:
-            assert "|---|" in r.stdout, cmd  # it printed its table
-        for output_dir in re.findall(r"trainer\.output_dir=(\S+)", cmd):
-            run_dir = tmp_path / output_dir
-            assert (run_dir / "metrics.jsonl").read_text().strip(), cmd
-            assert list(run_dir.glob("checkpoint-*/hf/config.json")), cmd
-            shutil.rmtree(run_dir)  # each checkpoint is about 2 GB; no later command reads it
+    background = []  # servers a command line ending in & starts; stopped at the end
+    try:
+        for cmd in commands:
+            assert cmd.startswith(".venv/bin/python "), cmd
+            args = shlex.split(cmd.removesuffix("&"))[1:]  # quoted arguments (a YAML mapping) stay whole
+            if cmd.endswith("&"):
+                port = re.search(r"--port (\d+)", cmd).group(1)
+                background.append(subprocess.Popen([sys.executable, *args], cwd=tmp_path, stdin=subprocess.PIPE))
+                wait_until_healthy(f"http://127.0.0.1:{port}/health", background[-1], cmd)
+                continue
+            uses_root = args[0].startswith(("benchmarks/", "examples/"))  # they write nothing in the checkout
+            cwd = ROOT if uses_root else tmp_path
+            r = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0, cmd + "\n" + r.stderr
+            if args[0].startswith("benchmarks/"):
+                assert "|---|" in r.stdout, cmd  # it printed its table
+            for output_dir in re.findall(r"trainer\.output_dir=(\S+)", cmd):
+                run_dir = tmp_path / output_dir
+                assert (run_dir / "metrics.jsonl").read_text().strip(), cmd
+                assert list(run_dir.glob("checkpoint-*/hf/config.json")), cmd
+                shutil.rmtree(run_dir)  # each checkpoint is about 2 GB; no later command reads it
+    finally:
+        for proc in background:
+            proc.terminate()
+            proc.wait(timeout=60)
+    served, local = (
+        [json.loads(line)["messages"] for line in (tmp_path / name).read_text().splitlines()]
+        for name in ("served.jsonl", "local.jsonl")
+    )
+    assert sorted(map(json.dumps, served)) == sorted(map(json.dumps, local))  # server= plays as the local model
+
+
+def wait_until_healthy(url: str, proc: subprocess.Popen, cmd: str, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"{cmd} exited with {proc.returncode}"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError(f"{cmd}: {url} did not answer in {timeout:.0f} s")
 
 
 def test_rollout_benchmark_smoke(tiny_dir):

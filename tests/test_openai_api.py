@@ -313,6 +313,7 @@ def test_evaluate_through_a_server_equals_local_evaluation(server, tiny_dir, tmp
     api = evaluate(
         parse_args([*common, f"openai_base_url={server.url}/v1", "openai_model=tiny", f"output={tmp_path}/api.jsonl"])
     )
+    assert [(r.seed, r.index) for r in api] == [(r.seed, r.index) for r in served] == [(r.seed, r.index) for r in local]
     assert [r.messages for r in served] == [r.messages for r in local]  # token in, token out: the same episodes
     assert [r.generated_tokens for r in served] == [r.generated_tokens for r in local]
     assert [r.reward for r in served] == [r.reward for r in local]
