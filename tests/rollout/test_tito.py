@@ -138,3 +138,22 @@ def test_renderer_delta_is_the_render_difference(tokenizer):
     )
     with pytest.raises(ValueError, match="chat template"):
         ChatRenderer(type("T", (), {"chat_template": None})())
+
+
+def test_a_searchqa_episode_masks_every_retrieved_token(tokenizer):
+    """A real multi-turn search episode (the embedded retrieval service): one merged sequence that
+    reads as the rendered conversation, in which only the two actions are trainable."""
+    import rl2gem
+
+    search = action_ids(tokenizer, "<search>capital of France</search>")
+    answer = action_ids(tokenizer, "<answer>Paris</answer>")
+    ep, _, _ = episode(tokenizer, [search, answer], env=lambda: rl2gem.make("rl2/SearchQA-v0", topk=2))
+    assert ep.turns == 2 and len(ep.sequences) == 1 and ep.splits == 0
+    seq = ep.sequences[0]
+    assert tokenizer.decode(seq.input_ids) + "\n" == ChatRenderer(tokenizer).render(ep.messages)
+    trained = [t for t, m in zip(seq.input_ids, seq.action_mask, strict=True) if m]
+    assert trained == search + answer  # nothing the env wrote is trainable
+    information = ep.messages[2]["content"]
+    assert information.startswith("<information>") and len(tokenizer.encode(information)) > 20
+    context = tokenizer.decode([t for t, m in zip(seq.input_ids, seq.action_mask, strict=True) if not m])
+    assert information in context  # the retrieved passages are all in the mask-0 part

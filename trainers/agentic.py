@@ -1,0 +1,270 @@
+"""The agentic pipeline of an env, stage by stage and resumable: oracle episodes -> SFT -> PPO on
+multi-turn rollouts -> evaluation of the base, SFT-only and SFT+RL models on held-out items.
+
+    python -m rl2gem.trainers.agentic searchqa          # the full run (README, "Agentic training")
+    python -m rl2gem.trainers.agentic searchqa --toy    # a few items and one step per stage (CI)
+
+Stages (each a child process; ``--stages`` runs a subset):
+
+1. ``collect``: the env's scripted solver plays the train split (``python -m rl2gem.collect``).
+2. ``sft``: ``trainers/sft.py`` on those episodes (the recipe ``trainers/config/<env>_sft.yaml``).
+3. ``ppo``: ``trainers/ppo.py`` from the SFT model (the recipe ``trainers/config/<env>.yaml``):
+   multi-turn token-in/token-out rollouts, env tokens masked, turns prefix-merged.
+4. ``eval``: ``python -m rl2gem.evaluate`` of each model on the same held-out items (greedy).
+5. ``table``: ``<out>/results.md`` (one row per model: reward, success, EM / F1 and searches where
+   the env reports them, turns, invalid actions, generated tokens, and the tokens prefix merging
+   saved against re-rendering each turn as a new prompt) and ``<out>/results.png``.
+
+Resuming: a stage whose output is complete is skipped (collect and eval write to a temporary file
+renamed at the end; SFT and PPO write ``<out>/<stage>/DONE`` when they exit cleanly), and an
+interrupted SFT or PPO stage continues from its last checkpoint (``trainer.resume=true``). So the
+same command, run again after a crash, picks up where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rl2gem.evaluate import EpisodeRecord, record_sums
+
+__all__ = ["PIPELINES", "Pipeline", "main", "prefix_merging_tokens"]
+
+ROOT = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """One env's pipeline.
+
+    Attributes:
+        env: the env id.
+        collect: ``key=value`` arguments of ``python -m rl2gem.collect`` (the solver's episodes).
+        sft_config / ppo_config: recipe names in ``trainers/config``.
+        eval: ``key=value`` arguments of ``python -m rl2gem.evaluate`` shared by every model.
+        toy: overrides for ``--toy`` per stage (``collect``, ``sft``, ``ppo``, ``eval``).
+    """
+
+    env: str
+    collect: list[str]
+    sft_config: str
+    ppo_config: str
+    eval: list[str]
+    toy: dict[str, list[str]] = field(default_factory=dict)
+
+
+_TOY_TRAIN = ["trainer.total_steps=1", "trainer.eval_at_start=false", "trainer.eval_n=2", "trainer.progress=false"]
+
+PIPELINES: dict[str, Pipeline] = {
+    "searchqa": Pipeline(
+        env="rl2/SearchQA-v0",
+        collect=["n=5000", "env_kwargs.topk=1"],
+        sft_config="searchqa_sft",
+        ppo_config="searchqa",
+        eval=["n=200", "env_kwargs.topk=1", "env_kwargs.max_turns=4", "max_new_tokens=48", "batch_size=32"],
+        toy={
+            "collect": ["n=16"],
+            "sft": [*_TOY_TRAIN, "data.batch_size=4"],
+            "ppo": [*_TOY_TRAIN, "rollout.prompts_per_rollout=2", "rollout.responses_per_prompt=2"],
+            "eval": ["n=2"],
+        },
+    ),
+}
+
+
+def prefix_merging_tokens(records: list[EpisodeRecord], tokenizer) -> tuple[int, int]:
+    """Training tokens of ``records`` as one prefix-merged sequence per episode, and as one sample
+    per turn that re-renders the whole conversation so far as its prompt (what trainers that
+    re-tokenise each turn process).
+
+    Returns:
+        ``(merged, rerendered)`` token counts summed over the episodes.
+    """
+    from rl2gem.rollout.tito import ChatRenderer
+
+    renderer = ChatRenderer(tokenizer)
+    merged = rerendered = 0
+    for r in records:
+        messages = r.messages
+        if not any(m["role"] == "assistant" for m in messages):
+            continue
+        merged += len(renderer.conversation(messages))
+        for i, m in enumerate(messages):
+            if m["role"] == "assistant":
+                rerendered += len(renderer.prompt_ids(messages[:i])) + len(renderer.encode(m["content"])) + 1
+    return merged, rerendered
+
+
+def _run(cmd: list[str], log: Path) -> None:
+    print(f"$ {' '.join(cmd)}  > {log}", flush=True)
+    with open(log, "a") as sink:
+        r = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if r.returncode:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
+        raise SystemExit(f"stage failed (exit {r.returncode}); the last lines of {log}:\n{tail}")
+
+
+def _torchrun(script: str, args: list[str], nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
+
+
+def _checkpoint_hf(run_dir: Path) -> Path:
+    return run_dir / (run_dir / "latest").read_text().strip() / "hf"
+
+
+def _trained(stage: str, config: str, run_dir: Path, extra: list[str], nproc: int, log: Path) -> Path:
+    """Run (or resume) a trainer stage; returns its final Hugging Face export."""
+    if not (run_dir / "DONE").exists():
+        args = [f"config={config}", f"trainer.output_dir={run_dir}", "trainer.resume=true", *extra]
+        _run(_torchrun(str(ROOT / f"{stage}.py"), args, nproc), log)
+        (run_dir / "DONE").write_text(time.strftime("%Y-%m-%d %H:%M:%S\n"))
+    return _checkpoint_hf(run_dir)
+
+
+def _evaluate(pipe: Pipeline, label: str, model: str, out: Path, extra: list[str]) -> Path:
+    path = out / "eval" / f"{label}.jsonl"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".partial")
+        tmp.unlink(missing_ok=True)
+        args = [
+            f"env={pipe.env}",
+            f"model={model}",
+            "split=test",
+            *pipe.eval,
+            *extra,
+            f"output={tmp}",
+            "progress=false",
+        ]
+        _run([sys.executable, "-m", "rl2gem.evaluate", *args], out / "eval" / f"{label}.log")
+        tmp.rename(path)
+    return path
+
+
+def _records(path: Path) -> list[EpisodeRecord]:
+    return [EpisodeRecord(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _summary(records: list[EpisodeRecord]) -> dict[str, float]:
+    """Per-episode means of ``records`` (EM, F1 and searches are 0 where the env reports none)."""
+    sums = record_sums(records)
+    n = max(sums["episodes"], 1.0)
+    names = {"success": "success", "reward": "reward", "em": "em", "f1": "f1", "searches": "searches"}
+    names.update(turns="turns", invalid="invalid_actions", tokens="response_tokens")
+    return {"episodes": len(records), **{name: sums[key] / n for name, key in names.items()}}
+
+
+def table(out: Path, models: dict[str, str]) -> str:
+    """The results table of ``<out>/eval/<label>.jsonl`` (and ``results.png``)."""
+    from transformers import AutoTokenizer
+
+    from rl2gem.models import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(models["base"]))
+    rows, stats = [], {}
+    for label in models:
+        records = _records(out / "eval" / f"{label}.jsonl")
+        merged, rerendered = prefix_merging_tokens(records, tokenizer)
+        s = _summary(records)
+        s["saved"] = 1.0 - merged / rerendered if rerendered else 0.0
+        stats[label] = s
+        rows.append(
+            f"| {label} | {s['episodes']} | {s['em']:.3f} | {s['f1']:.3f} | {s['success']:.3f} | {s['reward']:.3f} | "
+            f"{s['searches']:.2f} | {s['turns']:.2f} | {s['invalid']:.2f} | {s['tokens']:.1f} | "
+            f"{merged} / {rerendered} ({100 * s['saved']:.0f}% saved) |"
+        )
+    text = "\n".join(
+        [
+            "| model | episodes | EM | F1 | success | reward | searches / ep | turns / ep | invalid / ep | "
+            "generated tokens / ep | training tokens: prefix-merged / re-rendered |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            *rows,
+        ]
+    )
+    (out / "results.md").write_text(text + "\n")
+    _plot(out, stats)
+    return text
+
+
+def _plot(out: Path, stats: dict[str, dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    names = ["em", "f1", "success"]
+    width = 0.8 / len(stats)
+    for i, (label, s) in enumerate(stats.items()):
+        axes[0].bar([j + i * width for j in range(len(names))], [s[n] for n in names], width, label=label)
+    axes[0].set_xticks([j + width * (len(stats) - 1) / 2 for j in range(len(names))], ["EM", "F1", "success"])
+    axes[0].set_ylim(0, 1)
+    axes[0].set_title("held-out items, greedy")
+    axes[0].legend()
+    curve = out / "ppo" / "metrics.jsonl"
+    if curve.exists():
+        points = {}
+        for line in curve.read_text().splitlines():
+            row = json.loads(line)
+            key = "eval/em" if "eval/em" in row else "eval/success"
+            if key in row:
+                points[row["step"]] = row[key]
+        if points:
+            axes[1].plot(list(points), list(points.values()), marker="o")
+            axes[1].set_xlabel("PPO step")
+            axes[1].set_ylabel("held-out EM (trainer's evaluation)")
+            axes[1].set_title("during RL")
+    fig.tight_layout()
+    fig.savefig(out / "results.png", dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m rl2gem.trainers.agentic", description=__doc__.split("\n\n")[0])
+    p.add_argument("env", choices=sorted(PIPELINES))
+    p.add_argument("--out", default=None, help="run folder (default runs/agentic-<env>[-toy])")
+    p.add_argument("--toy", action="store_true", help="a few items and one step per stage (CI)")
+    p.add_argument("--stages", default="collect,sft,ppo,eval,table")
+    p.add_argument("--nproc", type=int, default=2, help="ranks of the SFT and PPO stages")
+    p.add_argument("--base", default="smollm2-135m-instruct", help="the base model")
+    args = p.parse_args(argv)
+    pipe = PIPELINES[args.env]
+    out = Path(args.out or f"runs/agentic-{args.env}{'-toy' if args.toy else ''}").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    stages = args.stages.split(",")
+    toy = pipe.toy if args.toy else {}
+    oracle = out / "oracle.jsonl"
+    if "collect" in stages and not oracle.exists():
+        tmp = out / "oracle.partial"
+        collect = [f"env={pipe.env}", "policy=solver", "split=train", *pipe.collect, *toy.get("collect", [])]
+        _run([sys.executable, "-m", "rl2gem.collect", *collect, f"output={tmp}", "progress=false"], out / "collect.log")
+        tmp.rename(oracle)
+    common = [f"actor.model={args.base}", "trainer.progress=false"]
+    models = {"base": args.base}
+    if "sft" in stages:
+        extra = [*common, f"data.train={oracle}", *toy.get("sft", [])]
+        models["sft"] = str(_trained("sft", pipe.sft_config, out / "sft", extra, args.nproc, out / "sft.log"))
+    elif (out / "sft" / "latest").exists():
+        models["sft"] = str(_checkpoint_hf(out / "sft"))
+    if "ppo" in stages:
+        extra = ["trainer.progress=false", f"actor.model={models['sft']}", *toy.get("ppo", [])]
+        models["sft+rl"] = str(_trained("ppo", pipe.ppo_config, out / "ppo", extra, args.nproc, out / "ppo.log"))
+    elif (out / "ppo" / "latest").exists():
+        models["sft+rl"] = str(_checkpoint_hf(out / "ppo"))
+    if "eval" in stages:
+        for label, model in models.items():
+            _evaluate(pipe, label, model, out, toy.get("eval", []))
+    if "table" in stages:
+        print(table(out, {k: v for k, v in models.items() if (out / "eval" / f"{k}.jsonl").exists()}))
+        print(f"table: {out / 'results.md'}  plot: {out / 'results.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
