@@ -67,7 +67,7 @@ PIPELINES: dict[str, Pipeline] = {
         collect=["n=5000", "env_kwargs.topk=1"],
         sft_config="searchqa_sft",
         ppo_config="searchqa",
-        eval=["n=200", "env_kwargs.topk=1", "env_kwargs.max_turns=4", "max_new_tokens=48", "batch_size=32"],
+        eval=["n=200", "env_kwargs.topk=3", "env_kwargs.max_turns=4", "max_new_tokens=48", "batch_size=32"],
         toy={
             "collect": ["n=16"],
             "sft": [*_TOY_TRAIN, "data.batch_size=4"],
@@ -209,17 +209,20 @@ def _plot(out: Path, stats: dict[str, dict]) -> None:
     axes[0].legend()
     curve = out / "ppo" / "metrics.jsonl"
     if curve.exists():
-        points = {}
+        reward, held_out = {}, {}
         for line in curve.read_text().splitlines():
             row = json.loads(line)
-            key = "eval/em" if "eval/em" in row else "eval/success"
-            if key in row:
-                points[row["step"]] = row[key]
-        if points:
-            axes[1].plot(list(points), list(points.values()), marker="o")
-            axes[1].set_xlabel("PPO step")
-            axes[1].set_ylabel("held-out EM (trainer's evaluation)")
-            axes[1].set_title("during RL")
+            if "rollout/reward" in row:
+                reward[row["step"]] = row["rollout/reward"]
+            if "eval/em" in row or "eval/success" in row:
+                held_out[row["step"]] = row.get("eval/em", row.get("eval/success"))
+        axes[1].plot(list(reward), list(reward.values()), marker=".", label="rollout reward (train questions)")
+        if held_out:
+            axes[1].plot(list(held_out), list(held_out.values()), marker="o", label="held-out EM")
+        axes[1].set_xlabel("PPO step")
+        axes[1].set_ylim(0, 1)
+        axes[1].set_title("during RL")
+        axes[1].legend()
     fig.tight_layout()
     fig.savefig(out / "results.png", dpi=110)
     plt.close(fig)
