@@ -1,8 +1,10 @@
 """The agentic pipeline of an env, stage by stage and resumable: oracle episodes -> SFT -> PPO on
 multi-turn rollouts -> evaluation of the base, SFT-only and SFT+RL models on held-out items.
+Pipelines: ``searchqa`` (rl2/SearchQA-v0) and ``guess`` (rl2/GuessTheNumber-v0).
 
     python -m rl2gem.trainers.agentic searchqa          # the full run (README, "Agentic training")
     python -m rl2gem.trainers.agentic searchqa --toy    # a few items and one step per stage (CI)
+    python -m rl2gem.trainers.agentic guess             # the second env
 
 Stages (each a child process; ``--stages`` runs a subset):
 
@@ -68,6 +70,19 @@ PIPELINES: dict[str, Pipeline] = {
         sft_config="searchqa_sft",
         ppo_config="searchqa",
         eval=["n=200", "env_kwargs.topk=3", "env_kwargs.max_turns=4", "max_new_tokens=48", "batch_size=32"],
+        toy={
+            "collect": ["n=16"],
+            "sft": [*_TOY_TRAIN, "data.batch_size=4"],
+            "ppo": [*_TOY_TRAIN, "rollout.prompts_per_rollout=2", "rollout.responses_per_prompt=2"],
+            "eval": ["n=2"],
+        },
+    ),
+    "guess": Pipeline(
+        env="rl2/GuessTheNumber-v0",
+        collect=["n=2000"],
+        sft_config="guess_sft",
+        ppo_config="guess",
+        eval=["n=200", "seed=100000", "max_new_tokens=16", "batch_size=64"],
         toy={
             "collect": ["n=16"],
             "sft": [*_TOY_TRAIN, "data.batch_size=4"],
@@ -152,12 +167,28 @@ def _records(path: Path) -> list[EpisodeRecord]:
 
 
 def _summary(records: list[EpisodeRecord]) -> dict[str, float]:
-    """Per-episode means of ``records`` (EM, F1 and searches are 0 where the env reports none)."""
+    """Per-episode means of ``records``, and ``reported`` (the names among em, f1 and searches that
+    the env reports)."""
     sums = record_sums(records)
     n = max(sums["episodes"], 1.0)
     names = {"success": "success", "reward": "reward", "em": "em", "f1": "f1", "searches": "searches"}
     names.update(turns="turns", invalid="invalid_actions", tokens="response_tokens")
-    return {"episodes": len(records), **{name: sums[key] / n for name, key in names.items()}}
+    reported = {name for name in ("em", "f1", "searches") if sums.get(f"reported/{name}", 0.0) > 0}
+    return {"episodes": len(records), "reported": reported, **{name: sums[key] / n for name, key in names.items()}}
+
+
+#: The table's columns: (header, summary key, format); EM, F1 and searches only where the env reports them.
+_COLUMNS = [
+    ("episodes", "episodes", "{:d}"),
+    ("EM", "em", "{:.3f}"),
+    ("F1", "f1", "{:.3f}"),
+    ("success", "success", "{:.3f}"),
+    ("reward", "reward", "{:.3f}"),
+    ("searches / ep", "searches", "{:.2f}"),
+    ("turns / ep", "turns", "{:.2f}"),
+    ("invalid / ep", "invalid", "{:.2f}"),
+    ("generated tokens / ep", "tokens", "{:.1f}"),
+]
 
 
 def table(out: Path, models: dict[str, str]) -> str:
@@ -167,26 +198,22 @@ def table(out: Path, models: dict[str, str]) -> str:
     from rl2gem.models import resolve_model
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(models["base"]))
-    rows, stats = [], {}
+    stats, merging = {}, {}
     for label in models:
         records = _records(out / "eval" / f"{label}.jsonl")
-        merged, rerendered = prefix_merging_tokens(records, tokenizer)
-        s = _summary(records)
-        s["saved"] = 1.0 - merged / rerendered if rerendered else 0.0
-        stats[label] = s
-        rows.append(
-            f"| {label} | {s['episodes']} | {s['em']:.3f} | {s['f1']:.3f} | {s['success']:.3f} | {s['reward']:.3f} | "
-            f"{s['searches']:.2f} | {s['turns']:.2f} | {s['invalid']:.2f} | {s['tokens']:.1f} | "
-            f"{merged} / {rerendered} ({100 * s['saved']:.0f}% saved) |"
-        )
-    text = "\n".join(
-        [
-            "| model | episodes | EM | F1 | success | reward | searches / ep | turns / ep | invalid / ep | "
-            "generated tokens / ep | training tokens: prefix-merged / re-rendered |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-            *rows,
-        ]
-    )
+        merging[label] = prefix_merging_tokens(records, tokenizer)
+        merged, rerendered = merging[label]
+        stats[label] = _summary(records)
+        stats[label]["saved"] = 1.0 - merged / rerendered if rerendered else 0.0
+    reported = set().union(*(s["reported"] for s in stats.values()))
+    columns = [c for c in _COLUMNS if c[1] not in ("em", "f1", "searches") or c[1] in reported]
+    rows = []
+    for label, s in stats.items():
+        merged, rerendered = merging[label]
+        cells = [fmt.format(s[key]) for _, key, fmt in columns]
+        rows.append(f"| {label} | {' | '.join(cells)} | {merged} / {rerendered} ({100 * s['saved']:.0f}% saved) |")
+    header = ["model", *(name for name, _, _ in columns), "training tokens: prefix-merged / re-rendered"]
+    text = "\n".join(["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|", *rows])
     (out / "results.md").write_text(text + "\n")
     _plot(out, stats)
     return text
@@ -199,11 +226,14 @@ def _plot(out: Path, stats: dict[str, dict]) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    names = ["em", "f1", "success"]
+    names = [n for n in ("em", "f1", "success") if n == "success" or any(n in s["reported"] for s in stats.values())]
     width = 0.8 / len(stats)
     for i, (label, s) in enumerate(stats.items()):
         axes[0].bar([j + i * width for j in range(len(names))], [s[n] for n in names], width, label=label)
-    axes[0].set_xticks([j + width * (len(stats) - 1) / 2 for j in range(len(names))], ["EM", "F1", "success"])
+    axes[0].set_xticks(
+        [j + width * (len(stats) - 1) / 2 for j in range(len(names))],
+        [n.upper() if n != "success" else n for n in names],
+    )
     axes[0].set_ylim(0, 1)
     axes[0].set_title("held-out items, greedy")
     axes[0].legend()
@@ -218,7 +248,7 @@ def _plot(out: Path, stats: dict[str, dict]) -> None:
                 held_out[row["step"]] = row.get("eval/em", row.get("eval/success"))
         axes[1].plot(list(reward), list(reward.values()), marker=".", label="rollout reward (train questions)")
         if held_out:
-            axes[1].plot(list(held_out), list(held_out.values()), marker="o", label="held-out EM")
+            axes[1].plot(list(held_out), list(held_out.values()), marker="o", label="held-out EM (success where none)")
         axes[1].set_xlabel("PPO step")
         axes[1].set_ylim(0, 1)
         axes[1].set_title("during RL")

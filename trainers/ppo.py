@@ -72,6 +72,9 @@ from rl2gem.training.worker import Worker, setup_distributed
 
 CONFIG = Path(__file__).with_name("config") / "ppo.yaml"
 
+#: ``actor.old_logprobs``: where the PPO ratio's denominator comes from (see :meth:`PPOTrainer.old_logprob_source`).
+OLD_LOGPROBS = ("auto", "recompute", "rollout")
+
 
 def check_config(cfg) -> None:
     """Combinations of values that cannot work together.
@@ -88,6 +91,16 @@ def check_config(cfg) -> None:
         raise ConfigError(
             f"kl.in_reward=true needs token-level credit (adv.estimator one of {list(CRITIC_ESTIMATORS)}), got "
             f"adv.estimator={cfg.adv.estimator}; use kl.in_reward=false (a KL loss term) with outcome estimators"
+        )
+    if cfg.actor.old_logprobs not in OLD_LOGPROBS:
+        raise ConfigError(f"actor.old_logprobs={cfg.actor.old_logprobs!r} is not one of {list(OLD_LOGPROBS)}")
+    if cfg.actor.old_logprobs == "rollout" and (
+        cfg.actor.update_per_rollout != 1 or cfg.actor.minibatches_per_update != 1
+    ):
+        raise ConfigError(
+            "actor.old_logprobs=rollout needs an exactly on-policy update (actor.update_per_rollout=1 and "
+            f"actor.minibatches_per_update=1), got {cfg.actor.update_per_rollout} and "
+            f"{cfg.actor.minibatches_per_update}; use actor.old_logprobs=recompute or auto"
         )
     constraints(cfg)
     reward_objectives(cfg)
@@ -201,6 +214,8 @@ class PPOTrainer(Trainer):
         )
         self.peak_flops = peak_flops_from_config(c.trainer.peak_flops, self.device, self.actor.dtype)
         self.step, self.loop, self.reward_model = 0, asyncio.new_event_loop(), None
+        self.rollout_logprobs_match: bool | None = None  # actor.old_logprobs=auto: None until checked
+        self.old_from_rollout = False  # this step's old log-probs are the engine's
         if c.reward.model:  # every rank scores its own episodes with a full copy
             self.reward_model = RewardModel(
                 c.reward.model, device=self.device, dtype=self.actor.dtype, chat_template=c.rollout.chat_template
@@ -248,15 +263,50 @@ class PPOTrainer(Trainer):
         return samples, metrics
 
     # ------------------------------------------------------------------ 2. score
+    def old_logprob_source(self, samples) -> str:
+        """``"rollout"``, ``"recompute"`` or ``"check"`` (recompute, and compare with the rollout's).
+
+        The PPO ratio's denominator is the log-prob of each action token under the policy that
+        sampled it. When the update is exactly on-policy (one pass, one minibatch, every action
+        token sampled by the weights being trained) that policy is the trainer's current one, whose
+        log-probs the engine already returned: recomputing them is a forward pass for nothing (the
+        ``recompute_logprob`` choice of verl). That holds only where the engine and the trainer
+        compute the same numbers (same precision and kernels), so ``actor.old_logprobs=auto``
+        recomputes in its first step, compares, and uses the rollout's from the next step on only
+        if the largest difference over action tokens is within ``actor.old_logprobs_tolerance``
+        (``actor/old_logprob_max_diff``); ``rollout`` trusts the engine without the check;
+        ``recompute`` always recomputes. Steps with tokens from an older policy version (partial
+        rollouts) always recompute.
+        """
+        a = self.cfg.actor
+        on_policy = (
+            a.update_per_rollout == 1
+            and a.minibatches_per_update == 1
+            and all(v == self.step for s in samples for v, m in zip(s.versions, s.mask, strict=True) if m)
+        )
+        if a.old_logprobs == "recompute" or not on_policy:
+            return "recompute"
+        if a.old_logprobs == "rollout":
+            return "rollout"
+        return {None: "check", True: "rollout", False: "recompute"}[self.rollout_logprobs_match]
+
     @torch.no_grad()
     def score(self, samples, micro_batches) -> tuple[list[dict], dict]:
-        """Old and reference log-probs per micro-batch; with a critic, KL in the reward, values and GAE."""
+        """Old (:meth:`old_logprob_source`) and reference log-probs per micro-batch; with a critic,
+        KL in the reward, values and GAE."""
         c, temperature = self.cfg, self.cfg.rollout.temperature or 1.0
         scores, values = [], Averager()
+        source, max_diff = self.old_logprob_source(samples), torch.zeros((), device=self.device)
         for mb in micro_batches:
             part = [samples[i] for i in mb.indices]
             ids = [s.ids for s in part]
-            sc = {"old": token_logprobs(self.actor.model, ids, self.device, temperature=temperature)[0]}
+            if source == "rollout":
+                sc = {"old": packed(part, "rollout_logprobs", self.device)}
+            else:
+                sc = {"old": token_logprobs(self.actor.model, ids, self.device, temperature=temperature)[0]}
+                if source == "check" and not mb.placeholder:
+                    diff = (sc["old"] - packed(part, "rollout_logprobs", self.device)).abs()
+                    max_diff = torch.maximum(max_diff, (diff * packed(part, "mask", self.device)).max())
             if self.ref is not None:
                 sc["ref"] = token_logprobs(self.ref.model, ids, self.device, temperature=temperature)[0]
             if self.critic is not None:
@@ -272,7 +322,22 @@ class PPOTrainer(Trainer):
                     weight=mb.scale * float(mask.sum()),
                 )
             scores.append(sc)
-        return scores, (values.means("critic/") if self.critic is not None else {})
+        metrics = values.means("critic/") if self.critic is not None else {}
+        if source == "check":  # every rank decides alike: the largest difference over all ranks
+            dist.all_reduce(max_diff, op=dist.ReduceOp.MAX)
+            tolerance = float(c.actor.old_logprobs_tolerance)
+            self.rollout_logprobs_match = float(max_diff) <= tolerance
+            metrics["actor/old_logprob_max_diff"] = float(max_diff)
+            if self.rank == 0:
+                verdict = "uses them from now on" if self.rollout_logprobs_match else "keeps recomputing"
+                print(
+                    f"actor.old_logprobs=auto: the engine's log-probs differ from the trainer's by at most "
+                    f"{float(max_diff):.2e} (tolerance {tolerance:g}): the trainer {verdict}",
+                    flush=True,
+                )
+        self.old_from_rollout = source == "rollout"
+        metrics["actor/old_logprobs_from_rollout"] = float(self.old_from_rollout)
+        return scores, metrics
 
     # ------------------------------------------------------------------ 3. update
     def update(self, samples, micro_batches, scores) -> dict:
@@ -306,6 +371,7 @@ class PPOTrainer(Trainer):
         )
         mask = packed(part, "mask", self.device, torch.bool)
         rollout_logprobs = packed(part, "rollout_logprobs", self.device)
+        trainer_logprobs = logprobs.detach() if self.old_from_rollout else sc["old"]
         weights = scale * packed_loss_weights(
             [s.mask for s in part], a.loss_agg, float(c.rollout.max_length), **totals
         ).to(self.device)
@@ -327,7 +393,9 @@ class PPOTrainer(Trainer):
             "clip_ratio": m["clip_ratio"],
             "entropy": float((entropy.detach() * mask).sum() / n),
             "is_weight": float((is_weights * mask).sum() / n),
-            "mismatch_kl": float((kl_estimate(rollout_logprobs, sc["old"], "k3") * mask).sum() / n),
+            # the trainer's log-probs before this update against the engine's (measured even when the
+            # old log-probs are the engine's: on-policy, this pass's forward is the one it skipped)
+            "mismatch_kl": float((kl_estimate(rollout_logprobs, trainer_logprobs, "k3") * mask).sum() / n),
             **({"kl": float((kl.detach() * mask).sum() / n)} if self.ref is not None else {}),
         }
         if self.critic is not None:

@@ -338,6 +338,9 @@ def test_gae_critic_run_with_kl_in_reward(tiny_dir, tmp_path):
     assert (out / "checkpoint-3" / "dcp").exists()
     assert steps[1]["rollout/stale_token_fraction"] == 0
     assert max(steps[s]["rollout/stale_token_fraction"] for s in (2, 3)) > 0
+    for s in (2, 3):  # tokens of an older policy: the old log-probs are recomputed, never the engine's
+        if steps[s]["rollout/stale_token_fraction"] > 0:
+            assert steps[s]["actor/old_logprobs_from_rollout"] == 0.0
     assert "eval/success" in logged_steps(out / "metrics.jsonl", "eval/success")[3]
     # the exponential controller, by hand from the logged KL: x1.5 above the target, x0.5 below
     coef = 1.0
@@ -349,6 +352,46 @@ def test_gae_critic_run_with_kl_in_reward(tiny_dir, tmp_path):
     assert r.returncode != 0 and "kl.in_reward=true needs" in r.stderr
     r = run_module("rl2gem.trainers.ppo", "kl.adaptive.type=bang_bang")
     assert r.returncode != 0 and "kl.adaptive" in r.stderr and "proportional" in r.stderr
+
+
+def test_on_policy_steps_use_the_rollout_logprobs_and_equal_recomputing_them(tiny_dir, tmp_path):
+    """actor.old_logprobs=auto recomputes in step 1, finds the engine's log-probs within tolerance
+    of the trainer's, and from step 2 on skips the forward: its steps equal a run that always
+    recomputes. With a tolerance nothing meets, auto keeps recomputing; the rollout choice is
+    refused where the update is not exactly on-policy."""
+    runs = {}
+    for name, option in [("auto", "auto"), ("recompute", "recompute"), ("strict", "auto")]:
+        out = tmp_path / name
+        torchrun(
+            1,
+            *arithmetic_run(tiny_dir),
+            "rollout.max_new_tokens=8",
+            *MOVING_WEIGHTS,
+            "reward.transform=tests.toy_envs:even_token_reward",  # rewards that differ within a group
+            f"actor.old_logprobs={option}",
+            *(["actor.old_logprobs_tolerance=-1"] if name == "strict" else []),
+            "trainer.total_steps=3",
+            "trainer.eval_at_start=false",
+            "trainer.eval_n=2",
+            f"trainer.output_dir={out}",
+            "trainer.progress=false",
+        )
+        runs[name] = logged_steps(out / "metrics.jsonl", "actor/pg_loss")
+    auto, recompute, strict = runs["auto"], runs["recompute"], runs["strict"]
+    assert [auto[s]["actor/old_logprobs_from_rollout"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    assert 0.0 <= auto[1]["actor/old_logprob_max_diff"] <= 1e-3  # the engine's log-probs are the trainer's
+    assert all(recompute[s]["actor/old_logprobs_from_rollout"] == 0.0 for s in (1, 2, 3))
+    assert all(strict[s]["actor/old_logprobs_from_rollout"] == 0.0 for s in (1, 2, 3))
+    assert "actor/old_logprob_max_diff" not in recompute[1]
+    for step in (1, 2):  # same samples (same weights after step 1), the same update
+        assert auto[step]["rollout/reward"] == recompute[step]["rollout/reward"]
+        assert auto[step]["actor/pg_loss"] != 0.0
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/mismatch_kl"):
+            assert auto[step][key] == pytest.approx(recompute[step][key], rel=1e-4, abs=1e-7), (step, key)
+    r = run_module("rl2gem.trainers.ppo", "actor.old_logprobs=rollout", "actor.update_per_rollout=2")
+    assert r.returncode == 2 and "exactly on-policy" in r.stderr
+    r = run_module("rl2gem.trainers.ppo", "actor.old_logprobs=engine")
+    assert r.returncode == 2 and "actor.old_logprobs" in r.stderr
 
 
 @pytest.mark.parametrize(
