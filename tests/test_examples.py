@@ -79,27 +79,6 @@ def test_evaluate_rejects_unknown_keys_with_a_suggestion():
 
 
 @pytest.mark.slow
-def test_evaluate_with_the_real_smollm2_model(tmp_path):
-    out = tmp_path / "gsm8k.jsonl"
-    stdout = run(
-        "-m",
-        "rl2gem.evaluate",
-        "env=rl2/GSM8K-v0",
-        "model=smollm2-135m-instruct",
-        "n=2",
-        "batch_size=2",
-        "max_new_tokens=48",
-        f"output={out}",
-        "progress=false",
-        timeout=900,
-    )
-    records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(records) == 2 and all(0 < r["generated_tokens"] <= 48 for r in records)
-    assert all(r["messages"][-1]["role"] == "assistant" and r["messages"][-1]["content"] for r in records)
-    assert "generated tokens / s" in stdout
-
-
-@pytest.mark.slow
 def test_evaluate_renders_tools_with_the_chat_template(tmp_path):
     out = tmp_path / "pymath.jsonl"
     stdout = run(
@@ -198,15 +177,26 @@ def test_readme_shell_commands_run(tmp_path):
                 assert (run_dir / "metrics.jsonl").read_text().strip(), cmd
                 assert list(run_dir.glob("checkpoint-*/hf/config.json")), cmd
                 shutil.rmtree(run_dir)  # each checkpoint is about 2 GB; no later command reads it
+            for pipeline_dir in re.findall(r"rl2gem\.trainers\.agentic .*--out (\S+)", cmd):
+                run_dir = tmp_path / pipeline_dir
+                rows = [row.split(" | ")[0] for row in (run_dir / "results.md").read_text().splitlines()[2:]]
+                assert rows == ["| base", "| sft", "| sft+rl"], cmd  # every stage ran, every model evaluated
+                assert (run_dir / "sft" / "DONE").exists() and (run_dir / "ppo" / "DONE").exists(), cmd
+                assert (run_dir / "results.png").stat().st_size > 1000, cmd
+                shutil.rmtree(run_dir)
     finally:
         for proc in background:
             proc.terminate()
             proc.wait(timeout=60)
     served, local = (
-        [json.loads(line)["messages"] for line in (tmp_path / name).read_text().splitlines()]
+        [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
         for name in ("served.jsonl", "local.jsonl")
     )
-    assert sorted(map(json.dumps, served)) == sorted(map(json.dumps, local))  # server= plays as the local model
+    # the real model played: 2 episodes of at most 2 turns of at most 24 new tokens each
+    assert len(local) == 2 and all(0 < r["generated_tokens"] <= 2 * 24 for r in local)
+    assert all(m["content"] for r in local for m in r["messages"] if m["role"] == "assistant")
+    same = [sorted(json.dumps(r["messages"]) for r in records) for records in (served, local)]
+    assert same[0] == same[1]  # server= plays as the local model
 
 
 def wait_until_healthy(url: str, proc: subprocess.Popen, cmd: str, timeout: float = 300.0) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -483,6 +484,7 @@ class Rollout:
     def _metrics(self, groups, m: Counter, before: Counter, launched: int, seconds: float) -> dict[str, float]:
         eps = [e for g in groups for e in g]
         n = max(len(eps), 1)
+        multi = [[e.reward for e in g] for g in groups if len(g) > 1]  # groups with a within-group baseline
         done = len(groups) + m["filtered"] + m["dropped_stale"]
         delta = self.stats - before
         out = {
@@ -497,6 +499,9 @@ class Rollout:
             "rollout/sequences": float(sum(len(e.sequences) for e in eps)),
             "rollout/splits": float(sum(e.splits for e in eps)),
             "rollout/truncated": sum(e.truncated for e in eps) / n,
+            # groups whose samples all got the same reward: a group baseline gives them zero advantage
+            "rollout/zero_variance_groups": sum(len(set(r)) == 1 for r in multi) / len(multi) if multi else 0.0,
+            "rollout/group_reward_std": sum(statistics.pstdev(r) for r in multi) / len(multi) if multi else 0.0,
             "rollout/filtered_ratio": m["filtered"] / done if done else 0.0,
             "rollout/dropped_stale": float(m["dropped_stale"]),
             "rollout/carried_over": float(m["carried_over"]),

@@ -88,6 +88,23 @@ def test_dynamic_filter_drops_equal_reward_groups(tokenizer):
     assert batch.metrics["rollout/filtered_ratio"] == 1.0 and batch.metrics["rollout/groups_started"] == 4
 
 
+def test_group_reward_variance_metrics_by_hand(tokenizer):
+    """rollout/zero_variance_groups (groups a group baseline gives zero advantage) and
+    rollout/group_reward_std on three hand-made groups."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    def group(*rewards):
+        fields = dict(num_action_tokens=1, turns=1, num_tokens=2, sequences=[None], splits=0, truncated=False)
+        return [SimpleNamespace(reward=r, **fields) for r in rewards]
+
+    ro = Rollout(EmbeddedEngine(tiny_model()), tokenizer, ENV, RolloutConfig(responses_per_prompt=2))
+    m = ro._metrics([group(1.0, 1.0), group(0.0, 1.0), group(0.0, 0.0)], Counter(), Counter(), 3, 0.0)
+    assert m["rollout/zero_variance_groups"] == pytest.approx(2 / 3)
+    assert m["rollout/group_reward_std"] == pytest.approx(0.5 / 3)  # population std of (0, 1) is 0.5
+    assert ro._metrics([group(1.0)], Counter(), Counter(), 1, 0.0)["rollout/zero_variance_groups"] == 0.0
+
+
 def test_partial_rollouts_keep_every_token_across_pause_and_weight_update(tokenizer):
     max_new = 48
 
