@@ -79,15 +79,20 @@ PIPELINES: dict[str, Pipeline] = {
     ),
     "guess": Pipeline(
         env="rl2/GuessTheNumber-v0",
-        collect=["n=2000"],
+        collect=["n=2000", "env_kwargs.difficulty=expert"],
         sft_config="guess_sft",
         ppo_config="guess",
-        eval=["n=200", "seed=100000", "max_new_tokens=16", "batch_size=64"],
-        toy={
-            "collect": ["n=16"],
-            "sft": [*_TOY_TRAIN, "data.batch_size=4"],
-            "ppo": [*_TOY_TRAIN, "rollout.prompts_per_rollout=2", "rollout.responses_per_prompt=2"],
-            "eval": ["n=2"],
+        eval=["n=200", "seed=100000", "env_kwargs.difficulty=expert", "max_new_tokens=16", "batch_size=64"],
+        toy={  # the easy preset (1..10 in 4 guesses): a toy run checks the stages, not the game
+            "collect": ["n=16", "env_kwargs.difficulty=easy"],
+            "sft": [*_TOY_TRAIN, "data.batch_size=4", "trainer.eval_env_kwargs.difficulty=easy"],
+            "ppo": [
+                *_TOY_TRAIN,
+                "rollout.prompts_per_rollout=2",
+                "rollout.responses_per_prompt=2",
+                "env_kwargs.difficulty=easy",
+            ],
+            "eval": ["n=2", "env_kwargs.difficulty=easy"],
         },
     ),
 }
