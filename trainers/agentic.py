@@ -63,6 +63,20 @@ class Pipeline:
 
 _TOY_TRAIN = ["trainer.total_steps=1", "trainer.eval_at_start=false", "trainer.eval_n=2", "trainer.progress=false"]
 
+
+def _toy(env_kwargs: dict[str, str] | None = None) -> dict[str, list[str]]:
+    """``--toy`` overrides per stage: 16 solver episodes, one SFT and one PPO step on 2 x 2 episodes,
+    2 evaluation episodes per model; ``env_kwargs`` set in every stage."""
+    kwargs = [f"env_kwargs.{k}={v}" for k, v in (env_kwargs or {}).items()]
+    eval_kwargs = [f"trainer.eval_env_kwargs.{k}={v}" for k, v in (env_kwargs or {}).items()]
+    return {
+        "collect": ["n=16", *kwargs],
+        "sft": [*_TOY_TRAIN, "data.batch_size=4", *eval_kwargs],
+        "ppo": [*_TOY_TRAIN, "rollout.prompts_per_rollout=2", "rollout.responses_per_prompt=2", *kwargs],
+        "eval": ["n=2", *kwargs],
+    }
+
+
 PIPELINES: dict[str, Pipeline] = {
     "searchqa": Pipeline(
         env="rl2/SearchQA-v0",
@@ -70,12 +84,7 @@ PIPELINES: dict[str, Pipeline] = {
         sft_config="searchqa_sft",
         ppo_config="searchqa",
         eval=["n=200", "env_kwargs.topk=3", "env_kwargs.max_turns=4", "max_new_tokens=48", "batch_size=32"],
-        toy={
-            "collect": ["n=16"],
-            "sft": [*_TOY_TRAIN, "data.batch_size=4"],
-            "ppo": [*_TOY_TRAIN, "rollout.prompts_per_rollout=2", "rollout.responses_per_prompt=2"],
-            "eval": ["n=2"],
-        },
+        toy=_toy(),
     ),
     "guess": Pipeline(
         env="rl2/GuessTheNumber-v0",
@@ -83,17 +92,7 @@ PIPELINES: dict[str, Pipeline] = {
         sft_config="guess_sft",
         ppo_config="guess",
         eval=["n=200", "seed=100000", "env_kwargs.difficulty=expert", "max_new_tokens=16", "batch_size=64"],
-        toy={  # the easy preset (1..10 in 4 guesses): a toy run checks the stages, not the game
-            "collect": ["n=16", "env_kwargs.difficulty=easy"],
-            "sft": [*_TOY_TRAIN, "data.batch_size=4", "trainer.eval_env_kwargs.difficulty=easy"],
-            "ppo": [
-                *_TOY_TRAIN,
-                "rollout.prompts_per_rollout=2",
-                "rollout.responses_per_prompt=2",
-                "env_kwargs.difficulty=easy",
-            ],
-            "eval": ["n=2", "env_kwargs.difficulty=easy"],
-        },
+        toy=_toy({"difficulty": "easy"}),  # 1..10 in 4 guesses: a toy run checks the stages, not the game
     ),
 }
 
