@@ -137,6 +137,7 @@ def load_sharded(
     head: str = "lm",
     tp_mesh=None,
     sp_group=None,
+    adapt=None,
 ):
     """Meta-device init on every rank, shard, then broadcast rank 0's weights into the shards.
 
@@ -147,6 +148,9 @@ def load_sharded(
             per-token model with the head's bias frozen at 0, for a reward model read at a
             sequence's last token (exported as ``AutoModelForSequenceClassification``, whose
             head has no bias; per-token outputs are what FSDP's backward hooks see).
+        adapt: called with the meta-device model and with rank 0's loaded one before sharding, to
+            add the same parameters to both (LoRA adapters: :func:`rl2gem.training.lora.inject`);
+            rank 0's values of the new parameters are broadcast with the checkpoint's.
 
     Returns the FSDP-wrapped model (train mode) with ``dtype`` parameters.
 
@@ -170,7 +174,11 @@ def load_sharded(
         check_tp(config, tp_mesh.size())
     full = None
     if dist.get_rank() == 0:
-        full = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).state_dict()
+        pretrained = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        if adapt is not None:
+            adapt(pretrained)
+        full = pretrained.state_dict()
+        del pretrained
         if head != "lm":
             full = {k: v for k, v in full.items() if not k.startswith("lm_head.")}
             full["score.weight"] = torch.zeros(1, config.hidden_size, dtype=dtype)
@@ -179,6 +187,8 @@ def load_sharded(
         model = cls.from_config(config, dtype=dtype)
     if head == "lm" and getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
+    if adapt is not None:
+        adapt(model)
     if head == "reward":  # Bradley-Terry is blind to a shared offset: keep it exactly 0 for the export
         model.score.bias.requires_grad_(False)
     model.rl2_tp_group = model.rl2_sp_group = None

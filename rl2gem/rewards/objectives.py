@@ -4,7 +4,8 @@ Envs report named reward components in ``info["reward_components"]`` (the built-
 ``correctness`` and ``format`` for math and reasoning-gym, ``correctness``, ``f1`` and
 ``searches`` for SearchQA, ``correctness``, ``format`` and ``tool_calls`` for BFCL, and
 ``tool_calls`` added by :class:`~rl2gem.tools.ToolEnvWrapper` to the env it wraps). :func:`episode_components` adds what every episode has: ``reward``
-(the env's total), ``length`` (action tokens) and ``turns``. A combiner turns the components into
+(the env's total), ``length`` (action tokens), ``turns`` and ``invalid_actions`` (the env's
+``info["num_invalid_actions"]``, 0 where it keeps no count). A combiner turns the components into
 the scalar the estimators see:
 
 * ``weighted_sum``: ``sum_i w_i c_i`` (a negative weight prefers less, e.g. ``length``);
@@ -47,11 +48,13 @@ COMBINERS = ("weighted_sum", "tchebycheff")
 
 def episode_components(episode) -> dict[str, float]:
     """The reward components of a rollout :class:`~rl2gem.rollout.tito.Episode`: the env's
-    ``info["reward_components"]`` of its last step plus ``reward``, ``length`` and ``turns``."""
+    ``info["reward_components"]`` of its last step plus ``reward``, ``length``, ``turns`` and
+    ``invalid_actions`` (``info["num_invalid_actions"]`` of the last step: the episode's count)."""
     components = {k: float(v) for k, v in dict(episode.info.get("reward_components") or {}).items()}
     components.setdefault("reward", float(sum(episode.turn_rewards)))
     components.setdefault("length", float(episode.num_action_tokens))
     components.setdefault("turns", float(episode.turns))
+    components.setdefault("invalid_actions", float(episode.info.get("num_invalid_actions", 0)))
     return components
 
 

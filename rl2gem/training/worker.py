@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from rl2gem.parallel.fsdp import clip_grad_norm, full_state_dict, head_class, init_distributed, load_sharded
 from rl2gem.parallel.mesh import ParallelMesh, build_mesh
+from rl2gem.training import lora
 
 __all__ = ["Worker", "resolve_dtype", "setup_distributed", "SCHEDULES"]
 
@@ -83,7 +84,9 @@ class Worker:
         section: the worker's config (a trainer's ``actor:`` / ``critic:``): ``model``, ``dtype``,
             ``lr``, ``weight_decay``, ``warmup_steps``, ``max_grad_norm``, ``cpu_offload``,
             ``gradient_checkpointing``, ``reshard_after_forward``, optional ``scheduler``
-            (:data:`SCHEDULES`). Missing keys take the defaults of ``trainers/config``.
+            (:data:`SCHEDULES`) and ``lora`` (:func:`rl2gem.training.lora.lora_config`; applied to
+            trainable causal LMs only, so a reference policy built from the same section is the
+            base model). Missing keys take the defaults of ``trainers/config``.
         mesh: from :func:`setup_distributed`.
         device: this rank's device.
         head: ``"lm"`` (a causal LM), ``"value"`` (the backbone with a zero-initialised per-token
@@ -94,7 +97,8 @@ class Worker:
         total_steps: optimizer steps of the run (for decaying schedules).
 
     Raises:
-        ValueError: unknown head, dtype or schedule.
+        ValueError: unknown head, dtype or schedule; a bad ``lora`` section, or LoRA with
+            ``tp_size`` > 1 (not supported).
     """
 
     def __init__(
@@ -113,6 +117,9 @@ class Worker:
         self.head, self.mesh, self.device = head, mesh, device
         self.dtype = resolve_dtype(get("dtype", "auto"), device)
         self.max_grad_norm = float(get("max_grad_norm", 1.0))
+        self.lora = lora.lora_config(get("lora")) if trainable and head == "lm" else None
+        if self.lora is not None and mesh.tp_mesh is not None:
+            raise ValueError("actor.lora with tp_size > 1 is not supported: use tp_size 1 (FSDP shards the base)")
         self.model = load_sharded(
             self.name_or_path,
             mesh.data_mesh,
@@ -124,18 +131,23 @@ class Worker:
             gradient_checkpointing=trainable and bool(get("gradient_checkpointing", False)),
             tp_mesh=mesh.tp_mesh,
             sp_group=mesh.sp_group,
+            adapt=(lambda model: lora.inject(model, self.lora)) if self.lora is not None else None,
         )
         self.optimizer = self.scheduler = None
         self.optimizer_steps = 0  # in this process (a resumed run counts from 0)
         if trainable:
             self.optimizer = torch.optim.AdamW(
-                self.model.parameters(), lr=float(get("lr", 1e-6)), weight_decay=float(get("weight_decay", 0.0))
+                [p for p in self.model.parameters() if p.requires_grad],
+                lr=float(get("lr", 1e-6)),
+                weight_decay=float(get("weight_decay", 0.0)),
             )
             factor = _schedule(get("scheduler", "constant"), max(0, int(get("warmup_steps", 0))), int(total_steps))
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
         else:
             self.model.eval()
-        self.num_parameters = sum(p.numel() for p in self.model.parameters())  # a DTensor counts its full shape
+        # a DTensor counts its full shape; adapters are not counted in the FLOPs' model size
+        self.num_parameters = sum(p.numel() for n, p in self.model.named_parameters() if ".lora_" not in n)
+        self.num_trainable_parameters = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
 
     @property
     def lr(self) -> float:
@@ -151,9 +163,12 @@ class Worker:
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full CPU tensors on every rank (a collective: call on all ranks)."""
-        return full_state_dict(self.model)
+    def full_state_dict(self, merged: bool = True) -> dict[str, torch.Tensor]:
+        """Full CPU tensors on every rank (a collective: call on all ranks). With LoRA and
+        ``merged``, the base model's names with the adapters merged in (what a rollout engine and
+        the Hugging Face export take); ``merged=False``: the adapted model's own names."""
+        state = full_state_dict(self.model)
+        return lora.merged_state_dict(state, self.lora) if merged and self.lora is not None else state
 
     # ------------------------------------------------------------------ checkpoints
     def sharded_state(self) -> dict[str, Any]:
@@ -173,14 +188,18 @@ class Worker:
     ) -> Path | None:
         """Write a Hugging Face folder (config, safetensors, tokenizer) that ``from_pretrained`` loads:
         a causal LM, for ``head="value"`` a token classifier and for ``head="reward"`` a sequence
-        classifier, each with one label.
+        classifier, each with one label. With LoRA the folder holds the merged model and
+        ``<path>/adapter`` the adapter alone (peft's format, :func:`rl2gem.training.lora.save_adapter`).
 
         A collective (the full state dict is gathered on every rank, pass ``state`` when it already
-        is); only rank 0 writes. Returns the folder on rank 0, None elsewhere.
+        is: the unmerged one with LoRA); only rank 0 writes. Returns the folder on rank 0, None elsewhere.
         """
-        full = state if state is not None else self.full_state_dict()
+        full = state if state is not None else self.full_state_dict(merged=False)
         if dist.get_rank() != 0:
             return None
+        adapted = full
+        if self.lora is not None:
+            full = lora.merged_state_dict(adapted, self.lora)
         cls = head_class(self.head)
         if self.head == "reward":  # trained as a token classifier with a bias frozen at 0
             full = {k: v for k, v in full.items() if k != "score.bias"}
@@ -194,4 +213,6 @@ class Worker:
         skeleton.save_pretrained(path, is_main_process=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
+        if self.lora is not None:
+            lora.save_adapter(path / "adapter", adapted, self.lora, base_model=str(self.name_or_path))
         return path

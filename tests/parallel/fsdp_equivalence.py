@@ -1,7 +1,8 @@
 """Run under torchrun: loss and gradients of FSDP2 over N ranks equal one process's (written as JSON).
 
 Usage: ``fsdp_equivalence.py MODEL_DIR OUT.json [ddp_size=N] [tp_size=N] [sp_size=N] [cpu_offload=1]
-[gradient_checkpointing=1] [max_tokens=N] [lengths=a,b,c]``.
+[gradient_checkpointing=1] [max_tokens=N] [lengths=a,b,c] [lora=RANK]``. With ``lora`` the adapters
+start random (``B`` too, so that every adapter parameter has a gradient) and only they train.
 """
 
 import json
@@ -14,6 +15,7 @@ from rl2gem.algorithms import packed_loss_weights, policy_loss
 from rl2gem.parallel.fsdp import full_state_dict, init_distributed, load_sharded
 from rl2gem.parallel.mesh import build_mesh
 from rl2gem.training import plan_micro_batches, token_logprobs
+from rl2gem.training.lora import inject, lora_config
 
 
 def main(model_dir: str, out: str, *options: str) -> None:
@@ -21,6 +23,14 @@ def main(model_dir: str, out: str, *options: str) -> None:
     rank, world, device = init_distributed()
     torch.manual_seed(0)
     mesh = build_mesh(int(opts.get("ddp_size", 1)), int(opts.get("tp_size", 1)), int(opts.get("sp_size", 1)))
+    adapt = None
+    if "lora" in opts:
+        config = lora_config({"rank": int(opts["lora"]), "alpha": 16.0})
+        config.init_lora_weights = False  # random B: the model differs from the base, A gets gradients
+
+        def adapt(model):
+            inject(model, config)
+
     model = load_sharded(
         model_dir,
         mesh.data_mesh,
@@ -29,6 +39,7 @@ def main(model_dir: str, out: str, *options: str) -> None:
         sp_group=mesh.sp_group,
         cpu_offload=bool(int(opts.get("cpu_offload", 0))),
         gradient_checkpointing=bool(int(opts.get("gradient_checkpointing", 0))),
+        adapt=adapt,
     )
     g = torch.Generator().manual_seed(1)
     lengths = (
@@ -67,6 +78,8 @@ def main(model_dir: str, out: str, *options: str) -> None:
     from torch.distributed.tensor import DTensor
 
     for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
         gr = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         grads[name] = gr.flatten()[:50].tolist() + [float(gr.norm())]
     params = {k: float(v.norm()) for k, v in full_state_dict(model).items()}  # a collective: every rank

@@ -78,7 +78,15 @@ def test_apply_replaces_the_reward_where_the_env_put_it():
         "reward": 0.0,
         "length": 7.0,
         "turns": 1.0,
+        "invalid_actions": 0.0,
     }
+    # an invalid-move penalty: the env's count of the episode (its last info) is a component
+    game = episode(1.0, 1.0, 4)
+    game.info["num_invalid_actions"] = 3
+    batch = RolloutBatch([[game, episode(1.0, 1.0, 4)]], {})
+    metrics = apply_objectives(batch, "weighted_sum", {"reward": 1.0, "invalid_actions": -0.2})
+    assert [e.reward for e in batch.episodes] == [pytest.approx(0.4), pytest.approx(1.0)]
+    assert metrics["rollout/component/invalid_actions"] == pytest.approx(1.5)
 
 
 def test_hypervolume_by_hand_and_against_monte_carlo():

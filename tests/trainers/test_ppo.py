@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import ROOT, logged_steps, run_module, torchrun, torchrun_command
 
 
@@ -68,15 +69,17 @@ UNEVEN = "lengths=3,1,17,40,90,9"  # shorter than 2*sp tokens, one token, longer
         ("cpu_offload=1", "gradient_checkpointing=1"),
         ("tp_size=2", UNEVEN, "max_tokens=50"),
         ("sp_size=2", UNEVEN, "max_tokens=50"),
+        ("lora=4", "gradient_checkpointing=1"),
     ],
-    ids=["fsdp", "hsdp", "offload+checkpointing", "tp", "sp"],
+    ids=["fsdp", "hsdp", "offload+checkpointing", "tp", "sp", "lora"],
 )
 def test_fsdp_two_ranks_equal_one(tiny_dir, tmp_path, one_rank_reference, options):
-    """FSDP2 over 2 ranks (plain, HSDP replicas, CPU offload with activation checkpointing),
-    tensor parallelism over 2 ranks and ZigZag sequence parallelism over 2 ranks (on uneven
-    packed lengths) give one process's logits, per-token log-probs, loss and gradients."""
+    """FSDP2 over 2 ranks (plain, HSDP replicas, CPU offload with activation checkpointing, LoRA
+    adapters beside frozen base shards), tensor parallelism over 2 ranks and ZigZag sequence
+    parallelism over 2 ranks (on uneven packed lengths) give one process's logits, per-token
+    log-probs, loss and gradients."""
     script = str(ROOT / "tests" / "parallel" / "fsdp_equivalence.py")
-    one = one_rank_reference(tuple(o for o in options if o.startswith(("lengths=", "max_tokens="))))
+    one = one_rank_reference(tuple(o for o in options if o.startswith(("lengths=", "max_tokens=", "lora="))))
     torchrun(2, script, str(tiny_dir), str(tmp_path / "two.json"), *options)
     two = json.loads((tmp_path / "two.json").read_text())
     assert one["loss"] == pytest.approx(two["loss"], rel=1e-5, abs=1e-7)
@@ -84,6 +87,10 @@ def test_fsdp_two_ranks_equal_one(tiny_dir, tmp_path, one_rank_reference, option
     assert two["logprobs"] == pytest.approx(one["logprobs"], rel=1e-6, abs=1e-5)
     if two["logits"] is not None:
         assert two["logits"] == pytest.approx(one["logits"], rel=1e-6, abs=1e-5)
+    assert one["grads"].keys() == two["grads"].keys()
+    if "lora=4" in options:  # only the adapters train, and every one has a gradient
+        assert one["grads"] and all(".lora_" in name for name in one["grads"])
+        assert all(g[-1] > 0 for g in one["grads"].values())
     for name, g in one["grads"].items():
         assert g == pytest.approx(two["grads"][name], rel=1e-4, abs=1e-7), name
 
@@ -392,6 +399,55 @@ def test_on_policy_steps_use_the_rollout_logprobs_and_equal_recomputing_them(tin
     assert r.returncode == 2 and "exactly on-policy" in r.stderr
     r = run_module("rl2gem.trainers.ppo", "actor.old_logprobs=engine")
     assert r.returncode == 2 and "actor.old_logprobs" in r.stderr
+
+
+def test_lora_ppo_on_two_ranks_syncs_merged_weights_and_exports_the_adapter(tiny_dir, tmp_path):
+    """actor.lora on 2 FSDP ranks: the adapters train, each step's weight sync gives the engine the
+    merged model (its log-probs equal the trainer's: mismatch KL ~0 after the weights moved), and
+    every checkpoint holds the merged model and the adapter in peft's format."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from rl2gem.training import token_logprobs
+
+    out = tmp_path / "lora"
+    torchrun(
+        2,
+        *arithmetic_run(tiny_dir),
+        "rollout.max_new_tokens=8",
+        "reward.transform=tests.toy_envs:even_token_reward",  # rewards that differ within a group
+        "actor.lora.rank=4",
+        "actor.lora.alpha=1024",  # a large scale: the few steps move the model far enough to see
+        "actor.lr=3e-2",
+        "actor.entropy_coef=0.05",
+        "actor.old_logprobs=recompute",  # every step measures engine against trainer (mismatch KL)
+        "trainer.total_steps=3",
+        "trainer.save_every=1",
+        "trainer.eval_at_start=false",
+        "trainer.eval_n=2",
+        f"trainer.output_dir={out}",
+        "trainer.progress=false",
+    )
+    steps = logged_steps(out / "metrics.jsonl", "actor/pg_loss")
+    assert all(steps[s]["actor/grad_norm"] > 0 for s in (1, 2, 3))
+    assert all(abs(steps[s]["actor/mismatch_kl"]) < 1e-6 for s in (1, 2, 3)), steps
+    sequence = [[1, 50, 60, 70, 80, 90, 100]]
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+    with torch.no_grad():
+        reference = token_logprobs(base, sequence, torch.device("cpu"))[0]
+        for step in (1, 3):
+            hf = out / f"checkpoint-{step}" / "hf"
+            merged = token_logprobs(AutoModelForCausalLM.from_pretrained(hf).eval(), sequence, torch.device("cpu"))[0]
+            # the weights moved: an engine left on the base would have shown a mismatch
+            assert float((merged - reference).abs().max()) > 1e-2
+            adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_dir), hf / "adapter").eval()
+            torch.testing.assert_close(
+                token_logprobs(adapted, sequence, torch.device("cpu"))[0], merged, atol=1e-4, rtol=0
+            )
+    config = json.loads((out / "checkpoint-3" / "hf" / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and sorted(config["target_modules"]) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,184 @@
+"""LoRA adapters for a trained causal LM (``actor.lora.*``), through the ``peft`` library.
+
+LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models", arXiv:2106.09685)
+freezes each target weight ``W`` (shape ``[out, in]``) and trains ``A`` (``[r, in]``, Kaiming
+uniform at start) and ``B`` (``[out, r]``, zero at start): the layer computes
+``W x + s * B (A x)`` with ``s = alpha / r`` (``alpha / sqrt(r)`` with rsLoRA, Kalajdzievski
+2023, arXiv:2312.03732), so the model starts exactly as the base model.
+
+How the training core uses it:
+
+* :func:`lora_config` reads ``actor.lora`` (``rank: 0`` turns LoRA off) into a
+  ``peft.LoraConfig``; :func:`rl2gem.parallel.fsdp.load_sharded` injects the adapter layers
+  (``peft.inject_adapter_in_model``) into the meta-device model before FSDP2 shards it, so every
+  rank holds shards of the frozen base and of the adapters, and rank 0's initial adapter values
+  are broadcast like the base weights. Only adapter parameters have ``requires_grad``, so the
+  optimizer holds states for them only.
+* :func:`merged_state_dict` turns the model's full state dict (peft's names:
+  ``...q_proj.base_layer.weight``, ``...q_proj.lora_A.default.weight``) into the base model's
+  names with ``W + s * B A`` merged in: what a rollout engine loads and what the Hugging Face
+  export writes, so evaluation and the next stage read a plain model.
+* :func:`adapter_state_dict` and :func:`save_adapter` write the adapter alone in peft's format
+  (``adapter_config.json`` and ``adapter_model.safetensors``), which
+  ``peft.PeftModel.from_pretrained`` and SGLang's ``/load_lora_adapter`` read.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["LORA_KEYS", "lora_config", "merged_state_dict", "adapter_state_dict", "save_adapter", "ADAPTER"]
+
+#: The keys of ``actor.lora`` (``trainers/config/*.yaml`` give their defaults).
+LORA_KEYS = ("rank", "alpha", "dropout", "target_modules", "rslora")
+
+#: The adapter's name inside the model (peft's default).
+ADAPTER = "default"
+
+
+def lora_config(section: Mapping[str, Any] | None):
+    """A ``peft.LoraConfig`` from ``actor.lora``, or None when ``rank`` is 0 or the section is absent.
+
+    Args:
+        section: ``rank`` (int, 0 = off), ``alpha`` (float, the scale is ``alpha / rank``),
+            ``dropout`` (on the adapter's input, training only), ``target_modules`` (a list of
+            module names such as ``q_proj``, or ``all-linear``: every linear layer but the LM
+            head), ``rslora`` (bool: scale ``alpha / sqrt(rank)``).
+
+    Raises:
+        ValueError: an unknown key, a negative rank, a non-positive alpha, a dropout outside [0, 1)
+            or an empty ``target_modules``.
+    """
+    if not section:
+        return None
+    section = dict(section)
+    unknown = sorted(set(section) - set(LORA_KEYS))
+    if unknown:
+        raise ValueError(f"actor.lora: unknown keys {unknown} (known: {list(LORA_KEYS)})")
+    rank = int(section.get("rank", 0) or 0)
+    if rank < 0:
+        raise ValueError(f"actor.lora.rank must be >= 0 (0 turns LoRA off), got {rank}")
+    if rank == 0:
+        return None
+    alpha = float(section.get("alpha", 2 * rank))
+    dropout = float(section.get("dropout", 0.0))
+    targets = section.get("target_modules", "all-linear")
+    if alpha <= 0:
+        raise ValueError(f"actor.lora.alpha must be > 0, got {alpha}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"actor.lora.dropout must be in [0, 1), got {dropout}")
+    if isinstance(targets, str):
+        targets = targets if targets == "all-linear" else [targets]
+    else:
+        targets = [str(t) for t in targets]
+    if not targets:
+        raise ValueError("actor.lora.target_modules is empty")
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=targets,
+        use_rslora=bool(section.get("rslora", False)),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def scaling(config) -> float:
+    """The adapter's output scale ``s``: ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA."""
+    return float(config.lora_alpha) / (config.r**0.5 if config.use_rslora else config.r)
+
+
+def _parts(name: str) -> tuple[str, str] | None:
+    """``(module, kind)`` of a peft parameter name (kind ``base`` / ``A`` / ``B``), else None."""
+    for suffix, kind in (
+        (".base_layer.weight", "base"),
+        (f".lora_A.{ADAPTER}.weight", "A"),
+        (f".lora_B.{ADAPTER}.weight", "B"),
+    ):
+        if name.endswith(suffix):
+            return name[: -len(suffix)], kind
+    return None
+
+
+def merged_state_dict(state: Mapping[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """The base model's state dict with every adapter merged: ``W + s * B @ A`` under ``W``'s name.
+
+    Args:
+        state: a full state dict of a model with injected adapters (CPU tensors, any float dtype;
+            the product is taken in float32 and cast back to ``W``'s dtype).
+        config: its ``peft.LoraConfig`` (for the scale).
+
+    Returns:
+        A new dict; names as in the base model (``base_layer.`` removed, adapter entries dropped).
+
+    Raises:
+        KeyError: an adapted layer without its ``lora_A`` / ``lora_B`` entries.
+    """
+    s = scaling(config)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        parts = _parts(name)
+        if parts is None:
+            out[name.replace(".base_layer.", ".")] = tensor
+        elif parts[1] == "base":
+            module = parts[0]
+            a = state[f"{module}.lora_A.{ADAPTER}.weight"].float()
+            b = state[f"{module}.lora_B.{ADAPTER}.weight"].float()
+            out[f"{module}.weight"] = (tensor.float() + s * (b @ a)).to(tensor.dtype)
+    return out
+
+
+def adapter_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under peft's saved names (``base_model.model.<module>.lora_A.weight``)."""
+    out = {}
+    for name, tensor in state.items():
+        parts = _parts(name)
+        if parts is not None and parts[1] != "base":
+            out[f"base_model.model.{parts[0]}.lora_{parts[1]}.weight"] = tensor.detach().to("cpu").contiguous()
+    return out
+
+
+def target_names(state: Mapping[str, torch.Tensor]) -> list[str]:
+    """The short names of the adapted modules (``q_proj``, ...), sorted: what SGLang's
+    ``--lora-target-modules`` must list."""
+    return sorted({p[0].rsplit(".", 1)[-1] for n in state if (p := _parts(n)) is not None and p[1] == "A"})
+
+
+def save_adapter(path: str | Path, state: Mapping[str, torch.Tensor], config, base_model: str | None = None) -> Path:
+    """Write ``adapter_config.json`` and ``adapter_model.safetensors`` into ``path`` (peft's format).
+
+    Args:
+        state: the model's full state dict (peft names, see :func:`merged_state_dict`).
+        config: its ``peft.LoraConfig``.
+        base_model: written as ``base_model_name_or_path`` (the model the adapter applies to).
+
+    Returns ``path``.
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = copy.deepcopy(config)
+    config.target_modules = set(target_names(state))  # the resolved list ("all-linear" expanded)
+    config.base_model_name_or_path = base_model
+    config.save_pretrained(str(path))
+    save_file(adapter_state_dict(state), str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def inject(model, config, trainable: Sequence[str] = ()) -> None:
+    """Add ``config``'s adapter layers to ``model`` in place (``peft.inject_adapter_in_model``) and
+    freeze every parameter but the adapters' (and those whose names contain one of ``trainable``)."""
+    from peft import inject_adapter_in_model
+
+    inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(".lora_" in name or any(t in name for t in trainable))
