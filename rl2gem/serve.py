@@ -24,7 +24,15 @@ SGLang's HTTP API that RL needs, so the same client
 ``POST /abort_request``         ``{"rid": ..}`` or ``{"abort_all": true}``
 ``POST /flush_cache``
 ``POST /update_weights_from_disk``  ``{"model_path": folder, "weight_version": ..}``
+``POST /load_lora_adapter``     ``{"lora_name": .., "lora_path": folder}``: a peft LoRA adapter,
+                                merged into the weights (one at a time: load replaces the last)
+``POST /unload_lora_adapter``   ``{"lora_name": ..}``: the base weights again
 ==============================  ==========================================================
+
+LoRA: unlike SGLang, which keeps the base and applies adapters per request, this server merges
+its one adapter into the weights. While one is loaded, ``/generate`` requests must name it
+(``"lora_path": <lora_name>``, as SGLang's do) and requests without it are refused (they would
+otherwise get the adapted model where SGLang gives the base).
 
 Bad requests get HTTP 400 with ``{"error": {"message": ...}}``.
 
@@ -102,6 +110,7 @@ def make_app(
     from rl2gem.rollout.engines.base import SamplingParams
 
     routes = web.RouteTableDef()
+    lora: dict[str, Any] = {"name": None, "base": None}  # the merged adapter, the base weights it replaced
 
     @routes.get("/health")
     @routes.get("/health_generate")
@@ -177,6 +186,13 @@ def make_app(
             for p in prompts:
                 if not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
                     raise ValueError("input_ids must contain integers")
+            lora_name = body.get("lora_path")
+            if lora_name != lora["name"]:
+                raise ValueError(
+                    f"lora_path {lora_name!r} is not the loaded adapter"
+                    if lora_name is not None
+                    else f"adapter {lora['name']!r} is merged into this server's weights: requests must name it (lora_path)"
+                )
             rid = body.get("rid")
             rids = (rid if isinstance(rid, list) else [None] * len(prompts)) if batch else [rid]
             return_logprob = bool(body.get("return_logprob", False))
@@ -235,7 +251,49 @@ def make_app(
             version = await engine.update_weights(path, version=int(v) if v is not None else None)
         except (ValueError, KeyError, FileNotFoundError, OSError) as e:
             return web.json_response({"success": False, "message": f"{type(e).__name__}: {e}"}, status=400)
+        lora.update(name=None, base=None)  # new base weights: no adapter is merged in them
         return web.json_response({"success": True, "message": "weights updated", "weight_version": str(version)})
+
+    async def _set_weights(weights, version):
+        return await engine.update_weights(weights, version=int(version) if version is not None else None)
+
+    @routes.post("/load_lora_adapter")
+    async def load_lora_adapter(request):
+        from rl2gem.training.lora import load_adapter, merge_adapter
+
+        try:
+            body = await _json(request)
+            name, path = body.get("lora_name"), body.get("lora_path")
+            if not name or not path:
+                raise ValueError("lora_name and lora_path are required")
+            config, tensors = load_adapter(path)
+            params = engine.model.state_dict()
+            base = lora["base"] or {}
+            current = {k: base.get(k, v) for k, v in params.items()}  # the base weights, not a merged adapter's
+            merged = merge_adapter(current, tensors, config)
+            if lora["base"] is not None:  # weights the last adapter changed and this one does not: back to base
+                merged = {**{k: v for k, v in lora["base"].items() if k not in merged}, **merged}
+            replaced = {k: current[k].detach().clone() for k in merged}
+            version = await _set_weights(merged, body.get("weight_version"))
+        except (ValueError, KeyError, FileNotFoundError, OSError) as e:
+            return web.json_response({"success": False, "message": f"{type(e).__name__}: {e}"}, status=400)
+        lora.update(name=name, base=replaced)
+        return web.json_response(
+            {"success": True, "message": f"adapter {name} merged", "loaded_adapters": {name: str(path)},
+             "weight_version": str(version)}
+        )  # fmt: skip
+
+    @routes.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request):
+        try:
+            body = await _json(request)
+            if body.get("lora_name") != lora["name"] or lora["name"] is None:
+                raise ValueError(f"adapter {body.get('lora_name')!r} is not loaded")
+            version = await _set_weights(lora["base"], body.get("weight_version"))
+        except ValueError as e:
+            return web.json_response({"success": False, "message": str(e)}, status=400)
+        lora.update(name=None, base=None)
+        return web.json_response({"success": True, "message": "adapter unloaded", "weight_version": str(version)})
 
     return _application(routes, engine)
 

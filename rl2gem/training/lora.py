@@ -20,7 +20,9 @@ How the training core uses it:
   export writes, so evaluation and the next stage read a plain model.
 * :func:`adapter_state_dict` and :func:`save_adapter` write the adapter alone in peft's format
   (``adapter_config.json`` and ``adapter_model.safetensors``), which
-  ``peft.PeftModel.from_pretrained`` and SGLang's ``/load_lora_adapter`` read.
+  ``peft.PeftModel.from_pretrained`` and SGLang's ``/load_lora_adapter`` read; :func:`load_adapter`
+  and :func:`merge_adapter` read it back and merge it into base weights (``rl2gem.serve``'s
+  ``/load_lora_adapter``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["LORA_KEYS", "lora_config", "merged_state_dict", "adapter_state_dict", "save_adapter", "ADAPTER"]
+__all__ = [
+    "ADAPTER",
+    "LORA_KEYS",
+    "adapter_state_dict",
+    "inject",
+    "load_adapter",
+    "lora_config",
+    "merge_adapter",
+    "merged_state_dict",
+    "save_adapter",
+]
 
 #: The keys of ``actor.lora`` (``trainers/config/*.yaml`` give their defaults).
 LORA_KEYS = ("rank", "alpha", "dropout", "target_modules", "rslora")
@@ -120,20 +132,60 @@ def merged_state_dict(state: Mapping[str, torch.Tensor], config) -> dict[str, to
         A new dict; names as in the base model (``base_layer.`` removed, adapter entries dropped).
 
     Raises:
-        KeyError: an adapted layer without its ``lora_A`` / ``lora_B`` entries.
+        KeyError: an adapter whose layer is missing.
+    """
+    base = {
+        name.replace(".base_layer.", "."): t
+        for name, t in state.items()
+        if _parts(name) is None or _parts(name)[1] == "base"
+    }
+    return {**base, **merge_adapter(base, adapter_state_dict(state), config)}
+
+
+def merge_adapter(
+    base: Mapping[str, torch.Tensor], adapter: Mapping[str, torch.Tensor], config
+) -> dict[str, torch.Tensor]:
+    """The adapted weights only, merged: ``{"<module>.weight": W + s * B @ A}`` for each module of
+    ``adapter`` (peft's saved names, :func:`adapter_state_dict`), ``W`` taken from ``base`` (the
+    base model's names). Float32 product, cast to ``W``'s dtype and device.
+
+    Raises:
+        KeyError: a module of the adapter with no weight in ``base``, or an ``A`` without its ``B``.
     """
     s = scaling(config)
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in state.items():
-        parts = _parts(name)
-        if parts is None:
-            out[name.replace(".base_layer.", ".")] = tensor
-        elif parts[1] == "base":
-            module = parts[0]
-            a = state[f"{module}.lora_A.{ADAPTER}.weight"].float()
-            b = state[f"{module}.lora_B.{ADAPTER}.weight"].float()
-            out[f"{module}.weight"] = (tensor.float() + s * (b @ a)).to(tensor.dtype)
+    out = {}
+    prefix = "base_model.model."
+    for name, a in adapter.items():
+        if not name.endswith(".lora_A.weight"):
+            continue
+        module = (
+            name[len(prefix) : -len(".lora_A.weight")] if name.startswith(prefix) else name[: -len(".lora_A.weight")]
+        )
+        b = adapter[name.replace(".lora_A.weight", ".lora_B.weight")]
+        w = base[f"{module}.weight"]
+        delta = b.float().to(w.device) @ a.float().to(w.device)
+        out[f"{module}.weight"] = (w.float() + s * delta).to(w.dtype)
     return out
+
+
+def load_adapter(path: str | Path):
+    """``(config, tensors)`` of an adapter folder in peft's format (what :func:`save_adapter` writes).
+
+    Raises:
+        FileNotFoundError: no ``adapter_config.json`` / ``adapter_model.safetensors`` there.
+        ValueError: an adapter that is not LoRA.
+    """
+    from peft import LoraConfig
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    for file in ("adapter_config.json", "adapter_model.safetensors"):
+        if not (path / file).is_file():
+            raise FileNotFoundError(f"{path / file} does not exist (a peft LoRA adapter folder has both files)")
+    config = LoraConfig.from_pretrained(str(path))
+    if str(getattr(config, "peft_type", "LORA")).upper().split(".")[-1] != "LORA":
+        raise ValueError(f"{path}: not a LoRA adapter ({config.peft_type})")
+    return config, load_file(str(path / "adapter_model.safetensors"))
 
 
 def adapter_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -178,3 +178,54 @@ def test_sglang_engine_shares_the_client_and_launch_needs_sglang(server, monkeyp
     assert (
         cmd[1:3] == ["-m", "sglang.launch_server"] and "--base-gpu-id" in cmd and cmd[cmd.index("--tp-size") + 1] == "2"
     )
+
+
+def test_lora_adapter_sync_merges_peft_adapters_and_requests_name_them(server, tmp_path):
+    """HTTPEngine.update_lora_adapter (adapter-only sync, SGLang's /load_lora_adapter): the server's
+    log-probs become those of peft's own PeftModel with that adapter; a second adapter replaces the
+    first (not stacked on it); unloading gives the base model back; a request that does not name
+    the loaded adapter is refused."""
+    from peft import LoraConfig, get_peft_model
+
+    seq = [1, 50, 60, 70, 80, 90]
+
+    def adapter(seed):
+        torch.manual_seed(seed)
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+        model = get_peft_model(tiny_model(), config).eval()
+        model.save_pretrained(tmp_path / f"adapter{seed}")  # peft's writer, not ours
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([seq])).logits[0, :-1]
+        return tmp_path / f"adapter{seed}", torch.log_softmax(logits, -1).gather(1, torch.tensor(seq[1:])[:, None])[:, 0]
+
+    first, first_ref = adapter(1)
+    second, second_ref = adapter(2)
+    with torch.no_grad():
+        base_ref = torch.log_softmax(tiny_model()(torch.tensor([seq])).logits[0, :-1], -1)
+        base_ref = base_ref.gather(1, torch.tensor(seq[1:])[:, None])[:, 0]
+    assert float((first_ref - base_ref).abs().max()) > 1e-2  # the adapters change the model
+
+    async def main():
+        eng = HTTPEngine(server.url)
+        scored = []
+        for path in (first, second):
+            version = await eng.update_lora_adapter(path)
+            out = await eng.generate(seq, {"max_new_tokens": 1}, logprob_start_len=1)
+            scored.append((version, eng.lora_name, out))
+        refused = post(server.url + "/generate", {"input_ids": seq, "sampling_params": {"max_new_tokens": 1}})
+        status, answer = post(server.url + "/unload_lora_adapter", {"lora_name": eng.lora_name})
+        eng.lora_name = None
+        base = await eng.generate(seq, {"max_new_tokens": 1}, logprob_start_len=1)
+        with pytest.raises(ValueError, match="adapter_config.json"):
+            await eng.update_lora_adapter(tmp_path / "missing")
+        await eng.close()
+        return scored, refused, (status, answer), base
+
+    scored, refused, unloaded, base = asyncio.run(main())
+    (v1, name1, out1), (v2, name2, out2) = scored
+    assert v2 == v1 + 1 and (name1, name2) == (f"rl2gem-v{v1}", f"rl2gem-v{v2}")
+    torch.testing.assert_close(torch.tensor(out1.input_logprobs), first_ref, atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.tensor(out2.input_logprobs), second_ref, atol=1e-4, rtol=0)
+    assert refused[0] == 400 and "lora_path" in refused[1]["error"]["message"]
+    assert unloaded[0] == 200 and unloaded[1]["success"]
+    torch.testing.assert_close(torch.tensor(base.input_logprobs), base_ref, atol=1e-4, rtol=0)

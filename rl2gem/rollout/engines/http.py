@@ -86,6 +86,7 @@ class HTTPEngine(Engine):
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
         self.weight_version = 0
         self.retried = 0
+        self.lora_name: str | None = None  # the adapter every request names (update_lora_adapter)
         self._sessions = LoopSessions(timeout, limit=0)
 
     def _session(self):
@@ -130,6 +131,8 @@ class HTTPEngine(Engine):
             payload["logprob_start_len"] = int(logprob_start_len)
         if rid is not None:
             payload["rid"] = rid
+        if self.lora_name is not None:
+            payload["lora_path"] = self.lora_name
         body = await self._call("POST", self.url + "/generate", payload)
         out = parse_generate_response(body, len(ids))
         return out
@@ -173,6 +176,29 @@ class HTTPEngine(Engine):
                 await asyncio.to_thread(save_file, tensors, os.path.join(d, "model.safetensors"))
                 await self._update_from_disk(d, new_version)
         self.weight_version = new_version
+        return new_version
+
+    async def update_lora_adapter(self, path: str | Path, version: int | None = None) -> int:
+        """Adapter-only weight sync: every worker unloads the previous adapter
+        (``/unload_lora_adapter``) and loads the one in ``path`` (peft's format, e.g. a LoRA run's
+        ``checkpoint-<step>/hf/adapter``) as ``rl2gem-v<version>`` (``/load_lora_adapter``); from
+        then on every request names it (``lora_path``). The base weights stay. SGLang servers
+        need ``--enable-lora --max-lora-rank R --lora-target-modules ...`` at launch; ``path``
+        must be visible to them. Returns the new weight version.
+
+        Raises:
+            EngineError: a worker refused the adapter.
+        """
+        new_version = self.weight_version + 1 if version is None else int(version)
+        name = f"rl2gem-v{new_version}"
+        if self.lora_name is not None:
+            await self._all("POST", "/unload_lora_adapter", {"lora_name": self.lora_name})
+            self.lora_name = None
+        res = await self._all("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        bad = [r for r in res if isinstance(r, dict) and not r.get("success", True)]
+        if bad:
+            raise EngineError(f"load_lora_adapter failed: {bad[0].get('message')}")
+        self.lora_name, self.weight_version = name, new_version
         return new_version
 
     async def _update_from_disk(self, path: str, version: int) -> None:
