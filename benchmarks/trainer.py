@@ -10,8 +10,15 @@ tokens, one optimizer step per generation batch, Dr. GRPO advantages on both sid
 - TRL: ``GRPOTrainer`` in one process with two threads (``bf16=False``: TRL's default bf16
   autocast runs about 8x slower on this CPU), generation with ``model.generate``.
 
+``--lora R`` adds both sides with LoRA adapters of rank R (alpha 2R, every linear layer but the LM
+head; ours ``actor.lora.*``, TRL ``peft_config``) after the full fine-tuning rows.
+
 The first step of each side is a warm-up and is not counted. MFU counts 2N FLOPs per generated
 or scored token and 6N per trained token against ``--peak`` (the measured fp32 matmul peak).
+Mean response length (tokens) is printed for both sides, so that the episodes/s ratio can be read
+against the work per episode. Peak memory is the resident set size: the largest over our two ranks
+(each holds its shard, the optimizer states of its shard and the embedded engine's full copy), and
+TRL's one process (each TRL run is a fresh child process, so its peak is its own).
 Prints a Markdown table. ``--quick`` is a smoke run (tiny sizes).
 """
 
@@ -42,7 +49,9 @@ TASK = dict(
 )
 
 
-def ours(steps: int, prompts: int, group: int, max_new: int, out: Path, model: str = MODEL) -> dict[str, float]:
+def ours(
+    steps: int, prompts: int, group: int, max_new: int, out: Path, model: str = MODEL, lora: int = 0
+) -> dict[str, float]:
     """Run the trainer for ``steps + 1`` steps; seconds per step after the first."""
     args = [f"env_kwargs.{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in TASK.items()]
     cmd = [
@@ -66,6 +75,7 @@ def ours(steps: int, prompts: int, group: int, max_new: int, out: Path, model: s
         "trainer.eval_n=2",
         "trainer.progress=false",
         f"trainer.output_dir={out}",
+        *([f"actor.lora.rank={lora}", f"actor.lora.alpha={2 * lora}"] if lora else []),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -79,13 +89,29 @@ def ours(steps: int, prompts: int, group: int, max_new: int, out: Path, model: s
         "episodes_per_second": prompts * group / sec,
         "mfu": sum(x["perf/mfu"] for x in rows) / len(rows),
         "reward": sum(x["rollout/reward"] for x in rows) / len(rows),
+        "response_tokens": sum(x["rollout/response_length"] for x in rows) / len(rows),
+        "peak_mib": max(x.get(f"memory/{phase}_peak_mib", 0.0) for x in rows for phase in PHASES),
     }
 
 
+PHASES = ("rollout", "score", "update", "weight_sync")
+
+
+def trl_in_child(*args, **kw) -> dict[str, float]:
+    """:func:`trl` in a fresh process (its own peak memory); the child's result."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(trl, *args, **kw).result()
+
+
 def trl(
-    steps: int, prompts: int, group: int, max_new: int, out: Path, peak: float, model_name: str = MODEL
+    steps: int, prompts: int, group: int, max_new: int, out: Path, peak: float, model_name: str = MODEL, lora: int = 0
 ) -> dict[str, float]:
     """TRL GRPOTrainer on the same prompts and reward; seconds per step after the first."""
+    import resource
+
     import torch
     from datasets import Dataset
     from rl2gem.envs.reasoning_gym import last_number
@@ -139,8 +165,19 @@ def trl(
             if logs and "completions/mean_length" in logs:
                 tokens.append(logs["completions/mean_length"])
 
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=lora, lora_alpha=2 * lora, target_modules="all-linear", task_type="CAUSAL_LM")
     trainer = GRPOTrainer(
-        model=model, reward_funcs=reward, args=cfg, train_dataset=data, processing_class=tokenizer, callbacks=[Clock()]
+        model=model,
+        reward_funcs=reward,
+        args=cfg,
+        train_dataset=data,
+        processing_class=tokenizer,
+        callbacks=[Clock()],
+        peft_config=peft_config,
     )
     trainer.train()
     times = [b - a for a, b in itertools.pairwise(stamps)]
@@ -158,6 +195,8 @@ def trl(
         "episodes_per_second": prompts * group / sec,
         "mfu": flops / sec / peak,
         "reward": sum(rewards) / max(len(rewards), 1),
+        "response_tokens": completion,
+        "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux: KiB
     }
 
 
@@ -171,32 +210,37 @@ def main(argv=None) -> int:
     ap.add_argument("--peak", type=float, default=1.52e11, help="fp32 matmul peak, FLOP/s")
     ap.add_argument("--only", default="rl2gem,trl")
     ap.add_argument("--model", default=MODEL, help="a model name or folder (the smoke test passes a tiny random one)")
+    ap.add_argument("--lora", type=int, default=0, help="> 0: also both sides with LoRA adapters of this rank")
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.prompts, args.max_new = 1, 2, 8
     only = set(args.only.split(","))
     res = {}
     with tempfile.TemporaryDirectory() as tmp:
-        if "rl2gem" in only:
-            res["rl2gem PPO trainer (2 ranks, FSDP2, embedded engine)"] = ours(
-                args.steps, args.prompts, args.group, args.max_new, Path(tmp) / "ours", args.model
-            )
-        if "trl" in only:
-            res["TRL GRPOTrainer (1 process, 2 threads, bf16=False)"] = trl(
-                args.steps, args.prompts, args.group, args.max_new, Path(tmp) / "trl", args.peak, args.model
-            )
+        for lora in (0, args.lora) if args.lora else (0,):
+            tag = f" + LoRA r={lora}" if lora else ""
+            if "rl2gem" in only:
+                res[f"rl2gem PPO trainer (2 ranks, FSDP2, embedded engine){tag}"] = ours(
+                    args.steps, args.prompts, args.group, args.max_new, Path(tmp) / f"ours{lora}", args.model, lora
+                )
+            if "trl" in only:
+                res[f"TRL GRPOTrainer (1 process, 2 threads, bf16=False){tag}"] = trl_in_child(
+                    args.steps, args.prompts, args.group, args.max_new, Path(tmp) / f"trl{lora}", args.peak,
+                    args.model, lora,
+                )  # fmt: skip
     print(
         f"# trainer throughput: {args.model} fp32, {args.prompts} prompts x {args.group} samples per step, "
         f"max_new_tokens {args.max_new}, {args.steps} measured steps\n"
     )
     base = next(iter(res.values()))["episodes_per_second"] if res else 1.0
     print(
-        "| trainer | seconds/step | episodes/s | MFU | mean reward | episodes/s vs first |\n|---|---:|---:|---:|---:|---:|"
+        "| trainer | seconds/step | episodes/s | mean response tokens | MFU | mean reward | peak RSS MiB "
+        "| episodes/s vs first |\n|---|---:|---:|---:|---:|---:|---:|---:|"
     )
     for name, r in res.items():
         print(
-            f"| {name} | {r['seconds_per_step']:.1f} | {r['episodes_per_second']:.2f} | {r['mfu']:.2f} | {r['reward']:.3f} | "
-            f"{r['episodes_per_second'] / base:.2f}x |"
+            f"| {name} | {r['seconds_per_step']:.1f} | {r['episodes_per_second']:.2f} | {r['response_tokens']:.1f} "
+            f"| {r['mfu']:.2f} | {r['reward']:.3f} | {r['peak_mib']:.0f} | {r['episodes_per_second'] / base:.2f}x |"
         )
     return 0
 

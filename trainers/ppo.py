@@ -57,6 +57,7 @@ from rl2gem.algorithms.constraints import Constraints
 from rl2gem.algorithms.kl_control import KLController, make_kl_controller
 from rl2gem.config import ConfigError
 from rl2gem.models import load_model
+from rl2gem.parallel.packing import tree_size
 from rl2gem.rewards.model import REWARD_MODES, RewardModel
 from rl2gem.rewards.objectives import COMBINERS, ParetoArchive, apply_objectives, load_transform
 from rl2gem.rollout import EmbeddedEngine, Rollout, RolloutConfig, merge_rank_metrics
@@ -74,6 +75,10 @@ CONFIG = Path(__file__).with_name("config") / "ppo.yaml"
 
 #: ``actor.old_logprobs``: where the PPO ratio's denominator comes from (see :meth:`PPOTrainer.old_logprob_source`).
 OLD_LOGPROBS = ("auto", "recompute", "rollout")
+
+
+#: actor.packing: one row of concatenated sequences, or their prefix tree (shared prefixes once).
+PACKINGS = ("flat", "tree")
 
 
 def check_config(cfg) -> None:
@@ -102,6 +107,10 @@ def check_config(cfg) -> None:
             f"actor.minibatches_per_update=1), got {cfg.actor.update_per_rollout} and "
             f"{cfg.actor.minibatches_per_update}; use actor.old_logprobs=recompute or auto"
         )
+    if cfg.actor.packing not in PACKINGS:
+        raise ConfigError(f"actor.packing={cfg.actor.packing!r} is not one of {list(PACKINGS)}")
+    if cfg.actor.packing == "tree" and cfg.actor.sp_size > 1:
+        raise ConfigError("actor.packing=tree does not combine with actor.sp_size > 1 (ring attention); use flat")
     constraints(cfg)
     reward_objectives(cfg)
     try:  # the estimator's own options, checked on a one-token batch
@@ -295,6 +304,7 @@ class PPOTrainer(Trainer):
         """Old (:meth:`old_logprob_source`) and reference log-probs per micro-batch; with a critic,
         KL in the reward, values and GAE."""
         c, temperature = self.cfg, self.cfg.rollout.temperature or 1.0
+        tree = c.actor.packing == "tree"
         scores, values = [], Averager()
         source, max_diff = self.old_logprob_source(samples), torch.zeros((), device=self.device)
         for mb in micro_batches:
@@ -303,16 +313,16 @@ class PPOTrainer(Trainer):
             if source == "rollout":
                 sc = {"old": packed(part, "rollout_logprobs", self.device)}
             else:
-                sc = {"old": token_logprobs(self.actor.model, ids, self.device, temperature=temperature)[0]}
+                sc = {"old": token_logprobs(self.actor.model, ids, self.device, temperature=temperature, tree=tree)[0]}
                 if source == "check" and not mb.placeholder:
                     diff = (sc["old"] - packed(part, "rollout_logprobs", self.device)).abs()
                     max_diff = torch.maximum(max_diff, (diff * packed(part, "mask", self.device)).max())
             if self.ref is not None:
-                sc["ref"] = token_logprobs(self.ref.model, ids, self.device, temperature=temperature)[0]
+                sc["ref"] = token_logprobs(self.ref.model, ids, self.device, temperature=temperature, tree=tree)[0]
             if self.critic is not None:
                 if self.ref is not None and c.kl.in_reward and not mb.placeholder:
                     subtract_kl_from_rewards(part, sc["old"], sc["ref"], self.kl.coef, c.kl.estimator)
-                sc["values"] = token_values(self.critic.model, ids, self.device)
+                sc["values"] = token_values(self.critic.model, ids, self.device, tree=tree)
                 sc["returns"] = apply_critic_estimator(
                     part, sc["values"], sc["old"], c.adv.estimator, c.adv.gamma, c.adv.lam, **estimator_options(c)
                 )
@@ -366,8 +376,14 @@ class PPOTrainer(Trainer):
             [s.ids for s in part],
             "grad" if entropy_weight > 0 or "entropy" in self.constraints else "metric",
         )
+        tree = a.packing == "tree"
         logprobs, entropy = token_logprobs(
-            self.actor.model, ids, self.device, temperature=c.rollout.temperature or 1.0, entropy=entropy_mode
+            self.actor.model,
+            ids,
+            self.device,
+            temperature=c.rollout.temperature or 1.0,
+            entropy=entropy_mode,
+            tree=tree,
         )
         mask = packed(part, "mask", self.device, torch.bool)
         rollout_logprobs = packed(part, "rollout_logprobs", self.device)
@@ -399,7 +415,7 @@ class PPOTrainer(Trainer):
             **({"kl": float((kl.detach() * mask).sum() / n)} if self.ref is not None else {}),
         }
         if self.critic is not None:
-            values = token_values(self.critic.model, ids, self.device)
+            values = token_values(self.critic.model, ids, self.device, tree=tree)
             vf_loss, vm = value_loss(
                 values, sc["values"], sc["returns"], mask, clip=c.critic.value_clip, token_weights=weights
             )
@@ -415,11 +431,19 @@ class PPOTrainer(Trainer):
         if not samples:
             return metrics
         lengths = [len(s) for s in samples]
+        tree = [s.ids for s in samples] if c.actor.packing == "tree" else None
 
         def plan_step() -> list[MicroBatch]:
-            return plan_micro_batches(lengths, self.mesh.dp_rank, self.mesh.dp_size, self.max_length.micro_batch_tokens)
+            return plan_micro_batches(
+                lengths, self.mesh.dp_rank, self.mesh.dp_size, self.max_length.micro_batch_tokens, sequences=tree
+            )
 
         micro_batches = plan_step()
+        # the tokens the forwards compute, against the flat row's (1.0 flat; < 1 where prefixes are shared)
+        real = [mb for mb in micro_batches if not mb.placeholder]
+        flat_tokens = sum(lengths[i] for mb in real for i in mb.indices)
+        computed = sum(tree_size([samples[i].ids for i in mb.indices]) for mb in real) if tree else flat_tokens
+        metrics["perf/computed_token_fraction"] = computed / max(1, flat_tokens)
         t = time.perf_counter()
         with self.memory.phase("score"):
             scores, critic_metrics = self.score(samples, micro_batches)
@@ -444,11 +468,12 @@ class PPOTrainer(Trainer):
         metrics["time/weight_sync"] = time.perf_counter() - t
         seconds = time.perf_counter() - start
         models = 1 + (self.critic is not None)  # the critic has the actor's backbone
+        computed_tokens = sum(lengths) * metrics["perf/computed_token_fraction"]  # tree: shared prefixes once
         flops = train_flops(
             self.actor.num_parameters,
             generated_tokens=int(metrics.get("rollout/action_tokens", 0)),
-            forward_tokens=sum(lengths) * (models + (self.ref is not None)),
-            train_tokens=sum(lengths) * int(c.actor.update_per_rollout) * models,
+            forward_tokens=computed_tokens * (models + (self.ref is not None)),
+            train_tokens=computed_tokens * int(c.actor.update_per_rollout) * models,
         )
         metrics.update(
             {

@@ -13,6 +13,14 @@ A step's sequences are
    a block-diagonal causal mask on CPU; see :func:`packed_attention_mask`);
 3. every rank gets the same number of micro-batches (FSDP collectives must
    match), padding with empty ones.
+
+Prefix-tree ("tree") packing (:func:`tree_batch`, :func:`plan_tree`): sequences that share a
+prefix (the samples of a GRPO group share the prompt; multi-turn samples often share turns too)
+are packed as a trie: every distinct prefix is one token of the row, once, and a token attends to
+its ancestors only (:func:`tree_attention_mask`), at ``position_id`` = its depth. Each sequence's
+token ``t`` is the trie node of its prefix ``[:t + 1]``, so a causal LM's output at that node is
+exactly what the flat row computes for the sequence at ``t`` (same positions, same visible
+tokens), while the shared prefix runs once. AReaL packs GRPO groups the same way.
 """
 
 from __future__ import annotations
@@ -30,6 +38,10 @@ __all__ = [
     "packed_batch",
     "packed_attention_mask",
     "unpack",
+    "tree_batch",
+    "tree_attention_mask",
+    "tree_size",
+    "plan_tree",
 ]
 
 
@@ -123,3 +135,102 @@ def packed_attention_mask(cu_seqlens: torch.Tensor, dtype=torch.float32) -> torc
 def unpack(x: torch.Tensor, cu_seqlens: torch.Tensor) -> list[torch.Tensor]:
     """Split a packed ``[1, N, ...]`` tensor back into per-sequence tensors."""
     return [x[0, int(a) : int(b)] for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def tree_size(seqs: list[list[int]]) -> int:
+    """Tokens of the prefix tree of ``seqs``: the number of distinct non-empty prefixes (in sorted
+    order, each sequence adds its length minus its common prefix with the one before)."""
+    ordered = sorted(seqs)
+    return sum(len(s) - (_common_prefix(s, ordered[i - 1]) if i else 0) for i, s in enumerate(ordered))
+
+
+def tree_batch(seqs: list[list[int]]) -> dict[str, torch.Tensor]:
+    """One prefix-tree row of ``seqs`` (a trie, nodes in first-seen order so parents come first).
+
+    Returns:
+        ``input_ids`` / ``position_ids`` ``[1, M]`` int64 (``M`` = :func:`tree_size`, position =
+        depth), ``parents`` ``[M]`` int64 (-1 at a root), and ``node_of`` ``[N]`` int64: for each
+        token of the flat packing (:func:`packed_batch`, ``N`` = the total length) its node.
+    """
+    children: list[dict[int, int]] = [{}]  # node 0 is a virtual root above the trie's roots
+    tokens, parents, depths, node_of = [], [], [], []
+    for seq in seqs:
+        node = 0
+        for depth, token in enumerate(seq):
+            nxt = children[node].get(token)
+            if nxt is None:
+                nxt = len(children)
+                children[node][token] = nxt
+                children.append({})
+                tokens.append(token)
+                parents.append(node - 1)
+                depths.append(depth)
+            node = nxt
+            node_of.append(node - 1)
+    return {
+        "input_ids": torch.tensor(tokens, dtype=torch.long)[None],
+        "position_ids": torch.tensor(depths, dtype=torch.long)[None],
+        "parents": torch.tensor(parents, dtype=torch.long),
+        "node_of": torch.tensor(node_of, dtype=torch.long),
+    }
+
+
+def tree_attention_mask(parents: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """Additive mask ``[1, 1, M, M]`` of a prefix tree: node ``i`` sees itself and its ancestors
+    (0), nothing else (the dtype's minimum). ``parents`` must precede their children."""
+    m = len(parents)
+    allowed = torch.zeros(m, m, dtype=torch.bool)
+    for i, parent in enumerate(parents.tolist()):
+        if parent >= 0:
+            allowed[i] = allowed[parent]
+        allowed[i, i] = True
+    return torch.zeros(m, m, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def plan_tree(
+    seqs: list[list[int]], world_size: int, max_tokens: int, attn_coef: float = 1.0 / 4096
+) -> list[list[list[int]]]:
+    """:func:`plan` for prefix-tree micro-batches: per rank, its micro-batches of sequence indices.
+
+    Sequences are sorted (so those sharing a prefix are neighbours) and cut into units whose tree has
+    at most ``max_tokens`` tokens, where the cuts cost the fewest tree tokens in all (so a group
+    sharing a prompt is cut only if it does not fit); units are partitioned over ranks by Karmarkar-Karp on the
+    cost of their tree size and packed first-fit decreasing by tree size (several small units can
+    share a micro-batch). A sequence longer than ``max_tokens`` is refused, as by :func:`plan`.
+
+    Raises:
+        ValueError: a sequence longer than ``max_tokens``.
+    """
+    order = sorted(range(len(seqs)), key=lambda i: seqs[i])
+    for i in order:
+        if len(seqs[i]) > max_tokens:
+            raise ValueError(f"sequence {i} has {len(seqs[i])} tokens > max_length_per_device={max_tokens}")
+    # added[k]: the tokens sequence order[k] adds to a tree after order[k - 1]; a unit order[a..b]
+    # has len(order[a]) + added[a + 1] + ... + added[b] tokens. Cut the sorted list into units of at
+    # most max_tokens with the fewest tree tokens in all (dynamic programming over the cut points).
+    added = [len(seqs[i]) - (_common_prefix(seqs[i], seqs[order[k - 1]]) if k else 0) for k, i in enumerate(order)]
+    total = list(itertools.accumulate(added, initial=0))
+    best, cut = [0] + [None] * len(order), [0] * (len(order) + 1)
+    for end in range(1, len(order) + 1):
+        for start in range(end - 1, -1, -1):  # unit order[start:end]
+            size = len(seqs[order[start]]) + total[end] - total[start + 1]
+            if size > max_tokens:
+                break
+            if best[end] is None or best[start] + size < best[end]:
+                best[end], cut[end] = best[start] + size, start
+    units, sizes, end = [], [], len(order)
+    while end:
+        start = cut[end]
+        units.append(order[start:end])
+        sizes.append(len(seqs[order[start]]) + total[end] - total[start + 1])
+        end = start
+    per_rank = plan(sizes, world_size, max_tokens, attn_coef)
+    return [[sorted(i for u in mb for i in units[u]) for mb in mbs] for mbs in per_rank]

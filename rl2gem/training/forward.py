@@ -23,7 +23,14 @@ import torch
 import torch.distributed as dist
 
 from rl2gem.algorithms import entropy_from_logits
-from rl2gem.parallel.packing import packed_attention_mask, packed_batch, plan
+from rl2gem.parallel.packing import (
+    packed_attention_mask,
+    packed_batch,
+    plan,
+    plan_tree,
+    tree_attention_mask,
+    tree_batch,
+)
 from rl2gem.parallel.ring_attention import gather_sequence_parallel, ring_context, zigzag_layout
 from rl2gem.parallel.tensor_parallel import vocab_parallel_logprobs
 from rl2gem.training.metrics import SavedTensorBytes, simulated_memory_bytes
@@ -62,21 +69,32 @@ class MicroBatch:
 
 
 def plan_micro_batches(
-    lengths: Sequence[int], dp_rank: int, dp_size: int, max_tokens: int, attn_coef: float = 1.0 / 4096
+    lengths: Sequence[int],
+    dp_rank: int,
+    dp_size: int,
+    max_tokens: int,
+    attn_coef: float = 1.0 / 4096,
+    sequences: Sequence[Sequence[int]] | None = None,
 ) -> list[MicroBatch]:
     """This rank's micro-batches of a step (the same number on every data-parallel rank).
 
     Sequences are partitioned over ranks by Karmarkar-Karp on compute cost ``L + attn_coef * L^2``
     and packed into micro-batches of at most ``max(max_tokens, longest)`` tokens
-    (:func:`rl2gem.parallel.packing.plan`). A rank with fewer micro-batches than the busiest rank
-    gets placeholders (see :class:`MicroBatch`).
+    (:func:`rl2gem.parallel.packing.plan`). With ``sequences`` (the token ids, for prefix-tree
+    packing) micro-batches are planned on their prefix trees' sizes instead
+    (:func:`rl2gem.parallel.packing.plan_tree`): sequences sharing a prefix go together. A rank
+    with fewer micro-batches than the busiest rank gets placeholders (see :class:`MicroBatch`).
 
     Raises:
         ValueError: no sequences.
     """
     if not lengths:
         raise ValueError("plan_micro_batches needs at least one sequence")
-    per_rank = plan(list(lengths), dp_size, max(int(max_tokens), max(lengths)), attn_coef)[dp_rank]
+    limit = max(int(max_tokens), max(lengths))
+    if sequences is not None:
+        per_rank = plan_tree([list(s) for s in sequences], dp_size, limit, attn_coef)[dp_rank]
+    else:
+        per_rank = plan(list(lengths), dp_size, limit, attn_coef)[dp_rank]
     shortest = min(range(len(lengths)), key=lambda i: lengths[i])
     return [MicroBatch(list(mb)) if mb else MicroBatch([shortest], placeholder=True) for mb in per_rank]
 
@@ -143,13 +161,18 @@ def _next_tokens(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return following.masked_fill(last, 0)
 
 
-def _packed_forward(model, sequences: Sequence[Sequence[int]], device: torch.device, per_token):
-    """Run ``model`` on one packed row of ``sequences`` and return ``per_token(output, next_ids)``
-    for every token of the row, in packed order (``[N, ...]``; a tuple of tensors, some of which
-    may be None, is handled element-wise), together with the packed batch.
+def _packed_forward(model, sequences: Sequence[Sequence[int]], device: torch.device, per_token, tree: bool = False):
+    """Run ``model`` on one packed row of ``sequences`` and return ``per_token(output, next_ids,
+    rows)`` for every token of the row, in packed order (``[N, ...]``; a tuple of tensors, some of
+    which may be None, is handled element-wise), together with the packed batch.
 
     ``per_token`` gets the model output of the tokens this rank ran and their successors
-    (:func:`_next_tokens`). Without sequence parallelism that is the whole row. With it
+    (:func:`_next_tokens`), with ``rows`` None: output row ``t`` belongs to token ``t``. With
+    ``tree`` the model runs on the prefix tree of ``sequences``
+    (:func:`rl2gem.parallel.packing.tree_batch`: shared prefixes once) and ``rows`` ``[N]`` int64
+    gives the output row of each token of the flat row, so ``per_token`` reads row ``rows[t]`` for
+    token ``t`` (several tokens may share a row; their successors may differ). The results equal
+    the flat row's (same positions, same visible tokens). Without sequence parallelism that is the whole row. With it
     (``model.rl2_sp_group``), the row is split ZigZag over the group
     (:func:`rl2gem.parallel.ring_attention.zigzag_layout`), the model runs ring attention on
     this rank's share, and the per-token results of all ranks are gathered back (differentiably)
@@ -160,10 +183,12 @@ def _packed_forward(model, sequences: Sequence[Sequence[int]], device: torch.dev
         with SavedTensorBytes(limit):  # a drill: RL2GEM_SIMULATED_MEMORY_MIB (rl2gem.training.autosize)
             return _packed_forward(model, sequences, device, per_token)
     group = getattr(model, "rl2_sp_group", None)
+    if tree:
+        return _tree_forward(model, sequences, device, per_token, group)
     batch, kwargs = packed_inputs(model, sequences, device) if group is None else (packed_batch(list(sequences)), None)
     ids, positions = batch["input_ids"][0], batch["position_ids"][0]
     if group is None:
-        return per_token(model(**kwargs), _next_tokens(ids, positions).to(device)), batch
+        return per_token(model(**kwargs), _next_tokens(ids, positions).to(device), None), batch
     layout = zigzag_layout([len(s) for s in sequences], dist.get_world_size(group))
     rank = dist.get_rank(group)
     padded_ids = layout.pad(ids)
@@ -172,10 +197,30 @@ def _packed_forward(model, sequences: Sequence[Sequence[int]], device: torch.dev
     local_next = layout.local(_next_tokens(padded_ids, layout.positions), rank).to(device)
     with ring_context(layout, group):
         output = model(input_ids=local_ids[None], position_ids=local_positions[None], use_cache=False)
-    local = per_token(output, local_next)
+    local = per_token(output, local_next, None)
     if isinstance(local, tuple):
         return tuple(None if t is None else gather_sequence_parallel(t, layout, group) for t in local), batch
     return gather_sequence_parallel(local, layout, group), batch
+
+
+def _tree_forward(model, sequences, device, per_token, group):
+    """The ``tree=True`` branch of :func:`_packed_forward` (see there)."""
+    if group is not None:
+        raise ValueError("prefix-tree packing (actor.packing=tree) does not combine with sp_size > 1")
+    if device.type == "cuda" and getattr(model.config, "_attn_implementation", "") == "flash_attention_2":
+        raise ValueError("prefix-tree packing needs an attention mask: load the model with sdpa, not flash_attention_2")
+    batch = packed_batch([list(s) for s in sequences])
+    tree = tree_batch([list(s) for s in sequences])
+    dtype = next(model.parameters()).dtype
+    output = model(
+        input_ids=tree["input_ids"].to(device),
+        position_ids=tree["position_ids"].to(device),
+        attention_mask=tree_attention_mask(tree["parents"], dtype=dtype).to(device),
+        use_cache=False,
+    )
+    ids, positions = batch["input_ids"][0], batch["position_ids"][0]
+    batch["tree_tokens"] = tree["input_ids"].shape[1]
+    return per_token(output, _next_tokens(ids, positions).to(device), tree["node_of"].to(device)), batch
 
 
 def _shift_to_tokens(next_values: torch.Tensor, batch: dict) -> torch.Tensor:
@@ -186,7 +231,13 @@ def _shift_to_tokens(next_values: torch.Tensor, batch: dict) -> torch.Tensor:
 
 
 def token_logprobs(
-    model, sequences: Sequence[Sequence[int]], device: torch.device, *, temperature: float = 1.0, entropy: str = "none"
+    model,
+    sequences: Sequence[Sequence[int]],
+    device: torch.device,
+    *,
+    temperature: float = 1.0,
+    entropy: str = "none",
+    tree: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probabilities (and entropies) of a packed micro-batch under a causal LM.
 
@@ -200,16 +251,29 @@ def token_logprobs(
             the log-probs are those of the distribution that sampled).
         entropy: ``"grad"`` (differentiable, for an entropy bonus), ``"metric"`` (detached) or
             ``"none"``.
+        tree: run the prefix tree of ``sequences`` (shared prefixes once; see
+            :func:`_packed_forward`); the same results as the flat row.
 
     Returns:
         ``(logprobs [N] float32, entropies [N] float32 in nats or None)``; 0 at each sequence's
         first token.
+
+    Raises:
+        ValueError: ``tree`` with sequence parallelism or with flash-attention 2 on GPU.
     """
     tp_group = getattr(model, "rl2_tp_group", None)
 
-    def per_token(output, next_ids):
+    def per_token(output, next_ids, rows):
         logits = output.logits[0].float() / temperature
         entropies = None
+        if rows is not None and tp_group is None:  # a tree: normalise each node once, read it per token
+            logprobs = torch.log_softmax(logits, -1)[rows, next_ids]
+            if entropy != "none":
+                with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
+                    entropies = entropy_from_logits(logits if entropy == "grad" else logits.detach())[rows]
+            return logprobs, entropies
+        if rows is not None:
+            logits = logits[rows]
         if tp_group is not None:
             logprobs, entropies = vocab_parallel_logprobs(logits, next_ids, tp_group, entropy=entropy == "grad")
             if entropy == "metric":
@@ -222,16 +286,24 @@ def token_logprobs(
                 entropies = entropy_from_logits(logits if entropy == "grad" else logits.detach())
         return logprobs, entropies
 
-    (logprobs, entropies), batch = _packed_forward(model, sequences, device, per_token)
+    (logprobs, entropies), batch = _packed_forward(model, sequences, device, per_token, tree=tree)
     return _shift_to_tokens(logprobs, batch), None if entropies is None else _shift_to_tokens(entropies, batch)
 
 
-def token_values(critic, sequences: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+def token_values(
+    critic, sequences: Sequence[Sequence[int]], device: torch.device, *, tree: bool = False
+) -> torch.Tensor:
     """Per-token values of a packed micro-batch under a value-head model: float32 ``[N]`` where
     entry ``t`` is V(state before token ``t``), read from the hidden state at ``t - 1`` (0 at each
     sequence's first token), aligned like :func:`token_logprobs`."""
-    values, batch = _packed_forward(critic, sequences, device, lambda output, _: output.logits[0, :, 0].float())
+    values, batch = _packed_forward(critic, sequences, device, _rows(lambda output: output.logits[0, :, 0]), tree=tree)
     return _shift_to_tokens(values, batch)
+
+
+def _rows(scalar):
+    """A ``per_token`` of :func:`_packed_forward` from ``scalar(output)`` ``[rows]``: float32, one
+    value per output row, read per token."""
+    return lambda output, _next, rows: scalar(output).float() if rows is None else scalar(output).float()[rows]
 
 
 def score_positions(sequences: Sequence[Sequence[int]], pad_token_id: int | None) -> list[int]:
@@ -271,7 +343,7 @@ def sequence_scores(model, sequences: Sequence[Sequence[int]], device: torch.dev
             model,
             sequences,
             device,
-            lambda output, _: (output.logits if output.logits.dim() == 3 else captured[-1])[0, :, 0].float(),
+            _rows(lambda output: (output.logits if output.logits.dim() == 3 else captured[-1])[0, :, 0]),
         )
     finally:
         handle.remove()

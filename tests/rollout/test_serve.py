@@ -191,12 +191,16 @@ def test_lora_adapter_sync_merges_peft_adapters_and_requests_name_them(server, t
 
     def adapter(seed):
         torch.manual_seed(seed)
-        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+        config = LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False
+        )
         model = get_peft_model(tiny_model(), config).eval()
         model.save_pretrained(tmp_path / f"adapter{seed}")  # peft's writer, not ours
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([seq])).logits[0, :-1]
-        return tmp_path / f"adapter{seed}", torch.log_softmax(logits, -1).gather(1, torch.tensor(seq[1:])[:, None])[:, 0]
+        return tmp_path / f"adapter{seed}", torch.log_softmax(logits, -1).gather(1, torch.tensor(seq[1:])[:, None])[
+            :, 0
+        ]
 
     first, first_ref = adapter(1)
     second, second_ref = adapter(2)

@@ -401,6 +401,44 @@ def test_on_policy_steps_use_the_rollout_logprobs_and_equal_recomputing_them(tin
     assert r.returncode == 2 and "actor.old_logprobs" in r.stderr
 
 
+def test_tree_packing_steps_equal_flat_packing_on_fewer_tokens(tiny_dir, tmp_path):
+    """actor.packing=tree (each group's shared prompt computed once) against flat packing: the same
+    gradients and values, with a critic (GAE), a reference model (KL) and an entropy bonus, on 2
+    ranks; the forwards compute fewer tokens."""
+    runs = {}
+    for packing in ("flat", "tree"):
+        out = tmp_path / packing
+        torchrun(
+            2,
+            *arithmetic_run(tiny_dir),
+            "rollout.responses_per_prompt=4",
+            "rollout.max_new_tokens=8",
+            *MOVING_WEIGHTS,
+            "reward.transform=tests.toy_envs:even_token_reward",
+            "adv.estimator=gae",
+            "kl.coef=0.01",
+            f"actor.packing={packing}",
+            "actor.max_length_per_device=256",
+            "trainer.total_steps=2",
+            "trainer.eval_at_start=false",
+            "trainer.eval_n=2",
+            f"trainer.output_dir={out}",
+            "trainer.progress=false",
+        )
+        runs[packing] = logged_steps(out / "metrics.jsonl", "actor/pg_loss")
+    flat, tree = runs["flat"], runs["tree"]
+    for step in (1, 2):
+        assert flat[step]["perf/computed_token_fraction"] == 1.0
+        assert tree[step]["perf/computed_token_fraction"] < 0.9  # 4 samples per prompt share it
+        assert tree[step]["rollout/reward"] == flat[step]["rollout/reward"]
+        # the gradients of the whole loss (PPO + KL + entropy; the critic's value loss) are the flat
+        # ones; loss metrics are means over micro-batches, which the two packings cut differently
+        for key in ("actor/grad_norm", "critic/grad_norm", "critic/values"):
+            assert tree[step][key] == pytest.approx(flat[step][key], rel=1e-5, abs=1e-9), (step, key)
+    r = run_module("rl2gem.trainers.ppo", "actor.packing=tree", "actor.sp_size=2")
+    assert r.returncode == 2 and "actor.packing=tree" in r.stderr
+
+
 def test_lora_ppo_on_two_ranks_syncs_merged_weights_and_exports_the_adapter(tiny_dir, tmp_path):
     """actor.lora on 2 FSDP ranks: the adapters train, each step's weight sync gives the engine the
     merged model (its log-probs equal the trainer's: mismatch KL ~0 after the weights moved), and

@@ -46,3 +46,101 @@ def test_packed_logprobs_equal_one_sequence_at_a_time():
         assert ref_entropy.min() > 1.0
         start += len(s)
     assert sequence_ends([6, 11, 4]) == [5, 16, 20]
+
+
+def test_prefix_tree_by_hand():
+    from rl2gem.parallel.packing import tree_attention_mask, tree_batch, tree_size
+
+    seqs = [[1, 2, 3], [1, 2, 4], [5], [1, 2, 3, 6]]
+    tree = tree_batch(seqs)
+    # nodes in first-seen order: 1, 2, 3, 4, 5, 6
+    assert tree["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6]]
+    assert tree["position_ids"].tolist() == [[0, 1, 2, 2, 0, 3]]
+    assert tree["parents"].tolist() == [-1, 0, 1, 1, -1, 2]
+    assert tree["node_of"].tolist() == [0, 1, 2, 0, 1, 3, 4, 0, 1, 2, 5]
+    assert tree_size(seqs) == 6 and tree_size([[7, 8], [7, 8]]) == 2
+    allowed = tree_attention_mask(tree["parents"])[0, 0] == 0
+    expected = [  # each node sees itself and its ancestors
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [1, 1, 0, 1, 0, 0],
+        [0, 0, 0, 0, 1, 0],
+        [1, 1, 1, 0, 0, 1],
+    ]
+    assert allowed.int().tolist() == expected
+
+
+def grouped_sequences(seed=0):
+    """Two GRPO-like groups (a shared prompt, four continuations each, two of which share a first
+    turn) and one sequence of its own."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(n):
+        return torch.randint(3, 1000, (n,), generator=g).tolist()
+
+    seqs = []
+    for _ in range(2):
+        prompt, turn = rand(12), rand(5)
+        seqs += [prompt + rand(6), prompt + turn + rand(4), prompt + turn + rand(7), prompt + rand(3)]
+    return [*seqs, rand(9)]
+
+
+def test_tree_packing_gives_the_flat_logprobs_entropies_values_and_gradients():
+    """Prefix-tree packing against flat packing (the reference): the same per-token log-probs,
+    entropies, critic values and parameter gradients of a weighted loss, on fewer tokens."""
+    from transformers import LlamaForTokenClassification
+
+    from rl2gem.parallel.packing import tree_size
+    from rl2gem.training import token_values
+
+    model = tiny_model().float()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.div_(40.0)
+    seqs = grouped_sequences()
+    assert tree_size(seqs) < 0.7 * sum(len(s) for s in seqs)
+    weights = torch.linspace(-1.0, 2.0, sum(len(s) for s in seqs))
+    results = {}
+    for tree in (False, True):
+        model.zero_grad()
+        logprobs, entropies = token_logprobs(
+            model, seqs, torch.device("cpu"), temperature=0.8, entropy="grad", tree=tree
+        )
+        ((logprobs * weights).sum() + 0.1 * entropies.sum()).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        results[tree] = (logprobs.detach(), entropies.detach(), grads)
+    (flat_lp, flat_ent, flat_grads), (tree_lp, tree_ent, tree_grads) = results[False], results[True]
+    torch.testing.assert_close(tree_lp, flat_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(tree_ent, flat_ent, atol=1e-5, rtol=1e-5)
+    for name, grad in flat_grads.items():  # equal up to fp32 summation order (shared prefixes sum earlier)
+        assert float((tree_grads[name] - grad).abs().max()) <= 1e-5 * float(grad.abs().max()) + 1e-8, name
+
+    critic = LlamaForTokenClassification(model.config.__class__(**{**model.config.to_dict(), "num_labels": 1})).eval()
+    with torch.no_grad():
+        flat_values = token_values(critic, seqs, torch.device("cpu"))
+        tree_values = token_values(critic, seqs, torch.device("cpu"), tree=True)
+    torch.testing.assert_close(tree_values, flat_values, atol=1e-5, rtol=1e-5)
+
+
+def test_tree_plan_keeps_shared_prefixes_together_within_the_token_budget():
+    from rl2gem.parallel.packing import tree_size
+
+    seqs = grouped_sequences() + grouped_sequences(seed=1)
+    lengths = [len(s) for s in seqs]
+    budget = 64
+    plans = [plan_micro_batches(lengths, rank, 2, budget, sequences=seqs) for rank in range(2)]
+    assert len({len(p) for p in plans}) == 1
+    real = sorted(i for p in plans for mb in p if not mb.placeholder for i in mb.indices)
+    assert real == list(range(len(seqs)))
+    for p in plans:
+        for mb in p:
+            if not mb.placeholder:
+                assert tree_size([seqs[i] for i in mb.indices]) <= budget
+    # a group (4 sequences from one prompt, about 75 tokens flat, under 64 as a tree) is never split
+    for first in (0, 4, 9, 13):
+        homes = {
+            (r, j) for r, p in enumerate(plans) for j, mb in enumerate(p) for i in mb.indices if first <= i < first + 4
+        }
+        assert len(homes) == 1, (first, plans)
+    flat_batches = sum(len(p) for p in (plan_micro_batches(lengths, r, 2, budget) for r in range(2)))
+    assert sum(len(p) for p in plans) < flat_batches
