@@ -220,6 +220,21 @@ def test_rollout_benchmark_smoke(tiny_dir):
     assert "prefix merging" in stdout and "partial rollouts" in stdout
 
 
+def test_tree_packing_benchmark_smoke(tiny_dir):
+    """Flat against prefix-tree packing on real rollouts of a tiny random model: the tree computes
+    fewer tokens and the two give the same log-probs (the real model's numbers are in RESULTS.md)."""
+    import re
+
+    stdout = run("benchmarks/tree_packing.py", "--quick", "--model", str(tiny_dir))
+    for env in ("GSM8K", "SearchQA"):
+        section = stdout.split(f"# {env}")[1].split("\n\n")[0:2]
+        difference = float(re.search(r"largest log-prob difference (\S+)", section[0]).group(1))
+        assert difference < 1e-4, stdout
+        rows = [line for line in section[1].splitlines() if line.startswith(("| flat", "| prefix tree"))]
+        flat, tree = (int(row.split("|")[2]) for row in rows)
+        assert tree < flat, stdout
+
+
 def test_trainer_benchmark_smoke(tiny_dir):
     """Both trainers end to end on a tiny random model (the real model's numbers are in RESULTS.md)."""
     stdout = run("benchmarks/trainer.py", "--quick", "--model", str(tiny_dir), "--lora", "4")

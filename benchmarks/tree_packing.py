@@ -1,0 +1,115 @@
+"""Prefix-tree packing against flat packing: tokens computed and forward/backward time, side by side.
+
+The sequences are real rollout samples of SmolLM2-135M-Instruct (fp32, the embedded engine,
+temperature 1.0): ``--prompts`` GRPO groups of ``--group`` samples on GSM8K (one turn, a short
+prompt) and on SearchQA (multi-turn: searches answered with 3 passages, so prompts grow with
+every turn). Each side plans the same samples into micro-batches of at most ``--max-tokens``
+tokens (flat: :func:`rl2gem.parallel.packing.plan`; tree: :func:`~rl2gem.parallel.packing.plan_tree`)
+and runs what a PPO step runs per micro-batch: a no-grad forward for the old log-probs, then a
+forward and backward of a loss on the log-probs. The two sides' log-probs are compared (the
+largest difference is printed: equal up to float rounding). Times are the best of ``--repeats``.
+
+Prints a Markdown table per env; ``--quick`` is a smoke run (tiny sizes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+import torch
+
+import rl2gem
+from rl2gem.models import load_model, resolve_model
+from rl2gem.parallel.packing import tree_size
+from rl2gem.rollout import EmbeddedEngine, Rollout, RolloutConfig
+from rl2gem.training import plan_micro_batches, token_logprobs
+from rl2gem.training.samples import samples_from_batch
+
+ENVS = {
+    "GSM8K": ("rl2/GSM8K-v0", {}, 1),
+    "SearchQA": ("rl2/SearchQA-v0", {"topk": 3, "max_turns": 3}, 3),
+}
+
+
+def rollout_sequences(model, tokenizer, env: str, kwargs: dict, prompts: int, group: int, max_new: int) -> list:
+    """Token ids of the training sequences of ``prompts`` groups of ``group`` episodes."""
+
+    async def run():
+        engine = EmbeddedEngine(model, tokenizer, seed=0)
+        config = RolloutConfig(
+            responses_per_prompt=group, max_new_tokens=max_new, max_length=4096, temperature=1.0, seed=1
+        )
+        rollout = Rollout(engine, tokenizer, env, config, env_kwargs=rl2gem.standard_kwargs(env, kwargs))
+        batch = await rollout.collect(prompts)
+        await rollout.close()
+        await engine.close()
+        return batch
+
+    return [s.ids for s in samples_from_batch(asyncio.run(run()), "drgrpo")]
+
+
+def step_time(model, sequences, max_tokens: int, tree: bool, repeats: int) -> tuple[float, int, int, torch.Tensor]:
+    """Best-of-``repeats`` seconds of a no-grad forward then a forward+backward over the plan's
+    micro-batches; the tokens computed, the micro-batch count, and the log-probs (flat order)."""
+    lengths = [len(s) for s in sequences]
+    plan = plan_micro_batches(lengths, 0, 1, max_tokens, sequences=sequences if tree else None)
+    computed = sum(
+        tree_size([sequences[i] for i in mb.indices]) if tree else sum(lengths[i] for i in mb.indices) for mb in plan
+    )
+    best, logprobs = float("inf"), {}
+    device = torch.device("cpu")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for mb in plan:
+            part = [sequences[i] for i in mb.indices]
+            with torch.no_grad():
+                old = token_logprobs(model, part, device, tree=tree)[0]
+            new = token_logprobs(model, part, device, tree=tree)[0]
+            (new - old).exp().sum().backward()
+            for i, chunk in zip(mb.indices, old.split([lengths[i] for i in mb.indices]), strict=True):
+                logprobs[i] = chunk
+        model.zero_grad(set_to_none=True)
+        best = min(best, time.perf_counter() - start)
+    return best, computed, len(plan), torch.cat([logprobs[i] for i in range(len(sequences))])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--prompts", type=int, default=4, help="GRPO groups")
+    ap.add_argument("--group", type=int, default=8, help="samples per prompt")
+    ap.add_argument("--max-new", type=int, default=64, help="new tokens per turn")
+    ap.add_argument("--max-tokens", type=int, default=2048, help="tokens per micro-batch (flat or tree)")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--envs", default="GSM8K,SearchQA")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.prompts, args.group, args.max_new, args.repeats, args.max_tokens = 2, 2, 8, 1, 512
+    torch.manual_seed(0)
+    model, tokenizer = load_model(resolve_model(args.model), dtype=torch.float32)
+    model.train()
+    for name in args.envs.split(","):
+        env, kwargs, turns = ENVS[name]
+        sequences = rollout_sequences(model, tokenizer, env, kwargs, args.prompts, args.group, args.max_new)
+        flat_tokens = sum(len(s) for s in sequences)
+        rows = {tree: step_time(model, sequences, args.max_tokens, tree, args.repeats) for tree in (False, True)}
+        difference = float((rows[True][3] - rows[False][3]).abs().max())
+        print(
+            f"# {name} ({env}, up to {turns} turn(s)): {args.prompts} prompts x {args.group} samples, "
+            f"{len(sequences)} sequences, {flat_tokens} tokens, max_new_tokens {args.max_new}, "
+            f"micro-batches of at most {args.max_tokens} tokens; largest log-prob difference {difference:.1e}\n"
+        )
+        print("| packing | tokens computed | micro-batches | seconds (old forward + forward/backward) | speed-up |")
+        print("|---|---:|---:|---:|---:|")
+        for tree, label in ((False, "flat"), (True, "prefix tree")):
+            seconds, computed, batches, _ = rows[tree]
+            print(f"| {label} | {computed} | {batches} | {seconds:.2f} | {rows[False][0] / seconds:.2f}x |")
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
