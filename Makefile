@@ -113,7 +113,8 @@ bench: setup
 	$(BIN)/python benchmarks/env_throughput.py
 	$(BIN)/python benchmarks/retrieval.py
 	$(BIN)/python benchmarks/rollout.py
-	$(BIN)/python benchmarks/trainer.py
+	$(BIN)/python benchmarks/trainer.py --lora 16
+	$(BIN)/python benchmarks/tree_packing.py
 	$(BIN)/python benchmarks/parallel.py
 
 clean:

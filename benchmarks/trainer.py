@@ -10,6 +10,8 @@ tokens, one optimizer step per generation batch, Dr. GRPO advantages on both sid
 - TRL: ``GRPOTrainer`` in one process with two threads (``bf16=False``: TRL's default bf16
   autocast runs about 8x slower on this CPU), generation with ``model.generate``.
 
+``--packings flat,tree`` runs our trainer once per packing (``actor.packing``: a flat row, or each
+group's prefix tree with the shared prompt computed once); TRL has no such option.
 ``--lora R`` adds both sides with LoRA adapters of rank R (alpha 2R, every linear layer but the LM
 head; ours ``actor.lora.*``, TRL ``peft_config``) after the full fine-tuning rows.
 
@@ -50,7 +52,14 @@ TASK = dict(
 
 
 def ours(
-    steps: int, prompts: int, group: int, max_new: int, out: Path, model: str = MODEL, lora: int = 0
+    steps: int,
+    prompts: int,
+    group: int,
+    max_new: int,
+    out: Path,
+    model: str = MODEL,
+    lora: int = 0,
+    packing: str = "flat",
 ) -> dict[str, float]:
     """Run the trainer for ``steps + 1`` steps; seconds per step after the first."""
     args = [f"env_kwargs.{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in TASK.items()]
@@ -75,6 +84,7 @@ def ours(
         "trainer.eval_n=2",
         "trainer.progress=false",
         f"trainer.output_dir={out}",
+        f"actor.packing={packing}",
         *([f"actor.lora.rank={lora}", f"actor.lora.alpha={2 * lora}"] if lora else []),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -211,6 +221,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="rl2gem,trl")
     ap.add_argument("--model", default=MODEL, help="a model name or folder (the smoke test passes a tiny random one)")
     ap.add_argument("--lora", type=int, default=0, help="> 0: also both sides with LoRA adapters of this rank")
+    ap.add_argument("--packings", default="flat,tree", help="our trainer's actor.packing values (LoRA: the last)")
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.prompts, args.max_new = 1, 2, 8
@@ -219,10 +230,13 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for lora in (0, args.lora) if args.lora else (0,):
             tag = f" + LoRA r={lora}" if lora else ""
-            if "rl2gem" in only:
-                res[f"rl2gem PPO trainer (2 ranks, FSDP2, embedded engine){tag}"] = ours(
-                    args.steps, args.prompts, args.group, args.max_new, Path(tmp) / f"ours{lora}", args.model, lora
-                )
+            packings = args.packings.split(",")
+            for packing in packings[-1:] if lora else packings:
+                if "rl2gem" in only:
+                    res[f"rl2gem PPO trainer (2 ranks, FSDP2, embedded engine, {packing} packing){tag}"] = ours(
+                        args.steps, args.prompts, args.group, args.max_new, Path(tmp) / f"ours{lora}{packing}",
+                        args.model, lora, packing,
+                    )  # fmt: skip
             if "trl" in only:
                 res[f"TRL GRPOTrainer (1 process, 2 threads, bf16=False){tag}"] = trl_in_child(
                     args.steps, args.prompts, args.group, args.max_new, Path(tmp) / f"trl{lora}", args.peak,

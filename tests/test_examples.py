@@ -237,10 +237,10 @@ def test_tree_packing_benchmark_smoke(tiny_dir):
 
 def test_trainer_benchmark_smoke(tiny_dir):
     """Both trainers end to end on a tiny random model (the real model's numbers are in RESULTS.md)."""
-    stdout = run("benchmarks/trainer.py", "--quick", "--model", str(tiny_dir), "--lora", "4")
+    stdout = run("benchmarks/trainer.py", "--quick", "--model", str(tiny_dir), "--lora", "4", "--packings", "tree")
     rows = [line for line in stdout.splitlines() if line.startswith("| ") and line.rstrip().endswith("x |")]
     assert len(rows) == 4 and "rl2gem PPO trainer" in rows[0] and "TRL GRPOTrainer" in rows[1], stdout
-    assert "LoRA r=4" in rows[2] and "LoRA r=4" in rows[3], stdout
+    assert "tree packing" in rows[0] and "LoRA r=4" in rows[2] and "LoRA r=4" in rows[3], stdout
     for row in rows:  # response tokens and peak memory are measured on both sides
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert float(cells[3]) > 0 and float(cells[6]) > 50, row
