@@ -134,11 +134,7 @@ def merged_state_dict(state: Mapping[str, torch.Tensor], config) -> dict[str, to
     Raises:
         KeyError: an adapter whose layer is missing.
     """
-    base = {
-        name.replace(".base_layer.", "."): t
-        for name, t in state.items()
-        if _parts(name) is None or _parts(name)[1] == "base"
-    }
+    base = {name.replace(".base_layer.", "."): t for name, t in state.items() if ".lora_" not in name}
     return {**base, **merge_adapter(base, adapter_state_dict(state), config)}
 
 
