@@ -31,7 +31,7 @@ import torch.distributed as dist
 from rl2gem.algorithms import DPO_LOSS_TYPES, dpo_loss
 from rl2gem.config import ConfigError
 from rl2gem.data import load_preferences
-from rl2gem.training.forward import sequence_sums, token_logprobs
+from rl2gem.training.forward import check_packing, sequence_sums, token_logprobs
 from rl2gem.training.metrics import Averager
 from rl2gem.training.offline import PAIRS_HELP, OfflineTrainer, check_data_config
 from rl2gem.training.pairs import PairSample, pair_sequences, plan_pair_micro_batches, tokenize_pairs
@@ -44,6 +44,7 @@ CONFIG = Path(__file__).with_name("config") / "dpo.yaml"
 def check_config(cfg) -> None:
     """Raises :class:`rl2gem.config.ConfigError` for values that cannot work."""
     check_data_config(cfg, PAIRS_HELP)
+    check_packing(cfg.actor)
     d = cfg.dpo
     if d.loss_type not in DPO_LOSS_TYPES:
         raise ConfigError(f"dpo.loss_type={d.loss_type!r} is not one of {list(DPO_LOSS_TYPES)}")
@@ -53,10 +54,10 @@ def check_config(cfg) -> None:
         raise ConfigError(f"dpo.label_smoothing must be in [0, 0.5) and 0 for ipo, got {d.label_smoothing}")
 
 
-def response_logps(model, samples, device) -> tuple[torch.Tensor, torch.Tensor]:
+def response_logps(model, samples, device, tree: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Sequence log-probs ``[S]`` (summed over each sample's mask) of packed ``samples`` and their
-    response token counts ``[S]``."""
-    logprobs, _ = token_logprobs(model, [s.ids for s in samples], device)
+    response token counts ``[S]``; ``tree``: packed as a prefix tree (each pair's prompt once)."""
+    logprobs, _ = token_logprobs(model, [s.ids for s in samples], device, tree=tree)
     counts = torch.tensor([float(sum(s.mask)) for s in samples], device=logprobs.device)
     return sequence_sums(logprobs, [len(s) for s in samples], [s.mask for s in samples]), counts
 
@@ -69,6 +70,7 @@ class DPOTrainer(OfflineTrainer):
 
     def __init__(self, cfg):
         super().__init__(cfg)
+        self.tree = check_packing(cfg.actor)
         needs_reference = any(p.ref_chosen_logps is None for p in self.train + self.test)
         self.reference = (
             Worker(cfg.actor, self.mesh, self.device, model=cfg.ref.model or cfg.actor.model, trainable=False)
@@ -92,7 +94,7 @@ class DPOTrainer(OfflineTrainer):
         dist.all_reduce(need, op=dist.ReduceOp.MAX)
         if not need.item():
             return 0
-        logps, _ = response_logps(self.reference.model, pair_sequences(part), self.device)
+        logps, _ = response_logps(self.reference.model, pair_sequences(part), self.device, tree=self.tree)
         for pair, chosen, rejected in zip(part, logps[0::2].tolist(), logps[1::2].tolist(), strict=True):
             if pair.ref_chosen_logps is None:
                 pair.ref_chosen_logps, pair.ref_rejected_logps = chosen, rejected
@@ -107,12 +109,13 @@ class DPOTrainer(OfflineTrainer):
             self.mesh.dp_rank,
             self.mesh.dp_size,
             self.max_length.micro_batch_tokens,
+            tree=self.tree,
         ):
             part = [pairs[i] for i in mb.indices]
             if self.reference is not None:
                 self.reference_tokens += self.fill_reference(part)
             with torch.set_grad_enabled(train):
-                logps, counts = response_logps(self.actor.model, pair_sequences(part), self.device)
+                logps, counts = response_logps(self.actor.model, pair_sequences(part), self.device, tree=self.tree)
                 reference = torch.tensor(
                     [[p.ref_chosen_logps, p.ref_rejected_logps] for p in part], device=logps.device
                 ).reshape(-1)

@@ -65,7 +65,14 @@ from rl2gem.rollout.tito import load_chat_template
 from rl2gem.training.autosize import MaxLength
 from rl2gem.training.checkpoint import Checkpointer
 from rl2gem.training.evaluation import evaluate_env
-from rl2gem.training.forward import MicroBatch, plan_micro_batches, regroup_scores, token_logprobs, token_values
+from rl2gem.training.forward import (
+    MicroBatch,
+    check_packing,
+    plan_micro_batches,
+    regroup_scores,
+    token_logprobs,
+    token_values,
+)
 from rl2gem.training.metrics import Averager, peak_flops_from_config, reduce_mean, train_flops
 from rl2gem.training.samples import apply_critic_estimator, samples_from_batch, subtract_kl_from_rewards
 from rl2gem.training.trainer import Trainer, launch
@@ -75,10 +82,6 @@ CONFIG = Path(__file__).with_name("config") / "ppo.yaml"
 
 #: ``actor.old_logprobs``: where the PPO ratio's denominator comes from (see :meth:`PPOTrainer.old_logprob_source`).
 OLD_LOGPROBS = ("auto", "recompute", "rollout")
-
-
-#: actor.packing: one row of concatenated sequences, or their prefix tree (shared prefixes once).
-PACKINGS = ("flat", "tree")
 
 
 def check_config(cfg) -> None:
@@ -107,10 +110,7 @@ def check_config(cfg) -> None:
             f"actor.minibatches_per_update=1), got {cfg.actor.update_per_rollout} and "
             f"{cfg.actor.minibatches_per_update}; use actor.old_logprobs=recompute or auto"
         )
-    if cfg.actor.packing not in PACKINGS:
-        raise ConfigError(f"actor.packing={cfg.actor.packing!r} is not one of {list(PACKINGS)}")
-    if cfg.actor.packing == "tree" and cfg.actor.sp_size > 1:
-        raise ConfigError("actor.packing=tree does not combine with actor.sp_size > 1 (ring attention); use flat")
+    check_packing(cfg.actor)
     constraints(cfg)
     reward_objectives(cfg)
     try:  # the estimator's own options, checked on a one-token batch

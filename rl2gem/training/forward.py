@@ -36,6 +36,8 @@ from rl2gem.parallel.tensor_parallel import vocab_parallel_logprobs
 from rl2gem.training.metrics import SavedTensorBytes, simulated_memory_bytes
 
 __all__ = [
+    "PACKINGS",
+    "check_packing",
     "MicroBatch",
     "plan_micro_batches",
     "packed_inputs",
@@ -46,6 +48,26 @@ __all__ = [
     "sequence_ends",
     "sequence_sums",
 ]
+
+
+#: ``actor.packing``: one row of concatenated sequences, or their prefix tree (shared prefixes once).
+PACKINGS = ("flat", "tree")
+
+
+def check_packing(actor) -> bool:
+    """``actor.packing`` checked; True for ``tree``.
+
+    Raises:
+        rl2gem.config.ConfigError: an unknown value, or ``tree`` with ``actor.sp_size > 1``.
+    """
+    from rl2gem.config import ConfigError
+
+    packing = actor.get("packing", "flat")
+    if packing not in PACKINGS:
+        raise ConfigError(f"actor.packing={packing!r} is not one of {list(PACKINGS)}")
+    if packing == "tree" and int(actor.get("sp_size", 1)) > 1:
+        raise ConfigError("actor.packing=tree does not combine with actor.sp_size > 1 (ring attention); use flat")
+    return packing == "tree"
 
 
 @dataclasses.dataclass

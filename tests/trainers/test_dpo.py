@@ -86,6 +86,8 @@ def test_loss_and_gradients_equal_trl(tiny_dir, loss_type, tmp_path):
 def test_config_errors_name_the_key():
     r = run_module("rl2gem.trainers.dpo", "data.train=x.jsonl", "dpo.loss_type=hinge")
     assert r.returncode == 2 and "dpo.loss_type" in r.stderr
+    r = run_module("rl2gem.trainers.dpo", "data.train=x.jsonl", "actor.packing=trie")
+    assert r.returncode == 2 and "actor.packing" in r.stderr
 
 
 ARGS = ["data.batch_size=8", "actor.lr=1e-3", "trainer.progress=false", "actor.max_length_per_device=128"]
@@ -97,10 +99,13 @@ def weights(run, step):
 
 @pytest.mark.timeout(900)
 def test_two_ranks_equal_one_and_resume_equals_an_uninterrupted_run(tiny_dir, pairs_file, tmp_path):
+    """One rank with flat packing against two ranks with prefix-tree packing (each pair's prompt
+    once): the same losses, rewards and weights; a resumed tree run equals the uninterrupted one."""
     data = [f"data.train={pairs_file}", f"data.test={pairs_file}", f"actor.model={tiny_dir}", *ARGS]
+    tree = [*data, "actor.packing=tree"]
     torchrun(1, "trainers/dpo.py", *data, "trainer.total_steps=4", f"trainer.output_dir={tmp_path / 'one'}")
-    torchrun(2, "trainers/dpo.py", *data, "trainer.total_steps=4", f"trainer.output_dir={tmp_path / 'two'}")
-    stop_and_resume(2, "trainers/dpo.py", data, 2, 4, tmp_path / "cut")
+    torchrun(2, "trainers/dpo.py", *tree, "trainer.total_steps=4", f"trainer.output_dir={tmp_path / 'two'}")
+    stop_and_resume(2, "trainers/dpo.py", tree, 2, 4, tmp_path / "cut")
     one, two, cut = (logged_steps(tmp_path / run / "metrics.jsonl", "train/loss") for run in ("one", "two", "cut"))
     assert sorted(one) == sorted(two) == [1, 2, 3, 4]
     assert one[1]["train/loss"] == pytest.approx(0.693147, abs=1e-5)  # the policy is the reference at step 1
