@@ -431,18 +431,24 @@ class PPOTrainer(Trainer):
         if not samples:
             return metrics
         lengths = [len(s) for s in samples]
-        tree = [s.ids for s in samples] if c.actor.packing == "tree" else None
+        tree_sequences = [s.ids for s in samples] if c.actor.packing == "tree" else None
 
         def plan_step() -> list[MicroBatch]:
             return plan_micro_batches(
-                lengths, self.mesh.dp_rank, self.mesh.dp_size, self.max_length.micro_batch_tokens, sequences=tree
+                lengths,
+                self.mesh.dp_rank,
+                self.mesh.dp_size,
+                self.max_length.micro_batch_tokens,
+                sequences=tree_sequences,
             )
 
         micro_batches = plan_step()
         # the tokens the forwards compute, against the flat row's (1.0 flat; < 1 where prefixes are shared)
         real = [mb for mb in micro_batches if not mb.placeholder]
         flat_tokens = sum(lengths[i] for mb in real for i in mb.indices)
-        computed = sum(tree_size([samples[i].ids for i in mb.indices]) for mb in real) if tree else flat_tokens
+        computed = (
+            sum(tree_size([samples[i].ids for i in mb.indices]) for mb in real) if tree_sequences else flat_tokens
+        )
         metrics["perf/computed_token_fraction"] = computed / max(1, flat_tokens)
         t = time.perf_counter()
         with self.memory.phase("score"):

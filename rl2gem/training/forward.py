@@ -241,7 +241,6 @@ def _tree_forward(model, sequences, device, per_token, group):
         use_cache=False,
     )
     ids, positions = batch["input_ids"][0], batch["position_ids"][0]
-    batch["tree_tokens"] = tree["input_ids"].shape[1]
     return per_token(output, _next_tokens(ids, positions).to(device), tree["node_of"].to(device)), batch
 
 
