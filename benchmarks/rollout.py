@@ -1,5 +1,7 @@
 """Rollout benchmarks on SmolLM2-135M-Instruct (CPU, fp32), each ratio measured side by side in one run.
 
+0. decode: decode steps alone at 16 and 64 rows, ``model.generate`` vs the embedded engine
+   through ``model(...)`` and through its lean forward (tokens/s of the decode loop).
 1. engine: the embedded continuous-batching engine (64 sequences in flight, the
    rest queued) vs ``model.generate`` static batching (batches of 16 and of 64)
    on the same 128 GSM8K prompts, same sampling (temperature 1, same
@@ -91,15 +93,70 @@ def bench_engine(model, tokenizer, n: int, max_new: int, group: int = 1) -> list
         tok, sec = static_generate(model, prompts, batch, max_new, eos, 0)
         rows.append((f"model.generate static batch {batch}", tok, sec))
 
-    async def run():
-        eng = EmbeddedEngine(model, tokenizer, max_batch_size=64)
-        res = await engine_generate(eng, prompts, max_new)
-        await eng.close()
-        return res
+    for lean in (False, True):
 
-    tok, sec = asyncio.run(run())
-    rows.append(("rl2gem EmbeddedEngine (continuous batching)", tok, sec))
+        async def run(lean=lean):
+            eng = EmbeddedEngine(model, tokenizer, max_batch_size=64, lean=lean)
+            res = await engine_generate(eng, prompts, max_new)
+            await eng.close()
+            return res, eng.stats
+
+        (tok, sec), stats = asyncio.run(run())
+        forward = "lean forward" if lean else "model(...) forward"
+        rows.append((f"rl2gem EmbeddedEngine, {forward} (continuous batching)", tok, sec))
+        print(
+            f"- {forward}: prefill {stats['time_admit_ms'] / 1000:.1f} s for {stats['prefill_tokens']} tokens; "
+            f"decode {stats['time_decode_ms'] / 1000:.1f} s for {stats['decode_steps']} steps at "
+            f"{stats['decode_tokens'] / max(stats['decode_steps'], 1):.1f} rows on average "
+            f"({1000 * stats['decode_tokens'] / max(stats['time_decode_ms'], 1):.1f} tok/s)"
+        )
+    print()
     return rows
+
+
+def bench_decode(model, tokenizer, rows: int, steps: int) -> list[tuple[str, float, float]]:
+    """Decode alone: ``rows`` GSM8K prompts, exactly ``steps`` new tokens each (EOS ignored).
+
+    ``model.generate``: the time of ``steps + 1`` new tokens minus the time of 1 (its prefill and
+    first token). Engine: its decode-loop time (forward, sampling, bookkeeping), from its counters.
+    """
+    prompts = prompts_for(tokenizer, rows)
+    eos = tokenizer.eos_token_id
+    width = max(map(len, prompts))
+    ids = torch.tensor([[eos] * (width - len(p)) + p for p in prompts])
+    mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+
+    def generate(new: int) -> float:
+        torch.manual_seed(0)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                pad_token_id=eos,
+            )
+        return time.perf_counter() - t0
+
+    out = [("`model.generate` (static batch)", rows * steps, generate(steps + 1) - generate(1))]
+    for lean in (False, True):
+
+        async def run(lean=lean):
+            eng = EmbeddedEngine(model, tokenizer, max_batch_size=rows, lean=lean)
+            params = {"max_new_tokens": steps + 1, "temperature": 1.0, "ignore_eos": True}
+            await asyncio.gather(*(eng.generate(p, params) for p in prompts))
+            await eng.close()
+            return eng.stats
+
+        stats = asyncio.run(run())
+        forward = "lean forward" if lean else "model(...) forward"
+        out.append((f"EmbeddedEngine, {forward}", stats["decode_tokens"], stats["time_decode_ms"] / 1000))
+    return out
 
 
 def bench_router(tokenizer, n: int, max_new: int, model: str = MODEL) -> list[tuple[str, float, float]]:
@@ -202,7 +259,7 @@ def throughput_table(what: str, ratio: str, rows: list[tuple[str, float, float]]
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
-    ap.add_argument("--only", default="engine,router,tokens,partial")
+    ap.add_argument("--only", default="decode,engine,router,tokens,partial")
     ap.add_argument("--model", default=MODEL, help="a model name or folder (the smoke test passes a tiny random one)")
     ap.add_argument(
         "--group", type=int, default=1, help="section 1: each prompt repeated this many times (a GRPO batch)"
@@ -212,6 +269,11 @@ def main(argv=None) -> int:
     q = args.quick
     model, tokenizer = load_model(resolve_model(args.model))
     print(f"# rollout benchmarks: {args.model}, CPU fp32, torch threads {torch.get_num_threads()}\n")
+    if "decode" in only:
+        rows_list, steps = ([4], 8) if q else ([16, 64], 128)
+        for rows in rows_list:
+            print(f"## 0. decode alone: {rows} GSM8K prompts, {steps} new tokens each, EOS ignored\n")
+            throughput_table(f"decoder, {rows} rows", "vs model.generate", bench_decode(model, tokenizer, rows, steps))
     if "engine" in only:
         n, max_new = (8, 16) if q else (128, 256)
         shape = f"{n // args.group} GSM8K prompts x {args.group} samples" if args.group > 1 else f"{n} GSM8K prompts"

@@ -41,7 +41,9 @@ from typing import Any
 
 import torch
 
+from rl2gem.openmp import release_thread_team
 from rl2gem.rollout.engines.base import Engine, EngineError, GenerateOutput, SamplingParams, seeded_uniform
+from rl2gem.rollout.engines.lean_decoder import LeanDecoder, unsupported_reason
 
 __all__ = ["EmbeddedEngine"]
 
@@ -67,15 +69,20 @@ class _KVStore:
     def window(self) -> int:
         return self.hi - self.lo
 
-    def reserve(self, slots: int, left: int, right: int) -> None:
-        """Make room for ``slots`` rows, ``left`` columns before ``lo`` and ``right`` after ``hi``."""
+    def reserve(self, slots: int, left: int, right: int, growth: int = 0) -> None:
+        """Make room for ``slots`` rows, ``left`` columns before ``lo`` and ``right`` after ``hi``.
+
+        ``growth``: columns the running rows may still add (their longest remaining budget); a
+        re-allocation leaves up to that many on the right (at most the window again, at least 256),
+        so a decode wave re-allocates a logarithmic number of times, not every 64 steps.
+        """
         cap_s, cap_c = self.capacity
         if slots <= cap_s and self.lo >= left and cap_c - self.hi >= right:
             return
         w = self.window
         new_s = max(slots, min(2 * cap_s, slots + 64), 4) if slots > cap_s else cap_s
         margin = max(w // 4, 64)
-        new_left, new_right = max(left, margin), max(right, margin)
+        new_left, new_right = max(left, margin), max(right, margin, min(growth, max(w, 256)))
         new_c = new_left + w + new_right
         lo = new_left
         keys, values = [], []
@@ -189,27 +196,34 @@ class _Request:
 def _sample(
     logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator, counts: list[int] | None = None
 ):
-    """Sample one token per row. ``logits`` [n, V] float32 -> (tokens [n] int64, logprobs [n] float32).
+    """Sample one token per row. ``logits`` [n, V] float32 (overwritten) -> (tokens [n] int64, logprobs [n] float32).
 
-    ``counts[i]``: tokens row i's request has generated so far (the index of a
-    seeded request's uniform, see :func:`seeded_uniform`).
+    The log-probability is that of ``log_softmax(logits / T)`` (``T = 1`` for greedy rows);
+    ``counts[i]``: tokens row i's request has generated so far (the index of a seeded request's
+    uniform, see :func:`seeded_uniform`). Each row is sampled by inverse CDF: one uniform against
+    the cumulative sum of its unnormalised probabilities (``torch.multinomial`` costs ~40x more
+    over a 49k vocabulary on CPU), top-k / top-p rows after zeroing what they exclude.
     """
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+    n = len(params)
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
     greedy = temps == 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
-    logp = torch.log_softmax(scaled, dim=-1)
-    tokens = torch.empty(len(params), dtype=torch.long)
+    scaled = logits.div_(torch.where(greedy, torch.ones_like(temps), temps)[:, None])
+    peak = scaled.amax(-1, keepdim=True)
+    weights = (scaled - peak).exp_()  # unnormalised probabilities
+    log_total = weights.sum(-1, keepdim=True).log_().add_(peak)  # logsumexp per row
+    tokens = torch.empty(n, dtype=torch.long, device=logits.device)
     if bool(greedy.any()):
-        tokens[greedy] = logits[greedy].argmax(-1)
+        tokens[greedy] = scaled[greedy].argmax(-1)
     sample_rows = (~greedy).nonzero().flatten().tolist()
     if sample_rows:
-        probs = logp[sample_rows].exp()
-        filt = [i for i, r in enumerate(sample_rows) if params[r].top_p < 1.0 or params[r].top_k > 0]
-        if filt:
-            sub = probs[filt]
+        every = len(sample_rows) == n
+        probs = weights if every else weights[sample_rows]
+        filtered = [i for i, r in enumerate(sample_rows) if params[r].top_p < 1.0 or params[r].top_k > 0]
+        if filtered:
+            sub = probs[filtered] / probs[filtered].sum(-1, keepdim=True)
             sp, si = sub.sort(dim=-1, descending=True)
             keep = torch.ones_like(sp, dtype=torch.bool)
-            for j, i in enumerate(filt):
+            for j, i in enumerate(filtered):
                 p = params[sample_rows[i]]
                 if p.top_k > 0:
                     keep[j, p.top_k :] = False
@@ -217,19 +231,16 @@ def _sample(
                     cum = sp[j].cumsum(0)
                     keep[j] &= (cum - sp[j]) < p.top_p
             sp = torch.where(keep, sp, torch.zeros_like(sp))
-            sub = torch.zeros_like(sub).scatter_(1, si, sp)
-            probs[filt] = sub
-        # inverse-CDF sampling: one uniform per row against the cumulative sum
-        # (torch.multinomial costs ~40x more over a 49k vocabulary on CPU)
-        cum = probs.cumsum(-1)
+            probs[filtered] = torch.zeros_like(sub).scatter_(1, si, sp)
+        cum = probs.cumsum_(-1) if every else probs.cumsum(-1)  # weights are not read after this
         u = torch.rand(len(sample_rows), 1, generator=generator, dtype=cum.dtype)
         for j, r in enumerate(sample_rows):
             if params[r].sampling_seed is not None:
                 u[j, 0] = seeded_uniform(params[r].sampling_seed, counts[r] if counts else 0)
-        u = u * cum[:, -1:]
-        idx = torch.searchsorted(cum, u, right=True).clamp_(max=cum.shape[-1] - 1)
-        tokens[sample_rows] = idx.flatten()
-    lps = logp.gather(1, tokens[:, None]).flatten()
+        u = u.to(cum.device) * cum[:, -1:]
+        index = torch.searchsorted(cum, u, right=True).clamp_(max=cum.shape[-1] - 1)
+        tokens[sample_rows] = index.flatten()
+    lps = scaled.gather(1, tokens[:, None]).sub_(log_total).flatten()
     return tokens, lps
 
 
@@ -251,6 +262,10 @@ class EmbeddedEngine(Engine):
         prefix_cache_tokens: tokens of finished requests' KV kept (LRU) so a request that extends
             one (the next turn of an episode, a resumed partial rollout) prefills only its new
             tokens; 0 disables it. Flushed by weight updates and :meth:`flush_cache`.
+        lean: run prefill and decode through :class:`~rl2gem.rollout.engines.lean_decoder.LeanDecoder`
+            (packed prefill without padding, row-chunked attention, sliced LM head) when the
+            model is Llama-family; ``False``, or another architecture, calls ``model(...)`` with
+            a cache over the same store (``lean_reason`` says why the lean path is off).
     """
 
     def __init__(
@@ -265,6 +280,7 @@ class EmbeddedEngine(Engine):
         seed: int = 0,
         dtype=None,
         prefix_cache_tokens: int = 1 << 15,
+        lean: bool = True,
     ):
         if isinstance(model, (str, Path)):
             from rl2gem.models import load_model
@@ -281,6 +297,8 @@ class EmbeddedEngine(Engine):
         if eos is None and tokenizer is not None:
             eos = tokenizer.eos_token_id
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.lean_reason = unsupported_reason(model, self.context_length) if lean else "lean=False"
+        self._lean = LeanDecoder(model) if self.lean_reason is None else None
         self.max_batch_size = int(max_batch_size)
         self.max_prefill_tokens = int(max_prefill_tokens)
         self.max_cached_tokens = int(max_cached_tokens)
@@ -348,6 +366,7 @@ class EmbeddedEngine(Engine):
             rid or f"r{next(self._ids)}-{uuid.uuid4().hex[:6]}", ids, params, int(logprob_start_len), loop, fut, stop
         )
         req.on_token = on_token
+        release_thread_team()  # this thread's idle OpenMP team would slow the engine's (rl2gem.openmp)
         with self._cv:
             self._waiting.append(req)
             self.stats["requests"] += 1
@@ -512,9 +531,13 @@ class EmbeddedEngine(Engine):
         torch.set_grad_enabled(False)
         while True:
             with self._cv:
+                idle = False
                 while (
                     not self._closed and not self._commands and (self._paused or not (self._waiting or self._running))
                 ):
+                    if not idle:  # free this thread's OpenMP team for the trainer's (rl2gem.openmp)
+                        release_thread_team()
+                        idle = True
                     self._cv.wait()
             self._run_commands()
             if self._closed:
@@ -669,41 +692,58 @@ class EmbeddedEngine(Engine):
         tmp = _KVStore(
             self._store.num_layers, self._store.kv_heads, self._store.head_dim, self._store.dtype, self._device
         )
-        tmp.reserve(n, 0, P + Q)
-        tmp.lo = tmp.hi = 0
-        tmp.slots = n
-        for j, (p, kv) in enumerate(hits):
-            if p:
-                for li, (k, v) in enumerate(kv):
-                    tmp.keys[li][j, :, P - p : P] = k
-                    tmp.values[li][j, :, P - p : P] = v
-                tmp.mask[j, P - p : P] = True
-        tmp.hi = P
-        ids = torch.zeros(n, Q, dtype=torch.long)
-        pos = torch.zeros(n, Q, dtype=torch.long)
-        for j, r in enumerate(take):
-            ids[j, Q - suf[j] :] = torch.tensor(r.input_ids[pre[j] :])
-            pos[j, Q - suf[j] :] = torch.arange(pre[j], pre[j] + suf[j])
-            tmp.mask[j, P + Q - suf[j] : P + Q] = True
-        attn = tmp.mask[:n, : P + Q]
-        out = self._forward(
-            input_ids=ids.to(self._device),
-            attention_mask=attn,
-            position_ids=pos.to(self._device),
-            past_key_values=_step_cache(tmp),
-            logits_to_keep=1,
-        )
-        tmp.hi = P + Q
+        if self._lean is not None:
+            # each row right-aligned at W: cached prefix, then its new tokens; one packed forward
+            W = max(p + q for p, q in zip(pre, suf, strict=True))
+            tmp.reserve(n, 0, W)
+            tmp.lo = tmp.hi = 0
+            tmp.slots = n
+            for j, (p, kv) in enumerate(hits):
+                if p:
+                    for li, (k, v) in enumerate(kv):
+                        tmp.keys[li][j, :, W - suf[j] - p : W - suf[j]] = k
+                        tmp.values[li][j, :, W - suf[j] - p : W - suf[j]] = v
+                    tmp.mask[j, W - suf[j] - p : W - suf[j]] = True
+                tmp.mask[j, W - suf[j] : W] = True
+            logits = self._lean.prefill(tmp, [(j, r.input_ids[pre[j] :], pre[j]) for j, r in enumerate(take)], W)
+        else:
+            # cached prefixes right-aligned in [0, P), the new tokens left-padded in [P, P + Q)
+            P, Q = max(pre), max(suf)
+            W = P + Q
+            tmp.reserve(n, 0, W)
+            tmp.lo = tmp.hi = 0
+            tmp.slots = n
+            for j, (p, kv) in enumerate(hits):
+                if p:
+                    for li, (k, v) in enumerate(kv):
+                        tmp.keys[li][j, :, P - p : P] = k
+                        tmp.values[li][j, :, P - p : P] = v
+                    tmp.mask[j, P - p : P] = True
+            tmp.hi = P
+            ids = torch.zeros(n, Q, dtype=torch.long)
+            pos = torch.zeros(n, Q, dtype=torch.long)
+            for j, r in enumerate(take):
+                ids[j, Q - suf[j] :] = torch.tensor(r.input_ids[pre[j] :])
+                pos[j, Q - suf[j] :] = torch.arange(pre[j], pre[j] + suf[j])
+                tmp.mask[j, P + Q - suf[j] : P + Q] = True
+            out = self._forward(
+                input_ids=ids.to(self._device),
+                attention_mask=tmp.mask[:n, :W],
+                position_ids=pos.to(self._device),
+                past_key_values=_step_cache(tmp),
+                logits_to_keep=1,
+            )
+            logits = out.logits[:, -1].float()
+        tmp.hi = W
         self.stats["prefill_tokens"] += sum(suf)
         self.stats["cached_tokens"] += sum(pre) + sum(len(r.input_ids) for j, r in enumerate(all_take) if dup[j] != j)
         self.stats["prefill_forwards"] += 1
-        logits = out.logits[:, -1].float()[[rows[dup[j]] for j in range(len(all_take))]]
+        logits = logits[[rows[dup[j]] for j in range(len(all_take))]]
         tokens, lps = _sample(logits, [r.params for r in all_take], self._gen, [len(r.out_ids) for r in all_take])
         # join the running batch: rows right-aligned at the window's end
         st = self._store
         if not self._running:
             st.clear()
-        W = P + Q
         st.reserve(st.slots + len(all_take), max(0, W - st.window), 1)
         st.lo = min(st.lo, st.hi - W)
         for jj, r in enumerate(all_take):
@@ -735,17 +775,24 @@ class EmbeddedEngine(Engine):
 
     def _decode(self):
         st = self._store
-        st.reserve(st.slots, 0, 1)
+        st.reserve(st.slots, 0, 1, max(r.params.max_new_tokens - len(r.out_ids) for r in self._running))
         n = st.slots
         reqs = list(self._running)
-        ids = torch.tensor([[r.out_ids[-1]] for r in reqs], dtype=torch.long, device=self._device)
-        pos = torch.tensor([[r.length] for r in reqs], dtype=torch.long, device=self._device)
         st.mask[:n, st.hi] = True
-        attn = st.mask[:n, st.lo : st.hi + 1]
         t0 = time.perf_counter()
-        out = self._forward(
-            input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=_step_cache(st), logits_to_keep=1
-        )
+        if self._lean is not None:
+            tokens = torch.tensor([r.out_ids[-1] for r in reqs], dtype=torch.long, device=self._device)
+            positions = torch.tensor([r.length for r in reqs], dtype=torch.long, device=self._device)
+            logits = self._lean.decode(st, tokens, positions, [r.span + 1 for r in reqs])
+        else:
+            out = self._forward(
+                input_ids=torch.tensor([[r.out_ids[-1]] for r in reqs], dtype=torch.long, device=self._device),
+                attention_mask=st.mask[:n, st.lo : st.hi + 1],
+                position_ids=torch.tensor([[r.length] for r in reqs], dtype=torch.long, device=self._device),
+                past_key_values=_step_cache(st),
+                logits_to_keep=1,
+            )
+            logits = out.logits[:, -1].float()
         self.stats["time_decode_forward_ms"] += int(1000 * (time.perf_counter() - t0))
         st.hi += 1
         for r in reqs:
@@ -753,9 +800,7 @@ class EmbeddedEngine(Engine):
             r.span += 1
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += n
-        tokens, lps = _sample(
-            out.logits[:, -1].float(), [r.params for r in reqs], self._gen, [len(r.out_ids) for r in reqs]
-        )
+        tokens, lps = _sample(logits, [r.params for r in reqs], self._gen, [len(r.out_ids) for r in reqs])
         self._append_tokens(reqs, tokens.tolist(), lps.tolist())
 
 

@@ -1,0 +1,139 @@
+"""The lean prefill/decode forward equals transformers' full forward, for each supported family."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from rl2gem.rollout import EmbeddedEngine
+from rl2gem.rollout.engines.embedded import _KVStore
+from rl2gem.rollout.engines.lean_decoder import LeanDecoder, unsupported_reason
+
+
+def build(kind: str, **extra):
+    import transformers
+
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),  # q/k/v biases
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),  # per-head q/k RMSNorm
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[kind]
+    if kind == "mistral":
+        common["sliding_window"] = None
+    if kind == "qwen3":
+        common["head_dim"] = 16
+    common.update(extra)
+    torch.manual_seed(0)
+    model = model_class(config_class(**common)).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # biases and norms away from their 0/1 init, so they matter
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def new_store(model, rows: int, columns: int) -> _KVStore:
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    store = _KVStore(c.num_hidden_layers, c.num_key_value_heads, head_dim, torch.float32, "cpu")
+    store.reserve(rows, 0, columns)
+    store.lo = store.hi = 0
+    store.slots = rows
+    return store
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
+@torch.no_grad()
+def test_prefill_and_decode_logits_equal_the_full_forward(kind):
+    model = build(kind)
+    assert unsupported_reason(model, 512) is None
+    decoder = LeanDecoder(model, chunk_rows=2, vocab_chunk=100)  # several head slices, several row chunks
+    generator = torch.Generator().manual_seed(1)
+    prompt_lengths = [3, 4, 20, 22]
+    steps = 5
+    sequences = [torch.randint(0, 256, (n + steps,), generator=generator).tolist() for n in prompt_lengths]
+    reference = [model(input_ids=torch.tensor([s])).logits[0] for s in sequences]  # [len, V]
+
+    store = new_store(model, len(sequences), 64)
+    end = max(prompt_lengths)
+    for row, n in enumerate(prompt_lengths):
+        store.mask[row, end - n : end] = True
+    logits = decoder.prefill(
+        store, [(row, s[:n], 0) for row, (s, n) in enumerate(zip(sequences, prompt_lengths, strict=True))], end
+    )
+    expected = torch.stack([ref[n - 1] for ref, n in zip(reference, prompt_lengths, strict=True)])
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    store.hi = end
+
+    spans = list(prompt_lengths)
+    assert len(decoder.plan_chunks([s + 1 for s in spans])) == 2  # the short rows skip the long rows' columns
+    for t in range(steps):
+        store.reserve(store.slots, 0, 1)
+        store.mask[:, store.hi] = True
+        tokens = torch.tensor([s[n + t] for s, n in zip(sequences, prompt_lengths, strict=True)])
+        positions = torch.tensor([n + t for n in prompt_lengths])
+        logits = decoder.decode(store, tokens, positions, [s + 1 for s in spans])
+        store.hi += 1
+        spans = [s + 1 for s in spans]
+        expected = torch.stack([ref[n + t] for ref, n in zip(reference, prompt_lengths, strict=True)])
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+    # a cached prefix (row 3's first 10 tokens, taken from the store) extended by the rest of its prompt
+    cached, row = 10, 3
+    columns = store.mask[row].nonzero().flatten()[:cached]
+    second = new_store(model, 1, 64)
+    width = prompt_lengths[row]
+    second.mask[0, :width] = True
+    for layer in range(model.config.num_hidden_layers):
+        second.keys[layer][0, :, :cached] = store.keys[layer][row][:, columns]
+        second.values[layer][0, :, :cached] = store.values[layer][row][:, columns]
+    logits = decoder.prefill(second, [(0, sequences[row][cached:width], cached)], width)
+    torch.testing.assert_close(logits[0], reference[row][width - 1], atol=1e-4, rtol=1e-4)
+
+
+def test_plan_chunks_by_hand():
+    decoder = LeanDecoder(build("llama"), chunk_rows=2)
+    assert decoder.plan_chunks([30, 29, 5, 4]) == [(0, 2, 30), (2, 4, 5)]  # 70 columns read instead of 120
+    assert decoder.plan_chunks([30, 29, 28, 27]) == [(0, 4, 30)]  # chunking would save too little
+
+
+def test_unsupported_models_are_named():
+    assert "sliding-window" in unsupported_reason(build("mistral", sliding_window=16), 512)
+    assert unsupported_reason(build("mistral", sliding_window=1024), 512) is None  # never reached
+
+
+def test_lean_engine_equals_the_transformers_path(tokenizer):
+    """Staggered requests, a GRPO group and a second turn through the prefix cache: the lean engine
+    and ``lean=False`` (``model(...)`` over the same store) give the same greedy tokens and
+    log-probabilities."""
+    model = build("qwen2", vocab_size=tokenizer.vocab_size)
+
+    async def run(lean: bool):
+        engine = EmbeddedEngine(model, max_batch_size=4, lean=lean)
+        assert (engine.lean_reason is None) == lean
+        greedy = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
+        prompts = [list(range(10, 10 + n)) for n in (7, 19, 3, 30, 11, 11)]
+        first = await asyncio.gather(*[engine.generate(p, greedy) for p in prompts])
+        second_turn = prompts[3] + first[3].output_ids + [40, 41, 42]
+        second = await engine.generate(second_turn, greedy)
+        await engine.close()
+        assert second.meta["cached_tokens"] >= len(prompts[3])
+        return [o.output_ids for o in first + [second]], [o.output_logprobs for o in first + [second]]
+
+    lean_tokens, lean_logprobs = asyncio.run(run(True))
+    plain_tokens, plain_logprobs = asyncio.run(run(False))
+    assert lean_tokens == plain_tokens
+    for a, b in zip(lean_logprobs, plain_logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=1e-4)
