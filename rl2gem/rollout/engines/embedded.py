@@ -52,8 +52,9 @@ __all__ = ["EmbeddedEngine"]
 class _KVStore:
     """Engine-owned KV cache of the running batch (see module docstring)."""
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype, device):
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype, device, max_slots: int | None = None):
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        self.max_slots = max_slots  # rows never exceed it (the engine's max_batch_size): grow straight to it
         self.dtype, self.device = dtype, device
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -72,19 +73,38 @@ class _KVStore:
     def reserve(self, slots: int, left: int, right: int, growth: int = 0) -> None:
         """Make room for ``slots`` rows, ``left`` columns before ``lo`` and ``right`` after ``hi``.
 
-        ``growth``: columns the running rows may still add (their longest remaining budget); a
-        re-allocation leaves up to that many on the right (at most the window again, at least 256),
-        so a decode wave re-allocates a logarithmic number of times, not every 64 steps.
+        ``growth``: columns the running rows may still add (their longest remaining budget). When
+        the buffers can hold ``left + window + max(right, growth)`` columns the window slides
+        inside them (one copy of the window, no allocation); otherwise they are re-allocated with
+        twice that, so a decode wave slides but seldom re-allocates (fresh memory costs page
+        faults: about 1 s per GB on the 2-core machine). Columns outside the window keep stale
+        finite values: the mask excludes them.
         """
         cap_s, cap_c = self.capacity
         if slots <= cap_s and self.lo >= left and cap_c - self.hi >= right:
             return
         w = self.window
-        new_s = max(slots, min(2 * cap_s, slots + 64), 4) if slots > cap_s else cap_s
         margin = max(w // 4, 64)
-        new_left, new_right = max(left, margin), max(right, margin, min(growth, max(w, 256)))
-        new_c = new_left + w + new_right
-        lo = new_left
+        want_right = max(right, growth)
+        need = left + w + want_right
+        if slots <= cap_s and need <= cap_c:
+            lo = max(left, min(margin, cap_c - w - want_right))
+            n = self.slots
+            for buffers in (self.keys, self.values):
+                for b in buffers:
+                    b[:n, :, lo : lo + w] = b[:n, :, self.lo : self.hi].clone()
+            window = self.mask[:n, self.lo : self.hi].clone()
+            self.mask[:n] = False
+            self.mask[:n, lo : lo + w] = window
+            self.lo, self.hi = lo, lo + w
+            return
+        new_s = cap_s
+        if slots > cap_s:
+            new_s = self.max_slots or max(slots, min(2 * cap_s, slots + 64), 4)
+            if slots > new_s:
+                raise ValueError(f"{slots} rows exceed the store's {new_s}")
+        new_c = max(2 * need, cap_c) if need > cap_c else cap_c
+        lo = max(left, min(margin, new_c - w - want_right))
         keys, values = [], []
         for k, v in zip(self.keys or [None] * self.num_layers, self.values or [None] * self.num_layers, strict=True):
             nk = torch.zeros(new_s, self.kv_heads, new_c, self.head_dim, dtype=self.dtype, device=self.device)
@@ -308,13 +328,9 @@ class EmbeddedEngine(Engine):
         self._prefix_size = 0
         p = next(model.parameters())
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self._store = _KVStore(
-            cfg.num_hidden_layers,
-            getattr(cfg, "num_key_value_heads", cfg.num_attention_heads),
-            head_dim,
-            p.dtype,
-            p.device,
-        )
+        kv_heads = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+        self._store = _KVStore(cfg.num_hidden_layers, kv_heads, head_dim, p.dtype, p.device, int(max_batch_size))
+        self._prefill_store = _KVStore(cfg.num_hidden_layers, kv_heads, head_dim, p.dtype, p.device)
         self._device = p.device
         self._gen = torch.Generator().manual_seed(seed)
         self._waiting: collections.deque[_Request] = collections.deque()
@@ -689,15 +705,15 @@ class EmbeddedEngine(Engine):
         pre = [h[0] for h in hits]
         suf = [len(r.input_ids) - p for r, p in zip(take, pre, strict=True)]
         P, Q = max(pre), max(suf)
-        tmp = _KVStore(
-            self._store.num_layers, self._store.kv_heads, self._store.head_dim, self._store.dtype, self._device
-        )
+        tmp = self._prefill_store  # kept between prefills: allocating it each time costs page faults
+        tmp.slots = tmp.lo = tmp.hi = 0
         if self._lean is not None:
             # each row right-aligned at W: cached prefix, then its new tokens; one packed forward
             W = max(p + q for p, q in zip(pre, suf, strict=True))
             tmp.reserve(n, 0, W)
             tmp.lo = tmp.hi = 0
             tmp.slots = n
+            tmp.mask[:n] = False
             for j, (p, kv) in enumerate(hits):
                 if p:
                     for li, (k, v) in enumerate(kv):
@@ -713,6 +729,7 @@ class EmbeddedEngine(Engine):
             tmp.reserve(n, 0, W)
             tmp.lo = tmp.hi = 0
             tmp.slots = n
+            tmp.mask[:n] = False
             for j, (p, kv) in enumerate(hits):
                 if p:
                     for li, (k, v) in enumerate(kv):
@@ -744,7 +761,7 @@ class EmbeddedEngine(Engine):
         st = self._store
         if not self._running:
             st.clear()
-        st.reserve(st.slots + len(all_take), max(0, W - st.window), 1)
+        st.reserve(st.slots + len(all_take), max(0, W - st.window), 1, self._growth(self._running + all_take))
         st.lo = min(st.lo, st.hi - W)
         for jj, r in enumerate(all_take):
             j = rows[dup[jj]]
@@ -773,9 +790,16 @@ class EmbeddedEngine(Engine):
             elif len(r.out_ids) >= r.params.max_new_tokens or r.length + 1 >= self.context_length:
                 self._finish(r, {"type": "length", "length": len(r.out_ids)})
 
+    def _growth(self, reqs: list[_Request]) -> int:
+        """Columns the longest of ``reqs`` may still add to the KV store."""
+        return max(
+            min(r.params.max_new_tokens - len(r.out_ids), self.context_length - max(r.length, len(r.input_ids)))
+            for r in reqs
+        )
+
     def _decode(self):
         st = self._store
-        st.reserve(st.slots, 0, 1, max(r.params.max_new_tokens - len(r.out_ids) for r in self._running))
+        st.reserve(st.slots, 0, 1, self._growth(self._running))
         n = st.slots
         reqs = list(self._running)
         st.mask[:n, st.hi] = True
