@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 
 import pytest
 import torch
 
+from rl2gem.openmp import release_thread_team
 from rl2gem.rollout import EmbeddedEngine
 from rl2gem.rollout.engines.embedded import _KVStore
 from rl2gem.rollout.engines.lean_decoder import LeanDecoder, unsupported_reason
@@ -137,3 +140,55 @@ def test_lean_engine_equals_the_transformers_path(tokenizer):
     assert lean_tokens == plain_tokens
     for a, b in zip(lean_logprobs, plain_logprobs, strict=True):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=1e-4)
+
+
+def test_kv_store_slides_inside_its_buffers_and_keeps_the_window():
+    """Requests come and go: the window moves right one column per step and loses its left end,
+    the running rows never have more than 15 tokens to go. The store allocates once (rows
+    straight to ``max_slots``, columns for twice the reachable span) and then slides."""
+    store = _KVStore(2, 1, 4, torch.float32, "cpu", max_slots=3)
+    steps, width, growth = 60, 10, 15
+    store.reserve(2, 0, 1, growth=growth)
+    capacity = store.capacity
+    assert capacity == (3, 2 * growth)
+    store.slots = 2
+    slides = 0
+    for t in range(steps):
+        lo_before = store.lo
+        store.reserve(2, 0, 1, growth=growth)
+        slides += store.lo != lo_before
+        assert store.capacity == capacity  # never re-allocated
+        for layer in range(2):
+            store.keys[layer][:2, :, store.hi] = t
+            store.values[layer][:2, :, store.hi] = -t
+        store.mask[:2, store.hi] = True
+        store.hi += 1
+        if store.window > width:
+            store.mask[:2, store.lo] = False
+            store.lo += 1
+        expected = torch.arange(t + 1 - store.window, t + 1, dtype=torch.float32)
+        for layer in range(2):
+            torch.testing.assert_close(store.keys[layer][1, 0, store.lo : store.hi, 0], expected)
+            torch.testing.assert_close(store.values[layer][0, 0, store.lo : store.hi, 3], -expected)
+        assert store.mask[:2, store.lo : store.hi].all() and int(store.mask[:2].sum()) == 2 * store.window
+    assert slides >= 3
+    with pytest.raises(ValueError, match="exceed"):
+        store.reserve(4, 0, 1)
+
+
+def test_release_thread_team_frees_the_callers_openmp_workers():
+    if torch.get_num_threads() < 2 or "OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("needs torch's OpenMP with 2 threads")
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    torch.ones(1 << 22).add_(1)  # a parallel region: this thread now keeps a worker team
+    before = threads()
+    assert release_thread_team()
+    deadline = time.monotonic() + 5
+    while threads() >= before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threads() < before  # the worker threads exited
+    torch.ones(1 << 22).add_(1)  # and the next region starts a new team
+    assert threads() >= before

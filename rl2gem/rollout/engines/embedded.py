@@ -23,6 +23,14 @@ API (``generate_batch``) was measured at 21 tok/s against 47 tok/s for static
 ``model.generate`` on this CPU (shared/ANCHORS.md), which is why this engine
 keeps its own scheduler.
 
+Llama-family models (Llama, Mistral without a sliding window, Qwen2, Qwen3) run through
+:class:`~rl2gem.rollout.engines.lean_decoder.LeanDecoder`: the same modules without
+transformers' per-step mask building, prefill packed without padding, attention per chunk of
+rows over only the columns that chunk needs, the LM head in slices. Others (or ``lean=False``)
+call ``model(...)`` with a cache object over the same store. The engine thread frees its
+OpenMP team when it goes idle and the requesting thread's team is freed when a request arrives,
+so that two teams never compete for the cores (:mod:`rl2gem.openmp`).
+
 Log-probabilities are those of ``log_softmax(logits / T)`` (see
 :class:`~rl2gem.rollout.engines.base.GenerateOutput`).
 """
@@ -688,9 +696,10 @@ class EmbeddedEngine(Engine):
     def _prefill(self, take: list[_Request]):
         """Prefill admitted requests together: each row = cached prefix (if any) + the rest of its prompt.
 
-        A temporary store holds the rows: cached prefixes right-aligned in ``[0, P)``, the uncached
-        suffixes left-padded in ``[P, P + Q)``; one forward extends all of them. The rows then join
-        the running batch, holes (masked columns) included.
+        A second store holds the rows. Lean path: each row right-aligned at ``W``, its cached
+        prefix just before its new tokens, one packed forward without padding. ``model(...)``
+        path: cached prefixes right-aligned in ``[0, P)``, the new tokens left-padded in
+        ``[P, P + Q)``. The rows then join the running batch, holes (masked columns) included.
         """
         # identical prompts (a GRPO group) are prefilled once and their KV copied
         first_of: dict[tuple[int, ...], int] = {}
