@@ -55,27 +55,33 @@ def count_until_eos(row: list[int], eos: int) -> int:
     return row.index(eos) + 1 if eos in row else len(row)
 
 
+def sample_static(model, prompts: list[list[int]], eos: int, max_new: int, min_new: int = 0) -> torch.Tensor:
+    """``model.generate`` on one left-padded batch, temperature 1, no top-k/top-p -> new tokens [n, <= max_new]."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[eos] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new,
+            min_new_tokens=min_new,
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            pad_token_id=eos,
+            eos_token_id=eos,
+        )
+    return out[:, width:]
+
+
 def static_generate(model, prompts, batch: int, max_new: int, eos: int, seed: int) -> tuple[int, float]:
     torch.manual_seed(seed)
     tokens, t0 = 0, time.perf_counter()
     for i in range(0, len(prompts), batch):
-        chunk = prompts[i : i + batch]
-        width = max(map(len, chunk))
-        ids = torch.tensor([[eos] * (width - len(p)) + p for p in chunk])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=max_new,
-                do_sample=True,
-                temperature=1.0,
-                top_p=1.0,
-                top_k=0,
-                pad_token_id=eos,
-                eos_token_id=eos,
-            )
-        tokens += sum(count_until_eos(r, eos) for r in out[:, width:].tolist())
+        out = sample_static(model, prompts[i : i + batch], eos, max_new)
+        tokens += sum(count_until_eos(r, eos) for r in out.tolist())
     return tokens, time.perf_counter() - t0
 
 
@@ -121,26 +127,11 @@ def bench_decode(model, tokenizer, rows: int, steps: int) -> list[tuple[str, flo
     first token). Engine: its decode-loop time (forward, sampling, bookkeeping), from its counters.
     """
     prompts = prompts_for(tokenizer, rows)
-    eos = tokenizer.eos_token_id
-    width = max(map(len, prompts))
-    ids = torch.tensor([[eos] * (width - len(p)) + p for p in prompts])
-    mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
 
     def generate(new: int) -> float:
         torch.manual_seed(0)
         t0 = time.perf_counter()
-        with torch.no_grad():
-            model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=new,
-                min_new_tokens=new,
-                do_sample=True,
-                temperature=1.0,
-                top_p=1.0,
-                top_k=0,
-                pad_token_id=eos,
-            )
+        sample_static(model, prompts, tokenizer.eos_token_id, new, min_new=new)
         return time.perf_counter() - t0
 
     out = [("`model.generate` (static batch)", rows * steps, generate(steps + 1) - generate(1))]

@@ -713,45 +713,37 @@ class EmbeddedEngine(Engine):
         hits = [self._lookup_prefix(r.input_ids) for r in take]
         pre = [h[0] for h in hits]
         suf = [len(r.input_ids) - p for r, p in zip(take, pre, strict=True)]
-        P, Q = max(pre), max(suf)
-        tmp = self._prefill_store  # kept between prefills: allocating it each time costs page faults
-        tmp.slots = tmp.lo = tmp.hi = 0
         if self._lean is not None:
-            # each row right-aligned at W: cached prefix, then its new tokens; one packed forward
-            W = max(p + q for p, q in zip(pre, suf, strict=True))
-            tmp.reserve(n, 0, W)
-            tmp.lo = tmp.hi = 0
-            tmp.slots = n
-            tmp.mask[:n] = False
-            for j, (p, kv) in enumerate(hits):
-                if p:
-                    for li, (k, v) in enumerate(kv):
-                        tmp.keys[li][j, :, W - suf[j] - p : W - suf[j]] = k
-                        tmp.values[li][j, :, W - suf[j] - p : W - suf[j]] = v
-                    tmp.mask[j, W - suf[j] - p : W - suf[j]] = True
-                tmp.mask[j, W - suf[j] : W] = True
-            logits = self._lean.prefill(tmp, [(j, r.input_ids[pre[j] :], pre[j]) for j, r in enumerate(take)], W)
+            # each row right-aligned at W, its cached prefix just before its new tokens
+            W = max(len(r.input_ids) for r in take)
+            prefix_end = [W - q for q in suf]
         else:
-            # cached prefixes right-aligned in [0, P), the new tokens left-padded in [P, P + Q)
+            # cached prefixes right-aligned at P, the new tokens left-padded in [P, P + Q)
             P, Q = max(pre), max(suf)
             W = P + Q
-            tmp.reserve(n, 0, W)
-            tmp.lo = tmp.hi = 0
-            tmp.slots = n
-            tmp.mask[:n] = False
-            for j, (p, kv) in enumerate(hits):
-                if p:
-                    for li, (k, v) in enumerate(kv):
-                        tmp.keys[li][j, :, P - p : P] = k
-                        tmp.values[li][j, :, P - p : P] = v
-                    tmp.mask[j, P - p : P] = True
+            prefix_end = [P] * n
+        tmp = self._prefill_store  # kept between prefills: allocating it each time costs page faults
+        tmp.slots = tmp.lo = tmp.hi = 0
+        tmp.reserve(n, 0, W)
+        tmp.lo = tmp.hi = 0
+        tmp.slots = n
+        tmp.mask[:n] = False
+        for j, (p, kv) in enumerate(hits):
+            if p:
+                for li, (k, v) in enumerate(kv):
+                    tmp.keys[li][j, :, prefix_end[j] - p : prefix_end[j]] = k
+                    tmp.values[li][j, :, prefix_end[j] - p : prefix_end[j]] = v
+                tmp.mask[j, prefix_end[j] - p : prefix_end[j]] = True
+            tmp.mask[j, W - suf[j] : W] = True  # the new tokens end at W in both layouts
+        if self._lean is not None:
+            logits = self._lean.prefill(tmp, [(j, r.input_ids[pre[j] :], pre[j]) for j, r in enumerate(take)], W)
+        else:
             tmp.hi = P
             ids = torch.zeros(n, Q, dtype=torch.long)
             pos = torch.zeros(n, Q, dtype=torch.long)
             for j, r in enumerate(take):
                 ids[j, Q - suf[j] :] = torch.tensor(r.input_ids[pre[j] :])
                 pos[j, Q - suf[j] :] = torch.arange(pre[j], pre[j] + suf[j])
-                tmp.mask[j, P + Q - suf[j] : P + Q] = True
             out = self._forward(
                 input_ids=ids.to(self._device),
                 attention_mask=tmp.mask[:n, :W],
