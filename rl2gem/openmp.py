@@ -7,7 +7,7 @@ parallel regions in *every* team and sleeps on a futex instead (its "throttled" 
 each of the thousands of small regions of a decode step pays a wake-up. The embedded engine
 computes in its own thread while the trainer or the caller computes in the main thread, which is
 exactly that case: on the 2-core machine one parallel op in the main thread made the engine's
-decode 25% slower for the rest of the process (SmolLM2-135M, 64 rows, 12.5 s -> 16.0 s for 64
+decode 25% slower for the rest of the process (SmolLM2-135M, 64 rows, 12.9 s -> 16.0 s for 65
 steps), and the engine's idle team slows the trainer's own regions the same way.
 
 :func:`release_thread_team` frees the calling thread's team (libgomp's
