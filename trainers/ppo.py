@@ -256,6 +256,7 @@ class PPOTrainer(Trainer):
         c = self.cfg
         start = time.perf_counter()
         batch = self.loop.run_until_complete(self.rollout.collect(c.rollout.prompts_per_rollout // self.world))
+        self.loop.run_until_complete(self.engine.release_memory())  # the KV cache's memory goes to the update
         if self.reward_model is not None:
             batch.metrics.update(self.reward_model.apply(batch, c.reward.mode))
         o = c.reward.objectives  # component means, and the combined reward when configured

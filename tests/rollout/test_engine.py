@@ -362,3 +362,32 @@ def test_state_dict_restores_unseeded_sampling(model):
 
     first, second, again = run(main())
     assert again == first and second != first
+
+
+def test_release_memory_frees_the_kv_buffers_and_the_engine_serves_the_same_after(model):
+    """Between a trainer's rollout and its update the engine gives its KV buffers and prefix cache
+    back; the next request allocates again and decodes exactly as before. A running request keeps
+    them."""
+    greedy = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+    async def main():
+        eng = EmbeddedEngine(model)
+        a = await eng.generate(PROMPTS[2], greedy)
+        held = (eng._store.capacity, eng._prefill_store.capacity, eng._prefix_size)
+        await eng.release_memory()
+        freed = (eng._store.capacity, eng._prefill_store.capacity, eng._prefix_size, eng._store.keys)
+        b = await eng.generate(PROMPTS[2], greedy)
+        long = asyncio.ensure_future(eng.generate(PROMPTS[3], {**greedy, "max_new_tokens": 200}))
+        while not eng._running:
+            await asyncio.sleep(0.01)
+        await eng.release_memory()
+        kept = eng._store.capacity
+        c = await long
+        await eng.close()
+        return a, b, c, held, freed, kept
+
+    a, b, c, held, freed, kept = run(main())
+    assert held[0][0] > 0 and held[0][1] > 0 and held[1][1] > 0 and held[2] > 0
+    assert freed == ((0, 0), (0, 0), 0, [])
+    assert b.output_ids == a.output_ids and b.output_logprobs == a.output_logprobs
+    assert kept[0] > 0 and len(c.output_ids) == 200

@@ -144,20 +144,23 @@ def test_lean_engine_equals_the_transformers_path(tokenizer):
 
 def test_kv_store_slides_inside_its_buffers_and_keeps_the_window():
     """Requests come and go: the window moves right one column per step and loses its left end,
-    the running rows never have more than 15 tokens to go. The store allocates once (rows
-    straight to ``max_slots``, columns for twice the reachable span) and then slides."""
+    the running rows never have more than 15 tokens to go. The store allocates (rows doubled from
+    none and capped at ``max_slots``, columns for 1.5 times the reachable span), re-allocates once
+    as the window grows to its width, and from then on only slides."""
     store = _KVStore(2, 1, 4, torch.float32, "cpu", max_slots=3)
     steps, width, growth = 60, 10, 15
     store.reserve(2, 0, 1, growth=growth)
     capacity = store.capacity
-    assert capacity == (3, 2 * growth)
+    assert capacity == (3, growth + growth // 2)
     store.slots = 2
-    slides = 0
+    slides, allocations = 0, []
     for t in range(steps):
-        lo_before = store.lo
+        lo_before, buffer = store.lo, store.keys[0]
         store.reserve(2, 0, 1, growth=growth)
-        slides += store.lo != lo_before
-        assert store.capacity == capacity  # never re-allocated
+        if store.keys[0] is not buffer:
+            allocations.append(t)
+        else:
+            slides += store.lo != lo_before
         for layer in range(2):
             store.keys[layer][:2, :, store.hi] = t
             store.values[layer][:2, :, store.hi] = -t
@@ -171,7 +174,9 @@ def test_kv_store_slides_inside_its_buffers_and_keeps_the_window():
             torch.testing.assert_close(store.keys[layer][1, 0, store.lo : store.hi, 0], expected)
             torch.testing.assert_close(store.values[layer][0, 0, store.lo : store.hi, 3], -expected)
         assert store.mask[:2, store.lo : store.hi].all() and int(store.mask[:2].sum()) == 2 * store.window
-    assert slides >= 3
+    assert len(allocations) == 1  # to (width + growth) * 1.5 columns, when the window first reached the end
+    assert store.capacity == (3, (width + growth) * 3 // 2)
+    assert slides >= 2
     with pytest.raises(ValueError, match="exceed"):
         store.reserve(4, 0, 1)
 

@@ -239,6 +239,10 @@ class Engine(abc.ABC):
         folder of safetensors files. In-flight requests are aborted first.
         Returns the new weight version."""
 
+    async def release_memory(self) -> None:  # noqa: B027 (an optional hook, like close)
+        """Free caches kept between requests (KV buffers, the prefix cache) when nothing is running;
+        a trainer calls it between its rollout and its update. Engines in another process keep them."""
+
     @abc.abstractmethod
     async def health(self) -> bool:
         """True when the engine answers."""

@@ -62,11 +62,15 @@ class _KVStore:
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype, device, max_slots: int | None = None):
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
-        self.max_slots = max_slots  # rows never exceed it (the engine's max_batch_size): grow straight to it
+        self.max_slots = max_slots  # rows never exceed it (the engine's max_batch_size)
         self.dtype, self.device = dtype, device
+        self.release()
+
+    def release(self) -> None:
+        """Free the buffers (the next :meth:`reserve` allocates again); the store is empty."""
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.mask = torch.zeros(0, 0, dtype=torch.bool)
+        self.mask = torch.zeros(0, 0, dtype=torch.bool, device=self.device)
         self.slots = 0  # rows in use
         self.lo = self.hi = 0
 
@@ -84,9 +88,9 @@ class _KVStore:
         ``growth``: columns the running rows may still add (their longest remaining budget). When
         the buffers can hold ``left + window + max(right, growth)`` columns the window slides
         inside them (one copy of the window, no allocation); otherwise they are re-allocated with
-        twice that, so a decode wave slides but seldom re-allocates (fresh memory costs page
-        faults: about 1 s per GB on the 2-core machine). Columns outside the window keep stale
-        finite values: the mask excludes them.
+        1.5 times that, so a decode wave slides but seldom re-allocates (fresh memory costs page
+        faults: about 1 s per GB on the 2-core machine); rows grow by doubling up to ``max_slots``.
+        Columns outside the window keep stale finite values: the mask excludes them.
         """
         cap_s, cap_c = self.capacity
         if slots <= cap_s and self.lo >= left and cap_c - self.hi >= right:
@@ -108,24 +112,27 @@ class _KVStore:
             return
         new_s = cap_s
         if slots > cap_s:
-            new_s = self.max_slots or max(slots, min(2 * cap_s, slots + 64), 4)
-            if slots > new_s:
-                raise ValueError(f"{slots} rows exceed the store's {new_s}")
-        new_c = max(2 * need, cap_c) if need > cap_c else cap_c
+            new_s = max(slots, 2 * cap_s, 4)
+            if self.max_slots:
+                if slots > self.max_slots:
+                    raise ValueError(f"{slots} rows exceed the store's {self.max_slots}")
+                new_s = min(new_s, self.max_slots)
+        new_c = max(need + need // 2, cap_c) if need > cap_c else cap_c
         lo = max(left, min(margin, new_c - w - want_right))
-        keys, values = [], []
-        for k, v in zip(self.keys or [None] * self.num_layers, self.values or [None] * self.num_layers, strict=True):
+        if not self.keys:
+            self.keys, self.values = [None] * self.num_layers, [None] * self.num_layers
+        for i in range(self.num_layers):  # layer by layer: the old layer is freed before the next is allocated
             nk = torch.zeros(new_s, self.kv_heads, new_c, self.head_dim, dtype=self.dtype, device=self.device)
             nv = torch.zeros_like(nk)
+            k, v = self.keys[i], self.values[i]
             if k is not None and self.slots and w:
                 nk[: self.slots, :, lo : lo + w] = k[: self.slots, :, self.lo : self.hi]
                 nv[: self.slots, :, lo : lo + w] = v[: self.slots, :, self.lo : self.hi]
-            keys.append(nk)
-            values.append(nv)
+            self.keys[i], self.values[i] = nk, nv
         mask = torch.zeros(new_s, new_c, dtype=torch.bool, device=self.device)
         if self.slots and w:
             mask[: self.slots, lo : lo + w] = self.mask[: self.slots, self.lo : self.hi]
-        self.keys, self.values, self.mask = keys, values, mask
+        self.mask = mask
         self.lo, self.hi = lo, lo + w
 
     def move(self, src: int, dst: int) -> None:
@@ -431,8 +438,7 @@ class EmbeddedEngine(Engine):
         def do():
             for r in list(self._running):
                 self._finish(r, {"type": "abort", "message": "weight update"})
-            self._store.clear()
-            self._clear_prefix()
+            self._release_memory()
             params = self.model.state_dict(keep_vars=True)  # tied weights appear under every name
             unknown = [n for n, _ in items if n not in params]
             if unknown:
@@ -457,6 +463,13 @@ class EmbeddedEngine(Engine):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; call while no request is running."""
         self._gen.set_state(state["rng"])
+
+    async def release_memory(self) -> None:
+        def do():
+            if not self._running:
+                self._release_memory()
+
+        await self._acommand(do)
 
     async def flush_cache(self) -> None:
         """Drop the prefix cache."""
@@ -692,6 +705,15 @@ class EmbeddedEngine(Engine):
     def _clear_prefix(self) -> None:
         self._prefix.clear()
         self._prefix_size = 0
+
+    def _release_memory(self) -> None:
+        """Free the KV buffers and the prefix cache (nothing is running). A trainer updates the
+        weights between rollouts: the memory goes back to its update and its evaluation, and the
+        next rollout allocates what it needs (a store sized for an evaluation's long episodes
+        would otherwise stay for the rest of the run)."""
+        self._store.release()
+        self._prefill_store.release()
+        self._clear_prefix()
 
     def _prefill(self, take: list[_Request]):
         """Prefill admitted requests together: each row = cached prefix (if any) + the rest of its prompt.
