@@ -391,3 +391,37 @@ def test_release_memory_frees_the_kv_buffers_and_the_engine_serves_the_same_afte
     assert freed == ((0, 0), (0, 0), 0, [])
     assert b.output_ids == a.output_ids and b.output_logprobs == a.output_logprobs
     assert kept[0] > 0 and len(c.output_ids) == 200
+
+
+@pytest.mark.parametrize("failing_call", [1, 3], ids=["prefill", "decode"])
+def test_an_allocation_failure_fails_the_requests_and_the_next_ones_decode_as_before(model, failing_call):
+    """Out of memory half-way through growing the KV buffers (one layer already re-allocated, the
+    next fails), while a request is prefilled or while it decodes: the request ends with the
+    engine error (it does not wait forever), and the engine serves the next requests exactly as
+    an engine that never failed."""
+    greedy = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+    async def main():
+        eng = EmbeddedEngine(model)
+        reference = await eng.generate(PROMPTS[2], greedy)
+        store, original = eng._store, eng._store.reserve
+        calls = []
+
+        def failing_reserve(slots, left, right, growth=0):
+            calls.append(slots)
+            if len(calls) < failing_call:
+                return original(slots, left, right, growth)
+            store.keys[0] = torch.zeros(1, 1, 1, 1)  # the first layer re-allocated, then memory runs out
+            raise RuntimeError("out of memory")
+
+        store.reserve = failing_reserve
+        failed = await eng.generate(PROMPTS[2], greedy)
+        store.reserve = original
+        after = await eng.generate(PROMPTS[2], greedy)
+        await eng.close()
+        return reference, failed, after
+
+    reference, failed, after = run(main())
+    assert failed.aborted and "engine error: RuntimeError: out of memory" in failed.finish_reason["message"]
+    assert len(failed.output_ids) == (0 if failing_call == 1 else failing_call - 1)
+    assert after.output_ids == reference.output_ids and after.output_logprobs == reference.output_logprobs

@@ -350,6 +350,7 @@ class EmbeddedEngine(Engine):
         self._gen = torch.Generator().manual_seed(seed)
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Request] = []
+        self._admitting: list[_Request] = []  # taken from the queue, being prefilled
         self._commands: collections.deque = collections.deque()
         self._cv = threading.Condition()
         self._paused = False
@@ -590,9 +591,12 @@ class EmbeddedEngine(Engine):
                 self.stats["time_admit_ms"] += int(1000 * (t1 - t0))
                 self.stats["time_decode_ms"] += int(1000 * (time.perf_counter() - t1))
             except Exception as e:  # a model error fails the requests, not the engine
-                for r in list(self._running):
+                failed = self._running + [r for r in self._admitting if r not in self._running]
+                # the store may be half re-allocated (out of memory): drop it before the requests end
+                self._running, self._admitting = [], []
+                self._store.release()
+                for r in failed:
                     self._finish(r, {"type": "abort", "message": f"engine error: {type(e).__name__}: {e}"})
-                self._store.clear()
 
     def _admit(self):
         take: list[_Request] = []
@@ -624,7 +628,9 @@ class EmbeddedEngine(Engine):
         take = [r for r in take if r.params.max_new_tokens > 0]
         if not take:
             return
+        self._admitting = take
         self._prefill(take)
+        self._admitting = []
 
     def _forward(self, **kw):
         return self.model(**kw, use_cache=True)
