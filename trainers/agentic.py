@@ -94,6 +94,14 @@ PIPELINES: dict[str, Pipeline] = {
         eval=["n=200", "seed=100000", "env_kwargs.difficulty=expert", "max_new_tokens=16", "batch_size=64"],
         toy=_toy({"difficulty": "easy"}),  # 1..10 in 4 guesses: a toy run checks the stages, not the game
     ),
+    "guess-hard": Pipeline(  # few demonstrations: 64 solver games, so SFT stops well below the solver
+        env="rl2/GuessTheNumber-v0",
+        collect=["n=64", "env_kwargs.difficulty=hard"],
+        sft_config="guess_hard_sft",
+        ppo_config="guess_hard",
+        eval=["n=200", "seed=100000", "env_kwargs.difficulty=hard", "max_new_tokens=16", "batch_size=64"],
+        toy=_toy({"difficulty": "easy"}),
+    ),
 }
 
 
