@@ -60,8 +60,10 @@ def ours(
     model: str = MODEL,
     lora: int = 0,
     packing: str = "flat",
+    extra: list[str] | None = None,
 ) -> dict[str, float]:
-    """Run the trainer for ``steps + 1`` steps; seconds per step after the first."""
+    """Run the trainer for ``steps + 1`` steps (``extra``: more ``key=value`` overrides); seconds
+    per step after the first, and the seconds of each phase of a step."""
     args = [f"env_kwargs.{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in TASK.items()]
     cmd = [
         sys.executable,
@@ -86,6 +88,7 @@ def ours(
         f"trainer.output_dir={out}",
         f"actor.packing={packing}",
         *([f"actor.lora.rank={lora}", f"actor.lora.alpha={2 * lora}"] if lora else []),
+        *(extra or []),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -101,10 +104,12 @@ def ours(
         "reward": sum(x["rollout/reward"] for x in rows) / len(rows),
         "response_tokens": sum(x["rollout/response_length"] for x in rows) / len(rows),
         "peak_mib": max(x.get(f"memory/{phase}_peak_mib", 0.0) for x in rows for phase in PHASES),
+        "phases": {phase: sum(x.get(f"time/{phase}", 0.0) for x in rows) / len(rows) for phase in TIMED},
     }
 
 
 PHASES = ("rollout", "score", "update", "weight_sync")
+TIMED = ("rollout", "old_logprobs", "update", "weight_sync")  # ``time/<phase>`` in our metrics
 
 
 def trl_in_child(*args, **kw) -> dict[str, float]:
@@ -222,6 +227,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=MODEL, help="a model name or folder (the smoke test passes a tiny random one)")
     ap.add_argument("--lora", type=int, default=0, help="> 0: also both sides with LoRA adapters of this rank")
     ap.add_argument("--packings", default="flat,tree", help="our trainer's actor.packing values (LoRA: the last)")
+    ap.add_argument("--ours-args", default="", help="more key=value overrides of our trainer, space-separated")
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.prompts, args.max_new = 1, 2, 8
@@ -235,7 +241,7 @@ def main(argv=None) -> int:
                 if "rl2gem" in only:
                     res[f"rl2gem PPO trainer (2 ranks, FSDP2, embedded engine, {packing} packing){tag}"] = ours(
                         args.steps, args.prompts, args.group, args.max_new, Path(tmp) / f"ours{lora}{packing}",
-                        args.model, lora, packing,
+                        args.model, lora, packing, args.ours_args.split(),
                     )  # fmt: skip
             if "trl" in only:
                 res[f"TRL GRPOTrainer (1 process, 2 threads, bf16=False){tag}"] = trl_in_child(
@@ -256,6 +262,13 @@ def main(argv=None) -> int:
             f"| {name} | {r['seconds_per_step']:.1f} | {r['episodes_per_second']:.2f} | {r['response_tokens']:.1f} "
             f"| {r['mfu']:.2f} | {r['reward']:.3f} | {r['peak_mib']:.0f} | {r['episodes_per_second'] / base:.2f}x |"
         )
+    ours_rows = {name: r for name, r in res.items() if "phases" in r}
+    if ours_rows:
+        print("\nOur step by phase (seconds, mean of the measured steps):\n")
+        print("| trainer | " + " | ".join(TIMED) + " | other |\n|---|" + "---:|" * (len(TIMED) + 1))
+        for name, r in ours_rows.items():
+            other = r["seconds_per_step"] - sum(r["phases"].values())
+            print(f"| {name} | " + " | ".join(f"{r['phases'][k]:.2f}" for k in TIMED) + f" | {other:.2f} |")
     return 0
 
 

@@ -6,8 +6,11 @@ prompt) and on SearchQA (multi-turn: searches answered with 3 passages, so promp
 every turn). Each side plans the same samples into micro-batches of at most ``--max-tokens``
 tokens (flat: :func:`rl2gem.parallel.packing.plan`; tree: :func:`~rl2gem.parallel.packing.plan_tree`)
 and runs what a PPO step runs per micro-batch: a no-grad forward for the old log-probs, then a
-forward and backward of a loss on the log-probs. The two sides' log-probs are compared (the
-largest difference is printed: equal up to float rounding). Times are the best of ``--repeats``.
+forward and backward of a loss on the log-probs. A third row runs the tree with the LM head only
+at the positions that predict an action token (``token_logprobs(..., needed=masks)``, what the PPO
+trainer does): prompt and env tokens get no logits. The rows' log-probs at the action tokens are
+compared (the largest difference is printed: equal up to float rounding). Times are the best of
+``--repeats``.
 
 Prints a Markdown table per env; ``--quick`` is a smoke run (tiny sizes).
 """
@@ -33,8 +36,8 @@ ENVS = {
 }
 
 
-def rollout_sequences(model, tokenizer, env: str, kwargs: dict, prompts: int, group: int, max_new: int) -> list:
-    """Token ids of the training sequences of ``prompts`` groups of ``group`` episodes."""
+def rollout_sequences(model, tokenizer, env: str, kwargs: dict, prompts: int, group: int, max_new: int):
+    """Token ids and action masks of the training sequences of ``prompts`` groups of ``group`` episodes."""
 
     async def run():
         engine = EmbeddedEngine(model, tokenizer, seed=0)
@@ -47,12 +50,14 @@ def rollout_sequences(model, tokenizer, env: str, kwargs: dict, prompts: int, gr
         await engine.close()
         return batch
 
-    return [s.ids for s in samples_from_batch(asyncio.run(run()), "drgrpo")]
+    samples = samples_from_batch(asyncio.run(run()), "drgrpo")
+    return [s.ids for s in samples], [s.mask for s in samples]
 
 
-def step_time(model, sequences, max_tokens: int, tree: bool, repeats: int) -> tuple[float, int, int, torch.Tensor]:
+def step_time(model, sequences, max_tokens: int, tree: bool, repeats: int, masks=None):
     """Best-of-``repeats`` seconds of a no-grad forward then a forward+backward over the plan's
-    micro-batches; the tokens computed, the micro-batch count, and the log-probs (flat order)."""
+    micro-batches (``masks``: log-probs of the action tokens only); the tokens computed, the
+    micro-batch count, and the log-probs (flat order)."""
     lengths = [len(s) for s in sequences]
     plan = plan_micro_batches(lengths, 0, 1, max_tokens, sequences=sequences if tree else None)
     computed = sum(
@@ -64,9 +69,10 @@ def step_time(model, sequences, max_tokens: int, tree: bool, repeats: int) -> tu
         start = time.perf_counter()
         for mb in plan:
             part = [sequences[i] for i in mb.indices]
+            needed = None if masks is None else [masks[i] for i in mb.indices]
             with torch.no_grad():
-                old = token_logprobs(model, part, device, tree=tree)[0]
-            new = token_logprobs(model, part, device, tree=tree)[0]
+                old = token_logprobs(model, part, device, tree=tree, needed=needed)[0]
+            new = token_logprobs(model, part, device, tree=tree, needed=needed)[0]
             (new - old).exp().sum().backward()
             for i, chunk in zip(mb.indices, old.split([lengths[i] for i in mb.indices]), strict=True):
                 logprobs[i] = chunk
@@ -93,20 +99,29 @@ def main(argv=None) -> int:
     model.train()
     for name in args.envs.split(","):
         env, kwargs, turns = ENVS[name]
-        sequences = rollout_sequences(model, tokenizer, env, kwargs, args.prompts, args.group, args.max_new)
+        sequences, masks = rollout_sequences(model, tokenizer, env, kwargs, args.prompts, args.group, args.max_new)
         flat_tokens = sum(len(s) for s in sequences)
-        rows = {tree: step_time(model, sequences, args.max_tokens, tree, args.repeats) for tree in (False, True)}
-        difference = float((rows[True][3] - rows[False][3]).abs().max())
+        action = torch.tensor([bool(x) for m in masks for x in m])
+        sides = {
+            "flat": (False, None),
+            "prefix tree": (True, None),
+            "prefix tree, head at action tokens": (True, masks),
+        }
+        rows = {
+            label: step_time(model, sequences, args.max_tokens, tree, args.repeats, needed)
+            for label, (tree, needed) in sides.items()
+        }
+        difference = max(float((row[3] - rows["flat"][3])[action].abs().max()) for row in rows.values())
         print(
             f"# {name} ({env}, up to {turns} turn(s)): {args.prompts} prompts x {args.group} samples, "
             f"{len(sequences)} sequences, {flat_tokens} tokens, max_new_tokens {args.max_new}, "
-            f"micro-batches of at most {args.max_tokens} tokens; largest log-prob difference {difference:.1e}\n"
+            f"({int(action.sum())} action tokens), max_new_tokens {args.max_new}, micro-batches of at most "
+            f"{args.max_tokens} tokens; largest log-prob difference at action tokens {difference:.1e}\n"
         )
         print("| packing | tokens computed | micro-batches | seconds (old forward + forward/backward) | speed-up |")
         print("|---|---:|---:|---:|---:|")
-        for tree, label in ((False, "flat"), (True, "prefix tree")):
-            seconds, computed, batches, _ = rows[tree]
-            print(f"| {label} | {computed} | {batches} | {seconds:.2f} | {rows[False][0] / seconds:.2f}x |")
+        for label, (seconds, computed, batches, _) in rows.items():
+            print(f"| {label} | {computed} | {batches} | {seconds:.2f} | {rows['flat'][0] / seconds:.2f}x |")
         print()
     return 0
 

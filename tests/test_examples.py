@@ -223,17 +223,18 @@ def test_rollout_benchmark_smoke(tiny_dir):
 
 def test_tree_packing_benchmark_smoke(tiny_dir):
     """Flat against prefix-tree packing on real rollouts of a tiny random model: the tree computes
-    fewer tokens and the two give the same log-probs (the real model's numbers are in RESULTS.md)."""
+    fewer tokens, and all three rows (the third with the LM head at action tokens only) give the same
+    log-probs at the action tokens (the real model's numbers are in RESULTS.md)."""
     import re
 
     stdout = run("benchmarks/tree_packing.py", "--quick", "--model", str(tiny_dir))
     for env in ("GSM8K", "SearchQA"):
         section = stdout.split(f"# {env}")[1].split("\n\n")[0:2]
-        difference = float(re.search(r"largest log-prob difference (\S+)", section[0]).group(1))
+        difference = float(re.search(r"largest log-prob difference at action tokens (\S+)", section[0]).group(1))
         assert difference < 1e-4, stdout
         rows = [line for line in section[1].splitlines() if line.startswith(("| flat", "| prefix tree"))]
-        flat, tree = (int(row.split("|")[2]) for row in rows)
-        assert tree < flat, stdout
+        flat, tree, action_head = (int(row.split("|")[2]) for row in rows)
+        assert tree < flat and action_head == tree, stdout
 
 
 def test_trainer_benchmark_smoke(tiny_dir):
@@ -245,6 +246,11 @@ def test_trainer_benchmark_smoke(tiny_dir):
     for row in rows:  # response tokens and peak memory are measured on both sides
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert float(cells[3]) > 0 and float(cells[6]) > 50, row
+    phases = [line for line in stdout.split("Our step by phase")[1].splitlines() if line.startswith("| rl2gem")]
+    assert len(phases) == 2, stdout  # ours with and without LoRA: each phase's seconds, none negative
+    for row in phases:
+        cells = [float(c) for c in row.strip().strip("|").split("|")[1:]]
+        assert min(cells[:4]) >= 0 and cells[0] + cells[2] > 0, row
 
 
 def test_proof_tables_read_runs(tmp_path):

@@ -310,16 +310,22 @@ class PPOTrainer(Trainer):
         source, max_diff = self.old_logprob_source(samples), torch.zeros((), device=self.device)
         for mb in micro_batches:
             part = [samples[i] for i in mb.indices]
-            ids = [s.ids for s in part]
+            ids, needed = [s.ids for s in part], [s.mask for s in part]  # log-probs of action tokens only
             if source == "rollout":
                 sc = {"old": packed(part, "rollout_logprobs", self.device)}
             else:
-                sc = {"old": token_logprobs(self.actor.model, ids, self.device, temperature=temperature, tree=tree)[0]}
+                sc = {
+                    "old": token_logprobs(
+                        self.actor.model, ids, self.device, temperature=temperature, tree=tree, needed=needed
+                    )[0]
+                }
                 if source == "check" and not mb.placeholder:
                     diff = (sc["old"] - packed(part, "rollout_logprobs", self.device)).abs()
                     max_diff = torch.maximum(max_diff, (diff * packed(part, "mask", self.device)).max())
             if self.ref is not None:
-                sc["ref"] = token_logprobs(self.ref.model, ids, self.device, temperature=temperature, tree=tree)[0]
+                sc["ref"] = token_logprobs(
+                    self.ref.model, ids, self.device, temperature=temperature, tree=tree, needed=needed
+                )[0]
             if self.critic is not None:
                 if self.ref is not None and c.kl.in_reward and not mb.placeholder:
                     subtract_kl_from_rewards(part, sc["old"], sc["ref"], self.kl.coef, c.kl.estimator)
@@ -385,6 +391,7 @@ class PPOTrainer(Trainer):
             temperature=c.rollout.temperature or 1.0,
             entropy=entropy_mode,
             tree=tree,
+            needed=[s.mask for s in part],  # the LM head runs only where an action token is predicted
         )
         mask = packed(part, "mask", self.device, torch.bool)
         rollout_logprobs = packed(part, "rollout_logprobs", self.device)

@@ -17,6 +17,7 @@ and the first token of each sequence gets 0 (nothing predicts it).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Sequence
 
 import torch
@@ -42,6 +43,7 @@ __all__ = [
     "plan_micro_batches",
     "packed_inputs",
     "token_logprobs",
+    "takes_logits_to_keep",
     "token_values",
     "sequence_scores",
     "score_positions",
@@ -183,7 +185,14 @@ def _next_tokens(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return following.masked_fill(last, 0)
 
 
-def _packed_forward(model, sequences: Sequence[Sequence[int]], device: torch.device, per_token, tree: bool = False):
+def _packed_forward(
+    model,
+    sequences: Sequence[Sequence[int]],
+    device: torch.device,
+    per_token,
+    tree: bool = False,
+    needed: Sequence[Sequence[int]] | None = None,
+):
     """Run ``model`` on one packed row of ``sequences`` and return ``per_token(output, next_ids,
     rows)`` for every token of the row, in packed order (``[N, ...]``; a tuple of tensors, some of
     which may be None, is handled element-wise), together with the packed batch.
@@ -199,18 +208,31 @@ def _packed_forward(model, sequences: Sequence[Sequence[int]], device: torch.dev
     (:func:`rl2gem.parallel.ring_attention.zigzag_layout`), the model runs ring attention on
     this rank's share, and the per-token results of all ranks are gathered back (differentiably)
     so that every rank returns the whole row's results, as one rank would.
+
+    ``needed`` (one 0/1 list per sequence, e.g. the action masks) names the tokens whose results
+    are wanted. The model then computes its head (the LM head's ``[V, H]`` GEMM, the log-softmax)
+    only at the positions that predict them (transformers' ``logits_to_keep``), ``per_token``
+    sees only those, and every other token gets 0. Without sequence parallelism only, and only
+    where the model's ``forward`` takes ``logits_to_keep``; otherwise every position is computed.
     """
     limit = simulated_memory_bytes()
     if limit is not None and torch.is_grad_enabled() and not SavedTensorBytes.active:
         with SavedTensorBytes(limit):  # a drill: RL2GEM_SIMULATED_MEMORY_MIB (rl2gem.training.autosize)
-            return _packed_forward(model, sequences, device, per_token)
+            return _packed_forward(model, sequences, device, per_token, tree, needed)
     group = getattr(model, "rl2_sp_group", None)
+    if needed is not None and (group is not None or not takes_logits_to_keep(model)):
+        needed = None
     if tree:
-        return _tree_forward(model, sequences, device, per_token, group)
+        return _tree_forward(model, sequences, device, per_token, group, needed)
     batch, kwargs = packed_inputs(model, sequences, device) if group is None else (packed_batch(list(sequences)), None)
     ids, positions = batch["input_ids"][0], batch["position_ids"][0]
+    next_ids = _next_tokens(ids, positions).to(device)
+    if group is None and needed is not None:
+        kept = _predicting(needed, positions).to(device)
+        output = model(**kwargs, logits_to_keep=kept)
+        return _scatter(per_token(output, next_ids[kept], None), kept, len(ids)), batch
     if group is None:
-        return per_token(model(**kwargs), _next_tokens(ids, positions).to(device), None), batch
+        return per_token(model(**kwargs), next_ids, None), batch
     layout = zigzag_layout([len(s) for s in sequences], dist.get_world_size(group))
     rank = dist.get_rank(group)
     padded_ids = layout.pad(ids)
@@ -225,7 +247,33 @@ def _packed_forward(model, sequences: Sequence[Sequence[int]], device: torch.dev
     return gather_sequence_parallel(local, layout, group), batch
 
 
-def _tree_forward(model, sequences, device, per_token, group):
+def takes_logits_to_keep(model) -> bool:
+    """Whether ``model`` (or the model a ``peft`` wrapper adapts) has transformers'
+    ``logits_to_keep`` argument (most causal LMs since transformers 4.50)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "logits_to_keep" in inspect.signature(base.forward).parameters
+
+
+def _predicting(needed: Sequence[Sequence[int]], positions: torch.Tensor) -> torch.Tensor:
+    """``[K]`` int64: the packed positions whose successor in the same sequence is a needed token."""
+    wanted = torch.tensor([bool(x) for row in needed for x in row], dtype=torch.bool)
+    if wanted.numel() != positions.numel():
+        raise ValueError(f"needed has {wanted.numel()} entries for {positions.numel()} tokens")
+    successor = torch.cat([wanted[1:], wanted.new_zeros(1)])
+    successor &= torch.cat([positions[1:] != 0, positions.new_zeros(1, dtype=torch.bool)])
+    return successor.nonzero().squeeze(1)
+
+
+def _scatter(results, kept: torch.Tensor, n: int):
+    """``per_token``'s results for the ``kept`` positions -> ``[n, ...]`` with 0 elsewhere (a tuple
+    element-wise, None kept)."""
+    if isinstance(results, tuple):
+        return tuple(None if r is None else _scatter(r, kept, n) for r in results)
+    out = results.new_zeros((n, *results.shape[1:]))
+    return out.index_put((kept,), results)
+
+
+def _tree_forward(model, sequences, device, per_token, group, needed=None):
     """The ``tree=True`` branch of :func:`_packed_forward` (see there)."""
     if group is not None:
         raise ValueError("prefix-tree packing (actor.packing=tree) does not combine with sp_size > 1")
@@ -234,14 +282,20 @@ def _tree_forward(model, sequences, device, per_token, group):
     batch = packed_batch([list(s) for s in sequences])
     tree = tree_batch([list(s) for s in sequences])
     dtype = next(model.parameters()).dtype
-    output = model(
+    ids, positions = batch["input_ids"][0], batch["position_ids"][0]
+    inputs = dict(
         input_ids=tree["input_ids"].to(device),
         position_ids=tree["position_ids"].to(device),
         attention_mask=tree_attention_mask(tree["parents"], dtype=dtype).to(device),
         use_cache=False,
     )
-    ids, positions = batch["input_ids"][0], batch["position_ids"][0]
-    return per_token(output, _next_tokens(ids, positions).to(device), tree["node_of"].to(device)), batch
+    next_ids, node_of = _next_tokens(ids, positions).to(device), tree["node_of"].to(device)
+    if needed is None:
+        return per_token(model(**inputs), next_ids, node_of), batch
+    kept = _predicting(needed, positions).to(device)
+    nodes, rows = torch.unique(node_of[kept], return_inverse=True)  # the tree nodes whose logits are read
+    output = model(**inputs, logits_to_keep=nodes)
+    return _scatter(per_token(output, next_ids[kept], rows), kept, len(ids)), batch
 
 
 def _shift_to_tokens(next_values: torch.Tensor, batch: dict) -> torch.Tensor:
@@ -259,6 +313,7 @@ def token_logprobs(
     temperature: float = 1.0,
     entropy: str = "none",
     tree: bool = False,
+    needed: Sequence[Sequence[int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probabilities (and entropies) of a packed micro-batch under a causal LM.
 
@@ -274,6 +329,10 @@ def token_logprobs(
             ``"none"``.
         tree: run the prefix tree of ``sequences`` (shared prefixes once; see
             :func:`_packed_forward`); the same results as the flat row.
+        needed: one 0/1 list per sequence (the action masks): only these tokens' log-probs and
+            entropies are computed (the LM head runs at the positions predicting them); the
+            others are 0. The same values at the needed tokens as without it. Ignored under
+            tensor or sequence parallelism.
 
     Returns:
         ``(logprobs [N] float32, entropies [N] float32 in nats or None)``; 0 at each sequence's
@@ -307,7 +366,9 @@ def token_logprobs(
                 entropies = entropy_from_logits(logits if entropy == "grad" else logits.detach())
         return logprobs, entropies
 
-    (logprobs, entropies), batch = _packed_forward(model, sequences, device, per_token, tree=tree)
+    if tp_group is not None:  # the vocabulary-parallel head reads every position
+        needed = None
+    (logprobs, entropies), batch = _packed_forward(model, sequences, device, per_token, tree=tree, needed=needed)
     return _shift_to_tokens(logprobs, batch), None if entropies is None else _shift_to_tokens(entropies, batch)
 
 

@@ -592,7 +592,7 @@ def test_out_of_memory_backs_off_and_the_step_equals_one_run_at_the_smaller_leng
 def test_two_ranks_record_the_halved_length_and_a_relaunch_resumes_with_it(tiny_dir, tmp_path):
     """With two ranks an out-of-memory error cannot be retried in place: the rank records half the
     length and fails; each relaunch with trainer.resume=true plans with the recorded length, until
-    the step fits (150 MiB of activations: each rank's two sequences do not fit in one micro-batch,
+    the step fits (60 MiB of activations: each rank's two sequences do not fit in one micro-batch,
     one does)."""
     out = tmp_path / "relaunches"
     cmd, env = torchrun_command(
@@ -612,7 +612,7 @@ def test_two_ranks_record_the_halved_length_and_a_relaunch_resumes_with_it(tiny_
             text=True,
             cwd=ROOT,
             timeout=600,
-            env={**env, "RL2GEM_SIMULATED_MEMORY_MIB": "150"},
+            env={**env, "RL2GEM_SIMULATED_MEMORY_MIB": "60"},
         )
         if r.returncode == 0:
             break

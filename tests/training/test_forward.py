@@ -122,6 +122,72 @@ def test_tree_packing_gives_the_flat_logprobs_entropies_values_and_gradients():
     torch.testing.assert_close(tree_values, flat_values, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("tree", [False, True])
+def test_needed_tokens_only_give_the_same_logprobs_and_gradients_with_fewer_head_rows(tree):
+    """``needed`` (the action masks): the needed tokens' log-probs, entropies and the gradient of a
+    loss on them equal the full forward's; other tokens get 0; the LM head sees only the rows that
+    predict a needed token (counted with a forward hook), not every position."""
+    model = tiny_model().float()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.div_(40.0)
+    seqs = grouped_sequences()
+    g = torch.Generator().manual_seed(3)
+    # env-like masks: the first 12 tokens (a prompt) are never actions; the rest at random
+    needed = [[0] * 12 + torch.randint(0, 2, (len(s) - 12,), generator=g).tolist() for s in seqs[:-1]]
+    needed.append([0] + [1] * (len(seqs[-1]) - 1))
+    mask = torch.tensor([bool(x) for row in needed for x in row])
+    weights = torch.linspace(-1.0, 2.0, mask.numel())
+    head_rows = []
+    hook = model.lm_head.register_forward_hook(lambda _m, inputs, _out: head_rows.append(inputs[0].shape[-2]))
+    results = {}
+    for keep in (None, needed):
+        model.zero_grad()
+        head_rows.clear()
+        lp, ent = token_logprobs(
+            model, seqs, torch.device("cpu"), temperature=0.8, entropy="grad", tree=tree, needed=keep
+        )
+        ((lp * weights * mask).sum() + 0.1 * (ent * mask).sum()).backward()
+        results[keep is None] = (lp.detach(), ent.detach(), {n: q.grad.clone() for n, q in model.named_parameters()})
+        results[keep is None] += (head_rows[0],)
+    hook.remove()
+    (all_lp, all_ent, all_grads, all_rows), (lp, ent, grads, rows) = results[True], results[False]
+    torch.testing.assert_close(lp[mask], all_lp[mask], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent[mask], all_ent[mask], atol=1e-5, rtol=1e-5)
+    assert lp[~mask].abs().max() == 0 and ent[~mask].abs().max() == 0
+    for name, grad in all_grads.items():
+        assert float((grads[name] - grad).abs().max()) <= 1e-5 * float(grad.abs().max()) + 1e-8, name
+    assert rows <= int(mask.sum()) < all_rows  # one head row per needed token at most (tree: shared rows once)
+
+
+def test_needed_is_ignored_by_a_model_without_logits_to_keep():
+    """A model whose forward has no ``logits_to_keep`` computes every position; the values agree."""
+    from rl2gem.training.forward import takes_logits_to_keep
+
+    model = tiny_model().float()
+    assert takes_logits_to_keep(model)
+
+    class Plain(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, position_ids=None, attention_mask=None, use_cache=False):
+            return self.inner(
+                input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=use_cache
+            )
+
+    plain = Plain(model)
+    assert not takes_logits_to_keep(plain)
+    seqs = [[5, 6, 7, 8], [9, 10, 11]]
+    needed = [[0, 0, 1, 1], [0, 1, 0]]
+    with torch.no_grad():
+        full = token_logprobs(model, seqs, torch.device("cpu"))[0]
+        got = token_logprobs(plain, seqs, torch.device("cpu"), needed=needed)[0]
+    torch.testing.assert_close(got, full)  # every position computed: needed had no effect
+    with pytest.raises(ValueError, match="entries"):
+        token_logprobs(model, seqs, torch.device("cpu"), needed=[[1, 1]])
+
+
 def test_tree_plan_keeps_shared_prefixes_together_within_the_token_budget():
     from rl2gem.parallel.packing import tree_size
 
