@@ -25,6 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from rl2gem.parallel.block_attention import enable_block_attention
 from rl2gem.parallel.ring_attention import enable_ring_attention
 from rl2gem.parallel.tensor_parallel import check_tp, parallelize
 
@@ -197,6 +198,8 @@ def load_sharded(
     if sp_group is not None:
         enable_ring_attention(model)
         model.rl2_sp_group = sp_group
+    else:  # packed rows: SDPA per independent block (sequence or prefix tree), not over the whole row
+        enable_block_attention(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     shard_model(
