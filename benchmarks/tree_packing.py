@@ -6,9 +6,12 @@ prompt) and on SearchQA (multi-turn: searches answered with 3 passages, so promp
 every turn). Each side plans the same samples into micro-batches of at most ``--max-tokens``
 tokens (flat: :func:`rl2gem.parallel.packing.plan`; tree: :func:`~rl2gem.parallel.packing.plan_tree`)
 and runs what a PPO step runs per micro-batch: a no-grad forward for the old log-probs, then a
-forward and backward of a loss on the log-probs. A third row runs the tree with the LM head only
-at the positions that predict an action token (``token_logprobs(..., needed=masks)``, what the PPO
-trainer does): prompt and env tokens get no logits. The rows' log-probs at the action tokens are
+forward and backward of a loss on the log-probs. The first row attends over the whole packed row
+(SDPA with the ``[N, N]`` mask); the others run SDPA per independent block (each sequence, or each
+group's tree: :mod:`rl2gem.parallel.block_attention`, what the trainers' models use). The last row
+runs the tree with the LM head only at the positions that predict an action token
+(``token_logprobs(..., needed=masks)``, what the PPO trainer does): prompt and env tokens get no
+logits. The rows' log-probs at the action tokens are
 compared (the largest difference is printed: equal up to float rounding). Times are the best of
 ``--repeats``.
 
@@ -19,12 +22,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import time
 
 import torch
 
 import rl2gem
 from rl2gem.models import load_model, resolve_model
+from rl2gem.parallel.block_attention import enable_block_attention
 from rl2gem.parallel.packing import tree_size
 from rl2gem.rollout import EmbeddedEngine, Rollout, RolloutConfig
 from rl2gem.training import plan_micro_batches, token_logprobs
@@ -97,21 +102,25 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     model, tokenizer = load_model(resolve_model(args.model), dtype=torch.float32)
     model.train()
+    blocked = copy.deepcopy(model)
+    enable_block_attention(blocked)
     for name in args.envs.split(","):
         env, kwargs, turns = ENVS[name]
         sequences, masks = rollout_sequences(model, tokenizer, env, kwargs, args.prompts, args.group, args.max_new)
         flat_tokens = sum(len(s) for s in sequences)
         action = torch.tensor([bool(x) for m in masks for x in m])
         sides = {
-            "flat": (False, None),
-            "prefix tree": (True, None),
-            "prefix tree, head at action tokens": (True, masks),
+            "flat, SDPA over the whole row": (model, False, None),
+            "flat": (blocked, False, None),
+            "prefix tree": (blocked, True, None),
+            "prefix tree, head at action tokens": (blocked, True, masks),
         }
         rows = {
-            label: step_time(model, sequences, args.max_tokens, tree, args.repeats, needed)
-            for label, (tree, needed) in sides.items()
+            label: step_time(side, sequences, args.max_tokens, tree, args.repeats, needed)
+            for label, (side, tree, needed) in sides.items()
         }
-        difference = max(float((row[3] - rows["flat"][3])[action].abs().max()) for row in rows.values())
+        first = next(iter(rows.values()))
+        difference = max(float((row[3] - first[3])[action].abs().max()) for row in rows.values())
         print(
             f"# {name} ({env}, up to {turns} turn(s)): {args.prompts} prompts x {args.group} samples, "
             f"{len(sequences)} sequences, {flat_tokens} tokens, max_new_tokens {args.max_new}, "
@@ -121,7 +130,7 @@ def main(argv=None) -> int:
         print("| packing | tokens computed | micro-batches | seconds (old forward + forward/backward) | speed-up |")
         print("|---|---:|---:|---:|---:|")
         for label, (seconds, computed, batches, _) in rows.items():
-            print(f"| {label} | {computed} | {batches} | {seconds:.2f} | {rows['flat'][0] / seconds:.2f}x |")
+            print(f"| {label} | {computed} | {batches} | {seconds:.2f} | {first[0] / seconds:.2f}x |")
         print()
     return 0
 

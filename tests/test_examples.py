@@ -223,8 +223,8 @@ def test_rollout_benchmark_smoke(tiny_dir):
 
 def test_tree_packing_benchmark_smoke(tiny_dir):
     """Flat against prefix-tree packing on real rollouts of a tiny random model: the tree computes
-    fewer tokens, and all three rows (the third with the LM head at action tokens only) give the same
-    log-probs at the action tokens (the real model's numbers are in RESULTS.md)."""
+    fewer tokens, and all four rows (whole-row SDPA, block attention, the last with the LM head at
+    action tokens only) give the same log-probs at the action tokens (the real model's numbers are in RESULTS.md)."""
     import re
 
     stdout = run("benchmarks/tree_packing.py", "--quick", "--model", str(tiny_dir))
@@ -233,8 +233,8 @@ def test_tree_packing_benchmark_smoke(tiny_dir):
         difference = float(re.search(r"largest log-prob difference at action tokens (\S+)", section[0]).group(1))
         assert difference < 1e-4, stdout
         rows = [line for line in section[1].splitlines() if line.startswith(("| flat", "| prefix tree"))]
-        flat, tree, action_head = (int(row.split("|")[2]) for row in rows)
-        assert tree < flat and action_head == tree, stdout
+        whole, flat, tree, action_head = (int(row.split("|")[2]) for row in rows)
+        assert whole == flat and tree < flat and action_head == tree, stdout
 
 
 def test_trainer_benchmark_smoke(tiny_dir):
