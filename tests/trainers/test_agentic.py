@@ -39,8 +39,13 @@ def test_prefix_merging_saves_exactly_the_re_rendered_earlier_turns():
 def test_the_pipeline_names_recipes_that_exist_and_refuses_unknown_envs():
     from pathlib import Path
 
+    from rl2gem.config import load_config
+
     config = Path(__file__).resolve().parents[2] / "trainers" / "config"
     for pipe in PIPELINES.values():
-        assert (config / f"{pipe.sft_config}.yaml").exists() and (config / f"{pipe.ppo_config}.yaml").exists()
+        # every key of each recipe is one its trainer knows (load_config raises ConfigError otherwise)
+        sft = load_config(config / "sft.yaml", [f"config={pipe.sft_config}"])
+        ppo = load_config(config / "ppo.yaml", [f"config={pipe.ppo_config}"])
+        assert ppo.env == pipe.env and sft.trainer.eval_env == pipe.env
     with pytest.raises(SystemExit):
         main(["no-such-env"])
