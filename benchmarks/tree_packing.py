@@ -123,7 +123,7 @@ def main(argv=None) -> int:
         difference = max(float((row[3] - first[3])[action].abs().max()) for row in rows.values())
         print(
             f"# {name} ({env}, up to {turns} turn(s)): {args.prompts} prompts x {args.group} samples, "
-            f"{len(sequences)} sequences, {flat_tokens} tokens, max_new_tokens {args.max_new}, "
+            f"{len(sequences)} sequences, {flat_tokens} tokens "
             f"({int(action.sum())} action tokens), max_new_tokens {args.max_new}, micro-batches of at most "
             f"{args.max_tokens} tokens; largest log-prob difference at action tokens {difference:.1e}\n"
         )
