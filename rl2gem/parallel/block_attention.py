@@ -7,7 +7,9 @@ no varlen kernel reads the boundaries from ``position_ids`` (flash-attn on GPU),
 path gets the whole ``[N, N]`` mask and computes every block pair, masked or not. Here the row is
 cut where the mask allows it and SDPA runs on each diagonal block with its own part of the mask:
 the same outputs (each query sees exactly the keys it saw), ``sum(n_b**2)`` instead of ``N**2``
-scores. On the 2-core CPU a tree row of four 190-token groups took 10% less forward+backward time.
+scores. On the 2-core CPU a prototype took 10% less forward+backward time on a tree row of four
+190-token groups (2 ranks, SmolLM2-135M); `benchmarks/tree_packing.py` measures 26-32% on real
+rollouts.
 
 :func:`enable_block_attention` registers the function in transformers' attention interface
 (``"rl2_blocks"``) and switches a model to it; :func:`rl2gem.parallel.fsdp.load_sharded` does so
