@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["BLOCK_ATTENTION", "enable_block_attention", "independent_blocks"]
+__all__ = ["BLOCK_ATTENTION", "enable_block_attention", "independent_blocks", "switch_attention"]
 
 #: The name under which the block attention is registered in transformers' attention interface.
 BLOCK_ATTENTION = "rl2_blocks"
@@ -89,9 +89,15 @@ def enable_block_attention(model) -> bool:
         return False
     AttentionInterface.register(BLOCK_ATTENTION, _attention)
     AttentionMaskInterface.register(BLOCK_ATTENTION, sdpa_mask)
-    model.config._attn_implementation = BLOCK_ATTENTION
+    switch_attention(model, BLOCK_ATTENTION)
+    return True
+
+
+def switch_attention(model, name: str) -> None:
+    """Set ``_attn_implementation`` of ``model``'s config and of every sub-module's config to
+    ``name`` (a function registered in transformers' attention interface)."""
+    model.config._attn_implementation = name
     for module in model.modules():
         config = getattr(module, "config", None)
-        if config is not None and getattr(config, "_attn_implementation", None) == "sdpa":
-            config._attn_implementation = BLOCK_ATTENTION
-    return True
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = name

@@ -36,6 +36,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from rl2gem.parallel.block_attention import switch_attention
+
 __all__ = [
     "ZigZagLayout",
     "zigzag_layout",
@@ -358,8 +360,4 @@ def enable_ring_attention(model) -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(RING_ATTENTION, _attention)
-    model.config._attn_implementation = RING_ATTENTION
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "_attn_implementation"):
-            config._attn_implementation = RING_ATTENTION
+    switch_attention(model, RING_ATTENTION)
