@@ -2,9 +2,9 @@
 
 0. decode: decode steps alone at 16 and 64 rows, ``model.generate`` vs the embedded engine
    through ``model(...)`` and through its lean forward (tokens/s of the decode loop).
-1. engine: the embedded continuous-batching engine (64 sequences in flight, the
-   rest queued) vs ``model.generate`` static batching (batches of 16 and of 64)
-   on the same 128 GSM8K prompts, same sampling (temperature 1, same
+1. engine: the embedded continuous-batching engine (``--in-flight`` sequences in
+   flight, 128 by default, the rest queued; also 64) vs ``model.generate`` static
+   batching (batches of 16, 64 and ``--in-flight``) on the same 128 GSM8K prompts, same sampling (temperature 1, same
    max_new_tokens); generated tokens/second, counting each completion up to and
    including its EOS.
 2. router: the same requests through sglang-router over 1 vs 2 embedded
@@ -91,25 +91,30 @@ async def engine_generate(engine, prompts, max_new: int) -> tuple[int, float]:
     return sum(len(o.output_ids) for o in outs), time.perf_counter() - t0
 
 
-def bench_engine(model, tokenizer, n: int, max_new: int, group: int = 1) -> list[tuple[str, float, float]]:
+def bench_engine(
+    model, tokenizer, n: int, max_new: int, group: int = 1, in_flight: int = 128
+) -> list[tuple[str, float, float]]:
+    """Section 1: ``model.generate`` in static batches of 16, 64 and ``in_flight`` rows, then the
+    engine with ``in_flight`` sequences in flight (``model(...)`` and lean forward) and, when
+    ``in_flight`` is not 64, the lean forward with 64 in flight."""
     prompts = [p for p in prompts_for(tokenizer, n // group) for _ in range(group)]
     eos = tokenizer.eos_token_id
     rows = []
-    for batch in sorted({16, min(64, n)}):
+    for batch in sorted({16, min(64, n), in_flight}):
         tok, sec = static_generate(model, prompts, batch, max_new, eos, 0)
         rows.append((f"model.generate static batch {batch}", tok, sec))
 
-    for lean in (False, True):
+    for lean, slots in sorted({(False, in_flight), (True, 64), (True, in_flight)}):
 
-        async def run(lean=lean):
-            eng = EmbeddedEngine(model, tokenizer, max_batch_size=64, lean=lean)
+        async def run(lean=lean, slots=slots):
+            eng = EmbeddedEngine(model, tokenizer, max_batch_size=slots, lean=lean)
             res = await engine_generate(eng, prompts, max_new)
             await eng.close()
             return res, eng.stats
 
         (tok, sec), stats = asyncio.run(run())
-        forward = "lean forward" if lean else "model(...) forward"
-        rows.append((f"rl2gem EmbeddedEngine, {forward} (continuous batching)", tok, sec))
+        forward = f"{'lean forward' if lean else 'model(...) forward'}, {slots} in flight"
+        rows.append((f"rl2gem EmbeddedEngine, {forward}", tok, sec))
         print(
             f"- {forward}: prefill {stats['time_admit_ms'] / 1000:.1f} s for {stats['prefill_tokens']} tokens; "
             f"decode {stats['time_decode_ms'] / 1000:.1f} s for {stats['decode_steps']} steps at "
@@ -255,6 +260,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--group", type=int, default=1, help="section 1: each prompt repeated this many times (a GRPO batch)"
     )
+    ap.add_argument("--in-flight", type=int, default=128, help="section 1: the engine's max_batch_size")
     args = ap.parse_args(argv)
     only = set(args.only.split(","))
     q = args.quick
@@ -268,8 +274,9 @@ def main(argv=None) -> int:
     if "engine" in only:
         n, max_new = (8, 16) if q else (128, 256)
         shape = f"{n // args.group} GSM8K prompts x {args.group} samples" if args.group > 1 else f"{n} GSM8K prompts"
-        print(f"## 1. generation throughput: {shape}, temperature 1, max_new_tokens {max_new}, 64 in flight\n")
-        throughput_table("engine", "vs static batch 16", bench_engine(model, tokenizer, n, max_new, args.group))
+        print(f"## 1. generation throughput: {shape}, temperature 1, max_new_tokens {max_new}\n")
+        rows = bench_engine(model, tokenizer, n, max_new, args.group, min(args.in_flight, n))
+        throughput_table("engine", "vs static batch 16", rows)
     if "router" in only:
         n, max_new = (4, 8) if q else (64, 64)
         print(f"## 2. sglang-router (round_robin): {n} requests, max_new_tokens {max_new}\n")

@@ -216,8 +216,8 @@ def test_rollout_benchmark_smoke(tiny_dir):
     """The script end to end on a tiny random model (the real model's numbers are in RESULTS.md)."""
     stdout = run("benchmarks/rollout.py", "--quick", "--model", str(tiny_dir))
     rows = [line for line in stdout.splitlines() if line.startswith("| ") and line.rstrip().endswith("x |")]
-    assert len(rows) == 3 + 4 + 2 + 2 + 2, stdout  # decode, engine, router, tokens, partial
-    assert stdout.count("EmbeddedEngine, lean forward") == 2 and stdout.count("model(...) forward") >= 2, stdout
+    assert len(rows) == 3 + 5 + 2 + 2 + 2, stdout  # decode, engine, router, tokens, partial
+    assert stdout.count("EmbeddedEngine, lean forward") == 3 and stdout.count("model(...) forward") >= 2, stdout
     assert "prefix merging" in stdout and "partial rollouts" in stdout
 
 

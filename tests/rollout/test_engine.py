@@ -340,6 +340,37 @@ def test_a_groups_identical_prompts_are_prefilled_once(model):
         )
 
 
+def test_a_prefix_shared_by_different_prompts_is_prefilled_once(model):
+    """Prompts admitted together that share a system prompt (but differ after it) prefill the shared
+    part once; their tokens and log-probs equal those of an engine without a prefix cache."""
+    system = list(range(500, 512))  # 12 shared tokens
+    prompts = [system + [600 + i] * (1 + i % 3) for i in range(6)]
+
+    async def main(cache_tokens):
+        eng = EmbeddedEngine(model, prefix_cache_tokens=cache_tokens)
+        params = {"max_new_tokens": 8, "ignore_eos": True, "temperature": 0}
+        await eng.pause("in_place")  # all six queued, then admitted in one prefill
+        tasks = [asyncio.ensure_future(eng.generate(p, params)) for p in prompts]
+        while len(eng._waiting) < len(prompts):
+            await asyncio.sleep(0.005)
+        await eng.resume()
+        outs = await asyncio.gather(*tasks)
+        stats = dict(eng.stats)
+        await eng.close()
+        return outs, stats
+
+    outs, stats = run(main(1 << 15))
+    plain, plain_stats = run(main(0))
+    total = sum(map(len, prompts))
+    assert plain_stats["prefill_tokens"] == total and plain_stats["cached_tokens"] == 0
+    # the 12 shared tokens once, then each prompt's own tail
+    assert stats["prefill_forwards"] == 2 and stats["prefill_tokens"] == len(system) + total - len(prompts) * len(system)
+    assert stats["cached_tokens"] == len(prompts) * len(system)
+    assert [o.output_ids for o in outs] == [o.output_ids for o in plain]
+    for o, p in zip(outs, prompts, strict=True):
+        assert torch.allclose(torch.tensor(o.output_logprobs), teacher_logprobs(model, p, o.output_ids), atol=1e-4)
+
+
 def test_state_dict_restores_unseeded_sampling(model):
     """The engine's public state (its sampler RNG) taken between requests and restored makes the
     next unseeded samples repeat; without restoring they differ."""
@@ -407,10 +438,10 @@ def test_an_allocation_failure_fails_the_requests_and_the_next_ones_decode_as_be
         store, original = eng._store, eng._store.reserve
         calls = []
 
-        def failing_reserve(slots, left, right, growth=0):
+        def failing_reserve(slots, left, right, growth=0, expect=0):
             calls.append(slots)
             if len(calls) < failing_call:
-                return original(slots, left, right, growth)
+                return original(slots, left, right, growth, expect)
             store.keys[0] = torch.zeros(1, 1, 1, 1)  # the first layer re-allocated, then memory runs out
             raise RuntimeError("out of memory")
 

@@ -47,6 +47,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from rl2gem.openmp import release_thread_team
@@ -82,9 +83,11 @@ class _KVStore:
     def window(self) -> int:
         return self.hi - self.lo
 
-    def reserve(self, slots: int, left: int, right: int, growth: int = 0) -> None:
+    def reserve(self, slots: int, left: int, right: int, growth: int = 0, expect: int = 0) -> None:
         """Make room for ``slots`` rows, ``left`` columns before ``lo`` and ``right`` after ``hi``.
 
+        ``expect``: rows likely needed soon (queued requests); when the rows grow they grow to
+        at least that many at once, so a queue admitted in several waves copies the store once.
         ``growth``: columns the running rows may still add (their longest remaining budget). When
         the buffers can hold ``left + window + max(right, growth)`` columns the window slides
         inside them (one copy of the window, no allocation); otherwise they are re-allocated with
@@ -112,7 +115,7 @@ class _KVStore:
             return
         new_s = cap_s
         if slots > cap_s:
-            new_s = max(slots, 2 * cap_s, 4)
+            new_s = max(slots, 2 * cap_s, 4, expect)
             if self.max_slots:
                 if slots > self.max_slots:
                     raise ValueError(f"{slots} rows exceed the store's {self.max_slots}")
@@ -647,19 +650,24 @@ class EmbeddedEngine(Engine):
     def _save_prefix(self, req: _Request, slot: int) -> None:
         """Keep the KV of a finished row so a later request that extends it (the next turn of the
         episode, or a partial rollout resuming) prefills only its new tokens."""
-        if self.prefix_cache_tokens <= 0 or req.length < 2:
+        if req.length >= 2:
+            self._keep_kv(tuple((req.input_ids + req.out_ids)[: req.length]), self._store, slot)
+
+    def _keep_kv(self, tokens: tuple[int, ...], store: _KVStore, slot: int) -> None:
+        """Copy row ``slot`` of ``store`` (its masked-in columns hold ``tokens``) into the LRU cache."""
+        if self.prefix_cache_tokens <= 0:
             return
-        st = self._store
-        cols = st.mask[slot, st.lo : st.hi].nonzero().flatten() + st.lo
-        if len(cols) != req.length:
+        cols = store.mask[slot, store.lo : store.hi].nonzero().flatten() + store.lo
+        if len(cols) != len(tokens):
             return
-        tokens = tuple((req.input_ids + req.out_ids)[: req.length])
         if tokens in self._prefix:
             self._prefix.move_to_end(tokens)
             return
-        import numpy as np
-
-        kv = [(k[slot][:, cols].clone(), v[slot][:, cols].clone()) for k, v in zip(st.keys, st.values, strict=True)]
+        if int(cols[-1] - cols[0]) + 1 == len(cols):  # contiguous (no holes): plain slices copy faster
+            cols = slice(int(cols[0]), int(cols[-1]) + 1)
+        kv = [
+            (k[slot][:, cols].clone(), v[slot][:, cols].clone()) for k, v in zip(store.keys, store.values, strict=True)
+        ]
         self._prefix[tokens] = (kv, np.asarray(tokens))
         self._prefix_size += len(tokens)
         while self._prefix_size > self.prefix_cache_tokens and self._prefix:
@@ -672,30 +680,20 @@ class EmbeddedEngine(Engine):
         prompt, the conversation so far). Returns ``(length, per-layer (K, V) or None)``."""
         if not self._prefix and not self._running:
             return 0, None
-        import numpy as np
-
         query = np.asarray(ids[: len(ids) - 1])  # keep at least one token to prefill (its logits)
         best, best_len = None, 0
         for tokens, entry in reversed(self._prefix.items()):
-            arr = entry[1]
-            n = min(len(arr), len(query))
-            if n <= best_len:
-                continue
-            diff = np.flatnonzero(arr[:n] != query[:n])
-            lcp = int(diff[0]) if len(diff) else n
-            if lcp > best_len:
-                best, best_len = tokens, lcp
+            if min(len(entry[1]), len(query)) > best_len:
+                lcp = _common_prefix_length(entry[1], query)
+                if lcp > best_len:
+                    best, best_len = tokens, lcp
         # running sequences too: a GRPO group's first request may already be decoding
         running_best = None
         for slot, r in enumerate(self._running):
-            n = min(len(r.input_ids), len(query))
-            if n <= best_len:
-                continue
-            arr = np.asarray(r.input_ids[:n])
-            diff = np.flatnonzero(arr != query[:n])
-            lcp = int(diff[0]) if len(diff) else n
-            if lcp > best_len:
-                running_best, best_len = slot, lcp
+            if min(len(r.input_ids), len(query)) > best_len:
+                lcp = _common_prefix_length(r.input_ids, query)
+                if lcp > best_len:
+                    running_best, best_len = slot, lcp
         if best_len < self.min_prefix_match:
             return 0, None
         if running_best is not None:
@@ -707,6 +705,21 @@ class EmbeddedEngine(Engine):
         self._prefix.move_to_end(best)
         kv = self._prefix[best][0]
         return best_len, [(k[:, :best_len], v[:, :best_len]) for k, v in kv]
+
+    def _shared_stems(self, take: list[_Request], cached: list[int]) -> list[list[int]]:
+        """Prefixes that two or more of ``take`` share beyond their ``cached`` tokens (independent
+        prompts under one system prompt or instruction): prefilled once and cached before the rows,
+        which then find them as cached prefixes. Found between neighbours in sorted order."""
+        if self.prefix_cache_tokens <= 0 or len(take) < 2:
+            return []
+        order = sorted(range(len(take)), key=lambda j: take[j].input_ids)
+        stems: dict[tuple[int, ...], None] = {}
+        for a, b in itertools.pairwise(order):
+            x, y = take[a].input_ids, take[b].input_ids
+            shared = _common_prefix_length(x[: len(x) - 1], y[: len(y) - 1])  # each row keeps a token
+            if shared - max(cached[a], cached[b]) >= self.min_prefix_match:
+                stems[tuple(x[:shared])] = None
+        return [list(stem) for stem in stems]
 
     def _clear_prefix(self) -> None:
         self._prefix.clear()
@@ -722,14 +735,12 @@ class EmbeddedEngine(Engine):
         self._clear_prefix()
 
     def _prefill(self, take: list[_Request]):
-        """Prefill admitted requests together: each row = cached prefix (if any) + the rest of its prompt.
+        """Prefill admitted requests together (:meth:`_prefill_rows`), sample their first tokens and
+        add them to the running batch, holes (masked columns) included.
 
-        A second store holds the rows. Lean path: each row right-aligned at ``W``, its cached
-        prefix just before its new tokens, one packed forward without padding. ``model(...)``
-        path: cached prefixes right-aligned in ``[0, P)``, the new tokens left-padded in
-        ``[P, P + Q)``. The rows then join the running batch, holes (masked columns) included.
+        Identical prompts (a GRPO group) are prefilled once and their KV copied; prefixes that
+        several prompts share beyond the cache are prefilled once first (:meth:`_shared_stems`).
         """
-        # identical prompts (a GRPO group) are prefilled once and their KV copied
         first_of: dict[tuple[int, ...], int] = {}
         dup = []
         for j, r in enumerate(take):
@@ -737,16 +748,64 @@ class EmbeddedEngine(Engine):
         uniq = [j for j in range(len(take)) if dup[j] == j]
         rows = {j: i for i, j in enumerate(uniq)}
         all_take, take = take, [take[j] for j in uniq]
-        n = len(take)
         hits = [self._lookup_prefix(r.input_ids) for r in take]
+        stems = self._shared_stems(take, [h[0] for h in hits])
+        if stems:
+            tmp = self._prefill_store
+            self._prefill_rows(stems, [self._lookup_prefix(stem) for stem in stems])
+            for j, stem in enumerate(stems):
+                self._keep_kv(tuple(stem), tmp, j)
+            hits = [self._lookup_prefix(r.input_ids) for r in take]
         pre = [h[0] for h in hits]
-        suf = [len(r.input_ids) - p for r, p in zip(take, pre, strict=True)]
+        W, logits = self._prefill_rows([r.input_ids for r in take], hits)
+        tmp = self._prefill_store
+        self.stats["cached_tokens"] += sum(pre) + sum(len(r.input_ids) for j, r in enumerate(all_take) if dup[j] != j)
+        logits = logits[[rows[dup[j]] for j in range(len(all_take))]]
+        tokens, lps = _sample(logits, [r.params for r in all_take], self._gen, [len(r.out_ids) for r in all_take])
+        # join the running batch: rows right-aligned at the window's end
+        st = self._store
+        if not self._running:
+            st.clear()
+        need = st.slots + len(all_take)
+        expect = min(self.max_batch_size, need + len(self._waiting))
+        st.reserve(need, max(0, W - st.window), 1, self._growth(self._running + all_take), expect)
+        st.lo = min(st.lo, st.hi - W)
+        # longest rows first: running rows are older (longer), so slots stay roughly sorted by span
+        # and a decode chunk of neighbouring rows reads few columns its rows do not need
+        spans = [W - int(tmp.mask[rows[dup[jj]], :W].nonzero()[0]) for jj in range(len(all_take))]
+        for jj in sorted(range(len(all_take)), key=lambda jj: -spans[jj]):
+            r = all_take[jj]
+            j = rows[dup[jj]]
+            s = st.slots
+            st.slots += 1
+            self._running.append(r)
+            for li in range(st.num_layers):
+                st.keys[li][s, :, st.hi - W : st.hi] = tmp.keys[li][j, :, :W]
+                st.values[li][s, :, st.hi - W : st.hi] = tmp.values[li][j, :, :W]
+            st.mask[s] = False
+            st.mask[s, st.hi - W : st.hi] = tmp.mask[j, :W]
+            r.length = len(r.input_ids)
+            r.span = spans[jj]
+            r.cached = pre[j] if dup[jj] == jj else len(r.input_ids)
+        self._append_tokens(list(all_take), tokens.tolist(), lps.tolist())
+
+    def _prefill_rows(self, prompts: list[list[int]], hits: list) -> tuple[int, torch.Tensor]:
+        """One forward over ``prompts`` into the prefill store, row ``j`` = its cached prefix
+        ``hits[j]`` (from :meth:`_lookup_prefix`) + the rest of its prompt -> (columns ``W``,
+        logits [rows, V] float32 after each prompt's last token); row ``j`` holds its prompt in the
+        masked-in columns of ``[0, W)``, its last token at ``W - 1``.
+
+        Lean path: each row right-aligned at ``W``, its cached prefix just before its new tokens,
+        one packed forward without padding. ``model(...)`` path: cached prefixes right-aligned in
+        ``[0, P)``, the new tokens left-padded in ``[P, P + Q)``.
+        """
+        n = len(prompts)
+        pre = [h[0] for h in hits]
+        suf = [len(ids) - p for ids, p in zip(prompts, pre, strict=True)]
         if self._lean is not None:
-            # each row right-aligned at W, its cached prefix just before its new tokens
-            W = max(len(r.input_ids) for r in take)
+            W = max(map(len, prompts))
             prefix_end = [W - q for q in suf]
         else:
-            # cached prefixes right-aligned at P, the new tokens left-padded in [P, P + Q)
             P, Q = max(pre), max(suf)
             W = P + Q
             prefix_end = [P] * n
@@ -764,13 +823,13 @@ class EmbeddedEngine(Engine):
                 tmp.mask[j, prefix_end[j] - p : prefix_end[j]] = True
             tmp.mask[j, W - suf[j] : W] = True  # the new tokens end at W in both layouts
         if self._lean is not None:
-            logits = self._lean.prefill(tmp, [(j, r.input_ids[pre[j] :], pre[j]) for j, r in enumerate(take)], W)
+            logits = self._lean.prefill(tmp, [(j, ids[pre[j] :], pre[j]) for j, ids in enumerate(prompts)], W)
         else:
             tmp.hi = P
             ids = torch.zeros(n, Q, dtype=torch.long)
             pos = torch.zeros(n, Q, dtype=torch.long)
-            for j, r in enumerate(take):
-                ids[j, Q - suf[j] :] = torch.tensor(r.input_ids[pre[j] :])
+            for j, prompt in enumerate(prompts):
+                ids[j, Q - suf[j] :] = torch.tensor(prompt[pre[j] :])
                 pos[j, Q - suf[j] :] = torch.arange(pre[j], pre[j] + suf[j])
             out = self._forward(
                 input_ids=ids.to(self._device),
@@ -782,31 +841,8 @@ class EmbeddedEngine(Engine):
             logits = out.logits[:, -1].float()
         tmp.hi = W
         self.stats["prefill_tokens"] += sum(suf)
-        self.stats["cached_tokens"] += sum(pre) + sum(len(r.input_ids) for j, r in enumerate(all_take) if dup[j] != j)
         self.stats["prefill_forwards"] += 1
-        logits = logits[[rows[dup[j]] for j in range(len(all_take))]]
-        tokens, lps = _sample(logits, [r.params for r in all_take], self._gen, [len(r.out_ids) for r in all_take])
-        # join the running batch: rows right-aligned at the window's end
-        st = self._store
-        if not self._running:
-            st.clear()
-        st.reserve(st.slots + len(all_take), max(0, W - st.window), 1, self._growth(self._running + all_take))
-        st.lo = min(st.lo, st.hi - W)
-        for jj, r in enumerate(all_take):
-            j = rows[dup[jj]]
-            s = st.slots
-            st.slots += 1
-            self._running.append(r)
-            for li in range(st.num_layers):
-                st.keys[li][s, :, st.hi - W : st.hi] = tmp.keys[li][j, :, :W]
-                st.values[li][s, :, st.hi - W : st.hi] = tmp.values[li][j, :, :W]
-            st.mask[s] = False
-            st.mask[s, st.hi - W : st.hi] = tmp.mask[j, :W]
-            first = int(tmp.mask[j, :W].nonzero()[0])
-            r.length = len(r.input_ids)
-            r.span = W - first
-            r.cached = pre[j] if dup[jj] == jj else len(r.input_ids)
-        self._append_tokens(list(all_take), tokens.tolist(), lps.tolist())
+        return W, logits
 
     def _append_tokens(self, reqs: list[_Request], tokens: list[int], lps: list[float]):
         for r, t, lp in zip(reqs, tokens, lps, strict=True):
@@ -855,6 +891,13 @@ class EmbeddedEngine(Engine):
         self.stats["decode_tokens"] += n
         tokens, lps = _sample(logits, [r.params for r in reqs], self._gen, [len(r.out_ids) for r in reqs])
         self._append_tokens(reqs, tokens.tolist(), lps.tolist())
+
+
+def _common_prefix_length(a, b) -> int:
+    """Length of the longest common prefix of two token sequences (lists or int arrays)."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if len(diff) else n
 
 
 def _settle(fut: asyncio.Future, res, err):
