@@ -299,7 +299,9 @@ class EmbeddedEngine(Engine):
         seed: seed of the sampling generator.
         prefix_cache_tokens: tokens of finished requests' KV kept (LRU) so a request that extends
             one (the next turn of an episode, a resumed partial rollout) prefills only its new
-            tokens; 0 disables it. Flushed by weight updates and :meth:`flush_cache`.
+            tokens; 0 disables it. Flushed by weight updates and :meth:`flush_cache`. It also
+            holds the prefixes that prompts admitted together share (a system prompt), prefilled
+            once before them.
         lean: run prefill and decode through :class:`~rl2gem.rollout.engines.lean_decoder.LeanDecoder`
             (packed prefill without padding, row-chunked attention, sliced LM head) when the
             model is Llama-family; ``False``, or another architecture, calls ``model(...)`` with
