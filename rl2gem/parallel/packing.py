@@ -195,16 +195,19 @@ def tree_attention_mask(parents: torch.Tensor, dtype=torch.float32) -> torch.Ten
     return torch.zeros(m, m, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
 
-def plan_tree(
-    seqs: list[list[int]], world_size: int, max_tokens: int, attn_coef: float = 1.0 / 4096
-) -> list[list[list[int]]]:
+def plan_tree(seqs: list[list[int]], world_size: int, max_tokens: int) -> list[list[list[int]]]:
     """:func:`plan` for prefix-tree micro-batches: per rank, its micro-batches of sequence indices.
 
-    Sequences are sorted (so those sharing a prefix are neighbours) and cut into units whose tree has
-    at most ``max_tokens`` tokens, where the cuts cost the fewest tree tokens in all (so a group
-    sharing a prompt is cut only if it does not fit); units are partitioned over ranks by Karmarkar-Karp on the
-    cost of their tree size and packed first-fit decreasing by tree size (several small units can
-    share a micro-batch). A sequence longer than ``max_tokens`` is refused, as by :func:`plan`.
+    Sequences are sorted (so those sharing a prefix are neighbours) and the sorted list is cut into
+    ``world_size`` consecutive spans whose largest tree is as small as possible (a span's tree counts
+    the prefix it shares with the previous span again, so a group is split over two ranks only where
+    that balances the ranks better). Each rank's span is then cut into micro-batches of at most
+    ``max_tokens`` tree tokens with the fewest tree tokens in all (a group sharing a prompt is cut
+    only if it does not fit), and units that fit together share a micro-batch (first-fit
+    decreasing). Every rank gets the same number of micro-batches, padded with empty ones. A sequence longer than ``max_tokens`` is refused, as by :func:`plan`.
+
+    Minimising the total tree tokens alone would put every group that shares a system prompt on one
+    rank and leave the others idle.
 
     Raises:
         ValueError: a sequence longer than ``max_tokens``.
@@ -213,24 +216,66 @@ def plan_tree(
     for i in order:
         if len(seqs[i]) > max_tokens:
             raise ValueError(f"sequence {i} has {len(seqs[i])} tokens > max_length_per_device={max_tokens}")
-    # added[k]: the tokens sequence order[k] adds to a tree after order[k - 1]; a unit order[a..b]
-    # has len(order[a]) + added[a + 1] + ... + added[b] tokens. Cut the sorted list into units of at
-    # most max_tokens with the fewest tree tokens in all (dynamic programming over the cut points).
+    # added[k]: the tokens sequence order[k] adds to a tree after order[k - 1]; the unit order[a:b]
+    # has len(order[a]) + added[a + 1] + ... + added[b - 1] tree tokens
     added = [len(seqs[i]) - (_common_prefix(seqs[i], seqs[order[k - 1]]) if k else 0) for k, i in enumerate(order)]
     total = list(itertools.accumulate(added, initial=0))
-    best, cut = [0] + [None] * len(order), [0] * (len(order) + 1)
-    for end in range(1, len(order) + 1):
-        for start in range(end - 1, -1, -1):  # unit order[start:end]
-            size = len(seqs[order[start]]) + total[end] - total[start + 1]
-            if size > max_tokens:
+
+    def size(a: int, b: int) -> int:
+        return len(seqs[order[a]]) + total[b] - total[a + 1]
+
+    per_rank = []
+    for first, end in _balanced_spans(len(order), world_size, size):
+        units = _cheapest_cuts(first, end, size, max_tokens)
+        sizes = [size(a, b) for a, b in units]  # units that fit together share a micro-batch
+        bins = pack_micro_batches(sizes, list(range(len(units))), max_tokens)
+        per_rank.append([sorted(i for u in mb for i in order[units[u][0] : units[u][1]]) for mb in bins])
+    depth = max(1, max(map(len, per_rank)))
+    return [mbs + [[] for _ in range(depth - len(mbs))] for mbs in per_rank]
+
+
+def _balanced_spans(n: int, parts: int, size) -> list[tuple[int, int]]:
+    """``parts`` consecutive ranges covering ``0..n`` (empty ones last) whose largest ``size(a, b)``
+    (non-decreasing in ``b``) is the smallest possible: a binary search on that bound, each bound
+    checked by filling ranges greedily."""
+
+    def greedy(bound: int) -> list[tuple[int, int]]:
+        spans, a = [], 0
+        while a < n:
+            b = a + 1
+            while b < n and size(a, b + 1) <= bound:
+                b += 1
+            spans.append((a, b))
+            a = b
+        return spans
+
+    if n == 0:
+        return [(0, 0)] * parts
+    low = max(size(a, a + 1) for a in range(n))
+    high = size(0, n)
+    while low < high:
+        middle = (low + high) // 2
+        if len(greedy(middle)) <= parts:
+            high = middle
+        else:
+            low = middle + 1
+    spans = greedy(low)
+    return spans + [(n, n)] * (parts - len(spans))
+
+
+def _cheapest_cuts(first: int, end: int, size, max_tokens: int) -> list[tuple[int, int]]:
+    """Cuts of the range ``first..end`` into units of at most ``max_tokens`` ``size`` with the
+    smallest total size (dynamic programming over the cut points)."""
+    best, cut = {first: 0}, {}
+    for b in range(first + 1, end + 1):
+        for a in range(b - 1, first - 1, -1):
+            unit = size(a, b)
+            if unit > max_tokens:
                 break
-            if best[end] is None or best[start] + size < best[end]:
-                best[end], cut[end] = best[start] + size, start
-    units, sizes, end = [], [], len(order)
-    while end:
-        start = cut[end]
-        units.append(order[start:end])
-        sizes.append(len(seqs[order[start]]) + total[end] - total[start + 1])
-        end = start
-    per_rank = plan(sizes, world_size, max_tokens, attn_coef)
-    return [[sorted(i for u in mb for i in units[u]) for mb in mbs] for mbs in per_rank]
+            if b not in best or best[a] + unit < best[b]:
+                best[b], cut[b] = best[a] + unit, a
+    units, b = [], end
+    while b > first:
+        units.append((cut[b], b))
+        b = cut[b]
+    return units[::-1]

@@ -106,7 +106,8 @@ def plan_micro_batches(
     and packed into micro-batches of at most ``max(max_tokens, longest)`` tokens
     (:func:`rl2gem.parallel.packing.plan`). With ``sequences`` (the token ids, for prefix-tree
     packing) micro-batches are planned on their prefix trees' sizes instead
-    (:func:`rl2gem.parallel.packing.plan_tree`): sequences sharing a prefix go together. A rank
+    (:func:`rl2gem.parallel.packing.plan_tree`): each rank gets a span of the sorted sequences,
+    the largest rank's tree as small as possible, and a micro-batch keeps a shared prefix once. A rank
     with fewer micro-batches than the busiest rank gets placeholders (see :class:`MicroBatch`).
 
     Raises:
@@ -116,7 +117,7 @@ def plan_micro_batches(
         raise ValueError("plan_micro_batches needs at least one sequence")
     limit = max(int(max_tokens), max(lengths))
     if sequences is not None:
-        per_rank = plan_tree([list(s) for s in sequences], dp_size, limit, attn_coef)[dp_rank]
+        per_rank = plan_tree([list(s) for s in sequences], dp_size, limit)[dp_rank]
     else:
         per_rank = plan(list(lengths), dp_size, limit, attn_coef)[dp_rank]
     shortest = min(range(len(lengths)), key=lambda i: lengths[i])

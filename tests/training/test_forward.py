@@ -210,3 +210,37 @@ def test_tree_plan_keeps_shared_prefixes_together_within_the_token_budget():
         assert len(homes) == 1, (first, plans)
     flat_batches = sum(len(p) for p in (plan_micro_batches(lengths, r, 2, budget) for r in range(2)))
     assert sum(len(p) for p in plans) < flat_batches
+
+
+def test_tree_plan_splits_groups_sharing_a_system_prompt_over_the_ranks():
+    """Groups under one system prompt form one tree that fits a micro-batch; minimising the tree
+    tokens alone would give it all to one rank. The plan balances the ranks instead (consecutive
+    spans of the sorted sequences): the larger rank's tree is within one continuation of the best
+    split of the sequences over two ranks (brute force over all splits)."""
+    import itertools
+
+    from rl2gem.parallel.packing import tree_size
+
+    g = torch.Generator().manual_seed(3)
+
+    def rand(n):
+        return torch.randint(3, 1000, (n,), generator=g).tolist()
+
+    system = rand(10)
+    seqs = []
+    for _ in range(3):
+        prompt = system + rand(6)
+        seqs += [prompt + rand(int(n)) for n in torch.randint(3, 9, (3,), generator=g)]
+    lengths = [len(s) for s in seqs]
+    plans = [plan_micro_batches(lengths, rank, 2, 4096, sequences=seqs) for rank in range(2)]
+    assert [len(p) for p in plans] == [1, 1] and not any(mb.placeholder for p in plans for mb in p)
+    assert sorted(plans[0][0].indices + plans[1][0].indices) == list(range(len(seqs)))
+    largest = max(tree_size([seqs[i] for i in p[0].indices]) for p in plans)
+    best = min(
+        max(
+            tree_size([seqs[i] for i in range(len(seqs)) if side[i]]),
+            tree_size([seqs[i] for i in range(len(seqs)) if not side[i]]),
+        )
+        for side in itertools.product([0, 1], repeat=len(seqs))
+    )
+    assert best <= largest <= best + 8 and largest < tree_size(seqs)  # continuations have 3-8 tokens
