@@ -364,7 +364,9 @@ def test_a_prefix_shared_by_different_prompts_is_prefilled_once(model):
     total = sum(map(len, prompts))
     assert plain_stats["prefill_tokens"] == total and plain_stats["cached_tokens"] == 0
     # the 12 shared tokens once, then each prompt's own tail
-    assert stats["prefill_forwards"] == 2 and stats["prefill_tokens"] == len(system) + total - len(prompts) * len(system)
+    assert stats["prefill_forwards"] == 2 and stats["prefill_tokens"] == len(system) + total - len(prompts) * len(
+        system
+    )
     assert stats["cached_tokens"] == len(prompts) * len(system)
     assert [o.output_ids for o in outs] == [o.output_ids for o in plain]
     for o, p in zip(outs, prompts, strict=True):
