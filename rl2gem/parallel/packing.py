@@ -204,7 +204,8 @@ def plan_tree(seqs: list[list[int]], world_size: int, max_tokens: int) -> list[l
     that balances the ranks better). Each rank's span is then cut into micro-batches of at most
     ``max_tokens`` tree tokens with the fewest tree tokens in all (a group sharing a prompt is cut
     only if it does not fit), and units that fit together share a micro-batch (first-fit
-    decreasing). Every rank gets the same number of micro-batches, padded with empty ones. A sequence longer than ``max_tokens`` is refused, as by :func:`plan`.
+    decreasing). Every rank gets the same number of micro-batches, padded with empty ones. A
+    sequence longer than ``max_tokens`` is refused, as by :func:`plan`.
 
     Minimising the total tree tokens alone would put every group that shares a system prompt on one
     rank and leave the others idle.

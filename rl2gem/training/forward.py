@@ -106,9 +106,10 @@ def plan_micro_batches(
     and packed into micro-batches of at most ``max(max_tokens, longest)`` tokens
     (:func:`rl2gem.parallel.packing.plan`). With ``sequences`` (the token ids, for prefix-tree
     packing) micro-batches are planned on their prefix trees' sizes instead
-    (:func:`rl2gem.parallel.packing.plan_tree`): each rank gets a span of the sorted sequences,
-    the largest rank's tree as small as possible, and a micro-batch keeps a shared prefix once. A rank
-    with fewer micro-batches than the busiest rank gets placeholders (see :class:`MicroBatch`).
+    (:func:`rl2gem.parallel.packing.plan_tree`, ``attn_coef`` unused): each rank gets a span of
+    the sorted sequences, the largest rank's tree as small as possible, and a micro-batch keeps a
+    shared prefix once. A rank with fewer micro-batches than the busiest rank gets placeholders
+    (see :class:`MicroBatch`).
 
     Raises:
         ValueError: no sequences.
