@@ -1,15 +1,16 @@
-"""Attention over a packed row, one independent block at a time.
+"""Attention over a packed row, one block of queries at a time, each over only the keys it sees.
 
 A packed micro-batch (:func:`rl2gem.parallel.packing.packed_attention_mask`: sequences one after
-another) or a prefix-tree row (:func:`~rl2gem.parallel.packing.tree_attention_mask`: one trie per
-GRPO group) has a block-diagonal mask: no token sees a token of another sequence or group. Where
-no varlen kernel reads the boundaries from ``position_ids`` (flash-attn on GPU), transformers' SDPA
-path gets the whole ``[N, N]`` mask and computes every block pair, masked or not. Here the row is
-cut where the mask allows it and SDPA runs on each diagonal block with its own part of the mask:
-the same outputs (each query sees exactly the keys it saw), ``sum(n_b**2)`` instead of ``N**2``
-scores. On the 2-core CPU a prototype took 10% less forward+backward time on a tree row of four
-190-token groups (2 ranks, SmolLM2-135M); `benchmarks/tree_packing.py` measures 26-32% on real
-rollouts.
+another) or a prefix-tree row (:func:`~rl2gem.parallel.packing.tree_attention_mask`: each token
+sees its ancestors) has a sparse mask. Where no varlen kernel reads the boundaries from
+``position_ids`` (flash-attn on GPU), transformers' SDPA path gets the whole ``[N, N]`` mask and
+computes every query-key pair, masked or not. Here the row's queries are cut into blocks: a run of
+queries where each sees what the one before saw plus itself (a sequence, or a tree node's tokens
+with the first child's) is one block, and it reads only the keys its last query sees (its
+ancestors in a tree), gathered; neighbouring blocks are merged while that costs fewer than
+``merge_pairs`` extra query-key pairs. The outputs are SDPA's over the whole row (each query sees
+exactly the keys it saw). A tree whose groups all share a system prompt has no independent blocks,
+yet each group's tokens read only the prompt and their own branch.
 
 :func:`enable_block_attention` registers the function in transformers' attention interface
 (``"rl2_blocks"``) and switches a model to it; :func:`rl2gem.parallel.fsdp.load_sharded` does so
@@ -20,60 +21,81 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["BLOCK_ATTENTION", "enable_block_attention", "independent_blocks", "switch_attention"]
+__all__ = ["BLOCK_ATTENTION", "attention_blocks", "enable_block_attention", "switch_attention"]
 
 #: The name under which the block attention is registered in transformers' attention interface.
 BLOCK_ATTENTION = "rl2_blocks"
 
 
-def independent_blocks(mask: torch.Tensor) -> list[tuple[int, int]]:
-    """``[(start, end)]`` cuts of a square mask into diagonal blocks that see nothing outside.
+def attention_blocks(mask: torch.Tensor, merge_pairs: int = 4096) -> list[tuple[int, int, torch.Tensor]]:
+    """``[(start, end, keys)]``: consecutive query ranges covering ``0..N`` and the key columns
+    (sorted int64 ``[K]``) each range reads.
 
     Args:
         mask: ``[..., N, N]`` additive (0 where a query sees a key) or boolean (True where it
             does); the first matrix of the leading dimensions is read.
+        merge_pairs: neighbouring blocks are merged when the merged block computes at most this
+            many query-key pairs more than the two apart (each SDPA call has a fixed cost).
 
     Returns:
-        Consecutive ranges covering ``0..N``: between two ranges, no query after the cut sees a key
-        before it and no query before it sees a key after it. One range where no cut exists (a
-        row that sees nothing counts as seeing column 0).
+        Every query ``q`` of a range sees only keys in its ``keys``. One range over all ``N``
+        keys when some query sees no key at all (SDPA's output for such a row depends on every
+        key).
     """
     n = mask.shape[-1]
     if n == 0:
         return []
     matrix = mask.reshape(-1, n, n)[0]
     allowed = matrix if matrix.dtype == torch.bool else matrix == 0
-    columns = torch.arange(n)
-    first = torch.where(allowed, columns, n).min(-1).values  # first visible key per query
-    first = torch.where(allowed.any(-1), first, 0)
-    last = torch.where(allowed, columns, -1).max(-1).values  # last visible key per query
-    later_first = torch.flip(torch.cummin(torch.flip(first, [0]), 0).values, [0])  # min over queries >= p
-    earlier_last = torch.cummax(last, 0).values  # max over queries <= p
-    cut = (later_first[1:] >= columns[1:]) & (earlier_last[:-1] < columns[1:])
-    edges = [0, *(columns[1:][cut]).tolist(), n]
-    return list(zip(edges[:-1], edges[1:], strict=True))
+    if not bool(allowed.any(-1).all()):
+        return [(0, n, torch.arange(n))]
+    # query p continues p - 1's block when it sees exactly what p - 1 saw, plus itself
+    columns = torch.arange(1, n)
+    continues = torch.zeros(n, dtype=torch.bool)
+    for first in range(1, n, 1024):  # in row chunks: the difference matrix is [rows, N]
+        rows = columns[first - 1 : first - 1 + 1024]
+        differs = allowed[rows] != allowed[rows - 1]
+        continues[rows] = (differs.sum(-1) == 1) & differs[torch.arange(len(rows)), rows] & allowed[rows, rows]
+    starts = [0, *torch.nonzero(~continues[1:]).flatten().add(1).tolist()]
+    blocks = [(a, b, torch.nonzero(allowed[b - 1]).flatten()) for a, b in zip(starts, [*starts[1:], n], strict=True)]
+    merged = [blocks[0]]
+    for a, b, keys in blocks[1:]:
+        a0, _, keys0 = merged[-1]
+        union = torch.unique(torch.cat([keys0, keys]))  # sorted
+        if (b - a0) * len(union) <= (a - a0) * len(keys0) + (b - a) * len(keys) + merge_pairs:
+            merged[-1] = (a0, b, union)
+        else:
+            merged.append((a, b, keys))
+    return merged
 
 
 def _attention(module, query, key, value, attention_mask, **kwargs):
     """transformers' attention-function signature (``query`` ``[B, H, N, d]``): SDPA per block of
-    :func:`independent_blocks` when ``attention_mask`` is a square 4-D mask of one row, else SDPA."""
+    :func:`attention_blocks` over its keys when ``attention_mask`` is a square 4-D mask of one row,
+    else SDPA."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     square = attention_mask is not None and attention_mask.dim() == 4 and query.shape[2] == key.shape[2]
     if not square or query.shape[0] != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    blocks = getattr(attention_mask, "rl2_blocks", None)
-    if blocks is None:  # once per mask tensor: every layer gets the same one
-        blocks = independent_blocks(attention_mask)
-        attention_mask.rl2_blocks = blocks
-    if len(blocks) == 1:
+    plan = getattr(attention_mask, "rl2_blocks", None)
+    if plan is None:  # once per mask tensor: every layer gets the same one
+        plan = []
+        for a, b, keys in attention_blocks(attention_mask):
+            keys = keys.to(attention_mask.device)
+            contiguous = int(keys[-1] - keys[0]) + 1 == len(keys)
+            columns = slice(int(keys[0]), int(keys[-1]) + 1) if contiguous else keys
+            plan.append((a, b, columns, attention_mask[..., a:b, :][..., columns]))
+        attention_mask.rl2_blocks = plan
+    if len(plan) == 1 and plan[0][1] - plan[0][0] == key.shape[2] and isinstance(plan[0][2], slice):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    parts = [
-        sdpa_attention_forward(
-            module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], attention_mask[..., a:b, a:b], **kwargs
-        )[0]
-        for a, b in blocks
-    ]
+    parts = []
+    for a, b, columns, block_mask in plan:
+        if isinstance(columns, slice):
+            block_key, block_value = key[:, :, columns], value[:, :, columns]
+        else:
+            block_key, block_value = key.index_select(2, columns), value.index_select(2, columns)
+        parts.append(sdpa_attention_forward(module, query[:, :, a:b], block_key, block_value, block_mask, **kwargs)[0])
     return torch.cat(parts, dim=1), None  # [B, N, H, d], as SDPA's
 
 

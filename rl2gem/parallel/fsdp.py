@@ -198,7 +198,7 @@ def load_sharded(
     if sp_group is not None:
         enable_ring_attention(model)
         model.rl2_sp_group = sp_group
-    else:  # packed rows: SDPA per independent block (sequence or prefix tree), not over the whole row
+    else:  # packed rows: SDPA per block of queries over the keys it sees, not over the whole row
         enable_block_attention(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

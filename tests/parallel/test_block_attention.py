@@ -1,4 +1,4 @@
-"""Attention per independent block of a packed row against SDPA over the whole row."""
+"""Attention per block of queries over its keys against SDPA over the whole row."""
 
 import copy
 
@@ -6,34 +6,45 @@ import pytest
 import torch
 from tiny import tiny_model
 
-from rl2gem.parallel.block_attention import BLOCK_ATTENTION, enable_block_attention, independent_blocks
+from rl2gem.parallel.block_attention import BLOCK_ATTENTION, attention_blocks, enable_block_attention
 from rl2gem.parallel.packing import packed_attention_mask, tree_attention_mask, tree_batch
 from rl2gem.training import token_logprobs
 
 
+def blocks_by_hand(mask, merge_pairs=0):
+    return [(a, b, keys.tolist()) for a, b, keys in attention_blocks(mask, merge_pairs)]
+
+
 def test_blocks_of_packed_and_tree_masks_by_hand():
     cu = torch.tensor([0, 3, 5, 9], dtype=torch.int32)
-    assert independent_blocks(packed_attention_mask(cu)) == [(0, 3), (3, 5), (5, 9)]
-    # two groups sharing a prompt each ([1, 2] and [7]) and one sequence of its own ([5, 6])
+    assert blocks_by_hand(packed_attention_mask(cu)) == [(0, 3, [0, 1, 2]), (3, 5, [3, 4]), (5, 9, [5, 6, 7, 8])]
+    # merged when the merged block costs at most merge_pairs more query-key pairs: 25 <= 13 + 12
+    assert blocks_by_hand(packed_attention_mask(cu), 12)[:1] == [(0, 5, [0, 1, 2, 3, 4])]
+    # two groups sharing a prompt each ([1, 2] and [7]) and one sequence of its own ([5, 6]): each
+    # branch after the first reads its ancestors and itself, not its elder sibling
     tree = tree_batch([[1, 2, 3], [1, 2, 4], [7, 8], [7, 9], [5, 6]])
     assert tree["parents"].tolist() == [-1, 0, 1, 1, -1, 4, 4, -1, 7]
-    assert independent_blocks(tree_attention_mask(tree["parents"])) == [(0, 4), (4, 7), (7, 9)]
-    # a key after the cut seen from before it (not causal) forbids the cut; so does a row that
-    # sees nothing (it counts as seeing column 0)
+    assert blocks_by_hand(tree_attention_mask(tree["parents"])) == [
+        (0, 3, [0, 1, 2]),
+        (3, 4, [0, 1, 3]),
+        (4, 6, [4, 5]),
+        (6, 7, [4, 6]),
+        (7, 9, [7, 8]),
+    ]
+    # a key after the query (not causal) is read where it is seen
     allowed = torch.eye(4, dtype=torch.bool)
-    assert independent_blocks(allowed) == [(0, 1), (1, 2), (2, 3), (3, 4)]
     allowed[0, 3] = True
-    assert independent_blocks(allowed) == [(0, 4)]
+    assert blocks_by_hand(allowed) == [(0, 1, [0, 3]), (1, 2, [1]), (2, 3, [2]), (3, 4, [3])]
     blind = torch.eye(4, dtype=torch.bool)
-    blind[2, 2] = False
-    assert independent_blocks(blind) == [(0, 3), (3, 4)]  # row 2 sees nothing: no cut before it
-    assert independent_blocks(torch.zeros(0, 0, dtype=torch.bool)) == []
+    blind[2, 2] = False  # a row that sees nothing: SDPA's output there depends on every key
+    assert blocks_by_hand(blind) == [(0, 4, [0, 1, 2, 3])]
+    assert attention_blocks(torch.zeros(0, 0, dtype=torch.bool)) == []
 
 
-@pytest.mark.parametrize("tree", [False, True])
-def test_block_attention_gives_the_whole_row_logprobs_and_gradients(tree):
+@pytest.mark.parametrize("tree,system", [(False, 0), (True, 0), (True, 6)])
+def test_block_attention_gives_the_whole_row_logprobs_and_gradients(tree, system):
     """A model switched to block attention returns the log-probs and gradients of SDPA over the
-    whole row (flat packing and prefix trees), and reads the blocks once per mask."""
+    whole row: flat packing, prefix trees, and a tree whose groups all share a system prompt."""
     reference = tiny_model().float()
     with torch.no_grad():
         reference.model.embed_tokens.weight.div_(40.0)
@@ -45,9 +56,9 @@ def test_block_attention_gives_the_whole_row_logprobs_and_gradients(tree):
     def rand(n):
         return torch.randint(3, 1000, (n,), generator=g).tolist()
 
-    seqs = []
+    seqs, shared = [], rand(system)
     for _ in range(3):
-        prompt = rand(10)
+        prompt = shared + rand(10)
         seqs += [prompt + rand(5), prompt + rand(7), prompt + rand(3)]
     seqs.append(rand(6))
     results = []
@@ -63,21 +74,30 @@ def test_block_attention_gives_the_whole_row_logprobs_and_gradients(tree):
         assert float((grads[name] - grad).abs().max()) <= 1e-5 * float(grad.abs().max()) + 1e-8, name
 
 
-def test_block_attention_calls_sdpa_once_per_block(monkeypatch):
-    """The row is not attended as a whole: each SDPA call sees one block's queries."""
+def test_block_attention_calls_sdpa_per_block_over_its_keys(monkeypatch):
+    """The row is not attended as a whole: each SDPA call sees one block's queries (three packed
+    sequences too long to merge), and in a tree under a shared system prompt each call reads
+    fewer keys than the row has."""
     import transformers.integrations.sdpa_attention as sdpa
 
     model = tiny_model().float()
     enable_block_attention(model)
-    lengths = []
+    calls = []
     original = sdpa.sdpa_attention_forward
 
-    def spy(module, query, *args, **kwargs):
-        lengths.append(query.shape[2])
-        return original(module, query, *args, **kwargs)
+    def spy(module, query, key, *args, **kwargs):
+        calls.append((query.shape[2], key.shape[2]))
+        return original(module, query, key, *args, **kwargs)
 
     monkeypatch.setattr(sdpa, "sdpa_attention_forward", spy)
-    with torch.no_grad():
-        token_logprobs(model, [[5, 6, 7], [8, 9], [10, 11, 12, 13]], torch.device("cpu"))
     layers = model.config.num_hidden_layers
-    assert lengths == [3, 2, 4] * layers
+    with torch.no_grad():
+        token_logprobs(model, [list(range(5, 85)), list(range(5, 75)), list(range(5, 95))], torch.device("cpu"))
+    assert calls == [(80, 80), (70, 70), (90, 90)] * layers
+    calls.clear()
+    system = list(range(500, 540))
+    seqs = [system + [600 + g] * 30 + [700 + 40 * g + i] * 30 for g in range(3) for i in range(2)]
+    with torch.no_grad():
+        token_logprobs(model, seqs, torch.device("cpu"), tree=True)
+    row = 40 + 3 * 30 + 6 * 30
+    assert len(calls) > layers and all(keys < row for _, keys in calls)
