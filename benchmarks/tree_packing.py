@@ -7,8 +7,9 @@ every turn). Each side plans the same samples into micro-batches of at most ``--
 tokens (flat: :func:`rl2gem.parallel.packing.plan`; tree: :func:`~rl2gem.parallel.packing.plan_tree`)
 and runs what a PPO step runs per micro-batch: a no-grad forward for the old log-probs, then a
 forward and backward of a loss on the log-probs. The first row attends over the whole packed row
-(SDPA with the ``[N, N]`` mask); the others run SDPA per independent block (each sequence, or each
-group's tree: :mod:`rl2gem.parallel.block_attention`, what the trainers' models use). The last row
+(SDPA with the ``[N, N]`` mask); the others run SDPA per block of queries over the keys they see
+(each sequence, or a run of tree tokens over its ancestors: :mod:`rl2gem.parallel.block_attention`,
+what the trainers' models use). The last row
 runs the tree with the LM head only at the positions that predict an action token
 (``token_logprobs(..., needed=masks)``, what the PPO trainer does): prompt and env tokens get no
 logits. The rows' log-probs at the action tokens are
