@@ -28,6 +28,7 @@ from __future__ import annotations
 import heapq
 import itertools
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "tree_attention_mask",
     "tree_size",
     "plan_tree",
+    "common_prefix_length",
 ]
 
 
@@ -137,19 +139,18 @@ def unpack(x: torch.Tensor, cu_seqlens: torch.Tensor) -> list[torch.Tensor]:
     return [x[0, int(a) : int(b)] for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)]
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix_length(a, b) -> int:
+    """Length of the longest common prefix of two token sequences (lists or int arrays)."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if len(diff) else n
 
 
 def tree_size(seqs: list[list[int]]) -> int:
     """Tokens of the prefix tree of ``seqs``: the number of distinct non-empty prefixes (in sorted
     order, each sequence adds its length minus its common prefix with the one before)."""
     ordered = sorted(seqs)
-    return sum(len(s) - (_common_prefix(s, ordered[i - 1]) if i else 0) for i, s in enumerate(ordered))
+    return sum(len(s) - (common_prefix_length(s, ordered[i - 1]) if i else 0) for i, s in enumerate(ordered))
 
 
 def tree_batch(seqs: list[list[int]]) -> dict[str, torch.Tensor]:
@@ -219,7 +220,9 @@ def plan_tree(seqs: list[list[int]], world_size: int, max_tokens: int) -> list[l
             raise ValueError(f"sequence {i} has {len(seqs[i])} tokens > max_length_per_device={max_tokens}")
     # added[k]: the tokens sequence order[k] adds to a tree after order[k - 1]; the unit order[a:b]
     # has len(order[a]) + added[a + 1] + ... + added[b - 1] tree tokens
-    added = [len(seqs[i]) - (_common_prefix(seqs[i], seqs[order[k - 1]]) if k else 0) for k, i in enumerate(order)]
+    added = [
+        len(seqs[i]) - (common_prefix_length(seqs[i], seqs[order[k - 1]]) if k else 0) for k, i in enumerate(order)
+    ]
     total = list(itertools.accumulate(added, initial=0))
 
     def size(a: int, b: int) -> int:

@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from rl2gem.openmp import release_thread_team
+from rl2gem.parallel.packing import common_prefix_length
 from rl2gem.rollout.engines.base import Engine, EngineError, GenerateOutput, SamplingParams, seeded_uniform
 from rl2gem.rollout.engines.lean_decoder import LeanDecoder, unsupported_reason
 
@@ -686,14 +687,14 @@ class EmbeddedEngine(Engine):
         best, best_len = None, 0
         for tokens, entry in reversed(self._prefix.items()):
             if min(len(entry[1]), len(query)) > best_len:
-                lcp = _common_prefix_length(entry[1], query)
+                lcp = common_prefix_length(entry[1], query)
                 if lcp > best_len:
                     best, best_len = tokens, lcp
         # running sequences too: a GRPO group's first request may already be decoding
         running_best = None
         for slot, r in enumerate(self._running):
             if min(len(r.input_ids), len(query)) > best_len:
-                lcp = _common_prefix_length(r.input_ids, query)
+                lcp = common_prefix_length(r.input_ids, query)
                 if lcp > best_len:
                     running_best, best_len = slot, lcp
         if best_len < self.min_prefix_match:
@@ -718,7 +719,7 @@ class EmbeddedEngine(Engine):
         stems: dict[tuple[int, ...], None] = {}
         for a, b in itertools.pairwise(order):
             x, y = take[a].input_ids, take[b].input_ids
-            shared = _common_prefix_length(x[: len(x) - 1], y[: len(y) - 1])  # each row keeps a token
+            shared = common_prefix_length(x[: len(x) - 1], y[: len(y) - 1])  # each row keeps a token
             if shared - max(cached[a], cached[b]) >= self.min_prefix_match:
                 stems[tuple(x[:shared])] = None
         return [list(stem) for stem in stems]
@@ -893,13 +894,6 @@ class EmbeddedEngine(Engine):
         self.stats["decode_tokens"] += n
         tokens, lps = _sample(logits, [r.params for r in reqs], self._gen, [len(r.out_ids) for r in reqs])
         self._append_tokens(reqs, tokens.tolist(), lps.tolist())
-
-
-def _common_prefix_length(a, b) -> int:
-    """Length of the longest common prefix of two token sequences (lists or int arrays)."""
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(diff[0]) if len(diff) else n
 
 
 def _settle(fut: asyncio.Future, res, err):
