@@ -31,7 +31,7 @@ import torch.distributed as dist
 from rl2gem.algorithms import DPO_LOSS_TYPES, dpo_loss
 from rl2gem.config import ConfigError
 from rl2gem.data import load_preferences
-from rl2gem.training.forward import check_packing, sequence_sums, token_logprobs
+from rl2gem.training.forward import check_attention, check_packing, sequence_sums, token_logprobs
 from rl2gem.training.metrics import Averager
 from rl2gem.training.offline import PAIRS_HELP, OfflineTrainer, check_data_config
 from rl2gem.training.pairs import PairSample, pair_sequences, plan_pair_micro_batches, tokenize_pairs
@@ -45,6 +45,7 @@ def check_config(cfg) -> None:
     """Raises :class:`rl2gem.config.ConfigError` for values that cannot work."""
     check_data_config(cfg, PAIRS_HELP)
     check_packing(cfg.actor)
+    check_attention(cfg.actor)
     d = cfg.dpo
     if d.loss_type not in DPO_LOSS_TYPES:
         raise ConfigError(f"dpo.loss_type={d.loss_type!r} is not one of {list(DPO_LOSS_TYPES)}")

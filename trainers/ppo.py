@@ -67,6 +67,7 @@ from rl2gem.training.checkpoint import Checkpointer
 from rl2gem.training.evaluation import evaluate_env
 from rl2gem.training.forward import (
     MicroBatch,
+    check_attention,
     check_packing,
     plan_micro_batches,
     regroup_scores,
@@ -111,6 +112,7 @@ def check_config(cfg) -> None:
             f"{cfg.actor.minibatches_per_update}; use actor.old_logprobs=recompute or auto"
         )
     check_packing(cfg.actor)
+    check_attention(cfg.actor)
     constraints(cfg)
     reward_objectives(cfg)
     try:  # the estimator's own options, checked on a one-token batch

@@ -31,7 +31,7 @@ import torch
 
 from rl2gem.algorithms import bradley_terry_loss
 from rl2gem.data import load_preferences
-from rl2gem.training.forward import sequence_scores
+from rl2gem.training.forward import check_attention, sequence_scores
 from rl2gem.training.metrics import Averager
 from rl2gem.training.offline import PAIRS_HELP, OfflineTrainer, check_data_config
 from rl2gem.training.pairs import PairSample, pair_sequences, plan_pair_micro_batches, tokenize_pairs
@@ -43,6 +43,7 @@ CONFIG = Path(__file__).with_name("config") / "rm.yaml"
 def check_config(cfg) -> None:
     """Raises :class:`rl2gem.config.ConfigError` for values that cannot work."""
     check_data_config(cfg, PAIRS_HELP)
+    check_attention(cfg.actor)
 
 
 class RMTrainer(OfflineTrainer):

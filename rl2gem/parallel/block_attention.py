@@ -38,24 +38,26 @@ def attention_blocks(mask: torch.Tensor, merge_pairs: int = 4096) -> list[tuple[
             many query-key pairs more than the two apart (each SDPA call has a fixed cost).
 
     Returns:
-        Every query ``q`` of a range sees only keys in its ``keys``. One range over all ``N``
-        keys when some query sees no key at all (SDPA's output for such a row depends on every
-        key).
+        Every query ``q`` of a range sees only keys in its ``keys`` (on ``mask``'s device). One
+        range over all ``N`` keys when some query sees no key at all (SDPA's output for such a
+        row depends on every key).
     """
     n = mask.shape[-1]
     if n == 0:
         return []
     matrix = mask.reshape(-1, n, n)[0]
     allowed = matrix if matrix.dtype == torch.bool else matrix == 0
+    device = mask.device
     if not bool(allowed.any(-1).all()):
-        return [(0, n, torch.arange(n))]
+        return [(0, n, torch.arange(n, device=device))]
     # query p continues p - 1's block when it sees exactly what p - 1 saw, plus itself
-    columns = torch.arange(1, n)
-    continues = torch.zeros(n, dtype=torch.bool)
+    columns = torch.arange(1, n, device=device)
+    continues = torch.zeros(n, dtype=torch.bool, device=device)
     for first in range(1, n, 1024):  # in row chunks: the difference matrix is [rows, N]
         rows = columns[first - 1 : first - 1 + 1024]
         differs = allowed[rows] != allowed[rows - 1]
-        continues[rows] = (differs.sum(-1) == 1) & differs[torch.arange(len(rows)), rows] & allowed[rows, rows]
+        pairs = torch.arange(len(rows), device=device)
+        continues[rows] = (differs.sum(-1) == 1) & differs[pairs, rows] & allowed[rows, rows]
     starts = [0, *torch.nonzero(~continues[1:]).flatten().add(1).tolist()]
     blocks = [(a, b, torch.nonzero(allowed[b - 1]).flatten()) for a, b in zip(starts, [*starts[1:], n], strict=True)]
     merged = [blocks[0]]
@@ -82,10 +84,10 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
     if plan is None:  # once per mask tensor: every layer gets the same one
         plan = []
         for a, b, keys in attention_blocks(attention_mask):
-            keys = keys.to(attention_mask.device)
             contiguous = int(keys[-1] - keys[0]) + 1 == len(keys)
             columns = slice(int(keys[0]), int(keys[-1]) + 1) if contiguous else keys
-            plan.append((a, b, columns, attention_mask[..., a:b, :][..., columns]))
+            # a contiguous copy: cuDNN's SDPA fails on a strided view of the row's mask (misaligned address)
+            plan.append((a, b, columns, attention_mask[..., a:b, :][..., columns].contiguous()))
         attention_mask.rl2_blocks = plan
     if len(plan) == 1 and plan[0][1] - plan[0][0] == key.shape[2] and isinstance(plan[0][2], slice):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)

@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from rl2gem.parallel.block_attention import enable_block_attention
+from rl2gem.parallel.attention import enable_attention
 from rl2gem.parallel.ring_attention import enable_ring_attention
 from rl2gem.parallel.tensor_parallel import check_tp, parallelize
 
@@ -139,6 +139,7 @@ def load_sharded(
     tp_mesh=None,
     sp_group=None,
     adapt=None,
+    attention: str = "block",
 ):
     """Meta-device init on every rank, shard, then broadcast rank 0's weights into the shards.
 
@@ -152,6 +153,9 @@ def load_sharded(
         adapt: called with the meta-device model and with rank 0's loaded one before sharding, to
             add the same parameters to both (LoRA adapters: :func:`rl2gem.training.lora.inject`);
             rank 0's values of the new parameters are broadcast with the checkpoint's.
+        attention: the kernel of packed rows, resolved (``flex``, ``flash``, ``sdpa`` or
+            ``block``; :func:`rl2gem.parallel.attention.resolve_attention`); ignored with
+            ``sp_group`` (ring attention).
 
     Returns the FSDP-wrapped model (train mode) with ``dtype`` parameters.
 
@@ -198,8 +202,8 @@ def load_sharded(
     if sp_group is not None:
         enable_ring_attention(model)
         model.rl2_sp_group = sp_group
-    else:  # packed rows: SDPA per block of queries over the keys it sees, not over the whole row
-        enable_block_attention(model)
+    else:  # packed rows: FlexAttention / flash-attn on GPU, SDPA per block of queries on CPU
+        enable_attention(model, attention)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     shard_model(

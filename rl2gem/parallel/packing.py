@@ -38,6 +38,8 @@ __all__ = [
     "plan",
     "packed_batch",
     "packed_attention_mask",
+    "visible_until",
+    "visibility_mask",
     "unpack",
     "tree_batch",
     "tree_attention_mask",
@@ -117,21 +119,52 @@ def plan(lengths: list[int], world_size: int, max_tokens: int, attn_coef: float 
 
 
 def packed_batch(seqs: list[list[int]]) -> dict[str, torch.Tensor]:
-    """One packed row: ``input_ids`` and ``position_ids`` ``[1, N]`` int64, ``cu_seqlens`` ``[S + 1]`` int32."""
+    """One packed row (CPU tensors, to be copied to the device once).
+
+    Returns:
+        ``input_ids`` and ``position_ids`` ``[1, N]`` int64, ``cu_seqlens`` ``[S + 1]`` int32, and
+        ``until`` ``[N]`` int64: each token's sequence's last index (:func:`visible_until`).
+    """
     lens = [len(s) for s in seqs]
-    ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)[None]
-    pos = torch.cat([torch.arange(n) for n in lens])[None] if lens else torch.zeros(1, 0, dtype=torch.long)
-    cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32)
-    return {"input_ids": ids, "position_ids": pos, "cu_seqlens": cu}
+    ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device="cpu")[None]
+    pos = torch.tensor([p for n in lens for p in range(n)], dtype=torch.long, device="cpu")[None]
+    ends = list(itertools.accumulate(lens))
+    until = torch.tensor(
+        [end - 1 for end, n in zip(ends, lens, strict=True) for _ in range(n)], dtype=torch.long, device="cpu"
+    )
+    cu = torch.tensor([0, *ends], dtype=torch.int32, device="cpu")
+    return {"input_ids": ids, "position_ids": pos, "cu_seqlens": cu, "until": until}
+
+
+def visible_until(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``[N]`` int64 on ``cu_seqlens``' device: for each token of a packed row, the last index of its
+    sequence, the last query that sees it (:func:`visibility_mask`)."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    return torch.repeat_interleave(cu_seqlens[1:].long() - 1, lengths)
+
+
+def visibility_mask(until: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+    """The ``[1, 1, N, N]`` attention mask of a row whose key ``k`` is seen by the queries
+    ``k..until[k]`` (a packed row: :func:`visible_until`; a prefix tree in depth-first order:
+    ``tree_batch(...)["until"]``, the end of each node's subtree), built on ``until``'s device.
+
+    Args:
+        until: ``[N]`` int64, ``until[k] >= k``.
+        dtype: a floating dtype for an additive mask (0 where a query sees a key, the dtype's
+            minimum elsewhere), or None for a boolean mask (True where it sees).
+    """
+    index = torch.arange(len(until), device=until.device)
+    allowed = (index[None, :] <= index[:, None]) & (index[:, None] <= until[None, :])
+    if dtype is None:
+        return allowed[None, None]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=until.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
 
 def packed_attention_mask(cu_seqlens: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    """Block-diagonal causal additive mask ``[1, 1, N, N]`` (0 allowed, -inf masked) for sdpa/eager."""
-    n = int(cu_seqlens[-1])
-    seg = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1), (cu_seqlens[1:] - cu_seqlens[:-1]).long())
-    allowed = (seg[:, None] == seg[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
-    mask = torch.zeros(n, n, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None]
+    """Block-diagonal causal additive mask ``[1, 1, N, N]`` (0 allowed, the dtype's minimum
+    masked) for sdpa/eager, on ``cu_seqlens``' device."""
+    return visibility_mask(visible_until(cu_seqlens), dtype)
 
 
 def unpack(x: torch.Tensor, cu_seqlens: torch.Tensor) -> list[torch.Tensor]:
@@ -154,33 +187,51 @@ def tree_size(seqs: list[list[int]]) -> int:
 
 
 def tree_batch(seqs: list[list[int]]) -> dict[str, torch.Tensor]:
-    """One prefix-tree row of ``seqs`` (a trie, nodes in first-seen order so parents come first).
+    """One prefix-tree row of ``seqs`` (a trie), nodes in depth-first order, children in the order
+    first seen (so, when sequences sharing a prefix are neighbours, the order they first appear).
 
     Returns:
         ``input_ids`` / ``position_ids`` ``[1, M]`` int64 (``M`` = :func:`tree_size`, position =
-        depth), ``parents`` ``[M]`` int64 (-1 at a root), and ``node_of`` ``[N]`` int64: for each
+        depth), ``parents`` ``[M]`` int64 (-1 at a root), ``until`` ``[M]`` int64 (the last node of
+        each node's subtree: node ``k`` is an ancestor of ``q``, or ``q`` itself, exactly when
+        ``k <= q <= until[k]``; :func:`visibility_mask`), and ``node_of`` ``[N]`` int64: for each
         token of the flat packing (:func:`packed_batch`, ``N`` = the total length) its node.
     """
-    children: list[dict[int, int]] = [{}]  # node 0 is a virtual root above the trie's roots
-    tokens, parents, depths, node_of = [], [], [], []
+    children: list[dict[int, int]] = [{}]  # trie node 0 is a virtual root above the trie's roots
+    tokens, flat_nodes = [0], []
     for seq in seqs:
         node = 0
-        for depth, token in enumerate(seq):
-            nxt = children[node].get(token)
-            if nxt is None:
-                nxt = len(children)
-                children[node][token] = nxt
+        for token in seq:
+            following = children[node].get(token)
+            if following is None:
+                following = children[node][token] = len(children)
                 children.append({})
                 tokens.append(token)
-                parents.append(node - 1)
-                depths.append(depth)
-            node = nxt
-            node_of.append(node - 1)
+            node = following
+            flat_nodes.append(node)
+    # depth-first renumbering: order[i] is the trie node at row index i
+    order, parents, depths, until = [], [], [], []
+    stack = [(child, -1, 0) for child in reversed(children[0].values())]
+    while stack:
+        node, parent, depth = stack.pop()
+        index = len(order)
+        order.append(node)
+        parents.append(parent)
+        depths.append(depth)
+        stack.extend((child, index, depth + 1) for child in reversed(children[node].values()))
+    until = list(range(len(order)))
+    for index in range(len(order) - 1, -1, -1):  # children come after their parent
+        if parents[index] >= 0:
+            until[parents[index]] = max(until[parents[index]], until[index])
+    row_of = [0] * len(children)
+    for index, node in enumerate(order):
+        row_of[node] = index
     return {
-        "input_ids": torch.tensor(tokens, dtype=torch.long)[None],
-        "position_ids": torch.tensor(depths, dtype=torch.long)[None],
-        "parents": torch.tensor(parents, dtype=torch.long),
-        "node_of": torch.tensor(node_of, dtype=torch.long),
+        "input_ids": torch.tensor([tokens[node] for node in order], dtype=torch.long, device="cpu")[None],
+        "position_ids": torch.tensor(depths, dtype=torch.long, device="cpu")[None],
+        "parents": torch.tensor(parents, dtype=torch.long, device="cpu"),
+        "until": torch.tensor(until, dtype=torch.long, device="cpu"),
+        "node_of": torch.tensor([row_of[node] for node in flat_nodes], dtype=torch.long, device="cpu"),
     }
 
 

@@ -24,14 +24,8 @@ import torch
 import torch.distributed as dist
 
 from rl2gem.algorithms import entropy_from_logits
-from rl2gem.parallel.packing import (
-    packed_attention_mask,
-    packed_batch,
-    plan,
-    plan_tree,
-    tree_attention_mask,
-    tree_batch,
-)
+from rl2gem.parallel.attention import ATTENTIONS, IMPLEMENTATIONS, attention_mask, flash_attn_available
+from rl2gem.parallel.packing import packed_batch, plan, plan_tree, tree_batch
 from rl2gem.parallel.ring_attention import gather_sequence_parallel, ring_context, zigzag_layout
 from rl2gem.parallel.tensor_parallel import vocab_parallel_logprobs
 from rl2gem.training.metrics import SavedTensorBytes, simulated_memory_bytes
@@ -39,6 +33,7 @@ from rl2gem.training.metrics import SavedTensorBytes, simulated_memory_bytes
 __all__ = [
     "PACKINGS",
     "check_packing",
+    "check_attention",
     "MicroBatch",
     "plan_micro_batches",
     "packed_inputs",
@@ -70,6 +65,38 @@ def check_packing(actor) -> bool:
     if packing == "tree" and int(actor.get("sp_size", 1)) > 1:
         raise ConfigError("actor.packing=tree does not combine with actor.sp_size > 1 (ring attention); use flat")
     return packing == "tree"
+
+
+def check_attention(actor) -> str:
+    """``actor.attention`` checked against the rest of the section (before anything loads); returns it.
+
+    Raises:
+        rl2gem.config.ConfigError: an unknown value; ``flash`` with ``actor.packing=tree`` or
+            without the flash-attn package; anything but ``auto`` with ``actor.sp_size > 1``
+            (ring attention has its own kernel).
+    """
+    from rl2gem.config import ConfigError
+
+    attention = actor.get("attention", "auto")
+    if attention not in ATTENTIONS:
+        raise ConfigError(f"actor.attention={attention!r} is not one of {list(ATTENTIONS)}")
+    if attention == "flash" and actor.get("packing", "flat") == "tree":
+        raise ConfigError(
+            "actor.attention=flash reads sequence boundaries, not prefix trees: use flex with packing=tree"
+        )
+    if attention == "flash" and not flash_attn_available():
+        raise ConfigError("actor.attention=flash needs the flash-attn package (pip install 'rl2gem[gpu]'); or use flex")
+    if attention != "auto" and int(actor.get("sp_size", 1)) > 1:
+        raise ConfigError(f"actor.attention={attention} with actor.sp_size > 1: ring attention is used; leave it auto")
+    return attention
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` (on the host) on ``device``: through pinned memory and without waiting on CUDA,
+    a plain copy elsewhere."""
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 @dataclasses.dataclass
@@ -159,25 +186,33 @@ def packed_inputs(model, sequences: Sequence[Sequence[int]], device: torch.devic
     """One packed row of ``sequences`` and the model's keyword arguments.
 
     Returns:
-        ``(batch, kwargs)``: ``batch`` from :func:`rl2gem.parallel.packing.packed_batch`
-        (``input_ids`` / ``position_ids`` ``[1, N]`` int64, ``cu_seqlens`` ``[S + 1]`` int32);
-        ``kwargs`` for ``model(**kwargs)`` (a 4-D block-diagonal causal mask unless the model runs
-        flash-attention 2 on GPU, which reads the boundaries from ``position_ids``).
+        ``(batch, kwargs)``: ``batch`` from :func:`rl2gem.parallel.packing.packed_batch` (host
+        tensors: ``input_ids`` / ``position_ids`` ``[1, N]`` int64, ``cu_seqlens`` ``[S + 1]``
+        int32, ``until`` ``[N]`` int64); ``kwargs`` for ``model(**kwargs)`` on ``device``: the ids
+        and positions, and the mask of the model's attention
+        (:func:`rl2gem.parallel.attention.attention_mask`: none for flash-attn, a FlexAttention
+        ``BlockMask``, or an additive ``[1, 1, N, N]`` mask), built on the device.
     """
     batch = packed_batch([list(s) for s in sequences])
+    return batch, _model_inputs(model, batch, device)
+
+
+def _model_inputs(model, row: dict, device: torch.device) -> dict:
+    """``model(**kwargs)``'s arguments for a row of :func:`~rl2gem.parallel.packing.packed_batch` or
+    :func:`~rl2gem.parallel.packing.tree_batch`: ids, positions and mask on ``device``."""
     kwargs = {
-        "input_ids": batch["input_ids"].to(device),
-        "position_ids": batch["position_ids"].to(device),
+        "input_ids": to_device(row["input_ids"], device),
+        "position_ids": to_device(row["position_ids"], device),
         "use_cache": False,
     }
-    if not (device.type == "cuda" and getattr(model.config, "_attn_implementation", "") == "flash_attention_2"):
-        dtype = next(model.parameters()).dtype
-        kwargs["attention_mask"] = packed_attention_mask(batch["cu_seqlens"], dtype=dtype).to(device)
-    return batch, kwargs
+    mask = attention_mask(model, to_device(row["until"], device))
+    if mask is not None:
+        kwargs["attention_mask"] = mask
+    return kwargs
 
 
 def _first_token(batch: dict, device: torch.device) -> torch.Tensor:
-    return batch["position_ids"][0].to(device) == 0
+    return to_device(batch["position_ids"][0], device) == 0
 
 
 def _next_tokens(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -226,15 +261,16 @@ def _packed_forward(
         needed = None
     if tree:
         return _tree_forward(model, sequences, device, per_token, group, needed)
-    batch, kwargs = packed_inputs(model, sequences, device) if group is None else (packed_batch(list(sequences)), None)
-    ids, positions = batch["input_ids"][0], batch["position_ids"][0]
-    next_ids = _next_tokens(ids, positions).to(device)
-    if group is None and needed is not None:
-        kept = _predicting(needed, positions).to(device)
-        output = model(**kwargs, logits_to_keep=kept)
-        return _scatter(per_token(output, next_ids[kept], None), kept, len(ids)), batch
     if group is None:
-        return per_token(model(**kwargs), next_ids, None), batch
+        batch, kwargs = packed_inputs(model, sequences, device)
+        next_ids = _next_tokens(kwargs["input_ids"][0], kwargs["position_ids"][0])
+        if needed is None:
+            return per_token(model(**kwargs), next_ids, None), batch
+        kept = to_device(_predicting(needed, batch["position_ids"][0]), device)
+        output = model(**kwargs, logits_to_keep=kept)
+        return _scatter(per_token(output, next_ids[kept], None), kept, next_ids.numel()), batch
+    batch = packed_batch([list(s) for s in sequences])
+    ids = batch["input_ids"][0]
     layout = zigzag_layout([len(s) for s in sequences], dist.get_world_size(group))
     rank = dist.get_rank(group)
     padded_ids = layout.pad(ids)
@@ -258,7 +294,7 @@ def takes_logits_to_keep(model) -> bool:
 
 def _predicting(needed: Sequence[Sequence[int]], positions: torch.Tensor) -> torch.Tensor:
     """``[K]`` int64: the packed positions whose successor in the same sequence is a needed token."""
-    wanted = torch.tensor([bool(x) for row in needed for x in row], dtype=torch.bool)
+    wanted = torch.tensor([bool(x) for row in needed for x in row], dtype=torch.bool, device=positions.device)
     if wanted.numel() != positions.numel():
         raise ValueError(f"needed has {wanted.numel()} entries for {positions.numel()} tokens")
     successor = torch.cat([wanted[1:], wanted.new_zeros(1)])
@@ -279,25 +315,19 @@ def _tree_forward(model, sequences, device, per_token, group, needed=None):
     """The ``tree=True`` branch of :func:`_packed_forward` (see there)."""
     if group is not None:
         raise ValueError("prefix-tree packing (actor.packing=tree) does not combine with sp_size > 1")
-    if device.type == "cuda" and getattr(model.config, "_attn_implementation", "") == "flash_attention_2":
-        raise ValueError("prefix-tree packing needs an attention mask: load the model with sdpa, not flash_attention_2")
+    if getattr(getattr(model, "config", None), "_attn_implementation", "") == IMPLEMENTATIONS["flash"]:
+        raise ValueError("prefix-tree packing needs an attention mask: use attention=flex or block, not flash")
     batch = packed_batch([list(s) for s in sequences])
     tree = tree_batch([list(s) for s in sequences])
-    dtype = next(model.parameters()).dtype
-    ids, positions = batch["input_ids"][0], batch["position_ids"][0]
-    inputs = dict(
-        input_ids=tree["input_ids"].to(device),
-        position_ids=tree["position_ids"].to(device),
-        attention_mask=tree_attention_mask(tree["parents"], dtype=dtype).to(device),
-        use_cache=False,
-    )
-    next_ids, node_of = _next_tokens(ids, positions).to(device), tree["node_of"].to(device)
+    inputs = _model_inputs(model, tree, device)
+    flat_ids, flat_positions = to_device(batch["input_ids"][0], device), to_device(batch["position_ids"][0], device)
+    next_ids, node_of = _next_tokens(flat_ids, flat_positions), to_device(tree["node_of"], device)
     if needed is None:
         return per_token(model(**inputs), next_ids, node_of), batch
-    kept = _predicting(needed, positions).to(device)
+    kept = to_device(_predicting(needed, batch["position_ids"][0]), device)
     nodes, rows = torch.unique(node_of[kept], return_inverse=True)  # the tree nodes whose logits are read
     output = model(**inputs, logits_to_keep=nodes)
-    return _scatter(per_token(output, next_ids[kept], rows), kept, len(ids)), batch
+    return _scatter(per_token(output, next_ids[kept], rows), kept, next_ids.numel()), batch
 
 
 def _shift_to_tokens(next_values: torch.Tensor, batch: dict) -> torch.Tensor:

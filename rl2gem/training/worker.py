@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from rl2gem.parallel.attention import resolve_attention
 from rl2gem.parallel.fsdp import clip_grad_norm, full_state_dict, head_class, init_distributed, load_sharded
 from rl2gem.parallel.mesh import ParallelMesh, build_mesh
 from rl2gem.training import lora
@@ -83,7 +84,8 @@ class Worker:
     Args:
         section: the worker's config (a trainer's ``actor:`` / ``critic:``): ``model``, ``dtype``,
             ``lr``, ``weight_decay``, ``warmup_steps``, ``max_grad_norm``, ``cpu_offload``,
-            ``gradient_checkpointing``, ``reshard_after_forward``, optional ``scheduler``
+            ``gradient_checkpointing``, ``reshard_after_forward``, ``attention``
+            (:func:`rl2gem.parallel.attention.resolve_attention`, with ``packing``), optional ``scheduler``
             (:data:`SCHEDULES`) and ``lora`` (:func:`rl2gem.training.lora.lora_config`; applied to
             trainable causal LMs only, so a reference policy built from the same section is the
             base model). Missing keys take the defaults of ``trainers/config``.
@@ -116,6 +118,7 @@ class Worker:
         self.name_or_path = model or get("model")
         self.head, self.mesh, self.device = head, mesh, device
         self.dtype = resolve_dtype(get("dtype", "auto"), device)
+        self.attention = resolve_attention(get("attention", "auto"), device, tree=get("packing", "flat") == "tree")
         self.max_grad_norm = float(get("max_grad_norm", 1.0))
         self.lora = lora.lora_config(get("lora")) if trainable and head == "lm" else None
         if self.lora is not None and mesh.tp_mesh is not None:
@@ -132,6 +135,7 @@ class Worker:
             tp_mesh=mesh.tp_mesh,
             sp_group=mesh.sp_group,
             adapt=(lambda model: lora.inject(model, self.lora)) if self.lora is not None else None,
+            attention=self.attention,
         )
         self.optimizer = self.scheduler = None
         self.optimizer_steps = 0  # in this process (a resumed run counts from 0)

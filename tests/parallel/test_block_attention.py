@@ -101,3 +101,18 @@ def test_block_attention_calls_sdpa_per_block_over_its_keys(monkeypatch):
         token_logprobs(model, seqs, torch.device("cpu"), tree=True)
     row = 40 + 3 * 30 + 6 * 30
     assert len(calls) > layers and all(keys < row for _, keys in calls)
+
+
+def test_block_masks_are_contiguous_copies():
+    """Each block's mask is a contiguous tensor, not a strided view of the row's mask (cuDNN's
+    SDPA fails on the view with a misaligned address; issue 36)."""
+    from rl2gem.parallel.block_attention import _attention
+
+    model = tiny_model().float()
+    enable_block_attention(model)
+    mask = packed_attention_mask(torch.tensor([0, 70, 150, 240], dtype=torch.int32))
+    query, key = torch.randn(1, 4, 240, 16), torch.randn(1, 2, 240, 16)  # 4 heads over 2 key-value heads
+    module = model.model.layers[0].self_attn
+    output, _ = _attention(module, query, key, key, mask, dropout=0.0, scaling=0.25)
+    assert output.shape == (1, 240, 4, 16) and len(mask.rl2_blocks) == 3
+    assert all(block_mask.is_contiguous() for *_, block_mask in mask.rl2_blocks)

@@ -49,26 +49,29 @@ def test_packed_logprobs_equal_one_sequence_at_a_time():
 
 
 def test_prefix_tree_by_hand():
-    from rl2gem.parallel.packing import tree_attention_mask, tree_batch, tree_size
+    from rl2gem.parallel.packing import tree_attention_mask, tree_batch, tree_size, visibility_mask
 
     seqs = [[1, 2, 3], [1, 2, 4], [5], [1, 2, 3, 6]]
     tree = tree_batch(seqs)
-    # nodes in first-seen order: 1, 2, 3, 4, 5, 6
-    assert tree["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6]]
-    assert tree["position_ids"].tolist() == [[0, 1, 2, 2, 0, 3]]
-    assert tree["parents"].tolist() == [-1, 0, 1, 1, -1, 2]
-    assert tree["node_of"].tolist() == [0, 1, 2, 0, 1, 3, 4, 0, 1, 2, 5]
+    # nodes depth-first, children in first-seen order: 1, 2, 3, 6, 4, 5
+    assert tree["input_ids"].tolist() == [[1, 2, 3, 6, 4, 5]]
+    assert tree["position_ids"].tolist() == [[0, 1, 2, 3, 2, 0]]
+    assert tree["parents"].tolist() == [-1, 0, 1, 2, 1, -1]
+    assert tree["until"].tolist() == [4, 4, 3, 3, 4, 5]  # each node's subtree ends there
+    assert tree["node_of"].tolist() == [0, 1, 2, 0, 1, 4, 5, 0, 1, 2, 3]
     assert tree_size(seqs) == 6 and tree_size([[7, 8], [7, 8]]) == 2
-    allowed = tree_attention_mask(tree["parents"])[0, 0] == 0
     expected = [  # each node sees itself and its ancestors
         [1, 0, 0, 0, 0, 0],
         [1, 1, 0, 0, 0, 0],
         [1, 1, 1, 0, 0, 0],
-        [1, 1, 0, 1, 0, 0],
-        [0, 0, 0, 0, 1, 0],
-        [1, 1, 1, 0, 0, 1],
+        [1, 1, 1, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0],
+        [0, 0, 0, 0, 0, 1],
     ]
-    assert allowed.int().tolist() == expected
+    assert (tree_attention_mask(tree["parents"])[0, 0] == 0).int().tolist() == expected
+    assert visibility_mask(tree["until"], None)[0, 0].int().tolist() == expected
+    additive = visibility_mask(tree["until"], torch.bfloat16)[0, 0]
+    assert additive.dtype == torch.bfloat16 and (additive == 0).int().tolist() == expected
 
 
 def grouped_sequences(seed=0):

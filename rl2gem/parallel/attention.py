@@ -1,0 +1,156 @@
+"""Which attention kernel a packed row runs, and the mask it reads, built on the row's device.
+
+A packed row (sequences one after another, or a prefix tree in depth-first order) is described by
+one vector, ``until`` ``[N]`` int64: key ``k`` is seen by the queries ``k..until[k]`` (the end of
+its sequence, or of its subtree; :func:`rl2gem.parallel.packing.visibility_mask`). Each kernel
+reads it in its own form:
+
+================  ===========================================================================
+``actor.attention``  what runs
+================  ===========================================================================
+``flex``          PyTorch FlexAttention (``torch.nn.attention.flex_attention``) through
+                  transformers' ``flex_attention`` integration, over a ``BlockMask`` built on
+                  the device from ``until`` (``create_block_mask``): only the tiles that hold a
+                  visible pair are computed, flat rows and trees alike. Compiled (Triton) on
+                  CUDA; a training device must be CUDA (PyTorch has no FlexAttention backward
+                  on CPU; :func:`enable_attention` still runs it eagerly on CPU, forward only,
+                  for tests).
+``flash``         flash-attn's varlen kernels (transformers' ``flash_attention_2``, the ``[gpu]``
+                  extra), which read the sequence boundaries from ``position_ids``: flat rows on
+                  CUDA only (a tree is not a set of sequences).
+``sdpa``          ``torch.nn.functional.scaled_dot_product_attention`` over the whole ``[N, N]``
+                  additive mask.
+``block``         SDPA per block of queries over only the keys it sees
+                  (:mod:`rl2gem.parallel.block_attention`): the CPU path.
+``auto``          ``flash`` on CUDA for flat rows when flash-attn imports, else ``flex`` on
+                  CUDA; ``block`` elsewhere.
+================  ===========================================================================
+
+Every path gives the log-probs, entropies and gradients of SDPA over the whole row (tests in
+``tests/parallel/test_attention.py``; on CUDA under ``pytest -m gpu``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from rl2gem.parallel.block_attention import BLOCK_ATTENTION, enable_block_attention, switch_attention
+from rl2gem.parallel.packing import visibility_mask
+
+__all__ = [
+    "ATTENTIONS",
+    "FLEX_ATTENTION",
+    "attention_mask",
+    "enable_attention",
+    "flash_attn_available",
+    "resolve_attention",
+]
+
+#: ``actor.attention``: the kernels a packed row can run (see the module docstring).
+ATTENTIONS = ("auto", "flex", "flash", "sdpa", "block")
+
+#: The name under which the FlexAttention wrapper is registered in transformers' attention interface.
+FLEX_ATTENTION = "rl2_flex"
+
+#: transformers' ``_attn_implementation`` for each resolved ``actor.attention``.
+IMPLEMENTATIONS = {"flex": FLEX_ATTENTION, "flash": "flash_attention_2", "sdpa": "sdpa", "block": BLOCK_ATTENTION}
+
+
+def flash_attn_available() -> bool:
+    """Whether the ``flash_attn`` package (flash-attn 2, the ``[gpu]`` extra) can be imported."""
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def resolve_attention(requested: str, device: torch.device | str, tree: bool = False) -> str:
+    """The kernel ``actor.attention=requested`` runs on ``device``: one of ``flex``, ``flash``,
+    ``sdpa``, ``block`` (``auto`` resolved as the module docstring says).
+
+    Args:
+        requested: one of :data:`ATTENTIONS`.
+        device: the training device.
+        tree: the rows are prefix trees (``actor.packing=tree``).
+
+    Raises:
+        ValueError: an unknown name; ``flex`` off CUDA; ``flash`` with a tree, off CUDA, or
+            without flash-attn.
+    """
+    device = torch.device(device)
+    if requested not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {list(ATTENTIONS)}, got {requested!r}")
+    if requested == "auto":
+        if device.type != "cuda":
+            return "block"
+        return "flash" if not tree and flash_attn_available() else "flex"
+    if requested == "flex" and device.type != "cuda":
+        raise ValueError("attention=flex trains on CUDA only (PyTorch has no FlexAttention backward on CPU): use block")
+    if requested == "flash":
+        if tree:
+            raise ValueError("attention=flash reads sequence boundaries, not a prefix tree: use flex or auto")
+        if device.type != "cuda" or not flash_attn_available():
+            raise ValueError("attention=flash needs CUDA and the flash-attn package (pip install 'rl2gem[gpu]')")
+    return requested
+
+
+def enable_attention(model, attention: str) -> None:
+    """Switch ``model`` (and its sub-modules' configs) to the resolved ``attention`` (one of
+    ``flex``, ``flash``, ``sdpa``, ``block``), registering rl2gem's functions in transformers'
+    attention interface where needed. A model whose attention is not SDPA-compatible (eager) is
+    switched too; ring attention sets its own (:mod:`rl2gem.parallel.ring_attention`).
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flex_attention_mask
+
+    if attention not in IMPLEMENTATIONS:
+        raise ValueError(f"attention must be one of {list(IMPLEMENTATIONS)}, got {attention!r}")
+    if attention == "block":
+        switch_attention(model, "sdpa")
+        enable_block_attention(model)
+    elif attention == "flex":
+        AttentionInterface.register(FLEX_ATTENTION, _flex_attention)
+        AttentionMaskInterface.register(FLEX_ATTENTION, flex_attention_mask)
+        switch_attention(model, FLEX_ATTENTION)
+    elif attention == "flash":
+        model.set_attn_implementation(IMPLEMENTATIONS["flash"])
+    else:
+        switch_attention(model, attention)
+
+
+def _flex_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' ``flex_attention`` forward (``query`` ``[B, H, N, d]``, ``attention_mask`` a
+    ``BlockMask``), compiled on CUDA; on other devices eager, since compiling FlexAttention for the
+    CPU takes tens of seconds per shape."""
+    from transformers.integrations.flex_attention import flex_attention_forward
+
+    if query.device.type == "cuda":
+        return flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    with torch.compiler.set_stance("force_eager"):
+        return flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def attention_mask(model, until: torch.Tensor):
+    """The ``attention_mask`` argument of ``model`` (switched by :func:`enable_attention`) for a
+    row described by ``until`` (``[N]`` int64 on the model's device; see the module docstring).
+
+    Returns:
+        None for flash-attn (it reads ``position_ids``); a FlexAttention ``BlockMask`` over
+        ``[1, 1, N, N]`` for ``flex``; else an additive ``[1, 1, N, N]`` mask in the model's
+        dtype. All on ``until``'s device, with no copy from the host.
+    """
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if implementation == IMPLEMENTATIONS["flash"]:
+        return None
+    if implementation in (FLEX_ATTENTION, "flex_attention"):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def visible(batch, head, query, key):
+            return (key <= query) & (query <= until[key])
+
+        n = len(until)
+        return create_block_mask(visible, None, None, n, n, device=until.device)
+    dtype = next(model.parameters()).dtype
+    return visibility_mask(until, dtype if dtype.is_floating_point else torch.float32)

@@ -1,0 +1,161 @@
+"""Every attention kernel of a packed row against the sequences run one at a time, and its mask
+built on the row's device."""
+
+import copy
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from tiny import tiny_model
+
+from rl2gem.config import ConfigError
+from rl2gem.parallel import attention as attention_module
+from rl2gem.parallel.attention import FLEX_ATTENTION, attention_mask, enable_attention, resolve_attention
+from rl2gem.parallel.packing import packed_batch, tree_attention_mask, tree_batch, visibility_mask
+from rl2gem.training import token_logprobs
+from rl2gem.training.forward import check_attention
+
+CPU = torch.device("cpu")
+
+
+def test_auto_resolves_by_device_and_packing(monkeypatch):
+    assert resolve_attention("auto", "cpu") == "block"
+    assert resolve_attention("auto", "cpu", tree=True) == "block"
+    monkeypatch.setattr(attention_module, "flash_attn_available", lambda: True)
+    assert resolve_attention("auto", "cuda") == "flash"
+    assert resolve_attention("auto", "cuda", tree=True) == "flex"  # flash-attn cannot read a tree
+    assert resolve_attention("flash", "cuda") == "flash"
+    monkeypatch.setattr(attention_module, "flash_attn_available", lambda: False)
+    assert resolve_attention("auto", "cuda") == "flex"
+    for name in ("sdpa", "block"):
+        assert resolve_attention(name, "cpu") == name
+    assert resolve_attention("flex", "cuda") == "flex"
+    with pytest.raises(ValueError, match="no FlexAttention backward on CPU"):
+        resolve_attention("flex", "cpu")
+    with pytest.raises(ValueError, match="prefix tree"):
+        resolve_attention("flash", "cuda", tree=True)
+    with pytest.raises(ValueError, match="flash-attn"):
+        resolve_attention("flash", "cuda")
+    with pytest.raises(ValueError, match="one of"):
+        resolve_attention("xformers", "cpu")
+
+
+def test_check_attention_names_the_key():
+    def actor(**values):
+        return OmegaConf.create({"attention": "auto", "packing": "flat", "sp_size": 1, **values})
+
+    assert check_attention(actor(attention="flex")) == "flex"
+    with pytest.raises(ConfigError, match=r"actor.attention='xformers' is not one of"):
+        check_attention(actor(attention="xformers"))
+    with pytest.raises(ConfigError, match="actor.attention=flash .*prefix trees"):
+        check_attention(actor(attention="flash", packing="tree"))
+    with pytest.raises(ConfigError, match="actor.sp_size"):
+        check_attention(actor(attention="block", sp_size=2))
+
+
+def test_visibility_mask_matches_the_trees_ancestry():
+    """``until`` (the end of each node's subtree, depth-first) gives the same mask as the parents'
+    ancestry, for random trees; and the flat row's is block-diagonal causal."""
+    g = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        seqs = [torch.randint(0, 3, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()]
+        seqs += [torch.randint(0, 3, (int(n),), generator=g).tolist() for n in torch.randint(1, 7, (5,), generator=g)]
+        tree = tree_batch(seqs)
+        expected = tree_attention_mask(tree["parents"])[0, 0] == 0
+        assert torch.equal(visibility_mask(tree["until"], None)[0, 0], expected)
+    flat = packed_batch([[5, 6, 7], [8, 9]])
+    blocks = torch.block_diag(torch.ones(3, 3), torch.ones(2, 2)).bool().tril()
+    assert torch.equal(visibility_mask(flat["until"], None)[0, 0], blocks)
+
+
+def grouped(seed=0, system=0):
+    """Three GRPO-like groups (a prompt, three continuations) and one sequence of its own, the
+    groups optionally under one shared system prompt."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(n):
+        return torch.randint(3, 1000, (n,), generator=g).tolist()
+
+    seqs, shared = [], rand(system)
+    for _ in range(3):
+        prompt = shared + rand(10)
+        seqs += [prompt + rand(5), prompt + rand(7), prompt + rand(3)]
+    return [*seqs, rand(6)]
+
+
+def one_at_a_time(model, seqs):
+    """Per-token log-probs and entropies of each sequence run on its own (no packing, no mask), in
+    packed order with 0 at each first token, as token_logprobs returns them."""
+    logprobs, entropies = [], []
+    for seq in seqs:
+        logits = model(input_ids=torch.tensor([seq]), use_cache=False).logits[0, :-1].float()
+        log_softmax = torch.log_softmax(logits, -1)
+        zero = logits.new_zeros(1)
+        logprobs.append(torch.cat([zero, log_softmax.gather(1, torch.tensor(seq[1:])[:, None]).squeeze(1)]))
+        entropies.append(torch.cat([zero, -(log_softmax.exp() * log_softmax).sum(-1)]))
+    return torch.cat(logprobs), torch.cat(entropies)
+
+
+@pytest.mark.parametrize("attention", ["flex", "sdpa", "block"])
+@pytest.mark.parametrize("tree,system", [(False, 0), (True, 0), (True, 6)])
+def test_each_kernel_gives_the_sequences_own_logprobs_and_gradients(attention, tree, system):
+    """Packed rows (flat, prefix trees, a tree under one system prompt) through each kernel give
+    the log-probs, entropies and gradients of the sequences run one at a time (FlexAttention has
+    no backward on CPU: its gradients are checked under ``pytest -m gpu``)."""
+    reference = tiny_model().float()
+    with torch.no_grad():
+        reference.model.embed_tokens.weight.div_(40.0)
+    packed = copy.deepcopy(reference)
+    enable_attention(packed, attention)
+    seqs = grouped(system=system)
+    differentiable = attention != "flex"
+    with torch.set_grad_enabled(differentiable):
+        lp_ref, ent_ref = one_at_a_time(reference, seqs)
+        lp, ent = token_logprobs(packed, seqs, CPU, entropy="grad" if differentiable else "metric", tree=tree)
+    torch.testing.assert_close(lp.detach(), lp_ref.detach(), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(ent.detach(), ent_ref.detach(), atol=2e-5, rtol=1e-5)
+    if not differentiable:
+        return
+    (lp_ref.sum() + 0.1 * ent_ref.sum()).backward()
+    (lp.sum() + 0.1 * ent.sum()).backward()
+    grads = dict(packed.named_parameters())
+    for name, parameter in reference.named_parameters():
+        difference = float((grads[name].grad - parameter.grad).abs().max())
+        assert difference <= 1e-4 * float(parameter.grad.abs().max()) + 1e-7, name
+
+
+def test_flex_reads_a_block_mask_that_skips_invisible_tiles():
+    """The flex kernel gets a BlockMask (not a dense mask) whose tiles between two sequences that
+    do not see each other are skipped."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    model = tiny_model().float()
+    enable_attention(model, "flex")
+    assert model.config._attn_implementation == FLEX_ATTENTION
+    row = packed_batch([list(range(5, 5 + 200)), list(range(5, 5 + 300))])
+    mask = attention_mask(model, row["until"])
+    assert isinstance(mask, BlockMask) and mask.shape == (1, 1, 500, 500)
+    dense = mask.to_dense()[0, 0].bool()  # [query tiles, key tiles] with any visible pair
+    assert dense.tolist() == [[True, False, False, False], [True, True, False, False], [False, True, True, False]] + [
+        [False, True, True, True]
+    ]
+
+
+def test_masks_are_built_where_the_row_is():
+    """Every tensor the masks and a packed forward create follows the inputs' device: run with the
+    default device set to meta, a tensor created without a device would be on meta and fail or
+    show up there."""
+    model = tiny_model().float()
+    seqs = grouped(system=4)
+    with torch.no_grad():
+        expected = token_logprobs(model, seqs, CPU)[0]
+    until = packed_batch(seqs)["until"]
+    for attention in ("flex", "sdpa", "block"):
+        enable_attention(model, attention)
+        with torch.device("meta"), torch.no_grad():
+            mask = attention_mask(model, until)
+            assert (mask.kv_indices if attention == "flex" else mask).device == CPU
+            for tree in (False, True):
+                got = token_logprobs(model, seqs, CPU, tree=tree)[0]
+                assert got.device == CPU
+                torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
