@@ -2,9 +2,11 @@
 
 MFU (model FLOPs utilisation, Chowdhery et al. 2022, PaLM appendix B) is the model's FLOPs per
 second over the machine's peak: a forward costs ``2 * P`` FLOPs per token and a forward plus
-backward ``6 * P`` (``P`` parameters; attention's quadratic term left out, as usual). The peak is
-given (``trainer.peak_flops``, FLOP/s per rank) or, when it is null, measured once at start with a
-large matmul in the training dtype (:func:`measure_peak_flops`).
+backward ``6 * P`` (``P`` parameters; attention's quadratic term left out, as usual). is given (``trainer.peak_flops``, FLOP/s per rank) or, when it is null, the datasheet's
+dense peak of a known GPU in the training dtype (:data:`DATASHEET_PEAKS`, :func:`datasheet_peak_flops`),
+else measured once at start with a large matmul (:func:`measure_peak_flops`; a measurement varies
+run to run and sits below the datasheet, so MFU against it reads high). The peak used is printed
+once.
 
 Memory (``memory/<phase>_peak_mib``, :class:`PeakMemory`): the highest memory of a phase of a
 step, the maximum over ranks, in MiB: on CUDA ``torch.cuda.max_memory_allocated`` (tensors the
@@ -17,6 +19,7 @@ milliseconds while the phase runs (everything the process holds, Python and libr
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from collections import defaultdict
@@ -30,6 +33,8 @@ __all__ = [
     "Averager",
     "PeakMemory",
     "SavedTensorBytes",
+    "DATASHEET_PEAKS",
+    "datasheet_peak_flops",
     "measure_peak_flops",
     "peak_flops_from_config",
     "reduce_mean",
@@ -98,14 +103,67 @@ def measure_peak_flops(
     return 2.0 * size**3 / best
 
 
+#: Dense (no structured sparsity) peak TFLOP/s per GPU from the vendors' datasheets, by device
+#: name (``torch.cuda.get_device_name``, a regular expression, first match wins) and by the
+#: matmul's precision: ``bf16`` (also float16), ``tf32`` (float32 with TF32 matmuls allowed) and
+#: ``fp32`` (float32, IEEE). Sources: NVIDIA H100, H200, A100, L40S, L40, L4, A10, V100 and B200
+#: datasheets; AMD Instinct MI300X and MI250X datasheets.
+DATASHEET_PEAKS: tuple[tuple[str, str, dict[str, float]], ...] = (
+    (r"H100.*PCIe", "H100 PCIe", {"bf16": 756.5, "tf32": 378.0, "fp32": 51.2}),
+    (r"H100.*NVL", "H100 NVL", {"bf16": 835.5, "tf32": 417.5, "fp32": 60.0}),
+    (r"H200.*NVL", "H200 NVL", {"bf16": 835.5, "tf32": 417.5, "fp32": 60.0}),
+    (r"H100|H200|GH200|H800", "H100/H200 SXM", {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9}),
+    (r"B200", "B200", {"bf16": 2250.0, "tf32": 1100.0, "fp32": 75.0}),
+    (r"A100|A800", "A100", {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    (r"L40S", "L40S", {"bf16": 362.05, "tf32": 183.0, "fp32": 91.6}),
+    (r"\bL40\b", "L40", {"bf16": 181.05, "tf32": 90.5, "fp32": 90.5}),
+    (r"\bL4\b", "L4", {"bf16": 121.0, "tf32": 60.0, "fp32": 30.3}),
+    (r"\bA10\b", "A10", {"bf16": 125.0, "tf32": 62.5, "fp32": 31.2}),
+    (r"V100", "V100", {"bf16": 125.0, "tf32": 15.7, "fp32": 15.7}),  # float16 tensor cores; no bf16 units
+    (r"MI300X", "MI300X", {"bf16": 1307.4, "tf32": 653.7, "fp32": 163.4}),
+    (r"MI250X", "MI250X", {"bf16": 383.0, "tf32": 47.9, "fp32": 47.9}),
+)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    if dtype in (torch.bfloat16, torch.float16):
+        return "bf16"
+    tf32 = torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+    return "tf32" if tf32 else "fp32"
+
+
+def datasheet_peak_flops(device_name: str, dtype: torch.dtype) -> tuple[float, str] | None:
+    """``(FLOP/s, what it is)`` of ``device_name`` (e.g. ``"NVIDIA H100 80GB HBM3"``) in ``dtype``
+    from :data:`DATASHEET_PEAKS`, or None for a device not listed."""
+    for pattern, name, peaks in DATASHEET_PEAKS:
+        if re.search(pattern, device_name):
+            precision = _precision(dtype)
+            return peaks[precision] * 1e12, f"{name} {precision} dense, datasheet"
+    return None
+
+
 def peak_flops_from_config(value, device: torch.device, dtype: torch.dtype) -> float:
-    """``trainer.peak_flops`` as given, or measured (:func:`measure_peak_flops`) when null/0, then
-    averaged over ranks so every rank reports the same MFU denominator."""
-    peak = float(value) if value else measure_peak_flops(device, dtype)
+    """The MFU denominator, FLOP/s per rank: ``trainer.peak_flops`` as given; when null/0 the
+    datasheet peak of a known GPU (:func:`datasheet_peak_flops`), else measured
+    (:func:`measure_peak_flops`), averaged over ranks so every rank reports the same MFU
+    denominator. Rank 0 prints the peak used and where it comes from."""
+    device = torch.device(device)
+    listed = datasheet_peak_flops(torch.cuda.get_device_name(device), dtype) if device.type == "cuda" else None
+    if value:
+        peak, source = float(value), "trainer.peak_flops"
+    elif listed is not None:
+        peak, source = listed
+    else:
+        peak, source = (
+            measure_peak_flops(device, dtype),
+            f"measured: a 2048^3 {str(dtype).removeprefix('torch.')} matmul",
+        )
     if dist.is_initialized():
         t = torch.tensor([peak], dtype=torch.float64)
         dist.all_reduce(t)
         peak = float(t[0]) / dist.get_world_size()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"MFU peak: {peak / 1e12:.1f} TFLOP/s per rank ({source})", flush=True)
     return peak
 
 

@@ -56,3 +56,49 @@ def test_peak_memory_sees_a_freed_allocation_inside_its_phase():
     assert peaks["memory/big_peak_mib"] - baseline > 200  # seen although freed before the phase ended
     assert peaks["memory/small_peak_mib"] < peaks["memory/big_peak_mib"] - 200
     assert memory.metrics() == {}  # each call starts over
+
+
+@pytest.mark.parametrize(
+    "name,dtype,tera,what",
+    [
+        ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.4, "H100/H200 SXM bf16"),
+        ("NVIDIA H100 PCIe", torch.bfloat16, 756.5, "H100 PCIe bf16"),
+        ("NVIDIA H100 NVL", torch.float16, 835.5, "H100 NVL bf16"),
+        ("NVIDIA H200", torch.bfloat16, 989.4, "H100/H200 SXM bf16"),
+        ("NVIDIA A100-SXM4-80GB", torch.float32, 19.5, "A100 fp32"),
+        ("NVIDIA L40S", torch.bfloat16, 362.05, "L40S bf16"),
+        ("NVIDIA L4", torch.bfloat16, 121.0, "L4 bf16"),
+        ("AMD Instinct MI300X", torch.bfloat16, 1307.4, "MI300X bf16"),
+    ],
+)
+def test_datasheet_peaks_by_device_name(name, dtype, tera, what):
+    from rl2gem.training.metrics import datasheet_peak_flops
+
+    peak, source = datasheet_peak_flops(name, dtype)
+    assert peak == pytest.approx(tera * 1e12) and source.startswith(what)
+
+
+def test_tf32_and_unknown_devices():
+    from rl2gem.training.metrics import datasheet_peak_flops
+
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # TF32 matmuls allowed
+    try:
+        assert datasheet_peak_flops("NVIDIA A100 80GB PCIe", torch.float32)[0] == pytest.approx(156e12)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert datasheet_peak_flops("NVIDIA A10G", torch.bfloat16) is None  # not the A10: not guessed
+    assert datasheet_peak_flops("NVIDIA GeForce RTX 4090", torch.bfloat16) is None
+
+
+def test_peak_from_config_prints_its_source(capsys, monkeypatch):
+    import rl2gem.training.metrics as metrics
+
+    assert metrics.peak_flops_from_config(123e12, torch.device("cpu"), torch.float32) == 123e12
+    assert "MFU peak: 123.0 TFLOP/s per rank (trainer.peak_flops)" in capsys.readouterr().out
+    monkeypatch.setattr(metrics, "measure_peak_flops", lambda device, dtype: 2e11)
+    assert metrics.peak_flops_from_config(None, torch.device("cpu"), torch.float32) == 2e11
+    assert "(measured: a 2048^3 float32 matmul)" in capsys.readouterr().out
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert metrics.peak_flops_from_config(None, torch.device("cuda"), torch.bfloat16) == pytest.approx(989.4e12)
+    assert "(H100/H200 SXM bf16 dense, datasheet)" in capsys.readouterr().out
