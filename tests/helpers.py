@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).parents[1]
 
 
@@ -61,3 +63,33 @@ def stop_and_resume(nproc: int, script: str, args: list[str], stop: int, total: 
 def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
     """``python -m module args`` from the repository root, its output captured as text."""
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=ROOT)
+
+
+def grouped(seed=0, system=0):
+    """Three GRPO-like groups (a prompt, three continuations) and one sequence of its own, the
+    groups optionally under one shared system prompt."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(n):
+        return torch.randint(3, 1000, (n,), generator=g).tolist()
+
+    seqs, shared = [], rand(system)
+    for _ in range(3):
+        prompt = shared + rand(10)
+        seqs += [prompt + rand(5), prompt + rand(7), prompt + rand(3)]
+    return [*seqs, rand(6)]
+
+
+def one_at_a_time(model, seqs):
+    """Per-token log-probs and entropies of each sequence run on its own (no packing, no mask), in
+    packed order with 0 at each first token, as token_logprobs returns them."""
+    logprobs, entropies = [], []
+    device = next(model.parameters()).device
+    for seq in seqs:
+        logits = model(input_ids=torch.tensor([seq], device=device), use_cache=False).logits[0, :-1].float()
+        log_softmax = torch.log_softmax(logits, -1)
+        zero = logits.new_zeros(1)
+        following = torch.tensor(seq[1:], device=device)[:, None]
+        logprobs.append(torch.cat([zero, log_softmax.gather(1, following).squeeze(1)]))
+        entropies.append(torch.cat([zero, -(log_softmax.exp() * log_softmax).sum(-1)]))
+    return torch.cat(logprobs), torch.cat(entropies)

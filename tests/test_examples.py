@@ -273,3 +273,23 @@ def test_proof_tables_read_runs(tmp_path):
         "benchmarks/proof_table.py", "offpolicy", str(tmp_path / "kl")
     )
     assert (tmp_path / "kl" / "curves.png").stat().st_size > 1000
+
+
+def test_gpu_benchmark_smoke(tiny_dir):
+    """benchmarks/gpu.py end to end on the CPU fallback (a tiny model, short rows): the trainer's SFT
+    data path and the plain padded loop train the same rows to the same loss, and the decode table
+    is printed (the GPU's numbers are in RESULTS.md)."""
+    stdout = run(
+        "benchmarks/gpu.py",
+        "--models", "64x2", "--sections", "sft,decode", "--steps", "3", "--scale", "0.05",
+        "--rows", "4", "--new-tokens", "4", "--tokenizer", str(tiny_dir),
+        timeout=600,
+    )  # fmt: skip
+    assert "MFU peak:" in stdout and "Llama 64 x 2" in stdout, stdout
+    for kind in ("mixed", "long"):
+        rows = [line.split("|") for line in stdout.splitlines() if line.startswith(f"| {kind} |")]
+        assert len(rows) == 2 and "plain padded loop" in rows[0][2] and "rl2gem sft" in rows[1][2], stdout
+        plain, ours = float(rows[0][6]), float(rows[1][6])  # the last step's loss, before its update
+        assert abs(plain - ours) <= 1e-3 * abs(plain), stdout
+    decode = [line for line in stdout.splitlines() if line.startswith("| 4 |")]
+    assert len(decode) == 2 and float(decode[1].split("|")[3]) > 0, stdout

@@ -142,7 +142,7 @@ class DPOTrainer(OfflineTrainer):
                 "logps/chosen": logps[0::2].detach().mean(),
                 "logps/rejected": logps[1::2].detach().mean(),
             }
-            averager.add({k: float(v.detach()) for k, v in values.items()}, weight=len(part) * mb.scale)
+            averager.add(values, weight=len(part) * mb.scale)  # tensors: summed on the device
             tokens += sum(len(p) for p in part) if not mb.placeholder else 0
         return averager.means(), tokens
 

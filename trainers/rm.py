@@ -79,7 +79,7 @@ class RMTrainer(OfflineTrainer):
                 "chosen": chosen.mean(),
                 "rejected": rejected.mean(),
             }
-            averager.add({k: float(v.detach()) for k, v in values.items()}, weight=len(part) * mb.scale)
+            averager.add(values, weight=len(part) * mb.scale)  # tensors: summed on the device
             tokens += sum(len(p) for p in part) if not mb.placeholder else 0
         return averager.means("rm/"), tokens
 

@@ -49,23 +49,29 @@ class Averager:
     """Weighted means of named scalars over micro-batches and ranks.
 
     ``add(values, weight)`` once per micro-batch (weight 0 for a placeholder micro-batch, so every
-    rank adds the same keys); :meth:`means` all-reduces the sums and weights over ranks (a
-    collective when ``torch.distributed`` is initialised) and returns ``prefix + key -> mean``
-    (0 where no weight was added anywhere).
+    rank adds the same keys); values and weights may be Python numbers or 0-dim tensors on any
+    device (a tensor is summed where it is, so adding one never waits for the device);
+    :meth:`means` reads them once, all-reduces the sums and weights over ranks (a collective when
+    ``torch.distributed`` is initialised) and returns ``prefix + key -> mean`` (0 where no weight
+    was added anywhere).
     """
 
     def __init__(self):
-        self.sums: dict[str, float] = defaultdict(float)
-        self.weights: dict[str, float] = defaultdict(float)
+        self.sums: dict[str, float | torch.Tensor] = defaultdict(float)
+        self.weights: dict[str, float | torch.Tensor] = defaultdict(float)
 
-    def add(self, values: Mapping[str, float], weight: float = 1.0) -> None:
+    def add(self, values: Mapping[str, float | torch.Tensor], weight: float | torch.Tensor = 1.0) -> None:
+        if isinstance(weight, torch.Tensor):
+            weight = weight.detach().double()
         for key, value in values.items():
-            self.sums[key] += float(weight) * float(value)
-            self.weights[key] += float(weight)
+            value = value.detach().double() if isinstance(value, torch.Tensor) else float(value)
+            self.sums[key] = self.sums[key] + weight * value
+            self.weights[key] = self.weights[key] + weight
 
     def means(self, prefix: str = "") -> dict[str, float]:
         names = sorted(self.sums)
-        table = torch.tensor([[self.sums[k] for k in names], [self.weights[k] for k in names]], dtype=torch.float64)
+        table = torch.tensor([[float(self.sums[k]) for k in names], [float(self.weights[k]) for k in names]])
+        table = table.to(torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1 and names:
             dist.all_reduce(table)
         return {f"{prefix}{k}": (s / w if w > 0 else 0.0) for k, s, w in zip(names, *table.tolist(), strict=True)}
@@ -163,7 +169,7 @@ def peak_flops_from_config(value, device: torch.device, dtype: torch.dtype) -> f
         dist.all_reduce(t)
         peak = float(t[0]) / dist.get_world_size()
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"MFU peak: {peak / 1e12:.1f} TFLOP/s per rank ({source})", flush=True)
+        print(f"MFU peak: {peak / 1e12:.4g} TFLOP/s per rank ({source})", flush=True)
     return peak
 
 

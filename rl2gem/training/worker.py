@@ -84,7 +84,7 @@ class Worker:
     Args:
         section: the worker's config (a trainer's ``actor:`` / ``critic:``): ``model``, ``dtype``,
             ``lr``, ``weight_decay``, ``warmup_steps``, ``max_grad_norm``, ``cpu_offload``,
-            ``gradient_checkpointing``, ``reshard_after_forward``, ``attention``
+            ``gradient_checkpointing``, ``reshard_after_forward``, ``compile``, ``attention``
             (:func:`rl2gem.parallel.attention.resolve_attention`, with ``packing``), optional ``scheduler``
             (:data:`SCHEDULES`) and ``lora`` (:func:`rl2gem.training.lora.lora_config`; applied to
             trainable causal LMs only, so a reference policy built from the same section is the
@@ -136,6 +136,7 @@ class Worker:
             sp_group=mesh.sp_group,
             adapt=(lambda model: lora.inject(model, self.lora)) if self.lora is not None else None,
             attention=self.attention,
+            compile_layers=bool(get("compile", False)),
         )
         self.optimizer = self.scheduler = None
         self.optimizer_steps = 0  # in this process (a resumed run counts from 0)

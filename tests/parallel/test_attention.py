@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+from helpers import grouped, one_at_a_time
 from omegaconf import OmegaConf
 from tiny import tiny_model
 
@@ -66,34 +67,6 @@ def test_visibility_mask_matches_the_trees_ancestry():
     flat = packed_batch([[5, 6, 7], [8, 9]])
     blocks = torch.block_diag(torch.ones(3, 3), torch.ones(2, 2)).bool().tril()
     assert torch.equal(visibility_mask(flat["until"], None)[0, 0], blocks)
-
-
-def grouped(seed=0, system=0):
-    """Three GRPO-like groups (a prompt, three continuations) and one sequence of its own, the
-    groups optionally under one shared system prompt."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(n):
-        return torch.randint(3, 1000, (n,), generator=g).tolist()
-
-    seqs, shared = [], rand(system)
-    for _ in range(3):
-        prompt = shared + rand(10)
-        seqs += [prompt + rand(5), prompt + rand(7), prompt + rand(3)]
-    return [*seqs, rand(6)]
-
-
-def one_at_a_time(model, seqs):
-    """Per-token log-probs and entropies of each sequence run on its own (no packing, no mask), in
-    packed order with 0 at each first token, as token_logprobs returns them."""
-    logprobs, entropies = [], []
-    for seq in seqs:
-        logits = model(input_ids=torch.tensor([seq]), use_cache=False).logits[0, :-1].float()
-        log_softmax = torch.log_softmax(logits, -1)
-        zero = logits.new_zeros(1)
-        logprobs.append(torch.cat([zero, log_softmax.gather(1, torch.tensor(seq[1:])[:, None]).squeeze(1)]))
-        entropies.append(torch.cat([zero, -(log_softmax.exp() * log_softmax).sum(-1)]))
-    return torch.cat(logprobs), torch.cat(entropies)
 
 
 @pytest.mark.parametrize("attention", ["flex", "sdpa", "block"])

@@ -1,0 +1,336 @@
+"""The trainers and the engine on one device, side by side with plain PyTorch in the same run.
+
+On whatever CUDA device is present (else the CPU, with a small model, fp32) this builds
+random-initialised Llamas with SmolLM2's tokenizer (``--models``, ``HIDDENxLAYERS``; 16 heads,
+8 key/value heads) and prints, per model:
+
+1. **sft**: SFT tokens/s and MFU of ``trainers/sft.py`` (world size 1, the real data path:
+   tokenised conversations, the micro-batch planner, FSDP2, ``actor.attention`` and
+   ``actor.compile`` as given by ``--ours``) against a plain PyTorch loop on the same rows in the
+   same order (the rows padded into one batch, SDPA, AdamW, the same masked token-mean NLL), on
+   ``mixed`` rows (lengths spread over 200-2000 tokens) and ``long`` rows (all about 1,500 tokens;
+   both times ``--scale``, a quarter on CPU).
+   The first two steps of each side are warm-up (compilation included) and are not counted.
+2. **ppo**: ``trainers/ppo.py`` seconds per step by phase (rollout, old log-probs, update, weight
+   sync) on ``config=arithmetic`` and on ``rl2/GuessTheNumber-v0`` (16 x 4 episodes; ``--ppo-groups``,
+   2 on CPU).
+3. **decode**: the embedded engine's decode tokens/s at 64 and 256 rows (``--rows``; 128 new tokens
+   each, ``--new-tokens``, EOS ignored) against a warm ``model.generate`` on the same prompts, and the share of the engine's
+   wall time the GPU runs kernels (``torch.profiler``; CUDA only).
+
+MFU is ``6 P`` FLOPs per trained token over the peak that :func:`rl2gem.training.metrics.peak_flops_from_config`
+prints (the datasheet's for a known GPU). Prints Markdown tables with the device, torch and
+transformers versions. Nothing is downloaded; ``--tokenizer`` defaults to the built-in SmolLM2's.
+
+Usage: ``python benchmarks/gpu.py [--models 1024x8,2048x16] [--sections sft,ppo,decode] [--steps 6]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from rl2gem.trainers.sft import tokenize
+from trainers_world1 import make_model, run
+
+from rl2gem.data import load_conversations
+from rl2gem.models import resolve_model
+from rl2gem.rollout.engines.embedded import EmbeddedEngine
+from rl2gem.rollout.tito import ChatRenderer
+from rl2gem.training.metrics import peak_flops_from_config
+from rl2gem.training.offline import epoch_batch
+
+WORDS = [
+    "the",
+    "model",
+    "reads",
+    "each",
+    "token",
+    "of",
+    "the",
+    "row",
+    "and",
+    "the",
+    "answer",
+    "follows",
+    "from",
+    "the",
+    "steps",
+    "written",
+    "before",
+    "it",
+    "so",
+    "a",
+    "careful",
+    "reader",
+    "checks",
+    "every",
+    "number",
+    "twice",
+    "while",
+    "the",
+    "trainer",
+    "updates",
+    "its",
+    "weights",
+    "again",
+]
+BATCH = 16  # rows per optimizer step
+
+
+def make_rows(folder: Path, kind: str, scale: float = 1.0, count: int = 64) -> Path:
+    """``count`` conversations whose rendered length is about ``200..2000`` tokens (``mixed``) or
+    about 1,500 (``long``), times ``scale``, as JSONL."""
+    rng = random.Random(0)
+    rows = []
+    for _ in range(count):
+        target = scale * (rng.randint(200, 2000) if kind == "mixed" else rng.randint(1450, 1550))
+        words = max(8, int(target / 1.05) - 30)
+        text = " ".join(rng.choice(WORDS) for _ in range(words))
+        rows.append({"prompt": "Continue the text.", "response": text})
+    path = folder / f"{kind}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def plain_loop(model_dir: Path, data: Path, steps: int, peak: float) -> dict:
+    """The padded baseline: the trainer's rows (same tokens, same order), one padded batch per
+    step, SDPA, AdamW, the masked token-mean NLL. Returns tokens/s, MFU and the last loss."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    samples = tokenize(ChatRenderer(tokenizer), load_conversations(str(data), "train"), 2048)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(device)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)  # as actor.weight_decay
+    parameters = sum(p.numel() for p in model.parameters())
+    times, tokens, loss = [], [], None
+    for step in range(steps):
+        batch = [samples[i] for i in epoch_batch(len(samples), BATCH, 0, step)]
+        width = max(len(s) for s in batch)
+        ids = torch.tensor([s.ids + [0] * (width - len(s)) for s in batch], device=device)
+        labels = [[t if m else -100 for t, m in zip(s.ids, s.mask, strict=True)] for s in batch]
+        labels = torch.tensor([row + [-100] * (width - len(row)) for row in labels], device=device)
+        attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in batch], device=device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits.float()
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss = float(loss.detach())  # synchronises
+        times.append(time.perf_counter() - start)
+        tokens.append(sum(len(s) for s in batch))
+    counted = slice(2, None) if steps > 2 else slice(None)
+    rate = sum(tokens[counted]) / sum(times[counted])
+    del model, optimizer
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"tokens_per_s": rate, "mfu": 6 * parameters * rate / peak, "loss": loss}
+
+
+def sft_section(model_dir: Path, tmp: Path, steps: int, ours: list[str], peak: float, scale: float) -> None:
+    print("| rows | side | tokens/s | MFU | vs plain loop | last loss |")
+    print("|---|---|---:|---:|---:|---:|")
+    for kind in ("mixed", "long"):
+        data = make_rows(tmp, kind, scale)
+        baseline = plain_loop(model_dir, data, steps, peak)
+        print(
+            f"| {kind} | plain padded loop | {baseline['tokens_per_s']:.0f} | {baseline['mfu']:.1%} | 1.00x |"
+            f" {baseline['loss']:.6g} |",
+            flush=True,
+        )
+        for index, variant in enumerate(ours):
+            args = [
+                "trainers/sft.py",
+                f"actor.model={model_dir}",
+                f"data.train={data}",
+                f"data.batch_size={BATCH}",
+                "data.max_length=2048",
+                "actor.max_length_per_device=32768",
+                "actor.lr=1e-5",
+                f"trainer.total_steps={steps}",
+                *variant.split(),
+            ]
+            out = tmp / f"sft-{kind}-{index}"
+            result = run("sft", args, out)
+            if "error" in result:
+                print(f"| {kind} | rl2gem {variant or 'defaults'} | failed: {result['error'][-200:]!r} | | | |")
+                continue
+            rows = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+            counted = [r for r in rows if "perf/tokens_per_second" in r][2:] or rows
+            rate = statistics.median(r["perf/tokens_per_second"] for r in counted)
+            mfu = statistics.median(r["perf/mfu"] for r in counted)
+            loss = counted[-1].get("train/loss", float("nan"))
+            print(
+                f"| {kind} | rl2gem sft {variant or 'defaults'} | {rate:.0f} | {mfu:.1%} |"
+                f" {rate / baseline['tokens_per_s']:.2f}x | {loss:.6g} |",
+                flush=True,
+            )
+
+
+def ppo_section(model_dir: Path, tmp: Path, steps: int, groups: int) -> None:
+    jobs = {
+        "config=arithmetic": ["config=arithmetic"],
+        f"rl2/GuessTheNumber-v0, {groups} x 4": [
+            "env=rl2/GuessTheNumber-v0",
+            f"rollout.prompts_per_rollout={groups}",
+            "rollout.responses_per_prompt=4",
+            "rollout.max_new_tokens=64",
+        ],
+    }
+    phases = ("time/rollout", "time/old_logprobs", "time/update", "time/weight_sync", "time/step")
+    print("| run | " + " | ".join(p.removeprefix("time/") + " s" for p in phases) + " |")
+    print("|---|" + "---:|" * len(phases))
+    for name, extra in jobs.items():
+        out = tmp / f"ppo-{len(name)}"
+        args = ["trainers/ppo.py", f"actor.model={model_dir}", f"trainer.total_steps={steps}", "trainer.eval_n=8"]
+        result = run("ppo", [*args, *extra], out)
+        if "error" in result:
+            print(f"| {name} | failed: {result['error'][-200:]!r} |")
+            continue
+        rows = [r for r in map(json.loads, (out / "metrics.jsonl").open()) if "time/step" in r][1:]
+        cells = [f"{statistics.median(r.get(p, 0.0) for r in rows):.2f}" if rows else "-" for p in phases]
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+
+
+def busy_fraction(work) -> float | None:
+    """The share of ``work()``'s wall time in which CUDA kernels run (their summed device time,
+    from ``torch.profiler``), or None off CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        start = time.perf_counter()
+        work()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    kernels = sum(e.device_time_total for e in profiler.key_averages() if e.device_type.name == "CUDA")
+    return kernels / 1e6 / wall
+
+
+def timed(work, device: torch.device) -> float:
+    """Wall seconds of ``work()``, the device synchronised before and after."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    work()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def static_generate(model, prompts: list[list[int]], pad: int, new: int) -> None:
+    """``model.generate`` on ``prompts`` left-padded into one batch, exactly ``new`` sampled tokens each."""
+    device = next(model.parameters()).device
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    starts = torch.tensor([width - len(p) for p in prompts], device=device)
+    mask = (torch.arange(width, device=device)[None] >= starts[:, None]).long()
+    with torch.no_grad():
+        model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=True, pad_token_id=pad
+        )
+
+
+def engine_decode(model, tokenizer, prompts: list[list[int]], new: int) -> dict:
+    """The embedded engine (as the rollout uses it) on ``prompts``, ``new`` tokens each; its counters."""
+
+    async def go():
+        engine = EmbeddedEngine(model, tokenizer, max_batch_size=len(prompts))
+        params = {"max_new_tokens": new, "temperature": 1.0, "ignore_eos": True}
+        await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+        await engine.close()
+        return engine.stats
+
+    return asyncio.run(go())
+
+
+def decode_section(model_dir: Path, row_counts: list[int], new_tokens: int) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    pad, rng = tokenizer.pad_token_id, random.Random(0)
+    print("| rows | side | decode tokens/s | vs model.generate | GPU busy |")
+    print("|---:|---|---:|---:|---:|")
+    for rows in row_counts:
+        prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(32, 96))] for _ in range(rows)]
+        static_generate(model, prompts, pad, new_tokens)  # warm
+        seconds = timed(lambda p=prompts: static_generate(model, p, pad, new_tokens + 1), device)
+        seconds -= timed(lambda p=prompts: static_generate(model, p, pad, 1), device)  # its prefill
+        baseline = rows * new_tokens / max(seconds, 1e-9)
+        engine_decode(model, tokenizer, prompts, new_tokens)  # warm
+        stats = engine_decode(model, tokenizer, prompts, new_tokens)
+        rate = stats["decode_tokens"] / max(stats["time_decode_ms"] / 1000, 1e-9)
+        busy = busy_fraction(lambda p=prompts: engine_decode(model, tokenizer, p, new_tokens))
+        busy_text = f"{busy:.0%}" if busy is not None else "-"
+        print(f"| {rows} | model.generate (warm, static batch) | {baseline:.0f} | 1.00x | - |")
+        print(f"| {rows} | rl2gem EmbeddedEngine | {rate:.0f} | {rate / baseline:.2f}x | {busy_text} |", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    cuda = torch.cuda.is_available()
+    parser.add_argument(
+        "--models", default="1024x8,2048x16" if cuda else "256x2", help="HIDDENxLAYERS, comma-separated"
+    )
+    parser.add_argument("--sections", default="sft,ppo,decode")
+    parser.add_argument("--steps", type=int, default=6 if cuda else 4)
+    parser.add_argument(
+        "--ours",
+        default="actor.attention=auto;actor.attention=auto actor.compile=true" if cuda else "actor.attention=auto",
+        help="variants of our trainer's overrides, ';'-separated",
+    )
+    parser.add_argument("--ppo-groups", type=int, default=16 if cuda else 2, help="ppo: GuessTheNumber groups per step")
+    parser.add_argument("--rows", default="64,256", help="decode: rows in flight, comma-separated")
+    parser.add_argument("--new-tokens", type=int, default=128, help="decode: new tokens per row")
+    parser.add_argument(
+        "--scale", type=float, default=1.0 if cuda else 0.25, help="row lengths times this (CPU: a quarter)"
+    )
+    parser.add_argument("--tokenizer", default=None, help="a folder with SmolLM2's tokenizer (default: the built-in)")
+    args = parser.parse_args(argv)
+    sections = set(args.sections.split(","))
+    tokenizer = args.tokenizer or str(resolve_model("smollm2-135m-instruct"))
+    device = torch.cuda.get_device_name() if cuda else "CPU (fp32)"
+    print(f"{device}; torch {torch.__version__}, transformers {transformers.__version__}\n", flush=True)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    peak = peak_flops_from_config(None, torch.device("cuda" if cuda else "cpu"), dtype)
+    for spec in args.models.split(","):
+        hidden, layers = (int(x) for x in spec.split("x"))
+        with tempfile.TemporaryDirectory() as tmp:
+            tmp = Path(tmp)
+            model_dir = tmp / "model"
+            make_model(model_dir, tokenizer, hidden, layers)
+            size = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_pretrained(model_dir).parameters())
+            print(f"\n## Llama {hidden} x {layers} ({size / 1e6:.1f}M parameters)\n", flush=True)
+            if "sft" in sections:
+                sft_section(model_dir, tmp, args.steps, args.ours.split(";"), peak, args.scale)
+            if "ppo" in sections:
+                print()
+                ppo_section(model_dir, tmp, max(3, args.steps // 2), args.ppo_groups)
+            if "decode" in sections:
+                print()
+                decode_section(model_dir, [int(n) for n in args.rows.split(",")], args.new_tokens)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""The CUDA paths: every attention kernel against the sequences run one at a time, compiled layers,
+the engine's greedy output against ``model.generate``, and each trainer for two steps at world
+size 1. Run with ``pytest -m gpu`` on a machine with a GPU; skipped without CUDA (so never in CI).
+
+Nothing is downloaded: the model is the tiny random Llama of ``tests/tiny.py`` with SmolLM2's
+tokenizer, from ``$RL2GEM_TEST_TOKENIZER`` (a folder) when set, else the built-in model's.
+"""
+
+import asyncio
+import copy
+import json
+import math
+import os
+import random
+
+import pytest
+import torch
+from helpers import grouped, logged_steps, one_at_a_time, torchrun
+from tiny import tiny_model
+
+from rl2gem.parallel.attention import enable_attention, flash_attn_available
+from rl2gem.training import token_logprobs
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def cuda_model_dir(tmp_path_factory):
+    """The tiny random Llama and SmolLM2's tokenizer in a folder (``actor.model``)."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-cuda")
+    tiny_model().save_pretrained(folder)
+    source = os.environ.get("RL2GEM_TEST_TOKENIZER")
+    if source is None:
+        from rl2gem.models import resolve_model
+
+        source = resolve_model("smollm2-135m-instruct")
+    AutoTokenizer.from_pretrained(source).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("attention", ["flex", "flash", "sdpa", "block"])
+@pytest.mark.parametrize("tree,system", [(False, 0), (True, 0), (True, 6)])
+def test_cuda_kernels_give_the_sequences_own_logprobs_and_gradients(attention, tree, system):
+    """Each kernel on CUDA (fp32; flash-attn in bf16 against the fp32 reference) gives the
+    log-probs, entropies and gradients of the sequences run one at a time."""
+    if attention == "flash" and (tree or not flash_attn_available()):
+        pytest.skip("flash-attn: flat rows only, and the package must be installed")
+    dtype = torch.bfloat16 if attention == "flash" else torch.float32
+    reference = tiny_model().float().to(CUDA)
+    with torch.no_grad():
+        reference.model.embed_tokens.weight.div_(40.0)
+    packed = copy.deepcopy(reference).to(dtype)
+    enable_attention(packed, attention)
+    seqs = grouped(system=system)
+    lp_ref, ent_ref = one_at_a_time(reference, seqs)
+    (lp_ref.sum() + 0.1 * ent_ref.sum()).backward()
+    lp, ent = token_logprobs(packed, seqs, CUDA, entropy="grad", tree=tree)
+    (lp.sum() + 0.1 * ent.sum()).backward()
+    tolerance = 3e-2 if dtype == torch.bfloat16 else 1e-4
+    assert lp.device.type == "cuda"
+    torch.testing.assert_close(lp.detach(), lp_ref.detach(), atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(ent.detach(), ent_ref.detach(), atol=tolerance, rtol=tolerance)
+    grads = dict(packed.named_parameters())
+    for name, parameter in reference.named_parameters():
+        difference = float((grads[name].grad.float() - parameter.grad).abs().max())
+        assert difference <= 10 * tolerance * float(parameter.grad.abs().max()) + 1e-6, name
+
+
+def test_compiled_layers_give_the_eager_logprobs():
+    """Decoder layers compiled as ``actor.compile=true`` does (:func:`rl2gem.parallel.fsdp.load_sharded`)
+    give the eager model's log-probs on rows of changing length (flex attention)."""
+    from rl2gem.parallel.fsdp import decoder_layers
+
+    eager = tiny_model().float().to(CUDA)
+    with torch.no_grad():
+        eager.model.embed_tokens.weight.div_(40.0)
+    compiled = copy.deepcopy(eager)
+    for model in (eager, compiled):
+        enable_attention(model, "flex")
+    for layer in decoder_layers(compiled):
+        layer.forward = torch.compile(layer.forward)
+    for seed in range(3):  # three row lengths: shapes go dynamic
+        seqs = grouped(seed=seed, system=seed)
+        with torch.no_grad():
+            expected = token_logprobs(eager, seqs, CUDA)[0]
+            got = token_logprobs(compiled, seqs, CUDA)[0]
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_engine_greedy_equals_model_generate():
+    """The embedded engine's greedy tokens on CUDA (fp32) equal ``model.generate``'s."""
+    from rl2gem.rollout.engines.embedded import EmbeddedEngine
+
+    model = tiny_model().float().to(CUDA)
+    prompts = [list(range(5 + i, 25 + 3 * i)) for i in range(6)]
+    expected = []
+    for prompt in prompts:
+        out = model.generate(
+            torch.tensor([prompt], device=CUDA), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=2
+        )
+        expected.append(out[0, len(prompt) :].tolist())
+
+    async def run():
+        engine = EmbeddedEngine(model, None, max_batch_size=4)
+        params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+        outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+        await engine.close()
+        return [list(o.output_ids) for o in outs]
+
+    assert asyncio.run(run()) == expected
+
+
+def write_data(folder):
+    rng = random.Random(0)
+    conversations, pairs = [], []
+    for _ in range(16):
+        a, b = rng.randint(1, 99), rng.randint(1, 99)
+        question, answer = f"What is {a} + {b}?", f"The answer is {a + b}."
+        conversations.append({"prompt": question, "response": answer})
+        pairs.append({"prompt": question, "chosen": answer, "rejected": f"The answer is {a + b + 1}."})
+    (folder / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in conversations))
+    (folder / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
+
+
+@pytest.mark.parametrize(
+    "trainer,extra",
+    [
+        ("sft", ["data.train={data}/sft.jsonl"]),
+        ("sft", ["data.train={data}/sft.jsonl", "actor.compile=true"]),
+        ("rm", ["data.train={data}/pairs.jsonl"]),
+        ("dpo", ["data.train={data}/pairs.jsonl", "actor.packing=tree"]),
+        (
+            "ppo",
+            [
+                "env=rl2/GuessTheNumber-v0",
+                "rollout.prompts_per_rollout=4",
+                "rollout.responses_per_prompt=2",
+                "rollout.max_new_tokens=16",
+                "trainer.eval_n=4",
+            ],
+        ),
+        ("ppo", ["env=rl2/GuessTheNumber-v0", "actor.packing=tree", "trainer.eval_n=4", "rollout.max_new_tokens=16"]),
+    ],
+)
+def test_each_trainer_runs_two_steps_on_cuda(cuda_model_dir, tmp_path, trainer, extra):
+    """Two steps at world size 1 on CUDA (bf16): every step logged, losses finite, CUDA memory used."""
+    write_data(tmp_path)
+    args = [f"actor.model={cuda_model_dir}", "trainer.total_steps=2", f"trainer.output_dir={tmp_path / 'out'}"]
+    args += ["trainer.progress=false", *(a.format(data=tmp_path) for a in extra)]
+    if trainer != "ppo":
+        args.append("data.batch_size=8")
+    torchrun(1, f"trainers/{trainer}.py", *args, timeout=900)
+    steps = logged_steps(tmp_path / "out" / "metrics.jsonl", "time/step")
+    assert sorted(steps) == [1, 2]
+    for row in steps.values():
+        losses = [v for k, v in row.items() if k.endswith("loss")]
+        assert all(math.isfinite(v) for v in losses)
+        assert any(k.startswith("memory/") and v > 0 for k, v in row.items())
