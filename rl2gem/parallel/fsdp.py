@@ -162,7 +162,9 @@ def load_sharded(
             hooks run outside the compiled code; shapes go dynamic after the first recompile).
             The first steps pay the compilation (tens of seconds).
 
-    Returns the FSDP-wrapped model (train mode) with ``dtype`` parameters.
+    Returns the model (train mode) with ``dtype`` parameters: FSDP-wrapped, or, on a data mesh
+    of one rank without tensor parallelism, CPU offload or mixed precision, the plain module
+    (FSDP there only copies parameters and gradients through its buffers).
 
     Raises:
         ValueError: unknown ``head``, or a model that ``tp_mesh`` cannot split
@@ -214,9 +216,11 @@ def load_sharded(
     if compile_layers:
         for layer in decoder_layers(model):
             layer.forward = torch.compile(layer.forward)
-    shard_model(
-        model, mesh, cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype
-    )
+    if mesh.size() > 1 or tp_mesh is not None or cpu_offload or param_dtype is not None:
+        shard_model(
+            model, mesh, cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype
+        )
+    # else one rank: FSDP would only copy parameters and gradients through its buffers every step
     model.to_empty(device="cpu" if cpu_offload else device)
     opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
     set_model_state_dict(model, full or {}, options=opts)
