@@ -42,6 +42,7 @@ from rl2gem.parallel.packing import visibility_mask
 __all__ = [
     "ATTENTIONS",
     "FLEX_ATTENTION",
+    "IMPLEMENTATIONS",
     "attention_mask",
     "enable_attention",
     "flash_attn_available",

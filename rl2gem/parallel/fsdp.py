@@ -216,12 +216,14 @@ def load_sharded(
     if compile_layers:
         for layer in decoder_layers(model):
             layer.forward = torch.compile(layer.forward)
-    if mesh.size() > 1 or tp_mesh is not None or cpu_offload or param_dtype is not None:
+    sharded = mesh.size() > 1 or tp_mesh is not None or cpu_offload or param_dtype is not None
+    if sharded:  # else one rank: FSDP would only copy parameters and gradients through its buffers
         shard_model(
             model, mesh, cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype
         )
-    # else one rank: FSDP would only copy parameters and gradients through its buffers every step
     model.to_empty(device="cpu" if cpu_offload else device)
+    if not sharded and head == "lm" and getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()  # to_empty gave each module its own new parameter (FSDP keeps the tie itself)
     opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
     set_model_state_dict(model, full or {}, options=opts)
     _init_buffers(model, config, device)

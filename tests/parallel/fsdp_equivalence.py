@@ -10,6 +10,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from rl2gem.algorithms import packed_loss_weights, policy_loss
 from rl2gem.parallel.fsdp import full_state_dict, init_distributed, load_sharded
@@ -88,6 +89,7 @@ def main(model_dir: str, out: str, *options: str) -> None:
             json.dump(
                 {
                     "loss": float(loss_sum),
+                    "fsdp": isinstance(model, FSDPModule),
                     "grads": grads,
                     "params": params,
                     "logprobs": logprobs.tolist(),

@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from helpers import grouped
 from tiny import tiny_model
 
 from rl2gem.parallel.block_attention import BLOCK_ATTENTION, attention_blocks, enable_block_attention
@@ -51,16 +52,7 @@ def test_block_attention_gives_the_whole_row_logprobs_and_gradients(tree, system
     blocked = copy.deepcopy(reference)
     assert enable_block_attention(blocked) and blocked.config._attn_implementation == BLOCK_ATTENTION
     assert not enable_block_attention(blocked)  # already switched: not SDPA any more
-    g = torch.Generator().manual_seed(0)
-
-    def rand(n):
-        return torch.randint(3, 1000, (n,), generator=g).tolist()
-
-    seqs, shared = [], rand(system)
-    for _ in range(3):
-        prompt = shared + rand(10)
-        seqs += [prompt + rand(5), prompt + rand(7), prompt + rand(3)]
-    seqs.append(rand(6))
+    seqs = grouped(system=system)
     results = []
     for model in (reference, blocked):
         model.zero_grad()

@@ -77,11 +77,12 @@ def test_fsdp_two_ranks_equal_one(tiny_dir, tmp_path, one_rank_reference, option
     """FSDP2 over 2 ranks (plain, HSDP replicas, CPU offload with activation checkpointing, LoRA
     adapters beside frozen base shards), tensor parallelism over 2 ranks and ZigZag sequence
     parallelism over 2 ranks (on uneven packed lengths) give one process's logits, per-token
-    log-probs, loss and gradients."""
+    log-probs, loss and gradients (one process runs the model without an FSDP wrapper)."""
     script = str(ROOT / "tests" / "parallel" / "fsdp_equivalence.py")
     one = one_rank_reference(tuple(o for o in options if o.startswith(("lengths=", "max_tokens=", "lora="))))
     torchrun(2, script, str(tiny_dir), str(tmp_path / "two.json"), *options)
     two = json.loads((tmp_path / "two.json").read_text())
+    assert two["fsdp"] and not one["fsdp"]  # one rank runs the plain module: FSDP would only copy
     assert one["loss"] == pytest.approx(two["loss"], rel=1e-5, abs=1e-7)
     assert one["params"] == pytest.approx(two["params"], rel=1e-6)
     assert two["logprobs"] == pytest.approx(one["logprobs"], rel=1e-6, abs=1e-5)
