@@ -19,7 +19,8 @@ random-initialised Llamas with SmolLM2's tokenizer (``--models``, ``HIDDENxLAYER
    wall time the GPU runs kernels (``torch.profiler``; CUDA only).
 
 MFU is ``6 P`` FLOPs per trained token over the peak that :func:`rl2gem.training.metrics.peak_flops_from_config`
-prints (the datasheet's for a known GPU). Prints Markdown tables with the device, torch and
+prints (the datasheet's for a known GPU; on CPU a matmul measured once in this process), the same
+``P`` and peak for both sides. Prints Markdown tables with the device, torch and
 transformers versions. Nothing is downloaded; ``--tokenizer`` defaults to the built-in SmolLM2's.
 
 Usage: ``python benchmarks/gpu.py [--models 1024x8,2048x16] [--sections sft,ppo,decode] [--steps 6]``
@@ -140,7 +141,7 @@ def plain_loop(model_dir: Path, data: Path, steps: int, peak: float) -> dict:
     del model, optimizer
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"tokens_per_s": rate, "mfu": 6 * parameters * rate / peak, "loss": loss}
+    return {"tokens_per_s": rate, "mfu": 6 * parameters * rate / peak, "loss": loss, "parameters": parameters}
 
 
 def sft_section(model_dir: Path, tmp: Path, steps: int, ours: list[str], peak: float, scale: float) -> None:
@@ -174,7 +175,7 @@ def sft_section(model_dir: Path, tmp: Path, steps: int, ours: list[str], peak: f
             rows = [json.loads(line) for line in (out / "metrics.jsonl").open()]
             counted = [r for r in rows if "perf/tokens_per_second" in r][2:] or rows
             rate = statistics.median(r["perf/tokens_per_second"] for r in counted)
-            mfu = statistics.median(r["perf/mfu"] for r in counted)
+            mfu = 6 * baseline["parameters"] * rate / peak  # the same model and peak as the plain loop's
             loss = counted[-1].get("train/loss", float("nan"))
             print(
                 f"| {kind} | rl2gem sft {variant or 'defaults'} | {rate:.0f} | {mfu:.1%} |"
