@@ -8,10 +8,12 @@
 #                                               # to benchmarks/gpu.py, e.g. --sections sft
 #
 # prepare: downloads the wheels (Python 3.12, no dependencies resolved: the list is explicit; three
-# that PyPI has only as sources are built with this machine's python3.12), builds
-# rl2gem's own wheel from this tree into .whl/ and saves SmolLM2's tokenizer into .tok/ (both folders
-# ignored by git through .git/info/exclude). run: installs .whl/ into /tmp/site, then runs
-# `pytest -m gpu` and benchmarks/gpu.py, logs under $OUT (the device tool's folder) or gpu-logs/.
+# that PyPI has only as sources are built with this machine's python3.12) into .whl/ and saves
+# SmolLM2's tokenizer into .tok/ (both folders ignored by git through .git/info/exclude). run:
+# installs .whl/ into /tmp/site, makes the tree importable as the package (envs/ and trainers/
+# linked into rl2gem/, as the editable install maps them), then runs `pytest -m gpu` and
+# benchmarks/gpu.py, logs under $OUT (the device tool's folder) or gpu-logs/; exits non-zero if
+# either failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -37,7 +39,6 @@ case "${1:-}" in
     .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       "${platforms[@]}" -d .whl "${WHEELS[@]}" || exit 1
     "${PYTHON312:-$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python3.12}" -m pip wheel -q --no-deps -w .whl "${SOURCE_ONLY[@]}" || exit 1
-    .venv/bin/python -m pip wheel -q --no-deps -w .whl . && rm -rf build || exit 1
     .venv/bin/python -c "
 from transformers import AutoTokenizer
 from rl2gem.models import resolve_model
@@ -48,11 +49,19 @@ AutoTokenizer.from_pretrained(resolve_model('smollm2-135m-instruct')).save_pretr
     shift
     out=${OUT:-gpu-logs}
     mkdir -p "$out"
+    version=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+    [ "$version" = 3.12 ] || { echo "the wheels in .whl are for Python 3.12, not $version" >&2; exit 1; }
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 RL2GEM_TEST_TOKENIZER=$PWD/.tok WANDB_MODE=offline
+    # the tree itself is the package, as an editable install makes it: envs/ and trainers/ inside it
+    ln -sfn ../envs rl2gem/envs && ln -sfn ../trainers rl2gem/trainers || exit 1
+    export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 RL2GEM_TEST_TOKENIZER=$PWD/.tok WANDB_MODE=offline
     nvidia-smi > "$out/nvidia-smi.txt" 2>&1
     "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$out/pytest-gpu.log"
+    tests=${PIPESTATUS[0]}
     "$PYTHON" benchmarks/gpu.py --tokenizer "$PWD/.tok" "$@" 2>&1 | tee "$out/gpu-benchmark.log"
+    bench=${PIPESTATUS[0]}
+    echo "pytest -m gpu exit $tests, benchmarks/gpu.py exit $bench"
+    [ "$tests" = 0 ] && [ "$bench" = 0 ]
     ;;
   *)
     echo "usage: bash benchmarks/gpu_session.sh prepare | run [benchmarks/gpu.py arguments]" >&2

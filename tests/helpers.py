@@ -14,7 +14,8 @@ ROOT = Path(__file__).parents[1]
 def torchrun_command(nproc: int, *args: str) -> tuple[list[str], dict[str, str]]:
     """The command line and environment of a ``torchrun --standalone`` job run from the repository root."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
-    return cmd, {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # keep the caller's too
+    return cmd, {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 600, cwd=None, env=None) -> str:

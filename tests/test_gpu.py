@@ -145,6 +145,7 @@ def write_data(folder):
         ("ppo", ["env=rl2/GuessTheNumber-v0", "actor.packing=tree", "trainer.eval_n=4", "rollout.max_new_tokens=16"]),
     ],
 )
+@pytest.mark.timeout(1000)  # the first steps compile FlexAttention
 def test_each_trainer_runs_two_steps_on_cuda(cuda_model_dir, tmp_path, trainer, extra):
     """Two steps at world size 1 on CUDA (bf16): every step logged, losses finite, CUDA memory used."""
     write_data(tmp_path)

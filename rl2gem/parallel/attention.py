@@ -22,7 +22,7 @@ reads it in its own form:
                   additive mask.
 ``block``         SDPA per block of queries over only the keys it sees
                   (:mod:`rl2gem.parallel.block_attention`): the CPU path.
-``auto``          ``flash`` on CUDA for flat rows when flash-attn imports, else ``flex`` on
+``auto``          ``flash`` on CUDA for flat bf16/fp16 rows when flash-attn imports, else ``flex`` on
                   CUDA; ``block`` elsewhere.
 ================  ===========================================================================
 
@@ -32,6 +32,7 @@ Every path gives the log-probs, entropies and gradients of SDPA over the whole r
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -59,12 +60,22 @@ FLEX_ATTENTION = "rl2_flex"
 IMPLEMENTATIONS = {"flex": FLEX_ATTENTION, "flash": "flash_attention_2", "sdpa": "sdpa", "block": BLOCK_ATTENTION}
 
 
+@functools.cache
 def flash_attn_available() -> bool:
-    """Whether the ``flash_attn`` package (flash-attn 2, the ``[gpu]`` extra) can be imported."""
-    return importlib.util.find_spec("flash_attn") is not None
+    """Whether flash-attn 2 (the ``[gpu]`` extra) imports with its CUDA kernels (a build made for
+    another torch is installed but fails to import)."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return False
+    try:
+        import flash_attn_2_cuda  # noqa: F401
+    except Exception:  # an ABI mismatch surfaces as ImportError or OSError
+        return False
+    return True
 
 
-def resolve_attention(requested: str, device: torch.device | str, tree: bool = False) -> str:
+def resolve_attention(
+    requested: str, device: torch.device | str, tree: bool = False, dtype: torch.dtype = torch.bfloat16
+) -> str:
     """The kernel ``actor.attention=requested`` runs on ``device``: one of ``flex``, ``flash``,
     ``sdpa``, ``block`` (``auto`` resolved as the module docstring says).
 
@@ -72,10 +83,11 @@ def resolve_attention(requested: str, device: torch.device | str, tree: bool = F
         requested: one of :data:`ATTENTIONS`.
         device: the training device.
         tree: the rows are prefix trees (``actor.packing=tree``).
+        dtype: the model's dtype (flash-attn runs bfloat16 and float16 only).
 
     Raises:
-        ValueError: an unknown name; ``flex`` off CUDA; ``flash`` with a tree, off CUDA, or
-            without flash-attn.
+        ValueError: an unknown name; ``flex`` off CUDA; ``flash`` with a tree, off CUDA, without
+            flash-attn, or in float32.
     """
     device = torch.device(device)
     if requested not in ATTENTIONS:
@@ -83,7 +95,8 @@ def resolve_attention(requested: str, device: torch.device | str, tree: bool = F
     if requested == "auto":
         if device.type != "cuda":
             return "block"
-        return "flash" if not tree and flash_attn_available() else "flex"
+        half = dtype in (torch.bfloat16, torch.float16)
+        return "flash" if not tree and half and flash_attn_available() else "flex"
     if requested == "flex" and device.type != "cuda":
         raise ValueError("attention=flex trains on CUDA only (PyTorch has no FlexAttention backward on CPU): use block")
     if requested == "flash":
@@ -91,6 +104,8 @@ def resolve_attention(requested: str, device: torch.device | str, tree: bool = F
             raise ValueError("attention=flash reads sequence boundaries, not a prefix tree: use flex or auto")
         if device.type != "cuda" or not flash_attn_available():
             raise ValueError("attention=flash needs CUDA and the flash-attn package (pip install 'rl2gem[gpu]')")
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"attention=flash runs bfloat16 or float16 only, not {dtype}: use flex")
     return requested
 
 

@@ -70,8 +70,9 @@ class Averager:
 
     def means(self, prefix: str = "") -> dict[str, float]:
         names = sorted(self.sums)
-        table = torch.tensor([[float(self.sums[k]) for k in names], [float(self.weights[k]) for k in names]])
-        table = table.to(torch.float64)
+        table = torch.tensor(
+            [[float(self.sums[k]) for k in names], [float(self.weights[k]) for k in names]], dtype=torch.float64
+        )
         if dist.is_initialized() and dist.get_world_size() > 1 and names:
             dist.all_reduce(table)
         return {f"{prefix}{k}": (s / w if w > 0 else 0.0) for k, s, w in zip(names, *table.tolist(), strict=True)}

@@ -118,7 +118,9 @@ class Worker:
         self.name_or_path = model or get("model")
         self.head, self.mesh, self.device = head, mesh, device
         self.dtype = resolve_dtype(get("dtype", "auto"), device)
-        self.attention = resolve_attention(get("attention", "auto"), device, tree=get("packing", "flat") == "tree")
+        self.attention = resolve_attention(
+            get("attention", "auto"), device, tree=get("packing", "flat") == "tree", dtype=self.dtype
+        )
         self.max_grad_norm = float(get("max_grad_norm", 1.0))
         self.lora = lora.lora_config(get("lora")) if trainable and head == "lm" else None
         if self.lora is not None and mesh.tp_mesh is not None:

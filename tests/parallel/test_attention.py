@@ -26,6 +26,9 @@ def test_auto_resolves_by_device_and_packing(monkeypatch):
     assert resolve_attention("auto", "cuda") == "flash"
     assert resolve_attention("auto", "cuda", tree=True) == "flex"  # flash-attn cannot read a tree
     assert resolve_attention("flash", "cuda") == "flash"
+    assert resolve_attention("auto", "cuda", dtype=torch.float32) == "flex"  # flash-attn: bf16/fp16 only
+    with pytest.raises(ValueError, match="bfloat16 or float16 only"):
+        resolve_attention("flash", "cuda", dtype=torch.float32)
     monkeypatch.setattr(attention_module, "flash_attn_available", lambda: False)
     assert resolve_attention("auto", "cuda") == "flex"
     for name in ("sdpa", "block"):
