@@ -91,7 +91,7 @@ def resolve_attention(
     """
     device = torch.device(device)
     if requested not in ATTENTIONS:
-        raise ValueError(f"attention must be one of {list(ATTENTIONS)}, got {requested!r}")
+        raise ValueError(f"attention={requested!r} is not one of {list(ATTENTIONS)}")
     if requested == "auto":
         if device.type != "cuda":
             return "block"

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from rl2gem.algorithms import entropy_from_logits
-from rl2gem.parallel.attention import ATTENTIONS, IMPLEMENTATIONS, attention_mask, flash_attn_available
+from rl2gem.parallel.attention import IMPLEMENTATIONS, attention_mask, resolve_attention
 from rl2gem.parallel.packing import packed_batch, plan, plan_tree, tree_batch
 from rl2gem.parallel.ring_attention import gather_sequence_parallel, ring_context, zigzag_layout
 from rl2gem.parallel.tensor_parallel import vocab_parallel_logprobs
@@ -68,24 +68,22 @@ def check_packing(actor) -> bool:
 
 
 def check_attention(actor) -> str:
-    """``actor.attention`` checked against the rest of the section (before anything loads); returns it.
+    """``actor.attention`` checked against the rest of the section and this machine's device (before
+    anything loads; :func:`rl2gem.parallel.attention.resolve_attention`); returns it.
 
     Raises:
-        rl2gem.config.ConfigError: an unknown value; ``flash`` with ``actor.packing=tree`` or
-            without the flash-attn package; anything but ``auto`` with ``actor.sp_size > 1``
-            (ring attention has its own kernel).
+        rl2gem.config.ConfigError: what ``resolve_attention`` refuses (an unknown value, ``flex``
+            without CUDA, ``flash`` with ``actor.packing=tree``, without CUDA or flash-attn), or
+            anything but ``auto`` with ``actor.sp_size > 1`` (ring attention has its own kernel).
     """
     from rl2gem.config import ConfigError
 
     attention = actor.get("attention", "auto")
-    if attention not in ATTENTIONS:
-        raise ConfigError(f"actor.attention={attention!r} is not one of {list(ATTENTIONS)}")
-    if attention == "flash" and actor.get("packing", "flat") == "tree":
-        raise ConfigError(
-            "actor.attention=flash reads sequence boundaries, not prefix trees: use flex with packing=tree"
-        )
-    if attention == "flash" and not flash_attn_available():
-        raise ConfigError("actor.attention=flash needs the flash-attn package (pip install 'rl2gem[gpu]'); or use flex")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        resolve_attention(attention, device, tree=actor.get("packing", "flat") == "tree")
+    except ValueError as error:
+        raise ConfigError(f"actor.{error}") from None
     if attention != "auto" and int(actor.get("sp_size", 1)) > 1:
         raise ConfigError(f"actor.attention={attention} with actor.sp_size > 1: ring attention is used; leave it auto")
     return attention

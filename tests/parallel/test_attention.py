@@ -48,10 +48,13 @@ def test_check_attention_names_the_key():
     def actor(**values):
         return OmegaConf.create({"attention": "auto", "packing": "flat", "sp_size": 1, **values})
 
-    assert check_attention(actor(attention="flex")) == "flex"
+    assert check_attention(actor(attention="block")) == "block"
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="actor.attention=flex trains on CUDA only"):
+            check_attention(actor(attention="flex"))
     with pytest.raises(ConfigError, match=r"actor.attention='xformers' is not one of"):
         check_attention(actor(attention="xformers"))
-    with pytest.raises(ConfigError, match="actor.attention=flash .*prefix trees"):
+    with pytest.raises(ConfigError, match="actor.attention=flash reads sequence boundaries, not a prefix tree"):
         check_attention(actor(attention="flash", packing="tree"))
     with pytest.raises(ConfigError, match="actor.sp_size"):
         check_attention(actor(attention="block", sp_size=2))
