@@ -17,6 +17,7 @@ here is paid on each execution (``platform`` or ``contextlib`` would cost about 
 import errno
 import os
 import resource
+import stat
 import struct
 import sys
 
@@ -40,7 +41,6 @@ _BLOCKED_EVENTS = {
 }
 # ``import ctypes`` stays possible (sympy imports its type names; the import opens the
 # main program's handle); opening other libraries and looking up any symbol are refused.
-_PRELOAD = ()
 _WRITE_EVENTS = {
     "os.remove",
     "os.rmdir",
@@ -155,7 +155,7 @@ def install_landlock(workdir, readable):
             except OSError:
                 return  # a default path this host does not have
             try:
-                if not os.path.isdir(f"/proc/self/fd/{fd}"):
+                if not stat.S_ISDIR(os.fstat(fd).st_mode):
                     access &= file_mask
                 rule = ctypes.create_string_buffer(struct.pack("=Qi", access, fd), 12)
                 _check(_syscall(_LANDLOCK_ADD_RULE, ruleset, 1, rule, 0), f"landlock_add_rule({path})")
@@ -495,20 +495,93 @@ def seccomp_program(machine, own_pid):
     return prog
 
 
+_PID_SLOT = None  # where the sandbox's own pid goes in the program (see seccomp_filter)
+_FILTERS = {}  # machine -> the packed program, with the pid's instructions left unpacked
+
+
+def seccomp_filter(machine, own_pid):
+    """:func:`seccomp_program` packed as ``struct sock_filter`` bytes. The part that does not depend
+    on the pid is packed once per process (the fork server's children inherit it)."""
+    if machine not in _FILTERS:
+        _FILTERS[machine] = [
+            ins if ins[3] is _PID_SLOT else struct.pack("=HBBI", *ins) for ins in seccomp_program(machine, _PID_SLOT)
+        ]
+    return b"".join(
+        part if isinstance(part, bytes) else struct.pack("=HBBI", *part[:3], own_pid) for part in _FILTERS[machine]
+    )
+
+
 def install_seccomp():
     """Install :func:`seccomp_program` on every thread of this process (no new privileges first)."""
     ctypes, libc = _libc()
     machine = os.uname().machine
     if machine not in _SYSCALLS:
         raise OSError(errno.ENOSYS, f"no seccomp syscall table for {machine}")
-    prog = seccomp_program(machine, os.getpid())
-    code = b"".join(struct.pack("=HBBI", *ins) for ins in prog)
+    code = seccomp_filter(machine, os.getpid())
     filters = ctypes.create_string_buffer(code, len(code))
-    fprog = ctypes.create_string_buffer(struct.pack("=HxxxxxxQ", len(prog), ctypes.addressof(filters)), 16)
+    fprog = ctypes.create_string_buffer(struct.pack("=HxxxxxxQ", len(code) // 8, ctypes.addressof(filters)), 16)
     _no_new_privs()
     number = _SYSCALLS[machine][1]["seccomp"]
     # seccomp(SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC, prog): all threads at once
     _check(_syscall(number, 1, 1, fprog), "seccomp(SECCOMP_SET_MODE_FILTER)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Namespaces from inside a process (the fork server's children): what ``unshare --user
+# --map-root-user --net --pid --fork --mount-proc --kill-child`` does for the one-process path.
+_CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE = 2, 4, 8, 0x4000, 0x40000
+_PR_SET_PDEATHSIG = 1
+
+
+def _write(path, text):
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def enter_namespaces():
+    """Move into new user (root mapped to the caller's uid and gid), network (loopback only, down),
+    PID and mount namespaces, with a ``/proc`` of the new PID namespace.
+
+    Forks once: returns in the child, PID 1 of the new PID namespace, which dies with its parent
+    (``PR_SET_PDEATHSIG``). The caller never returns: it waits for that child and exits with its
+    status (or dies of the same signal), like ``unshare --fork --kill-child``. Raises OSError, in the
+    caller, when a namespace cannot be made; in the child, when ``/proc`` cannot be mounted.
+    """
+    _, libc = _libc()
+    uid, gid = os.getuid(), os.getgid()
+    _check(libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET | _CLONE_NEWPID | _CLONE_NEWNS), "unshare")
+    _write("/proc/self/setgroups", "deny")
+    _write("/proc/self/uid_map", f"0 {uid} 1")
+    _write("/proc/self/gid_map", f"0 {gid} 1")
+    pid = os.fork()
+    if pid:
+        _relay(pid)
+    _check(libc.prctl(_PR_SET_PDEATHSIG, 9, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
+    _check(libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "mount(/, MS_PRIVATE)")
+    _check(libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None), "mount(/proc)")
+
+
+def _relay(pid):
+    """Wait for ``pid`` holding nothing of its I/O, then end the same way it did. Never returns."""
+    import signal
+
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for target in (0, 1, 2):
+        os.dup2(devnull, target)
+    os.closerange(3, 1 << 20)
+    try:
+        _, status = os.waitpid(pid, 0)
+    except ChildProcessError:
+        os._exit(125)
+    if os.WIFSIGNALED(status):
+        number = os.WTERMSIG(status)
+        signal.signal(number, signal.SIG_DFL)
+        os.kill(os.getpid(), number)
+    os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
 
 
 def _install(workdir):
@@ -580,7 +653,7 @@ def _limits(cfg):
 
         signal.signal(signal.SIGXCPU, on_xcpu)
         cpu = int(cfg["cpu_s"])
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, int(cfg.get("cpu_hard_s") or cpu + 1)))
     if cfg.get("memory_bytes"):
         setl(resource.RLIMIT_AS, int(cfg["memory_bytes"]))
     if cfg.get("file_bytes"):
@@ -590,7 +663,8 @@ def _limits(cfg):
     setl(resource.RLIMIT_NOFILE, 256)
 
 
-def _run(code):
+def _run(code, namespace=None):
+    """Run ``code`` like a notebook cell in ``namespace`` (default: a fresh ``__main__``); return an exit code."""
     import _ast  # the C module: the ``ast`` package's import would add milliseconds per run
 
     try:
@@ -603,7 +677,8 @@ def _run(code):
     last = None
     if tree.body and isinstance(tree.body[-1], _ast.Expr):
         last = _ast.Expression(tree.body.pop().value)
-    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+    if namespace is None:
+        namespace = {"__name__": "__main__", "__builtins__": __builtins__}
     try:
         exec(compile(tree, "<code>", "exec"), namespace)
         if last is not None:
@@ -643,8 +718,30 @@ def _confine(cfg):
     return layers
 
 
+def _probe_namespaces():
+    """Whether a forked child can :func:`enter_namespaces` here: ``(1, "")`` or ``(0, why)``."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            enter_namespaces()
+            os._exit(0 if os.getpid() == 1 and os.listdir("/proc/self") else 1)
+        except BaseException as e:
+            os.write(write, str(e).encode()[:500])
+            os._exit(1)
+    os.close(write)
+    why = os.read(read, 512).decode(errors="replace")
+    os.close(read)
+    _, status = os.waitpid(pid, 0)
+    ok = os.waitstatus_to_exitcode(status) == 0
+    return (1, "") if ok else (0, why or f"the child exited with status {os.waitstatus_to_exitcode(status)}")
+
+
 def _probe(cfg):
     """Install the asked-for layers in this (empty) process and print what worked, one per line."""
+    if cfg.get("userns"):  # first: it forks, and Landlock and seccomp below confine this process
+        found, why = _probe_namespaces()
+        print(f"userns={found} {why}".rstrip())
     for name in ("landlock", "seccomp"):
         if not cfg.get(name):
             continue
@@ -669,27 +766,34 @@ def _site(paths):
     sys.path.extend(path for path in paths if path not in sys.path)
 
 
-def main():
+def parse_args(argv):
+    """``key=value`` arguments: ints (empty: ``None``), or lists (preload: commas; read, site: newlines)."""
     cfg = {}
-    for arg in sys.argv[1:]:  # key=value pairs: ints, or lists (preload: commas; read: newlines)
+    for arg in argv:
         key, _, value = arg.partition("=")
         if key == "preload":
             cfg[key] = tuple(v for v in value.split(",") if v)
         elif key in ("read", "site"):
             cfg[key] = tuple(v for v in value.split("\n") if v)
+        elif key == "tmp":
+            cfg[key] = value
         else:
             cfg[key] = int(value) if value else None
-    if cfg.get("probe"):
-        _probe(cfg)
-    _site(cfg.get("site", ()))
-    code = sys.stdin.read()
-    sys.stdin.close()
-    sys.stdin = open(os.devnull)  # noqa: SIM115 (stdin for the rest of the process)
-    for name in (*_PRELOAD, *cfg.get("preload", ())):  # modules imported before the limits (e.g. numpy)
-        try:  # noqa: SIM105 (as above)
+    return cfg
+
+
+def preload(names):
+    """Import ``names`` before the limits (e.g. numpy); a module that fails is the code's problem."""
+    for name in names:
+        try:  # noqa: SIM105 (contextlib costs milliseconds to import, on every execution)
             __import__(name)
         except Exception:  # the code meets the same error when it imports the module
             pass
+
+
+def confine(cfg):
+    """Resource limits, the kernel layers (fail closed: exit 125 when one cannot be installed), then
+    the audit hook; and the boot's own folder off ``sys.path``. Runs once per sandboxed process."""
     _limits(cfg)
     try:
         _confine(cfg)
@@ -700,11 +804,82 @@ def main():
     if cfg.get("audit", 1):
         _install(os.getcwd())
     sys.argv = ["<code>"]
-    sys.path = [p for p in sys.path if p and os.path.realpath(p) != os.path.dirname(os.path.realpath(__file__))]
+    here = os.path.dirname(os.path.realpath(__file__))
+    sys.path = [p for p in sys.path if p and os.path.realpath(p) != here]
+
+
+def read_code():
+    """The code, read from stdin to its end; stdin is then ``/dev/null``."""
+    code = sys.stdin.read()
+    sys.stdin.close()
+    sys.stdin = open(os.devnull)  # noqa: SIM115 (stdin for the rest of the process)
+    return code
+
+
+def execute(cfg, code):
+    """Confine this process (:func:`confine`), run ``code``, exit with its status. Never returns."""
+    confine(cfg)
     rc = _run(code)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc if isinstance(rc, int) else 1)
+
+
+def serve_session(cfg, control):
+    """A persistent interpreter: confine once, then run each call's code in one namespace. Never returns.
+
+    ``control`` is a connected ``SOCK_SEQPACKET`` socket. Each call arrives as a message with three
+    file descriptors (stdin with the code, stdout, stderr); when the code is done, they are closed
+    (so the caller sees the end of the output) and ``done <exit code>`` is sent back. The CPU-time
+    limit is ``cpu_s`` per call (``cpu_hard_s`` for the whole session); the process ends when
+    ``control`` is closed.
+    """
+    import socket
+
+    confine(cfg)
+    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+    devnull = os.open(os.devnull, os.O_RDWR)
+    cpu = cfg.get("cpu_s")
+    while True:
+        try:
+            message, fds, _, _ = socket.recv_fds(control, 64, 3)
+        except OSError:
+            os._exit(0)
+        if not message or len(fds) != 3:
+            os._exit(0)
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        chunks = []
+        while True:
+            chunk = os.read(0, 1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        if cpu:
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            soft = int(usage.ru_utime + usage.ru_stime) + int(cpu)
+            hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+            resource.setrlimit(resource.RLIMIT_CPU, (soft if hard < 0 else min(soft, hard), hard))
+        rc = _run(b"".join(chunks).decode("utf-8", "replace"), namespace)
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except Exception:
+            pass
+        for target in (0, 1, 2):
+            os.dup2(devnull, target)
+        control.send(f"done {rc if isinstance(rc, int) else 1}".encode())
+
+
+def main():
+    cfg = parse_args(sys.argv[1:])
+    if cfg.get("probe"):
+        _probe(cfg)
+    _site(cfg.get("site", ()))
+    code = read_code()
+    preload(cfg.get("preload", ()))  # modules imported before the limits (e.g. numpy)
+    execute(cfg, code)
 
 
 if __name__ == "__main__":

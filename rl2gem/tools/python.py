@@ -46,6 +46,7 @@ what it does not name), and kernel bugs.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import dataclasses
@@ -54,19 +55,34 @@ import os
 import shutil
 import signal
 import site
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SandboxConfig", "SandboxMode", "SandboxResult", "run_python", "sandbox_mode", "PythonTool"]
+from rl2gem.tools._fork_server import Child, ForkServer, ForkServerError, fork_server
+
+__all__ = [
+    "ForkServerError",
+    "PythonSession",
+    "PythonTool",
+    "SandboxConfig",
+    "SandboxMode",
+    "SandboxResult",
+    "run_python",
+    "sandbox_mode",
+    "warm_up",
+]
 
 #: Output (bytes per stream) after which a process is stopped early.
 _FLOOD_BYTES = 1 << 20
 _BOOT = str(Path(__file__).with_name("_sandbox_boot.py"))
+_ZYGOTE = str(Path(__file__).with_name("_sandbox_zygote.py"))
 _UNSHARE = ["--user", "--map-root-user", "--net", "--pid", "--fork", "--mount-proc", "--kill-child"]
 #: Every layer, in the order they are installed around the code.
 LAYERS = ("namespaces", "landlock", "seccomp", "audit_hook")
@@ -103,12 +119,17 @@ class SandboxMode:
         namespaces: ``unshare`` can make unprivileged user, network, PID and mount namespaces.
         seccomp: a seccomp-bpf filter could be installed (x86_64 or arm64 Linux).
         landlock: the kernel's Landlock ABI version, ``0`` when it has none.
-        missing: for each unavailable layer, why (the error the probe got).
+        fork_namespaces: a child of the fork server can make the same namespaces itself (the
+            unshare(2) system call, uid/gid maps, its own ``/proc``). Without it, executions that
+            want namespaces take the path without a pool (a fresh interpreter under ``unshare``).
+        missing: for each unavailable layer, why (the error the probe got); ``"fork_namespaces"``
+            too, when namespaces work but not from a forked child.
     """
 
     namespaces: bool
     seccomp: bool
     landlock: int
+    fork_namespaces: bool = False
     missing: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
@@ -125,10 +146,15 @@ class SandboxMode:
         """The layers available here, in :data:`LAYERS` order."""
         return tuple(layer for layer in LAYERS if self.has(layer))
 
+    def pooled(self, layers: tuple[str, ...]) -> bool:
+        """Whether the fork server can give a child ``layers`` (else the fresh-interpreter path)."""
+        return "namespaces" not in layers or self.fork_namespaces
+
     def __str__(self) -> str:
         names = [f"landlock (ABI {self.landlock})" if layer == "landlock" else layer for layer in self.layers]
+        pool = "fork server: every layer" if self.pooled(self.layers) else "fork server: without namespaces"
         missing = "; ".join(f"no {layer}: {why}" for layer, why in self.missing.items())
-        return ", ".join(names) + (f" ({missing})" if missing else "")
+        return ", ".join(names) + f"; {pool}" + (f" ({missing})" if missing else "")
 
 
 @functools.cache
@@ -151,7 +177,7 @@ def sandbox_mode() -> SandboxMode:
     with tempfile.TemporaryDirectory(prefix="rl2gem-sandbox-probe-") as folder:
         try:
             r = subprocess.run(
-                [sys.executable, "-I", "-B", _BOOT, "probe=1", "landlock=1", "seccomp=1"],
+                [sys.executable, "-I", "-B", _BOOT, "probe=1", f"userns={int(namespaces)}", "landlock=1", "seccomp=1"],
                 capture_output=True,
                 timeout=30,
                 cwd=folder,
@@ -168,7 +194,11 @@ def sandbox_mode() -> SandboxMode:
     for layer in ("landlock", "seccomp"):
         if not found.get(layer):
             missing.setdefault(layer, "the probe could not install it")
-    return SandboxMode(namespaces, bool(found.get("seccomp")), found.get("landlock", 0), missing)
+    fork_namespaces = namespaces and bool(found.get("userns"))
+    why = missing.pop("userns", "the probe could not make them in a forked child")
+    if namespaces and not fork_namespaces:
+        missing["fork_namespaces"] = why
+    return SandboxMode(namespaces, bool(found.get("seccomp")), found.get("landlock", 0), fork_namespaces, missing)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,6 +227,10 @@ class SandboxConfig:
             starts threads when imported cannot be preloaded under Landlock (which binds one
             thread): the run then stops before the code starts.
         max_concurrency: executions at once per event loop (further calls wait).
+        pool_size: fork servers kept per distinct config in this process (see "The warm pool" in
+            the module doc); ``0``: no pool, a fresh interpreter per execution.
+        session_cpu_s: CPU seconds a persistent session (:class:`PythonSession`) may use in all
+            (default ``max(60, 10 * cpu_s)``); ``cpu_s`` still bounds each call.
     """
 
     timeout_s: float = 10.0
@@ -213,6 +247,8 @@ class SandboxConfig:
     audit_hook: bool = True
     require: tuple[str, ...] = ()
     readable: tuple[str, ...] = ()
+    pool_size: int = 1
+    session_cpu_s: int | None = None
 
     def __post_init__(self):
         if self.isolation not in ("auto", "namespaces", "audit"):
@@ -231,6 +267,13 @@ class SandboxConfig:
             raise ValueError(
                 "timeout_s > 0, memory_mb >= 32, max_output_chars >= 1 and max_concurrency >= 1 are required"
             )
+        if self.pool_size < 0:
+            raise ValueError(f"pool_size must be >= 0 (0: no pool), got {self.pool_size}")
+
+    @property
+    def cpu_limit_s(self) -> int:
+        """The CPU-time limit per execution, seconds (``cpu_s``, else ``timeout_s`` rounded up)."""
+        return self.cpu_s or max(1, int(-(-self.timeout_s // 1)))
 
 
 @dataclasses.dataclass
@@ -246,6 +289,9 @@ class SandboxResult:
         elapsed_s: wall-clock seconds from start to exit.
         isolation: ``"namespaces"`` or ``"audit"``.
         layers: the layers that confined this run (:data:`LAYERS` names).
+        runner: ``"fresh"`` (a new interpreter), ``"pool"`` (forked by a fork server) or
+            ``"session"`` (a call in a :class:`PythonSession`).
+        notes: lines for the model after the output (e.g. that a session was restarted).
     """
 
     stdout: str
@@ -257,6 +303,8 @@ class SandboxResult:
     isolation: str
     output_exceeded: bool = False
     layers: tuple[str, ...] = ()
+    runner: str = "fresh"
+    notes: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -280,6 +328,7 @@ class SandboxResult:
             parts.append(f"[The process was killed by {name}]")
         if self.truncated and not self.output_exceeded:
             parts.append("[Output truncated]")
+        parts.extend(f"[{note}]" for note in self.notes)
         return "\n".join(parts) if parts else "[No output. Use print() to see values.]"
 
 
@@ -362,31 +411,15 @@ def _readable(cfg: SandboxConfig) -> list[str]:
     return [path for path in dict.fromkeys(resolved) if os.path.exists(path)]
 
 
-async def run_python(code: str, config: SandboxConfig | None = None) -> SandboxResult:
-    """Run ``code`` in the sandbox (see the module doc) and return what it did.
-
-    Never raises for anything the code does; waits for a free slot of the
-    per-loop pool first.
-
-    Args:
-        code: Python source; a final expression's ``repr`` is printed, like a notebook cell.
-        config: limits (default :class:`SandboxConfig()`).
-
-    Raises:
-        RuntimeError: a layer in ``config.require`` (or namespaces, for ``isolation="namespaces"``)
-            that this host lacks; the message says why it is missing.
-    """
-    cfg = config or SandboxConfig()
-    if sandbox_mode.cache_info().currsize == 0:  # the one-time probe starts processes: not on the loop
-        await asyncio.to_thread(sandbox_mode)
-    host = sandbox_mode()
-    layers = _layers(cfg, host)
-    mode = "namespaces" if "namespaces" in layers else "audit"
+def _boot_args(cfg: SandboxConfig, layers: tuple[str, ...], *, session: bool = False) -> list[str]:
+    """The ``key=value`` arguments of the boot script (and of the fork server) for ``cfg``."""
+    namespaces = "namespaces" in layers
     limits = {
-        "cpu_s": cfg.cpu_s or max(1, int(-(-cfg.timeout_s // 1))),
+        "cpu_s": cfg.cpu_limit_s,
+        "cpu_hard_s": (cfg.session_cpu_s or max(60, 10 * cfg.cpu_limit_s)) if session else None,
         "memory_bytes": cfg.memory_mb * 2**20,
         "file_bytes": cfg.max_file_mb * 2**20,
-        "max_processes": cfg.max_processes if mode == "namespaces" else None,
+        "max_processes": cfg.max_processes if namespaces else None,
         "landlock": int("landlock" in layers),
         "seccomp": int("seccomp" in layers),
         "audit": int("audit_hook" in layers),
@@ -395,102 +428,347 @@ async def run_python(code: str, config: SandboxConfig | None = None) -> SandboxR
     if "landlock" in layers:
         args.append("read=" + "\n".join(_readable(cfg)))
     args.append("site=" + "\n".join(_site_packages()))
-    argv = [sys.executable, "-I", "-S", "-B", _BOOT, *args]
-    if mode == "namespaces":
-        argv = [_unshare() or "unshare", *_UNSHARE, *argv]
+    return args
+
+
+async def _host_layers(cfg: SandboxConfig) -> tuple[SandboxMode, tuple[str, ...]]:
+    if sandbox_mode.cache_info().currsize == 0:  # the one-time probe starts processes: not on the loop
+        await asyncio.to_thread(sandbox_mode)
+    host = sandbox_mode()
+    return host, _layers(cfg, host)
+
+
+def _server(cfg: SandboxConfig, layers: tuple[str, ...], *, session: bool = False) -> ForkServer:
+    """The fork server for ``cfg`` (namespaces, when ``layers`` has them, are made per child)."""
+    args = _boot_args(cfg, layers, session=session)
+    args += [f"namespaces={int('namespaces' in layers)}", f"tmp={tempfile.gettempdir()}"]
+    argv = [sys.executable, "-I", "-S", "-B", _ZYGOTE, *args]
+    return fork_server(argv, _child_env(tempfile.gettempdir()), tempfile.gettempdir(), cfg.pool_size or 1)
+
+
+async def warm_up(config: SandboxConfig | None = None) -> None:
+    """Start the fork servers of ``config`` now, rather than at its first execution (about 50-100 ms
+    each). Raises :class:`RuntimeError` as :func:`run_python` does, and when the server cannot start."""
+    cfg = config or SandboxConfig()
+    host, layers = await _host_layers(cfg)
+    if cfg.pool_size and host.pooled(layers):
+        for _ in range(cfg.pool_size):
+            server = _server(cfg, layers)
+            if not server.ready:
+                await asyncio.to_thread(server.start)
+
+
+async def _pipe_streams(
+    read_fds: Sequence[int], write_fd: int
+) -> tuple[asyncio.StreamWriter, list[asyncio.StreamReader], list[asyncio.BaseTransport]]:
+    """Event-loop streams over pipe ends of this process (the transports own and close them)."""
+    loop = asyncio.get_running_loop()
+    readers, transports = [], []
+    for fd in read_fds:
+        reader = asyncio.StreamReader(limit=2**20)
+        transport, _ = await loop.connect_read_pipe(
+            lambda reader=reader: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", 0)
+        )
+        readers.append(reader)
+        transports.append(transport)
+    transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, os.fdopen(write_fd, "wb", 0))
+    transports.append(transport)
+    return asyncio.StreamWriter(transport, protocol, None, loop), readers, transports
+
+
+async def _exchange(
+    code: str, stdin: asyncio.StreamWriter, stdout: asyncio.StreamReader, stderr: asyncio.StreamReader, cfg, kill
+) -> tuple[bytes, bytes, bool, bool, bool]:
+    """Write ``code`` to the process, read its output within ``cfg.timeout_s`` (``kill()`` on a timeout or
+    a flood). Returns stdout, stderr, whether output was cut, whether it flooded, whether it timed out."""
     cap = cfg.max_output_chars
-    async with _semaphore(cfg.max_concurrency):
-        workdir = tempfile.mkdtemp(prefix="rl2gem-sandbox-")
-        start = time.perf_counter()
-        proc = None
+    overflow = asyncio.Event()
+
+    async def feed() -> None:
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                cwd=workdir,
-                env=_child_env(workdir),
-                start_new_session=True,  # its own process group, killed as a whole
-            )
-            overflow = asyncio.Event()
+            stdin.write(code.encode("utf-8", "replace"))
+            await stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        finally:
+            stdin.close()
 
-            async def feed() -> None:
-                try:
-                    proc.stdin.write(code.encode("utf-8", "replace"))
-                    await proc.stdin.drain()
-                except (BrokenPipeError, ConnectionResetError):
-                    pass
-                finally:
-                    proc.stdin.close()
+    async def gather():
+        await feed()
+        return await asyncio.gather(_read_capped(stdout, cap * 4, overflow), _read_capped(stderr, cap * 4, overflow))
 
-            async def gather():
-                await feed()
-                return await asyncio.gather(
-                    _read_capped(proc.stdout, cap * 4, overflow), _read_capped(proc.stderr, cap * 4, overflow)
-                )
+    io = asyncio.ensure_future(gather())
+    stopper = asyncio.ensure_future(overflow.wait())
+    try:
+        done, _ = await asyncio.wait({io, stopper}, timeout=cfg.timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopper.cancel()
+    if io not in done:
+        kill()
+    try:
+        (out, cut_out), (err, cut_err) = await asyncio.wait_for(io, 5.0)
+    except (asyncio.TimeoutError, asyncio.CancelledError):
+        io.cancel()
+        out, err, cut_out, cut_err = b"", b"", False, False
+    return out, err, bool(overflow.is_set() or cut_out or cut_err), overflow.is_set(), not done
 
-            io = asyncio.ensure_future(gather())
-            stopper = asyncio.ensure_future(overflow.wait())
-            done, _ = await asyncio.wait({io, stopper}, timeout=cfg.timeout_s, return_when=asyncio.FIRST_COMPLETED)
-            timed_out = not done
-            if io not in done:
-                _kill_group(proc.pid)
-            stopper.cancel()
-            try:
-                (out, cut_out), (err, cut_err) = await asyncio.wait_for(io, 5.0)
-            except (asyncio.TimeoutError, asyncio.CancelledError):
-                io.cancel()
-                out, err, cut_out, cut_err = b"", b"", False, False
-            transport = getattr(proc, "_transport", None)
-            try:
-                exit_code = await asyncio.wait_for(proc.wait(), 5.0)
-            except asyncio.TimeoutError:  # a pipe still held open: drop the pipes, keep the status
-                _kill_group(proc.pid)
-                if transport is not None:
-                    transport.close()
-                exit_code = await asyncio.wait_for(proc.wait(), 5.0)
-            _kill_group(proc.pid)  # anything the code left behind in its group
-            if transport is not None:  # release the pipes now, not when the loop is gone
+
+def _result(
+    out: bytes, err: bytes, cut: bool, flood: bool, timed_out: bool, exit_code, start: float, cfg, layers, **kw
+):
+    stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
+    mode = "namespaces" if "namespaces" in layers else "audit"
+    if mode == "namespaces":  # unshare's own complaints about how its child ended
+        stderr = "".join(ln for ln in stderr.splitlines(keepends=True) if not ln.startswith("unshare: "))
+    cap = cfg.max_output_chars
+    if len(stdout) > cap:
+        stdout, cut = stdout[:cap], True
+    if len(stderr) > cap:
+        stderr, cut = stderr[-cap:], True
+    elapsed = time.perf_counter() - start
+    return SandboxResult(stdout, stderr, exit_code, timed_out, cut, elapsed, mode, flood, layers, **kw)
+
+
+async def run_python(code: str, config: SandboxConfig | None = None) -> SandboxResult:
+    """Run ``code`` in the sandbox (see the module doc) and return what it did.
+
+    Never raises for anything the code does; waits for a free slot of the
+    per-loop pool first. Forked by a fork server when ``config.pool_size > 0`` and
+    the host can give a forked child every layer asked for, else a fresh interpreter.
+
+    Args:
+        code: Python source; a final expression's ``repr`` is printed, like a notebook cell.
+        config: limits (default :class:`SandboxConfig()`).
+
+    Raises:
+        RuntimeError: a layer in ``config.require`` (or namespaces, for ``isolation="namespaces"``)
+            that this host lacks; the message says why it is missing. :class:`ForkServerError`
+            (a RuntimeError) when the fork server cannot start.
+    """
+    cfg = config or SandboxConfig()
+    host, layers = await _host_layers(cfg)
+    async with _semaphore(cfg.max_concurrency):
+        if cfg.pool_size and host.pooled(layers):
+            return await _run_pooled(code, cfg, layers)
+        return await _run_fresh(code, cfg, layers)
+
+
+async def _run_pooled(code: str, cfg: SandboxConfig, layers: tuple[str, ...]) -> SandboxResult:
+    """One execution forked by the fork server (see the module doc)."""
+    server = _server(cfg, layers)
+    (stdin_read, stdin_write), (out_read, out_write), (err_read, err_write) = os.pipe(), os.pipe(), os.pipe()
+    start = time.perf_counter()
+    try:
+        child = await server.spawn("run", (stdin_read, out_write, err_write))
+    except BaseException:
+        for fd in (stdin_write, out_read, err_read):
+            os.close(fd)
+        raise
+    finally:
+        for fd in (stdin_read, out_write, err_write):
+            os.close(fd)
+    stdin, (stdout, stderr), transports = await _pipe_streams((out_read, err_read), stdin_write)
+    try:
+        out, err, cut, flood, timed_out = await _exchange(code, stdin, stdout, stderr, cfg, child.kill)
+        try:
+            exit_code = await asyncio.wait_for(asyncio.shield(child.exited), 10.0)
+        except asyncio.TimeoutError:  # it closed its output but does not end: stop it
+            child.kill()
+            exit_code = await asyncio.wait_for(asyncio.shield(child.exited), 10.0)
+    except BaseException:
+        child.kill()
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(child.exited), 5.0)
+        raise
+    finally:
+        for transport in transports:
+            transport.close()
+    return _result(out, err, cut, flood, timed_out, exit_code, start, cfg, layers, runner="pool")
+
+
+async def _run_fresh(code: str, cfg: SandboxConfig, layers: tuple[str, ...]) -> SandboxResult:
+    """One execution in a fresh interpreter (under ``unshare`` in namespaces mode)."""
+    argv = [sys.executable, "-I", "-S", "-B", _BOOT, *_boot_args(cfg, layers)]
+    if "namespaces" in layers:
+        argv = [_unshare() or "unshare", *_UNSHARE, *argv]
+    workdir = tempfile.mkdtemp(prefix="rl2gem-sandbox-")
+    start = time.perf_counter()
+    proc = None
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            cwd=workdir,
+            env=_child_env(workdir),
+            start_new_session=True,  # its own process group, killed as a whole
+        )
+        output = await _exchange(code, proc.stdin, proc.stdout, proc.stderr, cfg, lambda: _kill_group(proc.pid))
+        transport = getattr(proc, "_transport", None)
+        try:
+            exit_code = await asyncio.wait_for(proc.wait(), 5.0)
+        except asyncio.TimeoutError:  # a pipe still held open: drop the pipes, keep the status
+            _kill_group(proc.pid)
+            if transport is not None:
                 transport.close()
-            elapsed = time.perf_counter() - start
-            stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
-            if mode == "namespaces":  # unshare's own complaints about how its child ended
-                stderr = "".join(ln for ln in stderr.splitlines(keepends=True) if not ln.startswith("unshare: "))
-            truncated = overflow.is_set() or cut_out or cut_err
-            if len(stdout) > cap:
-                stdout, truncated = stdout[:cap], True
-            if len(stderr) > cap:
-                stderr, truncated = stderr[-cap:], True
-            return SandboxResult(
-                stdout, stderr, exit_code, timed_out, bool(truncated), elapsed, mode, overflow.is_set(), layers
-            )
+            exit_code = await asyncio.wait_for(proc.wait(), 5.0)
+        _kill_group(proc.pid)  # anything the code left behind in its group
+        if transport is not None:  # release the pipes now, not when the loop is gone
+            transport.close()
+        return _result(*output, exit_code, start, cfg, layers)
+    except BaseException:
+        if proc is not None and proc.returncode is None:
+            _kill_group(proc.pid)
+            await asyncio.shield(proc.wait())
+        raise
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _how_it_ended(result: SandboxResult) -> str:
+    if result.output_exceeded:
+        return "its output flooded"
+    if result.timed_out:
+        return "a call timed out"
+    code = result.exit_code
+    if code is not None and code < 0 and -code in signal.valid_signals():
+        return f"killed by {signal.Signals(-code).name}"
+    return f"it exited with status {code}"
+
+
+class PythonSession:
+    """One persistent sandboxed interpreter: globals, imports and files persist across :meth:`run`
+    calls, like a notebook kernel; meant for one episode (close it with the episode).
+
+    The process is forked by the fork server and confined once, with the same layers and limits as
+    :func:`run_python`: ``timeout_s`` and ``cpu_s`` per call, ``memory_mb`` for the process,
+    ``session_cpu_s`` of CPU in all. A call that times out, floods its output or ends the process
+    kills the session; its result says so, and the next call starts a fresh session and says that
+    variables from earlier calls are gone. Calls on one session run one at a time.
+
+    Raises:
+        RuntimeError: as :func:`run_python`; also when the config has ``pool_size=0`` or the host
+            cannot give a forked child the layers asked for (sessions need the fork server).
+    """
+
+    def __init__(self, config: SandboxConfig | None = None):
+        self.config = config or SandboxConfig()
+        self._socket: socket.socket | None = None
+        self._child: Child | None = None
+        self._lost: str | None = None  # why the previous session ended, for the next call's note
+        self._lock: asyncio.Lock | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The session process's pid on the host (``None`` before the first call)."""
+        return self._child.pid if self._child is not None and not self._child.exited.done() else None
+
+    async def _open(self, layers: tuple[str, ...]) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self._child = await _server(self.config, layers, session=True).spawn("session", (theirs.fileno(),))
         except BaseException:
-            if proc is not None and proc.returncode is None:
-                _kill_group(proc.pid)
-                await asyncio.shield(proc.wait())
+            ours.close()
             raise
         finally:
-            shutil.rmtree(workdir, ignore_errors=True)
+            theirs.close()
+        ours.setblocking(False)
+        self._socket = ours
+
+    async def run(self, code: str) -> SandboxResult:
+        """Run ``code`` in this session (a final expression's ``repr`` is printed)."""
+        cfg = self.config
+        host, layers = await _host_layers(cfg)
+        if not cfg.pool_size or not host.pooled(layers):
+            raise RuntimeError(
+                "a Python session needs the fork server: pool_size >= 1 and a host that can give a forked "
+                f"child every layer asked for ({host})"
+            )
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock, _semaphore(cfg.max_concurrency):
+            notes = []
+            if self._child is None or self._child.exited.done():
+                if self._lost is not None:
+                    notes.append(f"New Python session: {self._lost}, so variables from earlier calls are gone")
+                self.close()
+                await self._open(layers)
+            return await self._call(code, layers, tuple(notes))
+
+    async def _call(self, code: str, layers: tuple[str, ...], notes: tuple[str, ...]) -> SandboxResult:
+        assert self._socket is not None and self._child is not None
+        loop, child, control = asyncio.get_running_loop(), self._child, self._socket
+        (stdin_read, stdin_write), (out_read, out_write), (err_read, err_write) = os.pipe(), os.pipe(), os.pipe()
+        start = time.perf_counter()
+        try:
+            control.sendmsg(
+                [b"call"],
+                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", (stdin_read, out_write, err_write)))],
+            )
+        except OSError:
+            for fd in (stdin_write, out_read, err_read):
+                os.close(fd)
+            child.kill()
+        finally:
+            for fd in (stdin_read, out_write, err_write):
+                os.close(fd)
+        stdin, (stdout, stderr), transports = await _pipe_streams((out_read, err_read), stdin_write)
+        try:
+            out, err, cut, flood, timed_out = await _exchange(code, stdin, stdout, stderr, self.config, child.kill)
+            try:
+                reply = b"" if (timed_out or flood) else await asyncio.wait_for(loop.sock_recv(control, 64), 10.0)
+            except (asyncio.TimeoutError, OSError):
+                reply = b""
+            if reply.startswith(b"done ") and reply[5:].lstrip(b"-").isdigit():
+                exit_code: int | None = int(reply[5:])
+            else:  # the session ended (or lied): make sure, and take the status it ended with
+                child.kill()
+                exit_code = await asyncio.wait_for(asyncio.shield(child.exited), 10.0)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            for transport in transports:
+                transport.close()
+        result = _result(out, err, cut, flood, timed_out, exit_code, start, self.config, layers, runner="session")
+        result.notes = notes
+        if child.exited.done() or reply[:5] != b"done ":
+            self._lost = f"the previous one was stopped ({_how_it_ended(result)})"
+            result.notes = (*notes, "The Python session was stopped: the next call starts a fresh one")
+        return result
+
+    def close(self) -> None:
+        """End the session's process (safe to call twice; the next :meth:`run` starts a new one)."""
+        child, control = self._child, self._socket
+        self._child = self._socket = None
+        if child is not None:
+            with contextlib.suppress(RuntimeError):
+                child.kill()
+        if control is not None:
+            control.close()
+
+    async def aclose(self) -> None:
+        """Coroutine twin of :meth:`close`."""
+        self.close()
 
 
 class PythonTool:
-    """A :class:`rl2gem.tools.Tool` that runs Python code in the sandbox (:func:`run_python`).
+    """A :class:`rl2gem.tools.Tool` that runs Python code in the sandbox.
 
     Arguments: ``{"code": str}``. The result text is the printed output (the
     value of a final expression is printed too), the traceback of an error,
     and a status line when the code timed out or was killed.
 
     Args:
-        config: sandbox limits (default: 10 s, 1 GiB, 4096 characters, auto isolation).
+        config: sandbox limits (default: 10 s, 1 GiB, 4096 characters, auto isolation, the pool).
         name: the tool name the model calls (default ``"python"``).
+        persistent: ``False``: each call is a fresh process (:func:`run_python`). ``True``:
+            the calls of one episode share a :class:`PythonSession` (variables persist);
+            :meth:`episode` gives each episode its own, which :class:`rl2gem.tools.ToolEnvWrapper`
+            calls at every reset and closes when the episode ends.
     """
 
-    description = (
-        "Run Python 3 code in a fresh sandboxed process and get what it prints. "
-        "No network, no files outside a temporary folder, limited time and memory. "
-        "Variables do not persist between calls."
-    )
     parameters: dict[str, Any] = {
         "type": "object",
         "properties": {"code": {"type": "string", "description": "Python code; use print() to show results."}},
@@ -498,14 +776,51 @@ class PythonTool:
         "additionalProperties": False,
     }
 
-    def __init__(self, config: SandboxConfig | None = None, *, name: str = "python", instructions: str = ""):
+    def __init__(
+        self,
+        config: SandboxConfig | None = None,
+        *,
+        name: str = "python",
+        instructions: str = "",
+        persistent: bool = False,
+    ):
         self.config = config or SandboxConfig()
         self.name = name
         self.instructions = instructions
+        self.persistent = persistent
+        self._session: PythonSession | None = None
+        memory = (
+            "Variables, imports and files persist between calls of this conversation."
+            if persistent
+            else "Variables do not persist between calls."
+        )
+        self.description = (
+            f"Run Python 3 code in a {'persistent' if persistent else 'fresh'} sandboxed process and get what it "
+            f"prints. No network, no files outside a temporary folder, limited time and memory. {memory}"
+        )
+
+    def episode(self) -> PythonTool:
+        """The tool for one episode: ``self`` unless ``persistent``, else a copy with its own session."""
+        if not self.persistent:
+            return self
+        return PythonTool(self.config, name=self.name, instructions=self.instructions, persistent=True)
 
     async def call(self, arguments: dict[str, Any]) -> str:
-        result = await run_python(str(arguments.get("code", "")), self.config)
-        return result.text()
+        code = str(arguments.get("code", ""))
+        if not self.persistent:
+            return (await run_python(code, self.config)).text()
+        if self._session is None:
+            self._session = PythonSession(self.config)
+        return (await self._session.run(code)).text()
+
+    def close(self) -> None:
+        """End this tool's session, if it has one (safe to call twice)."""
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+
+    async def aclose(self) -> None:
+        self.close()
 
     def __repr__(self) -> str:
-        return f"PythonTool({self.config})"
+        return f"PythonTool({self.config}, persistent={self.persistent})"
