@@ -94,3 +94,52 @@ def one_at_a_time(model, seqs):
         logprobs.append(torch.cat([zero, log_softmax.gather(1, following).squeeze(1)]))
         entropies.append(torch.cat([zero, -(log_softmax.exp() * log_softmax).sum(-1)]))
     return torch.cat(logprobs), torch.cat(entropies)
+
+
+def _process_table() -> dict[int, tuple[int, str, bytes]]:
+    """pid -> (parent pid, state, command line) of every process this user can see."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                table[int(entry)] = (int(fields[1]), fields[0], fh.read())
+        except (OSError, IndexError, ValueError):
+            pass
+    return table
+
+
+def _servers(table: dict[int, tuple[int, str, bytes]]) -> set[int]:
+    # a forked child keeps its server's command line: a server is one whose parent is not a server
+    zygote = b"_sandbox_zygote.py"
+    return {
+        pid
+        for pid, (parent, _, cmd) in table.items()
+        if zygote in cmd and zygote not in table.get(parent, (0, "", b""))[2]
+    }
+
+
+def fork_servers() -> list[int]:
+    """Live fork servers of the Python sandbox (``_sandbox_zygote.py`` processes, not their children)."""
+    table = _process_table()
+    return [pid for pid in _servers(table) if table[pid][1] != "Z"]
+
+
+def sandbox_pids() -> list[int]:
+    """Live (not zombie) sandboxed processes: interpreters running the boot script, and every
+    descendant of a fork server (its children and anything they started), but not the servers."""
+    table = _process_table()
+    servers = _servers(table)
+    found = []
+    for pid, (parent, state, cmd) in table.items():
+        if state == "Z" or pid in servers:
+            continue
+        ancestor, hops = parent, 0
+        while ancestor not in servers and ancestor in table and hops < 64:
+            ancestor, hops = table[ancestor][0], hops + 1
+        if b"_sandbox_boot.py" in cmd or ancestor in servers:
+            found.append(pid)
+    return found

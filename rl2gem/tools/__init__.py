@@ -5,7 +5,8 @@
 * :class:`ToolEnvWrapper`: any env + tools; tool calls in the model's own
   chat-template format (Hermes ``<tool_call>`` blocks, fenced JSON as a fallback)
   come back as ``role="tool"`` observations.
-* Shipped tools: :class:`PythonTool` (a sandboxed Python process, see
+* Shipped tools: :class:`PythonTool` (a sandboxed Python process forked by a warm
+  fork server, or a persistent :class:`PythonSession` per episode; see
   :mod:`rl2gem.tools.python`), :class:`SearchTool` (a retrieval service) and
   :class:`FunctionTool` (any typed Python callable).
 """
@@ -20,7 +21,17 @@ from rl2gem.tools.base import (
     validate_arguments,
 )
 from rl2gem.tools.function import FunctionTool, json_schema_of
-from rl2gem.tools.python import PythonTool, SandboxConfig, SandboxMode, SandboxResult, run_python, sandbox_mode
+from rl2gem.tools.python import (
+    ForkServerError,
+    PythonSession,
+    PythonTool,
+    SandboxConfig,
+    SandboxMode,
+    SandboxResult,
+    run_python,
+    sandbox_mode,
+    warm_up,
+)
 from rl2gem.tools.search import SearchTool
 from rl2gem.tools.wrapper import ToolEnvWrapper, format_tool_results, run_tool_calls
 
@@ -35,6 +46,9 @@ __all__ = [
     "FunctionTool",
     "json_schema_of",
     "PythonTool",
+    "PythonSession",
+    "ForkServerError",
+    "warm_up",
     "SandboxConfig",
     "SandboxMode",
     "SandboxResult",

@@ -7,46 +7,37 @@ import tempfile
 import time
 
 import pytest
+from helpers import sandbox_pids
 
 from rl2gem.tools import PythonTool, SandboxConfig, run_python, sandbox_mode
 
-MODES = ["audit"] + (["namespaces"] if sandbox_mode().namespaces else [])
+ISOLATIONS = ["audit"] + (["namespaces"] if sandbox_mode().namespaces else [])
+# each isolation mode through the fork server (the default) and through a fresh interpreter
+MODES = [
+    pytest.param({"isolation": isolation, "pool_size": pool}, id=f"{isolation}-{'pool' if pool else 'fresh'}")
+    for isolation in ISOLATIONS
+    for pool in (1, 0)
+]
 
 
 def run(code, **kw):
     return asyncio.run(run_python(code, SandboxConfig(**kw)))
 
 
-def sandbox_pids():
-    """Live processes running the sandbox's boot script."""
-    pids = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                if b"_sandbox_boot.py" in fh.read():
-                    with open(f"/proc/{pid}/stat") as st:
-                        if st.read().split(")")[-1].split()[0] != "Z":
-                            pids.append(int(pid))
-        except OSError:
-            pass
-    return pids
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_runs_code_like_a_notebook_cell(mode):
-    r = run("x = 6 * 7\nprint('x is', x)\nx + 1", isolation=mode)
-    assert r.ok and r.stdout == "x is 42\n43\n" and r.isolation == mode
-    r = run("1/0", isolation=mode)
+    r = run("x = 6 * 7\nprint('x is', x)\nx + 1", **mode)
+    assert r.ok and r.stdout == "x is 42\n43\n" and r.isolation == mode["isolation"]
+    assert r.runner == ("pool" if mode["pool_size"] else "fresh")
+    r = run("1/0", **mode)
     assert r.exit_code == 1 and "ZeroDivisionError" in r.stderr and "_sandbox_boot" not in r.stderr
-    assert "SyntaxError" in run("def (", isolation=mode).stderr
+    assert "SyntaxError" in run("def (", **mode).stderr
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_infinite_loop_is_killed_at_the_wall_clock_limit(mode):
     t0 = time.perf_counter()
-    r = run("while True:\n    pass", timeout_s=1.5, cpu_s=30, isolation=mode)
+    r = run("while True:\n    pass", timeout_s=1.5, cpu_s=30, **mode)
     assert r.timed_out and not r.ok and time.perf_counter() - t0 < 6
     assert "Timed out" in r.text()
     assert sandbox_pids() == []
@@ -62,7 +53,7 @@ def test_cpu_time_limit_kills_a_busy_process_before_the_wall_clock():
     "code", ["x = bytearray(8 * 1024**3)", "xs = []\nwhile True:\n    xs.append(bytearray(50 * 1024**2))"]
 )
 def test_memory_bomb_hits_the_address_space_limit(mode, code):
-    r = run(code, memory_mb=256, timeout_s=20, isolation=mode)
+    r = run(code, memory_mb=256, timeout_s=20, **mode)
     assert not r.ok and not r.timed_out and "MemoryError" in r.stderr
 
 
@@ -77,7 +68,7 @@ def test_memory_bomb_hits_the_address_space_limit(mode, code):
     ],
 )
 def test_fork_bomb_and_process_creation_are_refused(mode, code):
-    r = run(code, timeout_s=5, isolation=mode)
+    r = run(code, timeout_s=5, **mode)
     assert not r.ok and not r.timed_out and "creating processes is disabled" in r.stderr
     assert sandbox_pids() == []
 
@@ -92,7 +83,7 @@ def test_socket_connect_to_localhost_fails(mode):
     try:
         r = run(
             f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')",
-            isolation=mode,
+            **mode,
         )
         assert "connected" not in r.stdout and "network access is disabled" in r.stderr
         with pytest.raises(socket.timeout):
@@ -101,14 +92,15 @@ def test_socket_connect_to_localhost_fails(mode):
         server.close()
 
 
-@pytest.mark.skipif("namespaces" not in MODES, reason="no unprivileged user namespaces on this host")
-def test_namespaces_mode_has_no_network_interface_but_loopback():
-    r = run("print(open('/proc/net/dev').read())", isolation="namespaces")
+@pytest.mark.skipif("namespaces" not in ISOLATIONS, reason="no unprivileged user namespaces on this host")
+@pytest.mark.parametrize("pool_size", [1, 0])
+def test_namespaces_mode_has_no_network_interface_but_loopback(pool_size):
+    r = run("print(open('/proc/net/dev').read())", isolation="namespaces", pool_size=pool_size)
     interfaces = [ln.split(":")[0].strip() for ln in r.stdout.splitlines() if ":" in ln]
     assert r.ok and interfaces == ["lo"]
     # and its own PID namespace: it sees only itself and the namespace's init
     listing = "import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))"
-    r = run(listing, isolation="namespaces", landlock=False)  # Landlock hides /proc's listing too
+    r = run(listing, isolation="namespaces", landlock=False, pool_size=pool_size)  # Landlock hides /proc's too
     assert r.ok and len(eval(r.stdout)) <= 2
 
 
@@ -121,7 +113,7 @@ def test_writes_stay_in_a_fresh_working_folder_that_is_removed(mode, tmp_path):
         f"          lambda: os.rename('inside.txt', {str(target)!r}), lambda: os.remove({str(tmp_path)!r})):\n"
         f"    try:\n        f()\n        print('escaped')\n    except PermissionError as e:\n        print('refused')\n"
     )
-    r = run(code, isolation=mode)
+    r = run(code, **mode)
     lines = r.stdout.split()
     assert r.ok and lines[1:] == ["ok", "refused", "refused", "refused", "refused"], r.stdout + r.stderr
     workdir = lines[0]
@@ -137,7 +129,7 @@ def test_parent_environment_is_not_visible(mode, monkeypatch):
         "try:\n    print(open(f'/proc/{os.getppid()}/environ', 'rb').read())\nexcept Exception as e:\n    print(type(e).__name__)\n"
         f"try:\n    print(open('/proc/{os.getpid()}/environ', 'rb').read())\nexcept Exception as e:\n    print(type(e).__name__)\n"
     )
-    r = run(code, isolation=mode)
+    r = run(code, **mode)
     assert r.ok and "s3cr3t" not in r.stdout + r.stderr
     assert "None" in r.stdout.splitlines()[1]
 
@@ -152,7 +144,7 @@ def test_a_flood_is_stopped_every_time(mode):
     # Regression: stopping the read at the flood left the pipe paused, and about one run in four
     # then waited forever for the process's pipes to close. Twelve floods in a row, each bounded.
     async def main():
-        cfg = SandboxConfig(max_output_chars=100, timeout_s=20, isolation=mode)
+        cfg = SandboxConfig(max_output_chars=100, timeout_s=20, **mode)
         out = []
         for _ in range(12):
             t0 = time.perf_counter()

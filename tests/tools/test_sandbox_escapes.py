@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from rl2gem.tools import SandboxConfig, run_python, sandbox_mode
+from rl2gem.tools import PythonSession, SandboxConfig, run_python, sandbox_mode
 from rl2gem.tools._sandbox_boot import _SYSCALLS, SECCOMP_DENIED
 
 HOST = sandbox_mode()
@@ -53,16 +53,31 @@ def attempt(*statements):
     return "".join(blocks)
 
 
-def sandbox(code, isolation, hook, **kw):
+#: How the code is run: forked by the fork server (the default), in a fresh interpreter, or as a
+#: call in a persistent session.
+RUNNERS = ["pool", "fresh", "session"]
+
+
+async def _in_session(code, config):
+    session = PythonSession(config)
+    try:
+        return await session.run(code)
+    finally:
+        await session.aclose()
+
+
+def sandbox(code, isolation, hook, runner, **kw):
     config = SandboxConfig(
         isolation=isolation,
         audit_hook=hook,
         require=() if hook else ("landlock", "seccomp"),
         timeout_s=kw.pop("timeout_s", 20),
+        pool_size=0 if runner == "fresh" else 1,
         **kw,
     )
-    result = asyncio.run(run_python(code, config))
+    result = asyncio.run(_in_session(code, config) if runner == "session" else run_python(code, config))
     assert result.exit_code is not None, result  # it ran (a layer that failed to install stops the run)
+    assert result.runner == runner, result
     return result
 
 
@@ -89,8 +104,9 @@ def victim_untouched(folder):
     )
 
 
+@pytest.mark.parametrize("runner", RUNNERS)
 @pytest.mark.parametrize("isolation, hook", CONFIGS)
-def test_process_creation_runs_nothing_on_the_host(isolation, hook, outside):
+def test_process_creation_runs_nothing_on_the_host(isolation, hook, runner, outside):
     marks = [outside / f"ran{i}" for i in range(5)]
     code = NO_AUDIT + attempt(
         f"subprocess.run(['/usr/bin/touch', {str(marks[0])!r}])",
@@ -99,14 +115,15 @@ def test_process_creation_runs_nothing_on_the_host(isolation, hook, outside):
         f"import os; pid = os.fork(); (os.execv('/usr/bin/touch', ['touch', {str(marks[3])!r}]) if pid == 0 else os.waitpid(pid, 0))",
         f"import os; os.posix_spawn('/usr/bin/touch', ['touch', {str(marks[4])!r}], {{}})",
     )
-    r = sandbox(code, isolation, hook)
+    r = sandbox(code, isolation, hook, runner)
     time.sleep(0.2)
     assert [m.exists() for m in marks] == [False] * 5, r.stdout + r.stderr
     assert r.stdout.count("refused") == 5
 
 
+@pytest.mark.parametrize("runner", RUNNERS)
 @pytest.mark.parametrize("isolation, hook", CONFIGS)
-def test_writes_through_every_file_api_stay_inside(isolation, hook, outside):
+def test_writes_through_every_file_api_stay_inside(isolation, hook, runner, outside):
     o = str(outside)
     shm = f"/dev/shm/rl2gem-escape-{os.urandom(4).hex()}"
     code = "import os, stat\n" + attempt(
@@ -128,15 +145,16 @@ def test_writes_through_every_file_api_stay_inside(isolation, hook, outside):
         f"os.remove({o!r} + '/victim.txt')",
         f"open({shm!r}, 'w').write('x')",
     )
-    r = sandbox(code, isolation, hook)
+    r = sandbox(code, isolation, hook, runner)
     assert sorted(p.name for p in outside.iterdir()) == ["victim.txt"], r.stdout + r.stderr
     assert victim_untouched(outside)
     assert os.listxattr(outside / "victim.txt") == []
     assert not os.path.exists(shm)
 
 
+@pytest.mark.parametrize("runner", RUNNERS)
 @pytest.mark.parametrize("isolation, hook", CONFIGS)
-def test_no_connection_reaches_a_host_listener(isolation, hook, tmp_path):
+def test_no_connection_reaches_a_host_listener(isolation, hook, runner, tmp_path):
     tcp = socket.create_server(("127.0.0.1", 0))
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     udp.bind(("127.0.0.1", 0))
@@ -155,7 +173,7 @@ def test_no_connection_reaches_a_host_listener(isolation, hook, tmp_path):
         "s.socket(16, s.SOCK_RAW, 0)",  # AF_NETLINK
     )
     try:
-        r = sandbox(code, isolation, hook)
+        r = sandbox(code, isolation, hook, runner)
         for listener in (tcp, unix):
             with pytest.raises(socket.timeout):
                 listener.accept()
@@ -168,8 +186,9 @@ def test_no_connection_reaches_a_host_listener(isolation, hook, tmp_path):
 
 
 @pytest.mark.skipif(not KERNEL, reason="needs the kernel layers: the audit hook refuses ctypes before this")
+@pytest.mark.parametrize("runner", RUNNERS)
 @pytest.mark.parametrize("isolation", ["namespaces", "audit"] if HOST.namespaces else ["audit"])
-def test_native_code_through_ctypes_meets_the_kernel_layers(isolation, outside):
+def test_native_code_through_ctypes_meets_the_kernel_layers(isolation, runner, outside):
     o = str(outside)
     received = []
     previous = signal.signal(signal.SIGWINCH, lambda signum, frame: received.append(signum))
@@ -181,7 +200,7 @@ def test_native_code_through_ctypes_meets_the_kernel_layers(isolation, outside):
         f"assert libc.kill({os.getpid()}, {int(signal.SIGWINCH)}) == 0",
     )
     try:
-        r = sandbox(code, isolation, False)
+        r = sandbox(code, isolation, False, runner)
         time.sleep(0.3)
     finally:
         signal.signal(signal.SIGWINCH, previous)
@@ -190,8 +209,9 @@ def test_native_code_through_ctypes_meets_the_kernel_layers(isolation, outside):
     assert r.stdout.count("refused") == 5, r.stdout + r.stderr
 
 
+@pytest.mark.parametrize("runner", RUNNERS)
 @pytest.mark.parametrize("isolation, hook", CONFIGS)
-def test_signals_never_reach_host_processes(isolation, hook):
+def test_signals_never_reach_host_processes(isolation, hook, runner):
     received = []
     previous = signal.signal(signal.SIGWINCH, lambda signum, frame: received.append(signum))
     me = os.getpid()
@@ -202,15 +222,16 @@ def test_signals_never_reach_host_processes(isolation, hook):
             f"os.killpg(os.getpgid({me}), signal.SIGWINCH)",
             "os.kill(-1, signal.SIGWINCH)",  # every process the caller may signal
         )
-        sandbox(code, isolation, hook)
+        sandbox(code, isolation, hook, runner)
         time.sleep(0.3)
         assert received == []
     finally:
         signal.signal(signal.SIGWINCH, previous)
 
 
+@pytest.mark.parametrize("runner", RUNNERS)
 @pytest.mark.parametrize("isolation, hook", CONFIGS)
-def test_host_secrets_stay_out_of_the_output(isolation, hook, tmp_path):
+def test_host_secrets_stay_out_of_the_output(isolation, hook, runner, tmp_path):
     """Another process's environment and memory, and files outside the readable paths."""
     secret = "s3cr3t-" + os.urandom(6).hex()
     holder = subprocess.Popen(["sleep", "30"], env={"HOLDER_SECRET": secret, "PATH": os.environ["PATH"]})
@@ -229,7 +250,7 @@ def test_host_secrets_stay_out_of_the_output(isolation, hook, tmp_path):
             f"print(open('/proc/{holder.pid}/root' + {str(secret_file)!r}).read())",
             f"print(open('/proc/{holder.pid}/maps').read())",
         )
-        r = sandbox(code, isolation, hook)
+        r = sandbox(code, isolation, hook, runner)
         assert secret not in r.stdout + r.stderr
         assert r.stdout.count("refused") == 6, r.stdout + r.stderr
     finally:
@@ -237,8 +258,9 @@ def test_host_secrets_stay_out_of_the_output(isolation, hook, tmp_path):
         holder.wait()
 
 
+@pytest.mark.parametrize("runner", RUNNERS)
 @pytest.mark.parametrize("isolation, hook", CONFIGS)
-def test_resource_bombs_end_within_the_limits(isolation, hook):
+def test_resource_bombs_end_within_the_limits(isolation, hook, runner):
     bombs = [
         attempt("import os\nwhile True:\n        os.fork()"),
         attempt(
@@ -248,7 +270,7 @@ def test_resource_bombs_end_within_the_limits(isolation, hook):
     ]
     for code in bombs:
         t0 = time.perf_counter()
-        r = sandbox(code, isolation, hook, timeout_s=10, memory_mb=512)
+        r = sandbox(code, isolation, hook, runner, timeout_s=10, memory_mb=512)
         assert not r.timed_out and time.perf_counter() - t0 < 10, r.stderr
     assert int(r.stdout.split()[-1]) <= 16 * 2**20  # max_file_mb
 
