@@ -7,7 +7,7 @@ TORCH_VERSION := 2.13.0
 # Every other package `make setup` installs, pinned with hashes (`make lock` regenerates it).
 LOCK   := requirements.lock
 
-.PHONY: setup run test test-fast test-latest lint lock bench sft-searchqa preference-arithmetic clean
+.PHONY: setup run test test-soak test-fast test-latest lint lock bench sft-searchqa preference-arithmetic clean
 
 setup: $(STAMP)
 
@@ -57,7 +57,11 @@ preference-arithmetic: setup
 		trainer.total_steps=20 trainer.output_dir=runs/arithmetic-ppo-rm trainer.progress=false
 
 test: setup
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q --durations=25 -m "not soak"
+
+# Endurance runs (a minute or more each, e.g. the sandbox's fork server over 10,000 executions).
+test-soak: setup
+	$(BIN)/python -m pytest -q -m soak
 
 # ruff, pinned in the dev extra (also the pre-commit hook): lint rules and formatting, checked, not fixed.
 lint: setup
@@ -65,7 +69,7 @@ lint: setup
 	$(BIN)/ruff format --check .
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow and not soak"
 
 # Drift on purpose: a fresh .venv-latest with the newest versions pyproject.toml allows (torch
 # still $(TORCH_VERSION), installed first), then the fast tests. A failure here is the next lock's
@@ -78,7 +82,7 @@ test-latest:
 	$(LATEST)/bin/python -m pip install -q torch==$(TORCH_VERSION)
 	$(LATEST)/bin/python -m pip install -q -e ".[dev,bench]"
 	$(LATEST)/bin/python -m pip list --format=freeze | grep -iE '^(torch|transformers|datasets|trl|numpy|gymnasium)=='
-	$(LATEST)/bin/python -m pytest -q -m "not slow"
+	$(LATEST)/bin/python -m pytest -q -m "not slow and not soak"
 
 # Regenerates $(LOCK) from pyproject.toml's ranges for Python 3.11 on Linux x86-64 with uv (in
 # .venv-uv). Versions already in the lock are kept where still allowed; LOCK_FLAGS=--upgrade moves
@@ -116,6 +120,8 @@ bench: setup
 	$(BIN)/python benchmarks/trainer.py --lora 16
 	$(BIN)/python benchmarks/tree_packing.py
 	$(BIN)/python benchmarks/parallel.py
+	$(BIN)/python benchmarks/sandbox.py
+	$(MAKE) test-soak
 
 clean:
 	rm -rf $(VENV) $(LATEST) .venv-uv *.egg-info .pytest_cache

@@ -35,6 +35,8 @@ def make_python_math(
     max_output_chars: int = 2048,
     instruction: str = INSTRUCTION,
     tool_prompt: str | None = "append",
+    persistent: bool = False,
+    pool_size: int = 1,
     render_mode: str | None = None,
 ) -> ToolEnvWrapper:
     """``rl2/PythonMath-v0``: :class:`~rl2gem.envs.math.MathEnv` with a :class:`~rl2gem.tools.PythonTool`.
@@ -47,10 +49,18 @@ def make_python_math(
         tool_prompt: where the tool list and call format go in the first observation:
             ``"append"`` (default) or ``"prepend"``; ``None`` leaves them to the chat
             template (``info["tools"]``, ``RolloutConfig(tools_in_template=True)``).
+        persistent: one sandboxed interpreter per episode, whose variables persist across
+            that episode's calls (:class:`~rl2gem.tools.PythonSession`); default: each call
+            is a fresh process.
+        pool_size: fork servers that fork the executions (the warm pool, the default);
+            ``0`` starts a fresh interpreter per call.
 
     Raises:
         ValueError: a bad ``tool_prompt`` or sandbox limit.
     """
     env = MathEnv(dataset, split, instruction=instruction, render_mode=render_mode)
-    tool = PythonTool(SandboxConfig(timeout_s=timeout_s, memory_mb=memory_mb, max_output_chars=max_output_chars))
+    config = SandboxConfig(
+        timeout_s=timeout_s, memory_mb=memory_mb, max_output_chars=max_output_chars, pool_size=pool_size
+    )
+    tool = PythonTool(config, persistent=persistent)
     return ToolEnvWrapper(env, [tool], max_tool_calls=max_tool_calls, prompt=tool_prompt)

@@ -172,7 +172,7 @@ class Server:
         if self.cfg.get("namespaces"):
             boot.enter_namespaces()
         if kind == "run":
-            boot.execute(self.cfg, boot.read_code())
+            boot.execute(dict(self.cfg, cpu_hard_s=None), boot.read_code())
         boot.serve_session(self.cfg, socket.socket(fileno=3))
 
     def kill(self, pid):

@@ -43,6 +43,11 @@ __all__ = [
 class Tool(Protocol):
     """What :class:`rl2gem.tools.ToolEnvWrapper` needs of a tool.
 
+    A tool with state per episode (e.g. ``PythonTool(persistent=True)``) also has
+    ``episode() -> Tool``: the wrapper calls it at every reset and runs that
+    episode's calls on the result, then calls its ``close()`` (synchronous) when the
+    episode ends, at the next reset, or when the env closes.
+
     Attributes:
         name: the function name the model calls (``[A-Za-z0-9_.-]+``).
         description: one paragraph for the model.

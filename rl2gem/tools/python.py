@@ -363,21 +363,30 @@ def _kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
-async def _read_capped(stream: asyncio.StreamReader, cap: int, overflow: asyncio.Event) -> tuple[bytes, bool]:
-    kept, total = bytearray(), 0
+class _Capture:
+    """What a reader kept of one stream (at most ``cap`` bytes) and how much it saw."""
+
+    def __init__(self, cap: int):
+        self.cap, self.kept, self.total = cap, bytearray(), 0
+
+    @property
+    def cut(self) -> bool:
+        return self.total > len(self.kept)
+
+
+async def _read_capped(stream: asyncio.StreamReader, capture: _Capture, overflow: asyncio.Event) -> None:
     while True:
         chunk = await stream.read(65536)
         if not chunk:
             break
-        total += len(chunk)
-        if len(kept) < cap:
-            kept += chunk[: cap - len(kept)]
-        if total > max(_FLOOD_BYTES, 64 * cap):
+        capture.total += len(chunk)
+        if len(capture.kept) < capture.cap:
+            capture.kept += chunk[: capture.cap - len(capture.kept)]
+        if capture.total > max(_FLOOD_BYTES, 64 * capture.cap):
             # Signal the flood, but keep draining (and dropping) until EOF: a reader that
             # stopped would leave asyncio's pipe transport paused, so it would never see
             # EOF and ``proc.wait()`` (which waits for the pipes too) would never return.
             overflow.set()
-    return bytes(kept), total > len(kept)
 
 
 def _layers(cfg: SandboxConfig, host: SandboxMode) -> tuple[str, ...]:
@@ -412,7 +421,8 @@ def _readable(cfg: SandboxConfig) -> list[str]:
 
 
 def _boot_args(cfg: SandboxConfig, layers: tuple[str, ...], *, session: bool = False) -> list[str]:
-    """The ``key=value`` arguments of the boot script (and of the fork server) for ``cfg``."""
+    """The ``key=value`` arguments of the boot script (and, with ``session``, of the fork server,
+    whose sessions get ``cpu_hard_s``; its one-shot children keep ``cpu_s + 1``) for ``cfg``."""
     namespaces = "namespaces" in layers
     limits = {
         "cpu_s": cfg.cpu_limit_s,
@@ -438,9 +448,9 @@ async def _host_layers(cfg: SandboxConfig) -> tuple[SandboxMode, tuple[str, ...]
     return host, _layers(cfg, host)
 
 
-def _server(cfg: SandboxConfig, layers: tuple[str, ...], *, session: bool = False) -> ForkServer:
+def _server(cfg: SandboxConfig, layers: tuple[str, ...]) -> ForkServer:
     """The fork server for ``cfg`` (namespaces, when ``layers`` has them, are made per child)."""
-    args = _boot_args(cfg, layers, session=session)
+    args = _boot_args(cfg, layers, session=True)
     args += [f"namespaces={int('namespaces' in layers)}", f"tmp={tempfile.gettempdir()}"]
     argv = [sys.executable, "-I", "-S", "-B", _ZYGOTE, *args]
     return fork_server(argv, _child_env(tempfile.gettempdir()), tempfile.gettempdir(), cfg.pool_size or 1)
@@ -477,12 +487,21 @@ async def _pipe_streams(
 
 
 async def _exchange(
-    code: str, stdin: asyncio.StreamWriter, stdout: asyncio.StreamReader, stderr: asyncio.StreamReader, cfg, kill
+    code: str,
+    stdin: asyncio.StreamWriter,
+    stdout: asyncio.StreamReader,
+    stderr: asyncio.StreamReader,
+    cfg: SandboxConfig,
+    kill,
+    answered: asyncio.Future | None = None,
 ) -> tuple[bytes, bytes, bool, bool, bool]:
-    """Write ``code`` to the process, read its output within ``cfg.timeout_s`` (``kill()`` on a timeout or
-    a flood). Returns stdout, stderr, whether output was cut, whether it flooded, whether it timed out."""
-    cap = cfg.max_output_chars
+    """Write ``code`` to the process and read its output until both streams end, within ``cfg.timeout_s``
+    (``kill()`` on a timeout or a flood). A session's ``answered`` (its ``done`` reply) also ends the
+    wait: what it printed is in the pipes by then, and a process it started may hold them open, so
+    the rest is read for at most 0.25 s. Returns stdout, stderr, whether output was cut, whether it
+    flooded, whether it timed out."""
     overflow = asyncio.Event()
+    captures = _Capture(cfg.max_output_chars * 4), _Capture(cfg.max_output_chars * 4)
 
     async def feed() -> None:
         try:
@@ -493,24 +512,26 @@ async def _exchange(
         finally:
             stdin.close()
 
-    async def gather():
+    async def gather() -> None:
         await feed()
-        return await asyncio.gather(_read_capped(stdout, cap * 4, overflow), _read_capped(stderr, cap * 4, overflow))
+        await asyncio.gather(_read_capped(stdout, captures[0], overflow), _read_capped(stderr, captures[1], overflow))
 
     io = asyncio.ensure_future(gather())
     stopper = asyncio.ensure_future(overflow.wait())
+    waiting = {io, stopper} | ({answered} if answered is not None else set())
     try:
-        done, _ = await asyncio.wait({io, stopper}, timeout=cfg.timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(waiting, timeout=cfg.timeout_s, return_when=asyncio.FIRST_COMPLETED)
     finally:
         stopper.cancel()
-    if io not in done:
+    grace = 0.25 if answered is not None and answered in done and not overflow.is_set() else 5.0
+    if io not in done and grace > 1:
         kill()
     try:
-        (out, cut_out), (err, cut_err) = await asyncio.wait_for(io, 5.0)
+        await asyncio.wait_for(io, grace)
     except (asyncio.TimeoutError, asyncio.CancelledError):
         io.cancel()
-        out, err, cut_out, cut_err = b"", b"", False, False
-    return out, err, bool(overflow.is_set() or cut_out or cut_err), overflow.is_set(), not done
+    out, err = captures
+    return bytes(out.kept), bytes(err.kept), overflow.is_set() or out.cut or err.cut, overflow.is_set(), not done
 
 
 def _result(
@@ -667,7 +688,7 @@ class PythonSession:
     async def _open(self, layers: tuple[str, ...]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            self._child = await _server(self.config, layers, session=True).spawn("session", (theirs.fileno(),))
+            self._child = await _server(self.config, layers).spawn("session", (theirs.fileno(),))
         except BaseException:
             ours.close()
             raise
@@ -714,10 +735,13 @@ class PythonSession:
             for fd in (stdin_read, out_write, err_write):
                 os.close(fd)
         stdin, (stdout, stderr), transports = await _pipe_streams((out_read, err_read), stdin_write)
+        answered = asyncio.ensure_future(loop.sock_recv(control, 64))
         try:
-            out, err, cut, flood, timed_out = await _exchange(code, stdin, stdout, stderr, self.config, child.kill)
+            out, err, cut, flood, timed_out = await _exchange(
+                code, stdin, stdout, stderr, self.config, child.kill, answered
+            )
             try:
-                reply = b"" if (timed_out or flood) else await asyncio.wait_for(loop.sock_recv(control, 64), 10.0)
+                reply = b"" if (timed_out or flood) else await asyncio.wait_for(asyncio.shield(answered), 10.0)
             except (asyncio.TimeoutError, OSError):
                 reply = b""
             if reply.startswith(b"done ") and reply[5:].lstrip(b"-").isdigit():
@@ -729,6 +753,7 @@ class PythonSession:
             self.close()
             raise
         finally:
+            answered.cancel()
             for transport in transports:
                 transport.close()
         result = _result(out, err, cut, flood, timed_out, exit_code, start, self.config, layers, runner="session")

@@ -22,6 +22,12 @@ from rl2gem.tools.base import (
 __all__ = ["ToolEnvWrapper", "run_tool_calls", "format_tool_results"]
 
 
+def _for_episode(tool: Tool) -> Tool:
+    """``tool.episode()`` where the tool has it (a tool with state per episode), else the tool."""
+    episode = getattr(tool, "episode", None)
+    return episode() if callable(episode) else tool
+
+
 async def run_tool_calls(tools: dict[str, Tool], calls: Sequence[ToolCall]) -> list[tuple[str, str | None]]:
     """Run ``calls`` one after another (in order: stateful tools see the calls in the model's order).
 
@@ -117,6 +123,7 @@ class ToolEnvWrapper(Wrapper):
         if prompt not in ("append", "prepend", None):
             raise ValueError(f"prompt must be 'append', 'prepend' or None, got {prompt!r}")
         self.tools = {t.name: t for t in tools}
+        self._episode_tools: dict[str, Tool] = dict(self.tools)
         self.max_tool_calls = max_tool_calls
         self.prompt = prompt
         self._num_calls = 0
@@ -127,7 +134,16 @@ class ToolEnvWrapper(Wrapper):
     # ----------------------------------------------------------------- reset
     def _on_reset(self, obs: str, info: dict[str, Any]) -> ResetResult:
         self._num_calls, self._over, self._started, self._turn, self._num_invalid = 0, False, True, 0, 0
+        self._end_episode_tools()
+        self._episode_tools = {name: _for_episode(tool) for name, tool in self.tools.items()}
         return self._with_tools(obs), self._reset_info(info)
+
+    def _end_episode_tools(self) -> None:
+        """Close what :func:`_for_episode` made for the episode that ends (e.g. a Python session)."""
+        for name, tool in self._episode_tools.items():
+            if tool is not self.tools.get(name):
+                tool.close()  # type: ignore[attr-defined]
+        self._episode_tools = dict(self.tools)
 
     def _with_tools(self, obs: str) -> str:
         if self.prompt is None or not self.tools:
@@ -162,11 +178,14 @@ class ToolEnvWrapper(Wrapper):
                 info["reward_components"] = {**info["reward_components"], "tool_calls": float(self._num_calls)}
             info["num_invalid_actions"] = info.get("num_invalid_actions", 0) + self._num_invalid
             self._over = bool(terminated or truncated)
+            if self._over:
+                self._end_episode_tools()
             return obs, reward, terminated, truncated, info
         left = self.max_tool_calls - self._num_calls
         calls_info = [{"name": c.name, "arguments": c.arguments, "error": c.error} for c in calls]
         if len(calls) > left:
             self._over = True
+            self._end_episode_tools()
             self._num_calls = self.max_tool_calls
             obs = (
                 f"Tool-call limit reached: this episode allows {self.max_tool_calls} tool calls and "
@@ -183,7 +202,7 @@ class ToolEnvWrapper(Wrapper):
             }
             return obs, 0.0, False, True, info
         self._num_calls += len(calls)
-        results = await run_tool_calls(self.tools, calls)
+        results = await run_tool_calls(self._episode_tools, calls)
         for ci, (_, err) in zip(calls_info, results, strict=True):
             ci["error"] = err
         failed = [err for _, err in results if err is not None]
@@ -212,6 +231,7 @@ class ToolEnvWrapper(Wrapper):
         return True
 
     async def _aclose_tools(self) -> None:
+        self._end_episode_tools()
         for tool in self.tools.values():
             closer = getattr(tool, "aclose", None)
             if closer is not None:
@@ -219,6 +239,7 @@ class ToolEnvWrapper(Wrapper):
 
     def close(self) -> None:
         """Close the wrapped env and the tools that have an ``aclose`` (safe to call twice)."""
+        self._end_episode_tools()
         if self._loop is not None:
             loop, self._loop = self._loop, None
             try:
