@@ -1,8 +1,7 @@
 """A Python sandbox for model-written code, and :class:`PythonTool` over it.
 
-Each execution is a fresh ``python -I -S -B`` process started with
-``asyncio.create_subprocess_exec`` (the event loop never blocks), at most
-``max_concurrency`` at a time per event loop. The boundary is made of kernel
+Each execution is a process of its own, at most ``max_concurrency`` at a time per
+event loop (the event loop never blocks). The boundary is made of kernel
 layers, each used when the host has it (:func:`sandbox_mode` says which) and
 each enforced for the process and anything it could start:
 
@@ -35,6 +34,27 @@ environment and output       only ``PATH``, ``HOME``/``TMPDIR`` (the working fol
                              single-thread BLAS settings; stdout and stderr each kept to
                              ``max_output_chars`` and a flood (over 1 MiB) stops the process
 ===========================  ============================================================================
+
+**The warm pool** (``pool_size >= 1``, the default). A fork server (zygote,
+``_sandbox_zygote.py``) per distinct config in this process has started the
+interpreter once, imported the standard modules code usually needs and
+``preload``, and built the seccomp program; it never runs user code. Each
+execution is a child it forks: the child takes its own session and process
+group, dies with the server, makes its own user, network, PID and mount
+namespaces (``unshare(2)`` and a second fork, as ``unshare --fork`` does), sets the
+resource limits, installs its own Landlock ruleset (its own working folder),
+seccomp filter and audit hook, and only then reads and runs the code. When it
+exits, the server kills its process group (nothing it started outlives the call),
+reaps it and removes its folder; no state passes between executions. Where a
+forked child cannot make the namespaces (``SandboxMode.fork_namespaces``),
+executions that want them take the path without a pool: a fresh
+``python -I -S -B`` under ``unshare`` (``pool_size=0`` always does). The children of
+one server share the hash seed of ``str`` (``PYTHONHASHSEED``); ``random`` is reseeded
+in each.
+
+**Sessions** (:class:`PythonSession`, ``PythonTool(persistent=True)``): a child of
+the same server, confined once the same way, that runs each call's code in one
+namespace until it is closed (one per episode).
 
 A layer asked for but not installable at run time stops the run before the
 code starts (fail closed); ``SandboxConfig(require=(...))`` refuses to run at
