@@ -97,16 +97,19 @@ def one_at_a_time(model, seqs):
 
 
 def _process_table() -> dict[int, tuple[int, str, bytes]]:
-    """pid -> (parent pid, state, command line) of every process this user can see."""
+    """pid -> (parent pid, state, command line) of every process this user can see; the state of a
+    fork server's child waiting for work (not yet sandboxed code) is ``"W"``."""
     table = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
+                comm, _, rest = fh.read().partition(" (")[2].rpartition(")")
+                fields = rest.split()
+            state = "W" if comm == "sandbox-waiting" and fields[0] != "Z" else fields[0]
             with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                table[int(entry)] = (int(fields[1]), fields[0], fh.read())
+                table[int(entry)] = (int(fields[1]), state, fh.read())
         except (OSError, IndexError, ValueError):
             pass
     return table
@@ -130,12 +133,13 @@ def fork_servers() -> list[int]:
 
 def sandbox_pids() -> list[int]:
     """Live (not zombie) sandboxed processes: interpreters running the boot script, and every
-    descendant of a fork server (its children and anything they started), but not the servers."""
+    descendant of a fork server (its children and anything they started), but not the servers
+    nor their children still waiting for work."""
     table = _process_table()
     servers = _servers(table)
     found = []
     for pid, (parent, state, cmd) in table.items():
-        if state == "Z" or pid in servers:
+        if state in ("Z", "W") or pid in servers:
             continue
         ancestor, hops = parent, 0
         while ancestor not in servers and ancestor in table and hops < 64:

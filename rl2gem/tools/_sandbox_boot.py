@@ -527,9 +527,10 @@ def install_seccomp():
 
 
 # ---------------------------------------------------------------------------------------------
-# Namespaces from inside a process (the fork server's children): what ``unshare --user
-# --map-root-user --net --pid --fork --mount-proc --kill-child`` does for the one-process path.
+# Namespaces for the fork server's children: what ``unshare --user --map-root-user --net --pid
+# --fork --mount-proc --kill-child`` gives the one-process path, made by clone(2) in one step.
 _CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
+_SIGCHLD = 17
 _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE = 2, 4, 8, 0x4000, 0x40000
 _PR_SET_PDEATHSIG = 1
 
@@ -542,46 +543,47 @@ def _write(path, text):
         os.close(fd)
 
 
-def enter_namespaces():
-    """Move into new user (root mapped to the caller's uid and gid), network (loopback only, down),
-    PID and mount namespaces, with a ``/proc`` of the new PID namespace.
+def fork_into_namespaces():
+    """``os.fork()`` into new user, network (loopback only, down), PID and mount namespaces.
 
-    Forks once: returns in the child, PID 1 of the new PID namespace, which dies with its parent
-    (``PR_SET_PDEATHSIG``). The caller never returns: it waits for that child and exits with its
-    status (or dies of the same signal), like ``unshare --fork --kill-child``. Raises OSError, in the
-    caller, when a namespace cannot be made; in the child, when ``/proc`` cannot be mounted.
+    One ``clone(2)`` with the ``CLONE_NEW*`` flags and ``SIGCHLD``, wrapped in CPython's own fork
+    hooks (``PyOS_BeforeFork`` / ``PyOS_AfterFork_*``, the calls ``os.fork`` makes, with the GIL
+    held throughout): the child is PID 1 of its PID namespace and a child of the caller, with no
+    process in between. glibc's ``fork`` does more (its ``pthread_atfork`` handlers, the thread's
+    cached tid); neither matters in a single-threaded caller, which this must be. The child must
+    call :func:`inside_namespaces` next. Returns 0 in the child, its pid in the caller; raises
+    OSError in the caller when the kernel refuses.
     """
+    import ctypes
+
+    machine = os.uname().machine
+    if machine not in _SYSCALLS:
+        raise OSError(errno.ENOSYS, f"no clone system call number for {machine}")
+    api = ctypes.pythonapi
+    libc = ctypes.PyDLL(None, use_errno=True)  # PyDLL: the GIL stays held across the call, as in os.fork
+    libc.syscall.restype = ctypes.c_long
+    flags = _CLONE_NEWUSER | _CLONE_NEWNET | _CLONE_NEWPID | _CLONE_NEWNS | _SIGCHLD
+    api.PyOS_BeforeFork()
+    pid = libc.syscall(*(ctypes.c_long(a) for a in (_SYSCALLS[machine][1]["clone"], flags, 0, 0, 0, 0)))
+    if pid == 0:
+        api.PyOS_AfterFork_Child()
+        return 0
+    code = ctypes.get_errno()
+    api.PyOS_AfterFork_Parent()
+    if pid < 0:
+        raise OSError(code, f"clone(CLONE_NEWUSER|NEWNET|NEWPID|NEWNS): {os.strerror(code)}")
+    return pid
+
+
+def inside_namespaces(uid, gid):
+    """In the child of :func:`fork_into_namespaces`: map root to ``uid``/``gid`` (the caller's), make
+    the mounts private and mount a ``/proc`` of the new PID namespace. Raises OSError."""
     _, libc = _libc()
-    uid, gid = os.getuid(), os.getgid()
-    _check(libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET | _CLONE_NEWPID | _CLONE_NEWNS), "unshare")
     _write("/proc/self/setgroups", "deny")
     _write("/proc/self/uid_map", f"0 {uid} 1")
     _write("/proc/self/gid_map", f"0 {gid} 1")
-    pid = os.fork()
-    if pid:
-        _relay(pid)
-    _check(libc.prctl(_PR_SET_PDEATHSIG, 9, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
     _check(libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "mount(/, MS_PRIVATE)")
     _check(libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None), "mount(/proc)")
-
-
-def _relay(pid):
-    """Wait for ``pid`` holding nothing of its I/O, then end the same way it did. Never returns."""
-    import signal
-
-    devnull = os.open(os.devnull, os.O_RDWR)
-    for target in (0, 1, 2):
-        os.dup2(devnull, target)
-    os.closerange(3, 1 << 20)
-    try:
-        _, status = os.waitpid(pid, 0)
-    except ChildProcessError:
-        os._exit(125)
-    if os.WIFSIGNALED(status):
-        number = os.WTERMSIG(status)
-        signal.signal(number, signal.SIG_DFL)
-        os.kill(os.getpid(), number)
-    os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
 
 
 def _install(workdir):
@@ -719,12 +721,16 @@ def _confine(cfg):
 
 
 def _probe_namespaces():
-    """Whether a forked child can :func:`enter_namespaces` here: ``(1, "")`` or ``(0, why)``."""
+    """Whether this process can :func:`fork_into_namespaces` a working child: ``(1, "")`` or ``(0, why)``."""
     read, write = os.pipe()
-    pid = os.fork()
+    uid, gid = os.getuid(), os.getgid()
+    try:
+        pid = fork_into_namespaces()
+    except OSError as e:
+        return 0, str(e)
     if pid == 0:
         try:
-            enter_namespaces()
+            inside_namespaces(uid, gid)
             os._exit(0 if os.getpid() == 1 and os.listdir("/proc/self") else 1)
         except BaseException as e:
             os.write(write, str(e).encode()[:500])

@@ -249,6 +249,8 @@ class SandboxConfig:
         max_concurrency: executions at once per event loop (further calls wait).
         pool_size: fork servers kept per distinct config in this process (see "The warm pool" in
             the module doc); ``0``: no pool, a fresh interpreter per execution.
+        prefork: children each fork server keeps forked ahead, namespaces made, waiting for the
+            next executions (their start is then off the critical path); ``0``: fork on request.
         session_cpu_s: CPU seconds a persistent session (:class:`PythonSession`) may use in all
             (default ``max(60, 10 * cpu_s)``); ``cpu_s`` still bounds each call.
     """
@@ -268,6 +270,7 @@ class SandboxConfig:
     require: tuple[str, ...] = ()
     readable: tuple[str, ...] = ()
     pool_size: int = 1
+    prefork: int = 2
     session_cpu_s: int | None = None
 
     def __post_init__(self):
@@ -287,8 +290,8 @@ class SandboxConfig:
             raise ValueError(
                 "timeout_s > 0, memory_mb >= 32, max_output_chars >= 1 and max_concurrency >= 1 are required"
             )
-        if self.pool_size < 0:
-            raise ValueError(f"pool_size must be >= 0 (0: no pool), got {self.pool_size}")
+        if self.pool_size < 0 or self.prefork < 0:
+            raise ValueError(f"pool_size and prefork must be >= 0, got {self.pool_size} and {self.prefork}")
 
     @property
     def cpu_limit_s(self) -> int:
@@ -471,7 +474,7 @@ async def _host_layers(cfg: SandboxConfig) -> tuple[SandboxMode, tuple[str, ...]
 def _server(cfg: SandboxConfig, layers: tuple[str, ...]) -> ForkServer:
     """The fork server for ``cfg`` (namespaces, when ``layers`` has them, are made per child)."""
     args = _boot_args(cfg, layers, session=True)
-    args += [f"namespaces={int('namespaces' in layers)}", f"tmp={tempfile.gettempdir()}"]
+    args += [f"namespaces={int('namespaces' in layers)}", f"prefork={cfg.prefork}", f"tmp={tempfile.gettempdir()}"]
     argv = [sys.executable, "-I", "-S", "-B", _ZYGOTE, *args]
     return fork_server(argv, _child_env(tempfile.gettempdir()), tempfile.gettempdir(), cfg.pool_size or 1)
 

