@@ -169,14 +169,15 @@ class ForkServer:
             if child is not None:
                 child._finish(ForkServerError("the sandbox's fork server stopped"))
 
-    def close(self) -> None:
-        """Stop the server: it kills its children and exits (waits up to 5 s, then SIGKILL)."""
+    def close(self, wait: bool = True) -> None:
+        """Stop the server: it kills its children and exits (with ``wait``, this waits up to 5 s for
+        that, then SIGKILLs it; without, subprocess reaps it later)."""
         self.dead = True
         if self.socket is not None:
             with contextlib.suppress(OSError):  # shutdown wakes the reader thread
                 self.socket.shutdown(socket.SHUT_RDWR)
             self.socket.close()
-        if self.process is not None and self.process.poll() is None:
+        if wait and self.process is not None and self.process.poll() is None:
             try:
                 self.process.wait(timeout=5)
             except subprocess.TimeoutExpired:
@@ -184,20 +185,28 @@ class ForkServer:
                 self.process.wait()
 
 
-_servers: dict[tuple[str, ...], list[ForkServer]] = {}
+_servers: dict[tuple[str, ...], list[ForkServer]] = {}  # most recently used last
 _servers_lock = threading.Lock()
+#: Distinct configs whose servers are kept; beyond that, the least recently used idle ones stop.
+MAX_CONFIGS = 8
 
 
 def fork_server(argv: Sequence[str], env: dict[str, str], cwd: str, size: int = 1) -> ForkServer:
     """The least busy of up to ``size`` fork servers for ``argv`` in this process (made, not yet
-    started, when fewer are alive)."""
+    started, when fewer are alive). Servers of more than :data:`MAX_CONFIGS` other command lines
+    are stopped, least recently used first, when none of their children is running."""
     key = tuple(argv)
     with _servers_lock:
-        alive = [server for server in _servers.get(key, []) if not server.dead]
+        alive = [server for server in _servers.pop(key, []) if not server.dead]
         if len(alive) < size:
             alive.append(ForkServer(argv, env, cwd))
         _servers[key] = alive
-        return min(alive, key=lambda server: (len(server.children), not server.ready))
+        idle = [k for k, group in _servers.items() if k != key and not any(s.children for s in group)]
+        stopping = [server for k in idle[: max(0, len(_servers) - MAX_CONFIGS)] for server in _servers.pop(k)]
+        chosen = min(alive, key=lambda server: (len(server.children), not server.ready))
+    for server in stopping:
+        server.close(wait=False)  # not on the caller's event loop: it exits on its own
+    return chosen
 
 
 def close_fork_servers() -> None:

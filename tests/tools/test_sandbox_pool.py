@@ -314,3 +314,15 @@ def test_the_tool_wrapper_gives_each_episode_its_own_session():
     second.close()
     time.sleep(0.3)
     assert sandbox_pids() == []
+
+
+def test_servers_of_configs_no_longer_used_are_stopped():
+    from rl2gem.tools import _fork_server
+
+    async def main():
+        for timeout in range(1, _fork_server.MAX_CONFIGS + 4):  # each timeout: another config
+            assert (await run_python("print(1)", SandboxConfig(timeout_s=timeout))).ok
+
+    asyncio.run(main())
+    time.sleep(0.3)
+    assert len(our_servers()) == _fork_server.MAX_CONFIGS
