@@ -125,10 +125,13 @@ def _servers(table: dict[int, tuple[int, str, bytes]]) -> set[int]:
     }
 
 
-def fork_servers() -> list[int]:
-    """Live fork servers of the Python sandbox (``_sandbox_zygote.py`` processes, not their children)."""
+def fork_servers(parent: int | None = None) -> list[int]:
+    """Live fork servers of the Python sandbox (``_sandbox_zygote.py`` processes, not their children),
+    only those started by ``parent`` when given."""
     table = _process_table()
-    return [pid for pid in _servers(table) if table[pid][1] != "Z"]
+    return sorted(
+        pid for pid in _servers(table) if table[pid][1] != "Z" and (parent is None or table[pid][0] == parent)
+    )
 
 
 def sandbox_pids() -> list[int]:

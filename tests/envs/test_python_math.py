@@ -1,6 +1,7 @@
 """rl2/PythonMath-v0: math problems where the agent may run Python before answering."""
 
 import json
+import os
 
 import rl2gem
 from rl2gem.tools import ToolEnvWrapper
@@ -35,3 +36,21 @@ def test_wrong_answer_after_tools_scores_zero_and_limit_truncates():
     env.reset(options={"index": 0})
     assert env.step("\\boxed{-123456}")[1] == 0.0
     env.close()
+
+
+def test_runs_go_through_the_fork_server_and_persistent_keeps_variables():
+    from helpers import fork_servers
+
+    env = rl2gem.make("rl2/PythonMath-v0", dataset="gsm8k", split="test", max_tool_calls=3, persistent=True)
+    env.reset(options={"index": 0})
+    assert env.step(code_call("x = 20"))[0].startswith("[No output")
+    assert env.step(code_call("x + 1"))[0] == "21"
+    ours = fork_servers(parent=os.getpid())
+    assert ours  # the default: a fork server of this process forks the executions
+    env.reset(options={"index": 1})  # a new episode, a new session
+    assert "NameError" in env.step(code_call("x"))[0]
+    env.close()
+    fresh = rl2gem.make("rl2/PythonMath-v0", dataset="gsm8k", split="test", pool_size=0)
+    fresh.reset(options={"index": 0})
+    assert fresh.step(code_call("print(6 * 7)"))[0] == "42"
+    fresh.close()

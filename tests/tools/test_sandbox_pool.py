@@ -43,11 +43,7 @@ def status(pid: int) -> dict[str, int]:
 
 
 def our_servers() -> list[int]:
-    return [
-        pid
-        for pid in fork_servers()
-        if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1] == str(os.getpid())
-    ]
+    return fork_servers(parent=os.getpid())
 
 
 @pytest.fixture(autouse=True)
@@ -170,11 +166,11 @@ def test_memory_exhaustion_and_a_crash_end_only_their_session(isolation):
                 await session.run("big = bytearray(2 * 1024**3)"),
                 await session.run("x"),
             ]
-            server = fork_servers_of_ours()
+            server = our_servers()
             out.append(await session.run("import ctypes\nctypes.string_at(0)"))  # a segmentation fault
             out.append(await session.run("print('x' in dir())"))
             out.append(await run_python("print('ok')", config))
-            return out, server, fork_servers_of_ours()
+            return out, server, our_servers()
         finally:
             await session.aclose()
 
@@ -183,10 +179,6 @@ def test_memory_exhaustion_and_a_crash_end_only_their_session(isolation):
     assert not crash.ok and "SIGSEGV" in crash.text() and "The Python session was stopped" in crash.text()
     assert fresh.stdout == "False\n" and "New Python session" in fresh.text() and "killed by SIGSEGV" in fresh.text()
     assert other.ok and before == after and len(after) >= 1  # the fork servers lived through it
-
-
-def fork_servers_of_ours() -> list[int]:
-    return sorted(our_servers())
 
 
 def test_a_timeout_restarts_the_session_and_the_next_call_says_so():
