@@ -614,11 +614,7 @@ async def _run_pooled(code: str, cfg: SandboxConfig, layers: tuple[str, ...]) ->
     stdin, (stdout, stderr), transports = await _pipe_streams((out_read, err_read), stdin_write)
     try:
         out, err, cut, flood, timed_out = await _exchange(code, stdin, stdout, stderr, cfg, child.kill)
-        try:
-            exit_code = await asyncio.wait_for(asyncio.shield(child.exited), 10.0)
-        except asyncio.TimeoutError:  # it closed its output but does not end: stop it
-            child.kill()
-            exit_code = await asyncio.wait_for(asyncio.shield(child.exited), 10.0)
+        exit_code = await _exit_status(child, kill=False)
     except BaseException:
         child.kill()
         with contextlib.suppress(Exception, asyncio.CancelledError):
@@ -627,7 +623,26 @@ async def _run_pooled(code: str, cfg: SandboxConfig, layers: tuple[str, ...]) ->
     finally:
         for transport in transports:
             transport.close()
-    return _result(out, err, cut, flood, timed_out, exit_code, start, cfg, layers, runner="pool")
+    notes = () if exit_code is not None else (_SERVER_STOPPED,)
+    return _result(out, err, cut, flood, timed_out, exit_code, start, cfg, layers, runner="pool", notes=notes)
+
+
+_SERVER_STOPPED = "The sandbox's fork server stopped during this run; the next run starts a new one"
+
+
+async def _exit_status(child: Child, *, kill: bool) -> int | None:
+    """The child's exit status (``kill`` it first; or after 10 s of waiting for it to end), or ``None``
+    when its fork server stopped before reporting it."""
+    try:
+        if kill:
+            child.kill()
+        try:
+            return await asyncio.wait_for(asyncio.shield(child.exited), 10.0)
+        except asyncio.TimeoutError:  # it closed its output but does not end: stop it
+            child.kill()
+            return await asyncio.wait_for(asyncio.shield(child.exited), 10.0)
+    except ForkServerError:
+        return None
 
 
 async def _run_fresh(code: str, cfg: SandboxConfig, layers: tuple[str, ...]) -> SandboxResult:
@@ -676,7 +691,9 @@ def _how_it_ended(result: SandboxResult) -> str:
     if result.timed_out:
         return "a call timed out"
     code = result.exit_code
-    if code is not None and code < 0 and -code in signal.valid_signals():
+    if code is None:
+        return "its fork server stopped"
+    if code < 0 and -code in signal.valid_signals():
         return f"killed by {signal.Signals(-code).name}"
     return f"it exited with status {code}"
 
@@ -770,8 +787,7 @@ class PythonSession:
             if reply.startswith(b"done ") and reply[5:].lstrip(b"-").isdigit():
                 exit_code: int | None = int(reply[5:])
             else:  # the session ended (or lied): make sure, and take the status it ended with
-                child.kill()
-                exit_code = await asyncio.wait_for(asyncio.shield(child.exited), 10.0)
+                exit_code = await _exit_status(child, kill=True)
         except BaseException:
             self.close()
             raise

@@ -247,14 +247,18 @@ def test_a_killed_fork_server_is_replaced():
     async def main():
         first = await run_python("print(1)")
         (server,) = our_servers()
+        running = asyncio.ensure_future(run_python("import time\ntime.sleep(20)"))
+        await asyncio.sleep(0.5)
         os.kill(server, signal.SIGKILL)
-        await asyncio.sleep(0.2)
+        cut_short = await asyncio.wait_for(running, 10)  # its child dies with the server
         second = await run_python("print(2)")
-        return first, server, second
+        return first, server, cut_short, second
 
-    first, server, second = asyncio.run(main())
+    first, server, cut_short, second = asyncio.run(main())
     assert first.stdout == "1\n" and second.stdout == "2\n" and second.runner == "pool"
+    assert not cut_short.ok and cut_short.exit_code is None and "fork server stopped" in cut_short.text()
     assert not alive(server) and len(our_servers()) == 1 and our_servers() != [server]
+    assert sandbox_pids() == []
 
 
 def test_without_namespaces_in_a_forked_child_the_run_takes_the_fresh_path(monkeypatch):
