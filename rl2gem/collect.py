@@ -4,8 +4,8 @@
     python -m rl2gem.collect env=rl2/GSM8K-v0 policy=model model=smollm2-135m-instruct n=200 min_reward=1.0 output=gsm8k.jsonl
     python -m rl2gem.collect env=rl2/ReasoningGym-v0 model=smollm2-135m-instruct n=500 pairs=true output=pairs.jsonl
 
-Episodes are played by :func:`rl2gem.evaluate.evaluate` (same arguments, see
-:data:`rl2gem.evaluate.DEFAULTS`; here ``split`` defaults to ``train``):
+Episodes are played by :func:`rl2gem.evaluation.evaluate` (same arguments, see
+:data:`rl2gem.evaluation.DEFAULTS`; here ``split`` defaults to ``train``):
 ``policy=solver`` or ``random`` plays the env's scripted policy, ``policy=model``
 plays ``model=`` through the rollout machinery, sampling at ``temperature=1.0``
 unless given. With ``min_reward`` only episodes whose reward reaches it are kept
@@ -46,15 +46,15 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from rl2gem.config import ConfigError, load_config
-from rl2gem.evaluate import DEFAULTS as EVALUATE_DEFAULTS
-from rl2gem.evaluate import EpisodeRecord, evaluate
+from rl2gem.evaluation import DEFAULTS as EVALUATE_DEFAULTS
+from rl2gem.evaluation import EpisodeRecord, evaluate
 
 __all__ = ["DEFAULTS", "POLICIES", "collect", "episode_row", "pair_rows", "main", "parse_args"]
 
 #: The ``policy`` values.
 POLICIES = ("solver", "random", "model")
 
-#: :data:`rl2gem.evaluate.DEFAULTS` with collection's own keys and defaults.
+#: :data:`rl2gem.evaluation.DEFAULTS` with collection's own keys and defaults.
 DEFAULTS: dict[str, Any] = {
     **EVALUATE_DEFAULTS,
     "policy": None,  # solver, random or model; None: model when model= is given, else solver

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from rl2gem.assets import build_dir, cache_dir, fetch, locked, missing_files
 
-__all__ = ["BUILTIN_MODELS", "MODEL_FILES", "resolve_model", "load_model"]
+__all__ = ["BUILTIN_MODELS", "MODEL_FILES", "resolve_model", "load_model", "decoder_layers"]
 
 logger = logging.getLogger(__name__)
 
@@ -166,3 +166,21 @@ def load_model(name_or_path: str, *, dtype=None, device: str = "cpu"):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32).to(device)
     model.eval()
     return model, tokenizer
+
+
+def decoder_layers(model) -> list:
+    """The transformer blocks (``torch.nn.Module`` each) of a transformers causal LM, token or sequence
+    classifier (``model.model.layers`` and kin), in order.
+
+    Raises:
+        ValueError: a model where none of the known paths leads to its layers.
+    """
+    for path in ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers"):
+        obj = model
+        try:
+            for part in path.split("."):
+                obj = getattr(obj, part)
+            return list(obj)
+        except AttributeError:
+            continue
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")

@@ -37,7 +37,6 @@ rollout (:mod:`rl2gem.rollout.tito`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 import uuid
@@ -47,12 +46,11 @@ from typing import Any
 
 from rl2gem.aio import read_json_object
 from rl2gem.rollout.engines.base import Engine, GenerateOutput, SamplingParams
-from rl2gem.tools.base import parse_tool_calls, remove_tool_calls
+from rl2gem.tools.base import hermes_tool_calls, openai_call_arguments, parse_tool_calls, remove_tool_calls
 
 __all__ = [
     "add_openai_routes",
     "OpenAIRequestError",
-    "hermes_tool_calls",
     "openai_tool_calls",
     "template_messages",
 ]
@@ -63,39 +61,6 @@ class OpenAIRequestError(ValueError):
 
 
 # --------------------------------------------------------------------------- conversions
-def _decoded_calls(tool_calls: Any) -> list[tuple[str, Any]]:
-    """``(name, arguments)`` of OpenAI ``tool_calls``, arguments decoded from their JSON text
-    (kept as text when it is not JSON: the env then tells the model so)."""
-    if not isinstance(tool_calls, list):
-        raise OpenAIRequestError("tool_calls must be a list")
-    out = []
-    for call in tool_calls:
-        function = (call.get("function") if isinstance(call, dict) else None) or {}
-        name = function.get("name")
-        if not name:
-            raise OpenAIRequestError(f"a tool call has no function name: {call!r}"[:300])
-        arguments = function.get("arguments") or "{}"
-        if isinstance(arguments, str):
-            with contextlib.suppress(json.JSONDecodeError):
-                arguments = json.loads(arguments)
-        out.append((name, arguments))
-    return out
-
-
-def hermes_tool_calls(tool_calls: list[dict[str, Any]]) -> str:
-    """OpenAI ``tool_calls`` (``{"function": {"name", "arguments": JSON text}}``) as the text a
-    Hermes-style model writes, one ``<tool_call>`` block per call: what rl2gem's tool envs read
-    (:func:`rl2gem.tools.parse_tool_calls`).
-
-    Raises:
-        OpenAIRequestError: a call without a function name.
-    """
-    return "\n".join(
-        "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
-        for name, arguments in _decoded_calls(tool_calls)
-    )
-
-
 def openai_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """Split a reply into its prose and its tool calls in OpenAI's format.
 
@@ -144,6 +109,7 @@ def template_messages(messages: Any, *, template_reads_tool_calls: bool = False)
 
     Raises:
         OpenAIRequestError: not a non-empty list of messages with known roles.
+        ValueError: a tool call without a function name.
     """
     if not isinstance(messages, list) or not messages:
         raise OpenAIRequestError("messages must be a non-empty list")
@@ -158,7 +124,7 @@ def template_messages(messages: Any, *, template_reads_tool_calls: bool = False)
             if template_reads_tool_calls:
                 decoded = [
                     {"type": "function", "function": {"name": name, "arguments": arguments}}
-                    for name, arguments in _decoded_calls(calls)
+                    for name, arguments in openai_call_arguments(calls)
                 ]
                 out.append({"role": role, "content": content, "tool_calls": decoded})
                 continue

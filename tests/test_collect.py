@@ -181,7 +181,7 @@ def test_model_rejection_sampling_rows_tokenise(tmp_path, tokenizer, monkeypatch
 
 
 def _record(position, reward, reply, prompt="What is 2 + 3?"):
-    from rl2gem.evaluate import EpisodeRecord
+    from rl2gem.evaluation import EpisodeRecord
 
     messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]
     return EpisodeRecord(position, 7, 3, reward, 1, reward > 0, True, False, 0, None, 4, messages)
@@ -222,7 +222,7 @@ def test_pairs_need_a_model_and_groups():
 
 def test_a_crash_keeps_the_rows_of_the_episodes_before_it(tmp_path, monkeypatch):
     """Rows are written as episodes end: an env that fails at the 8th reset leaves the first 7."""
-    from rl2gem import evaluate as evaluate_module
+    from rl2gem import evaluation as evaluate_module
 
     common = ("env=rl2/GuessTheNumber-Easy-v0", "policy=solver", "n=12", "seed=5")
     everything = collect(tmp_path / "all.jsonl", *common)

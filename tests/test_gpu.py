@@ -72,7 +72,7 @@ def test_cuda_kernels_give_the_sequences_own_logprobs_and_gradients(attention, t
 def test_compiled_layers_give_the_eager_logprobs():
     """Decoder layers compiled as ``actor.compile=true`` does (:func:`rl2gem.parallel.fsdp.load_sharded`)
     give the eager model's log-probs on rows of changing length (flex attention)."""
-    from rl2gem.parallel.fsdp import decoder_layers
+    from rl2gem.models import decoder_layers
 
     eager = tiny_model().float().to(CUDA)
     with torch.no_grad():

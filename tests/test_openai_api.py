@@ -15,12 +15,14 @@ import torch
 from tiny import tiny_model
 from transformers import AutoTokenizer
 
-from rl2gem.evaluate import evaluate, parse_args
-from rl2gem.openai_api import hermes_tool_calls, openai_tool_calls, template_messages
+from rl2gem.evaluate import parse_args
+from rl2gem.evaluation import evaluate
+from rl2gem.openai_api import openai_tool_calls, template_messages
 from rl2gem.rollout.engines.base import Engine, GenerateOutput
 from rl2gem.rollout.tito import ChatRenderer, load_chat_template
 from rl2gem.serve import launch, make_app
 from rl2gem.tools import parse_tool_calls
+from rl2gem.tools.base import hermes_tool_calls
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = [{"role": "user", "content": "What is 6 times 7?"}]

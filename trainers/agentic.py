@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rl2gem.evaluate import EpisodeRecord, record_sums
+from rl2gem.evaluation import EpisodeRecord, record_sums
 
 __all__ = ["PIPELINES", "Pipeline", "main", "prefix_merging_tokens"]
 

@@ -8,7 +8,7 @@ keys are errors naming the closest valid one). One step:
 
 1. collect: every rank runs its own embedded engine over ``prompts_per_rollout / world`` GRPO
    groups (token-in/token-out, prefix-merged); with ``reward.model`` a trained reward model
-   (:class:`rl2gem.rewards.RewardModel`) scores each episode and its score replaces the env's
+   (:class:`rl2gem.training.RewardModel`) scores each episode and its score replaces the env's
    reward (``reward.mode=replace``) or is added to it (``add``); ``reward.objectives`` combines
    the env's named reward components (weighted sum or Tchebycheff, then ``reward.transform``;
    :mod:`rl2gem.rewards.objectives`); advantages per group; all samples are shared;
@@ -58,7 +58,6 @@ from rl2gem.algorithms.kl_control import KLController, make_kl_controller
 from rl2gem.config import ConfigError
 from rl2gem.models import load_model
 from rl2gem.parallel.packing import tree_size
-from rl2gem.rewards.model import REWARD_MODES, RewardModel
 from rl2gem.rewards.objectives import COMBINERS, ParetoArchive, apply_objectives, load_transform
 from rl2gem.rollout import EmbeddedEngine, Rollout, RolloutConfig, merge_rank_metrics
 from rl2gem.rollout.tito import load_chat_template
@@ -75,6 +74,7 @@ from rl2gem.training.forward import (
     token_values,
 )
 from rl2gem.training.metrics import Averager, peak_flops_from_config, reduce_mean, train_flops
+from rl2gem.training.reward_model import REWARD_MODES, RewardModel
 from rl2gem.training.samples import apply_critic_estimator, samples_from_batch, subtract_kl_from_rewards
 from rl2gem.training.trainer import Trainer, launch
 from rl2gem.training.worker import Worker, setup_distributed

@@ -18,7 +18,7 @@ over ``data.batch_size`` pairs. Metrics: ``rm/loss``, ``rm/accuracy`` (share of 
 ``rm/rejected`` (mean scores), and the same on ``data.test`` as ``eval/rm/*``.
 
 Each checkpoint's ``hf/`` folder loads with ``AutoModelForSequenceClassification`` and gives the
-training scores; :class:`rl2gem.rewards.RewardModel` scores episodes with it (PPO's
+training scores; :class:`rl2gem.training.RewardModel` scores episodes with it (PPO's
 ``reward.model``).
 """
 

@@ -50,7 +50,7 @@ def env_dataset(env_id: str, n: int, split: str | None = "train", seed: int = 0,
     """The first ``n`` tasks of an env as a ``datasets.Dataset`` for TRL.
 
     An env with a data set gives its items in order (at most ``len(env)``), others the seeds
-    ``seed, seed + 1, ...`` (as :func:`rl2gem.evaluate.task_resets`).
+    ``seed, seed + 1, ...`` (as :func:`rl2gem.evaluation.task_resets`).
 
     Returns:
         a ``datasets.Dataset`` with columns ``prompt`` (``[{"role", "content"}]``, the first
@@ -58,7 +58,7 @@ def env_dataset(env_id: str, n: int, split: str | None = "train", seed: int = 0,
     """
     from datasets import Dataset
 
-    from rl2gem.evaluate import task_resets
+    from rl2gem.evaluation import task_resets
 
     kwargs = _kwargs(env_id, split, env_kwargs)
     env = rl2gem.make(env_id, **kwargs)

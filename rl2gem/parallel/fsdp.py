@@ -25,6 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from rl2gem.models import decoder_layers
 from rl2gem.parallel.attention import enable_attention
 from rl2gem.parallel.ring_attention import enable_ring_attention
 from rl2gem.parallel.tensor_parallel import check_tp, parallelize
@@ -36,7 +37,6 @@ __all__ = [
     "shard_model",
     "load_sharded",
     "full_state_dict",
-    "decoder_layers",
     "head_class",
     "clip_grad_norm",
 ]
@@ -95,19 +95,6 @@ def _free_port() -> int:
     from rl2gem.procs import free_port
 
     return free_port()
-
-
-def decoder_layers(model) -> list[torch.nn.Module]:
-    """The transformer blocks of a transformers causal LM (``model.model.layers`` and kin)."""
-    for path in ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers"):
-        obj = model
-        try:
-            for part in path.split("."):
-                obj = getattr(obj, part)
-            return list(obj)
-        except AttributeError:
-            continue
-    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
 
 
 def shard_model(model, mesh, *, cpu_offload: bool = False, reshard_after_forward: bool = True, param_dtype=None):

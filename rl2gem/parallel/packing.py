@@ -28,8 +28,9 @@ from __future__ import annotations
 import heapq
 import itertools
 
-import numpy as np
 import torch
+
+from rl2gem.rollout.tito import common_prefix_length
 
 __all__ = [
     "seq_cost",
@@ -45,7 +46,6 @@ __all__ = [
     "tree_attention_mask",
     "tree_size",
     "plan_tree",
-    "common_prefix_length",
 ]
 
 
@@ -170,13 +170,6 @@ def packed_attention_mask(cu_seqlens: torch.Tensor, dtype=torch.float32) -> torc
 def unpack(x: torch.Tensor, cu_seqlens: torch.Tensor) -> list[torch.Tensor]:
     """Split a packed ``[1, N, ...]`` tensor back into per-sequence tensors."""
     return [x[0, int(a) : int(b)] for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)]
-
-
-def common_prefix_length(a, b) -> int:
-    """Length of the longest common prefix of two token sequences (lists or int arrays)."""
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(diff[0]) if len(diff) else n
 
 
 def tree_size(seqs: list[list[int]]) -> int:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from rl2gem.models import decoder_layers
+
 __all__ = ["TP_MODEL_TYPES", "check_tp", "parallelize", "vocab_parallel_logprobs"]
 
 #: ``config.model_type`` values with a plan.
@@ -62,8 +64,6 @@ def parallelize(model, tp_mesh) -> None:
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    from rl2gem.parallel.fsdp import decoder_layers
 
     check_tp(model.config, tp_mesh.size())
     layer_plan = {

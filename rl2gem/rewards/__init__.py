@@ -1,13 +1,8 @@
-"""Reward functions shared by envs (math answer checking, QA string matching) and trained reward
-models (:class:`RewardModel`, imported on first use: it needs torch and transformers)."""
+"""Reward functions shared by envs: math answer checking and QA string matching. (Trained reward
+models are part of the training core: :class:`rl2gem.training.RewardModel`.)"""
 
-from rl2gem._lazy import lazy_exports
 from rl2gem.rewards.math import MathScore, extract_boxed, score_math
 from rl2gem.rewards.qa import exact_match, normalize_answer, token_f1
-
-_lazy_all, __getattr__ = lazy_exports(
-    __name__, {"RewardModel": "rl2gem.rewards.model", "REWARD_MODES": "rl2gem.rewards.model"}
-)
 
 __all__ = [
     "MathScore",
@@ -16,5 +11,4 @@ __all__ = [
     "exact_match",
     "normalize_answer",
     "token_f1",
-    *_lazy_all,
 ]

@@ -34,9 +34,26 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ChatRenderer", "Sequence", "Episode", "TurnDelta", "load_chat_template", "BUILTIN_TEMPLATES"]
+import numpy as np
+
+__all__ = [
+    "ChatRenderer",
+    "Sequence",
+    "Episode",
+    "TurnDelta",
+    "load_chat_template",
+    "BUILTIN_TEMPLATES",
+    "common_prefix_length",
+]
 
 _SENTINEL = "\u2063RL2GEM\u2063SENTINEL\u2063"
+
+
+def common_prefix_length(a, b) -> int:
+    """Length of the longest common prefix of two token sequences (lists or int arrays)."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if len(diff) else n
 
 
 @dataclasses.dataclass

@@ -21,6 +21,7 @@ what was wrong and the episode goes on.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
@@ -36,6 +37,8 @@ __all__ = [
     "tools_prompt",
     "validate_arguments",
     "ToolArgumentError",
+    "hermes_tool_calls",
+    "openai_call_arguments",
 ]
 
 
@@ -88,6 +91,43 @@ class ToolCall:
 
 _TAGGED = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.S)
 _FENCED = re.compile(r"```[ \t]*([A-Za-z_]*)[ \t]*\n(.*?)```", re.S)
+
+
+def openai_call_arguments(tool_calls: Any) -> list[tuple[str, Any]]:
+    """``(name, arguments)`` of OpenAI ``tool_calls`` (``{"function": {"name", "arguments": JSON
+    text}}``), arguments decoded from their JSON text (kept as text when it is not JSON: the env
+    then tells the model so).
+
+    Raises:
+        ValueError: not a list, or a call without a function name.
+    """
+    if not isinstance(tool_calls, list):
+        raise ValueError("tool_calls must be a list")
+    out = []
+    for call in tool_calls:
+        function = (call.get("function") if isinstance(call, dict) else None) or {}
+        name = function.get("name")
+        if not name:
+            raise ValueError(f"a tool call has no function name: {call!r}"[:300])
+        arguments = function.get("arguments") or "{}"
+        if isinstance(arguments, str):
+            with contextlib.suppress(json.JSONDecodeError):
+                arguments = json.loads(arguments)
+        out.append((name, arguments))
+    return out
+
+
+def hermes_tool_calls(tool_calls: list[dict[str, Any]]) -> str:
+    """OpenAI ``tool_calls`` as the text a Hermes-style model writes, one ``<tool_call>`` block per
+    call: what :func:`parse_tool_calls` (and so every rl2gem tool env) reads.
+
+    Raises:
+        ValueError: as :func:`openai_call_arguments`.
+    """
+    return "\n".join(
+        "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
+        for name, arguments in openai_call_arguments(tool_calls)
+    )
 
 
 def _call_from_obj(obj: Any, raw: str) -> ToolCall:

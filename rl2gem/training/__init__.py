@@ -34,6 +34,7 @@ from rl2gem.training.forward import (
 from rl2gem.training.metrics import Averager, measure_peak_flops, peak_flops_from_config, reduce_mean, train_flops
 from rl2gem.training.offline import OfflineTrainer, check_data_config, epoch_batch
 from rl2gem.training.pairs import PairSample, pair_sequences, plan_pair_micro_batches, tokenize_pairs
+from rl2gem.training.reward_model import REWARD_MODES, RewardModel
 from rl2gem.training.samples import Sample, apply_critic_estimator, samples_from_batch, subtract_kl_from_rewards
 from rl2gem.training.trainer import Trainer, launch
 from rl2gem.training.worker import Worker, resolve_dtype, setup_distributed
@@ -68,6 +69,8 @@ __all__ = [
     "sequence_sums",
     "setup_distributed",
     "subtract_kl_from_rewards",
+    "RewardModel",
+    "REWARD_MODES",
     "tokenize_pairs",
     "token_logprobs",
     "token_values",

@@ -1,7 +1,7 @@
 """Evaluation of the policy being trained on an env's test split, spread over ranks.
 
-The episodes are played by the same code as ``python -m rl2gem.evaluate`` (:func:`rl2gem.evaluate.task_resets`,
-:func:`rl2gem.evaluate.play_model`), greedy unless the config says otherwise, so a trainer's
+The episodes are played by the same code as ``python -m rl2gem.evaluate`` (:func:`rl2gem.evaluation.task_resets`,
+:func:`rl2gem.evaluation.play_model`), greedy unless the config says otherwise, so a trainer's
 ``eval/*`` numbers equal that CLI's on the exported checkpoint with the same settings.
 """
 
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import rl2gem
-from rl2gem.evaluate import episode_record, play_model, record_sums, task_resets
+from rl2gem.evaluation import episode_record, play_model, record_sums, task_resets
 
 __all__ = ["evaluate_env"]
 

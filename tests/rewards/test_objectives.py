@@ -6,7 +6,7 @@ import random
 import pytest
 
 import rl2gem
-from rl2gem.evaluate import episode_record, record_sums
+from rl2gem.evaluation import episode_record, record_sums
 from rl2gem.rewards.objectives import (
     ParetoArchive,
     apply_objectives,

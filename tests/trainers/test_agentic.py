@@ -5,7 +5,7 @@ import pytest
 from rl2gem.trainers.agentic import PIPELINES, main, prefix_merging_tokens
 from transformers import AutoTokenizer
 
-from rl2gem.evaluate import EpisodeRecord
+from rl2gem.evaluation import EpisodeRecord
 from rl2gem.models import resolve_model
 from rl2gem.rollout.tito import ChatRenderer
 

@@ -8,9 +8,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from rl2gem.data import load_preferences
-from rl2gem.rewards import RewardModel
 from rl2gem.rollout import RolloutBatch
 from rl2gem.rollout.tito import ChatRenderer, Episode, Sequence
+from rl2gem.training import RewardModel
 from rl2gem.training.pairs import tokenize_pairs
 
 ARGS = [

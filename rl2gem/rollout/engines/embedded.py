@@ -51,9 +51,9 @@ import numpy as np
 import torch
 
 from rl2gem.openmp import release_thread_team
-from rl2gem.parallel.packing import common_prefix_length
 from rl2gem.rollout.engines.base import Engine, EngineError, GenerateOutput, SamplingParams, seeded_uniform
 from rl2gem.rollout.engines.lean_decoder import LeanDecoder, unsupported_reason
+from rl2gem.rollout.tito import common_prefix_length
 
 __all__ = ["EmbeddedEngine"]
 

@@ -1,0 +1,502 @@
+"""Evaluation: play a model (or a scripted policy) over an env, record each episode, sum them up.
+
+The library behind ``python -m rl2gem.evaluate`` (:mod:`rl2gem.evaluate`, the command line) and
+the trainers' periodic evaluation (:mod:`rl2gem.training.evaluation`). A config is a mapping of
+:data:`DEFAULTS`' keys (``load_config(DEFAULTS, ["key=value", ...])``).
+``model`` is a built-in name (``smollm2-135m-instruct``, see
+:mod:`rl2gem.models`), a local folder or a hub id; without it ``policy``
+(``solver`` or ``random``) plays. A model plays through the rollout machinery
+of :mod:`rl2gem.rollout`: the embedded continuous-batching engine
+(``batch_size`` sequences decoded together), token-in/token-out multi-turn
+episodes on the model's chat template, greedy unless ``temperature > 0``.
+
+Episodes: an env with a data set (``len(env)``) plays its first ``n`` items in
+order (``reset(options={"index": i})``), so runs are comparable across
+models; other envs play seeds ``seed, seed+1, ...``; with ``responses_per_prompt=k``
+each task is played ``k`` times in a row (episodes ``i*k`` to ``i*k+k-1``). ``split`` (default
+``test``) is passed to envs that take one. Each finished episode is appended
+to ``output`` (JSON lines, flushed at once: a crash loses nothing written);
+a summary table is printed at the end.
+
+Tool envs offer their tools as text in the observation by default. With
+``tools_in_template=true`` the model's own chat template renders them instead
+(the env's ``info["tools"]`` passed as ``tools=``; the env is made with
+``tool_prompt=None``); ``chat_template`` (a Jinja file or text) overrides the
+tokenizer's, for models whose template has no tool support.
+
+Served models: ``server=URL`` plays through
+:class:`~rl2gem.rollout.engines.http.HTTPEngine` (SGLang's native API, token-in/token-out:
+an SGLang server, ``python -m rl2gem.serve`` or an ``sglang-router``), exactly as a local
+model plays, so greedy numbers equal those of the same weights run locally; the tokenizer is
+``model=``'s, else the server's ``/get_model_info`` ``tokenizer_path``.
+``openai_base_url=URL openai_model=NAME`` plays through the OpenAI Chat Completions API with
+the official ``openai`` client: messages in, text out (the chat history is re-rendered by the
+server each turn); a tool env's tools go as ``tools=`` and the reply's ``tool_calls`` become
+the env's ``<tool_call>`` action; the API key is read from ``OPENAI_API_KEY`` (``EMPTY`` when
+unset, which local servers accept); failed requests are retried with exponential backoff
+(``openai_max_retries``); at most ``openai_concurrency`` requests are in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+__all__ = [
+    "DEFAULTS",
+    "EpisodeRecord",
+    "evaluate",
+    "summarize",
+    "task_resets",
+    "play_model",
+    "episode_record",
+    "record_sums",
+]
+
+DEFAULTS: dict[str, Any] = {
+    "env": "rl2/GuessTheNumber-v0",
+    "model": None,
+    "policy": "solver",
+    "n": 100,
+    "responses_per_prompt": 1,  # episodes per task (a group: pass@k, preference pairs)
+    "split": "test",
+    "seed": 0,
+    "batch_size": 16,
+    "max_new_tokens": 512,
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "system_prompt": None,
+    "output": None,
+    "progress": True,
+    "env_kwargs": {},
+    "tools_in_template": False,
+    "chat_template": None,
+    "server": None,  # URL of a server speaking SGLang's native API (or a router in front of several)
+    "openai_base_url": None,  # e.g. http://127.0.0.1:30000/v1: play through the OpenAI Chat Completions API
+    "openai_model": None,  # the model name the API serves (required with openai_base_url)
+    "openai_concurrency": 16,  # requests in flight
+    "openai_max_retries": 5,  # per request, exponential backoff (the openai client's own retry logic)
+    "openai_timeout": 300.0,  # seconds per request
+}
+
+
+@dataclass
+class EpisodeRecord:
+    """One finished episode."""
+
+    episode: int
+    seed: int
+    index: int | None
+    reward: float
+    turns: int
+    success: bool
+    terminated: bool
+    truncated: bool
+    invalid_actions: int
+    format_ok: bool | None
+    generated_tokens: int
+    messages: list[dict[str, str]] = field(default_factory=list)
+    final_info: dict[str, Any] = field(default_factory=dict)
+
+
+def env_kwargs(cfg) -> dict[str, Any]:
+    """``cfg.env_kwargs`` as plain Python values (OmegaConf lists and dicts converted: envs hash
+    and compare them)."""
+    value = cfg.env_kwargs
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else dict(value)
+
+
+def _scripted(policy: str, env: gym.Env, rng: np.random.Generator) -> Callable[[], Callable[[str], str]]:
+    base = env.unwrapped
+    if policy == "solver":
+        if not hasattr(base, "make_solver"):
+            raise SystemExit(f"{base!r} has no scripted solver; use policy=random or model=...")
+        return base.make_solver
+    if policy == "random":
+        if hasattr(base, "sample_random_action"):
+            return lambda: lambda obs: base.sample_random_action(rng=rng)
+        return lambda: lambda obs: env.action_space.sample()
+    raise SystemExit(f"unknown policy {policy!r}; use solver or random (or model=...)")
+
+
+def _make_env(cfg, tools_in_template: bool | None = None) -> gym.Env:
+    from rl2gem.registry import standard_kwargs
+
+    if tools_in_template is None:
+        tools_in_template = bool(getattr(cfg, "tools_in_template", False))
+    kwargs = standard_kwargs(cfg.env, env_kwargs(cfg), split=cfg.split, tools_in_template=tools_in_template)
+    return gym.make(cfg.env, **kwargs)
+
+
+def _scalar(value) -> bool:
+    return isinstance(value, (str, int, float, bool, type(None)))
+
+
+def _plain(info: dict) -> dict:
+    """The JSON-plain part of an info: scalars and mappings of scalars (``reward_components``)."""
+    return {
+        k: v
+        for k, v in info.items()
+        if not k.startswith("_") and (_scalar(v) or (isinstance(v, dict) and all(map(_scalar, v.values()))))
+    }
+
+
+def task_resets(env_id: str, env_kwargs: dict[str, Any], n: int, seed: int = 0) -> list[tuple[int, dict | None]]:
+    """The ``(seed, options)`` of the first ``n`` evaluation episodes: an env with a data set
+    (``len(env)``) plays its items in order (``options={"index": i}``, at most ``len(env)``);
+    others play seeds ``seed, seed + 1, ...``."""
+    import rl2gem
+
+    probe = rl2gem.make(env_id, **env_kwargs)
+    try:
+        indexed = hasattr(probe.unwrapped, "__len__")
+        count = min(n, len(probe.unwrapped)) if indexed else n
+    finally:
+        probe.close()
+    return [(seed + i, {"index": i} if indexed else None) for i in range(count)]
+
+
+def episode_record(position: int, episode, reset_seed: int) -> EpisodeRecord:
+    """The :class:`EpisodeRecord` of a rollout :class:`~rl2gem.rollout.tito.Episode`."""
+    info = episode.info
+    return EpisodeRecord(
+        episode=position,
+        seed=info.get("seed", reset_seed),
+        index=info.get("index"),
+        reward=episode.reward,
+        turns=episode.turns,
+        success=bool(info.get("success", episode.reward > 0)),
+        terminated=episode.terminated,
+        truncated=episode.truncated,
+        invalid_actions=info.get("num_invalid_actions", 0),
+        format_ok=info.get("format_ok"),
+        generated_tokens=episode.num_action_tokens,
+        messages=episode.messages,
+        final_info=_plain(info),
+    )
+
+
+#: per-episode numbers summed by :func:`record_sums`: name -> how a record gives it
+_SUMS: dict[str, Callable[[EpisodeRecord], float]] = {
+    "reward": lambda r: r.reward,
+    "success": lambda r: float(r.success),
+    "turns": lambda r: r.turns,
+    "invalid_actions": lambda r: r.invalid_actions,
+    "response_tokens": lambda r: r.generated_tokens,
+    "em": lambda r: float(r.final_info.get("em") or 0.0),
+    "f1": lambda r: float(r.final_info.get("f1") or 0.0),
+    "searches": lambda r: float(r.final_info.get("num_searches") or 0.0),
+}
+
+
+#: numbers that only some envs report: name -> key of the final info
+_REPORTED = {"em": "em", "f1": "f1", "searches": "num_searches"}
+
+
+def record_sums(records: list[EpisodeRecord]) -> dict[str, float]:
+    """Sums of the per-episode numbers of ``records``, ``reported/<name>`` (how many episodes'
+    envs report em, f1, searches), ``component/<name>`` (the env's ``info["reward_components"]``)
+    and ``episodes`` (their count): add them over ranks, then divide by ``episodes`` for the means
+    (:func:`rl2gem.training.evaluate_env`)."""
+    sums = {name: float(sum(get(r) for r in records)) for name, get in _SUMS.items()}
+    for r in records:
+        for name, value in dict(r.final_info.get("reward_components") or {}).items():
+            sums[f"component/{name}"] = sums.get(f"component/{name}", 0.0) + float(value)
+    for name, key in _REPORTED.items():  # episodes whose env reports the number at all
+        sums[f"reported/{name}"] = float(sum(isinstance(r.final_info.get(key), (int, float)) for r in records))
+    sums["episodes"] = float(len(records))
+    return sums
+
+
+async def play_model(
+    engine,
+    tokenizer,
+    env_factory: Callable[[], gym.Env],
+    resets: list[tuple[int, dict | None]],
+    config,
+    chat_template: str | None = None,
+    on_episode: Callable[[int, Any], None] | None = None,
+) -> list:
+    """Play one episode per reset with ``engine`` through a :class:`~rl2gem.rollout.Rollout`
+    (token-in/token-out, prefix-merged), as both ``python -m rl2gem.evaluate`` and the trainers'
+    evaluation do. Returns the episodes in the order of ``resets``."""
+    from rl2gem.rollout import Rollout
+
+    rollout = Rollout(engine, tokenizer, env_factory, config, chat_template=chat_template)
+    try:
+        return await rollout.play(resets, on_episode)
+    finally:
+        await rollout.close()
+
+
+def _evaluate_model(cfg, resets, emit) -> None:
+    import asyncio
+
+    from rl2gem.models import load_model
+    from rl2gem.rollout import EmbeddedEngine, HTTPEngine, RolloutConfig
+    from rl2gem.rollout.tito import load_chat_template
+
+    if cfg.server:
+        model, tokenizer = None, _served_tokenizer(cfg)
+    else:
+        model, tokenizer = load_model(cfg.model)
+    rcfg = RolloutConfig.from_mapping(
+        cfg,
+        responses_per_prompt=1,
+        max_length=max(4096, 2 * cfg.max_new_tokens),
+        concurrency=cfg.batch_size,
+        tools_in_template=bool(cfg.tools_in_template),
+        progress=False,
+    )
+
+    async def run() -> None:
+        if cfg.server:
+            engine = HTTPEngine(cfg.server)
+        else:
+            engine = EmbeddedEngine(model, tokenizer, max_batch_size=cfg.batch_size, seed=cfg.seed)
+        try:
+            await play_model(
+                engine,
+                tokenizer,
+                lambda: _make_env(cfg),
+                resets,
+                rcfg,
+                load_chat_template(cfg.chat_template),
+                lambda i, ep: emit(episode_record(i, ep, resets[i][0])),
+            )
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
+
+
+def _served_tokenizer(cfg):
+    """The tokenizer for ``server=``: ``model=``'s, else the one ``/get_model_info`` names."""
+    import json as _json
+    import urllib.request
+
+    from transformers import AutoTokenizer
+
+    from rl2gem.models import resolve_model
+
+    if cfg.model:
+        return AutoTokenizer.from_pretrained(resolve_model(cfg.model))
+    url = cfg.server.rstrip("/") + "/get_model_info"
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            path = _json.loads(r.read().decode())["tokenizer_path"]
+    except Exception as e:
+        raise SystemExit(f"server={cfg.server}: could not read the tokenizer from {url} ({e}); pass model=") from None
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _record(position: int, reset_info, total: float, term: bool, trunc: bool, info, messages, tokens: int):
+    """The :class:`EpisodeRecord` of an episode played step by step (a scripted policy, an API);
+    ``reset_info`` is the info ``reset`` returned, ``info`` the last step's."""
+    return EpisodeRecord(
+        episode=position,
+        seed=reset_info["seed"],
+        index=reset_info.get("index"),
+        reward=total,
+        turns=info["turn"],
+        success=bool(info.get("success", total > 0)),
+        terminated=term,
+        truncated=trunc,
+        invalid_actions=info.get("num_invalid_actions", 0),
+        format_ok=info.get("format_ok"),
+        generated_tokens=tokens,
+        messages=messages,
+        final_info=_plain(info),
+    )
+
+
+def _evaluate_openai(cfg, resets, emit) -> None:
+    """Play ``resets`` through an OpenAI-compatible Chat Completions API (see the module doc)."""
+    import asyncio
+    import os
+
+    from openai import NOT_GIVEN, AsyncOpenAI, BadRequestError
+
+    from rl2gem.rollout.rollout import reply_messages
+    from rl2gem.tools.base import hermes_tool_calls
+
+    if not cfg.openai_model:
+        raise SystemExit("openai_base_url needs openai_model=NAME (the model the API serves; see its /v1/models)")
+
+    async def run() -> None:
+        client = AsyncOpenAI(
+            base_url=cfg.openai_base_url,
+            api_key=os.environ.get("OPENAI_API_KEY") or "EMPTY",
+            max_retries=int(cfg.openai_max_retries),
+            timeout=float(cfg.openai_timeout),
+        )
+        in_flight = asyncio.Semaphore(int(cfg.openai_concurrency))
+
+        async def episode(position: int, seed: int, options) -> None:
+            env = _make_env(cfg, tools_in_template=True)
+            try:
+                obs, info = await env.areset(seed=seed, options=options)
+                reset_info = info
+                system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+                api = system + [{"role": info.get("role", "user"), "content": obs}]  # what the API sees
+                shown = [dict(m) for m in api]  # the rl2gem form, as a local evaluation records it
+                tools = info.get("tools") or NOT_GIVEN
+                total, tokens, done = 0.0, 0, False
+                while not done:
+                    async with in_flight:
+                        reply = await client.chat.completions.create(
+                            model=cfg.openai_model,
+                            messages=api,
+                            tools=tools,
+                            max_tokens=int(cfg.max_new_tokens),
+                            temperature=float(cfg.temperature),
+                            top_p=float(cfg.top_p),
+                            seed=int(seed),
+                        )
+                    message = reply.choices[0].message
+                    tokens += reply.usage.completion_tokens if reply.usage else 0
+                    calls = [c.model_dump() for c in message.tool_calls or []]
+                    action = "\n".join(t for t in (message.content or "", hermes_tool_calls(calls)) if t)
+                    obs, reward, term, trunc, info = await env.astep(action)
+                    total += float(reward)
+                    done = term or trunc
+                    api.append(
+                        {"role": "assistant", "content": message.content, **({"tool_calls": calls} if calls else {})}
+                    )
+                    shown.append({"role": "assistant", "content": action})
+                    if not done:
+                        replies = reply_messages(obs, info)
+                        shown += replies
+                        for k, m in enumerate(replies):  # tool results answer the calls, in order
+                            if m["role"] == "tool" and k < len(calls):
+                                api.append({**m, "tool_call_id": calls[k]["id"]})
+                            else:
+                                api.append(
+                                    {"role": "user" if m["role"] == "tool" else m["role"], "content": m["content"]}
+                                )
+                emit(_record(position, reset_info, total, term, trunc, info, shown, tokens))
+            finally:
+                await env.aclose()
+
+        try:
+            await asyncio.gather(*(episode(i, seed, options) for i, (seed, options) in enumerate(resets)))
+        except BadRequestError as e:  # a request the API refuses will not pass on the next episode either
+            raise SystemExit(f"{cfg.openai_base_url} refused the request: {e.message}") from None
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+
+
+def _evaluate_scripted(cfg, env, resets, emit) -> None:
+    """Play ``resets`` with a scripted policy; the messages are those a Rollout builds
+    (env replies by :func:`rl2gem.rollout.rollout.reply_messages`, none after the last action)."""
+    # imported here: only this function of the (shared) file was changed for it
+    from rl2gem.rollout.rollout import reply_messages
+
+    rng = np.random.default_rng(cfg.seed)
+    make_policy = _scripted(cfg.policy, env, rng)
+    try:
+        for i, (seed, options) in enumerate(resets):
+            obs, info = env.reset(seed=seed, options=options)
+            reset_info = info
+            messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+            messages.append({"role": info.get("role", "user"), "content": obs})
+            policy, total, done = make_policy(), 0.0, False
+            while not done:
+                action = policy(obs)
+                obs, r, term, trunc, info = env.step(action)
+                messages.append({"role": "assistant", "content": action})
+                total += r
+                done = term or trunc
+                if not done:
+                    messages += reply_messages(obs, info)
+            emit(_record(i, reset_info, total, term, trunc, info, messages, 0))
+    finally:
+        env.close()
+
+
+def evaluate(cfg, on_record: Callable[[EpisodeRecord], None] | None = None) -> list[EpisodeRecord]:
+    """Play ``cfg.n`` episodes (see the module doc); returns their records.
+
+    Args:
+        cfg: :data:`DEFAULTS` merged with the arguments.
+        on_record: called with each record as its episode ends (in completion order, which with
+            a model is not the episode order), after it is written to ``cfg.output``.
+    """
+    import rl2gem  # noqa: F401  (registers the envs)
+    from rl2gem.registry import standard_kwargs
+
+    if cfg.openai_base_url and cfg.server:
+        raise SystemExit("give server= (SGLang's native API) or openai_base_url= (the OpenAI API), not both")
+    tools_in_template = bool(cfg.tools_in_template) or bool(cfg.openai_base_url)
+    kwargs = standard_kwargs(cfg.env, env_kwargs(cfg), split=cfg.split, tools_in_template=tools_in_template)
+    resets = task_resets(cfg.env, kwargs, cfg.n, cfg.seed)
+    group = int(cfg.get("responses_per_prompt", 1))
+    if group < 1:
+        raise SystemExit(f"responses_per_prompt must be >= 1, got {group}")
+    resets = [reset for reset in resets for _ in range(group)]  # a task's episodes are consecutive
+    n = len(resets)
+    out_path = Path(cfg.output) if cfg.output else None
+    if out_path:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+    sink = open(out_path, "a", encoding="utf-8") if out_path else None  # noqa: SIM115 (closed in the finally below)
+    records: list[EpisodeRecord] = []
+    bar = tqdm(total=n, desc=cfg.env, disable=not cfg.progress, file=sys.stderr)
+
+    def emit(rec: EpisodeRecord) -> None:
+        records.append(rec)
+        if sink:
+            sink.write(json.dumps(asdict(rec), ensure_ascii=False) + "\n")
+            sink.flush()
+        if on_record is not None:
+            on_record(rec)
+        bar.update(1)
+
+    try:
+        if cfg.openai_base_url:
+            _evaluate_openai(cfg, resets, emit)
+        elif cfg.model or cfg.server:
+            _evaluate_model(cfg, resets, emit)
+        else:
+            _evaluate_scripted(cfg, _make_env(cfg), resets, emit)
+    finally:
+        bar.close()
+        if sink:
+            sink.close()
+    records.sort(key=lambda r: r.episode)
+    return records
+
+
+def summarize(records: list[EpisodeRecord], seconds: float) -> str:
+    """A text table of the run."""
+    n = len(records)
+    tokens = sum(r.generated_tokens for r in records)
+    fmt = [r.format_ok for r in records if r.format_ok is not None]
+    rows = [
+        ("episodes", f"{n}"),
+        ("accuracy (success rate)", f"{np.mean([r.success for r in records]):.3f}"),
+        ("mean reward", f"{np.mean([r.reward for r in records]):.3f}"),
+        ("mean turns", f"{np.mean([r.turns for r in records]):.2f}"),
+        ("invalid actions / episode", f"{np.mean([r.invalid_actions for r in records]):.2f}"),
+        ("format followed", f"{np.mean(fmt):.3f}" if fmt else "n/a"),
+        *[
+            (label, f"{np.mean([r.final_info.get(key) or 0.0 for r in records]):.3f}")  # absent: no answer given
+            for key, label in (("em", "exact match"), ("f1", "token F1"), ("num_searches", "searches / episode"))
+            if any(isinstance(r.final_info.get(key), (int, float)) for r in records)
+        ],
+        ("generated tokens", f"{tokens}"),
+        ("wall time (s)", f"{seconds:.1f}"),
+        ("generated tokens / s", f"{tokens / max(seconds, 1e-9):.1f}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
