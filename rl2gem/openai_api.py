@@ -44,12 +44,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from aiohttp import web
+
 from rl2gem.aio import read_json_object
 from rl2gem.rollout.engines.base import Engine, GenerateOutput, SamplingParams
+from rl2gem.rollout.tito import ChatRenderer
 from rl2gem.tools.base import hermes_tool_calls, openai_call_arguments, parse_tool_calls, remove_tool_calls
 
 __all__ = [
     "add_openai_routes",
+    "OpenAIRoutes",
     "OpenAIRequestError",
     "openai_tool_calls",
     "template_messages",
@@ -190,8 +194,29 @@ def add_openai_routes(
     model_name: str,
     chat_template: str | None = None,
     context_length: int | None = None,
-) -> None:
-    """Add the ``/v1`` routes (see the module doc) to an aiohttp ``RouteTableDef``.
+) -> OpenAIRoutes:
+    """Add the ``/v1`` routes (see the module doc) to an aiohttp ``RouteTableDef``; returns the
+    :class:`OpenAIRoutes` that serves them (arguments as there)."""
+    api = OpenAIRoutes(
+        engine, tokenizer, model_name=model_name, chat_template=chat_template, context_length=context_length
+    )
+    routes.get("/v1/models")(api.models)
+    routes.post("/v1/chat/completions")(api.chat_completions)
+    routes.post("/v1/completions")(api.completions)
+    return api
+
+
+def _error(message: str, status: int = 400, kind: str = "invalid_request_error"):
+    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": None}}, status=status)
+
+
+def _usage(prompt: list[int], choices: list[_Choice]) -> dict[str, int]:
+    completion = sum(len(c.ids) for c in choices)
+    return {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion}
+
+
+class OpenAIRoutes:
+    """The OpenAI API over an :class:`Engine`: one method per route (aiohttp handlers).
 
     Args:
         engine: generates (any :class:`Engine`).
@@ -200,38 +225,102 @@ def add_openai_routes(
         chat_template: overrides the tokenizer's template (text).
         context_length: prompt + completion limit (default: the engine's, else 4096).
     """
-    from aiohttp import web
 
-    from rl2gem.rollout.tito import ChatRenderer
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer,
+        *,
+        model_name: str,
+        chat_template: str | None = None,
+        context_length: int | None = None,
+    ):
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.renderer = ChatRenderer(tokenizer, chat_template)
+        self.reads_tool_calls = "tool_calls" in str(chat_template or tokenizer.chat_template or "")
+        self.limit = int(context_length or getattr(engine, "context_length", 0) or 4096)
 
-    renderer = ChatRenderer(tokenizer, chat_template)
-    template = str(chat_template or tokenizer.chat_template or "")
-    reads_tool_calls = "tool_calls" in template
-    limit = int(context_length or getattr(engine, "context_length", 0) or 4096)
+    # ------------------------------------------------------------------ routes
+    async def models(self, _request):
+        """``GET /v1/models``."""
+        entry = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rl2gem"}
+        return web.json_response({"object": "list", "data": [entry]})
 
-    def error(message: str, status: int = 400, kind: str = "invalid_request_error"):
-        return web.json_response(
-            {"error": {"message": message, "type": kind, "param": None, "code": None}}, status=status
-        )
+    async def chat_completions(self, request):
+        """``POST /v1/chat/completions``."""
+        try:
+            body = await read_json_object(request)
+            self._check_common(body)
+            tools = self._tools(body)
+            messages = template_messages(body.get("messages"), template_reads_tool_calls=self.reads_tool_calls)
+            prompt = self.renderer.prompt_ids(messages, tools=tools)
+            params, stops = self._sampling(body, len(prompt), None)
+        except (OpenAIRequestError, ValueError, TypeError) as e:
+            return _error(str(e))
+        reply = _ChatReply(self, body, tools, prompt)
+        if body.get("stream"):
+            markers = ["<tool_call>"] if tools else []
+            return await self._stream(request, prompt, params, stops, reply, markers + stops)
+        return await reply.whole(params, stops)
 
-    @routes.get("/v1/models")
-    async def models(_):
-        return web.json_response(
-            {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "rl2gem"}]}
-        )
+    async def completions(self, request):
+        """``POST /v1/completions``."""
+        try:
+            body = await read_json_object(request)
+            self._check_common(body)
+            prompts = self._completion_prompts(body.get("prompt"))
+            logprobs = _number(body, "logprobs", None, int, 0, 1)
+            plans = [self._sampling(body, len(p), 16) for p in prompts]
+            if body.get("stream") and len(prompts) > 1:
+                raise OpenAIRequestError("stream=true takes one prompt")
+        except (OpenAIRequestError, ValueError, TypeError) as e:
+            return _error(str(e))
+        reply = _CompletionReply(self, body, logprobs is not None)
+        if body.get("stream"):
+            params, stops = plans[0]
+            return await self._stream(request, prompts[0], params, stops, reply, stops)
+        return await reply.whole(prompts, plans)
 
-    def check_common(body: dict) -> None:
-        if body.get("model") not in (None, model_name):
-            raise OpenAIRequestError(f"model {body.get('model')!r} is not served here; /v1/models lists {model_name!r}")
+    # ------------------------------------------------------------------ request checks
+    def _check_common(self, body: dict) -> None:
+        if body.get("model") not in (None, self.model_name):
+            raise OpenAIRequestError(
+                f"model {body.get('model')!r} is not served here; /v1/models lists {self.model_name!r}"
+            )
         if body.get("top_logprobs"):
             raise OpenAIRequestError("top_logprobs > 0 is not supported: the engine returns the sampled token's only")
         if body.get("echo"):
             raise OpenAIRequestError("echo is not supported")
 
-    def sampling(body: dict, prompt_len: int, default_max: int | None) -> tuple[list[SamplingParams], list[str]]:
-        room = limit - prompt_len - 1
+    def _tools(self, body: dict) -> list[dict] | None:
+        tools = body.get("tools") or None
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise OpenAIRequestError("tools must be a list of function schemas")
+        choice_mode = body.get("tool_choice", "auto")
+        if choice_mode not in ("auto", "none", None):
+            raise OpenAIRequestError(f"tool_choice {choice_mode!r} is not supported (auto or none)")
+        if choice_mode == "none":
+            return None
+        if tools and not self.renderer.supports_tools:
+            raise OpenAIRequestError("this model's chat template does not render tools; serve it with --chat-template")
+        return tools
+
+    def _completion_prompts(self, prompt: Any) -> list[list[int]]:
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
+            prompts = [prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            prompts = prompt
+        else:
+            raise OpenAIRequestError("prompt must be a string, a list of token ids, or a non-empty list of those")
+        ids = [self.renderer.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+        if any(not p for p in ids):
+            raise OpenAIRequestError("a prompt is empty")
+        return ids
+
+    def _sampling(self, body: dict, prompt_len: int, default_max: int | None) -> tuple[list[SamplingParams], list[str]]:
+        room = self.limit - prompt_len - 1
         if room < 1:
-            raise OpenAIRequestError(f"the prompt has {prompt_len} tokens; this model's context is {limit}")
+            raise OpenAIRequestError(f"the prompt has {prompt_len} tokens; this model's context is {self.limit}")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         max_tokens = room if max_tokens is None and default_max is None else (max_tokens or default_max)
         max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", room, int, 1, None)
@@ -248,9 +337,10 @@ def add_openai_routes(
         ]
         return params, _stop_strings(body.get("stop"))
 
-    def finish(choice: _Choice, stops: list[str]) -> str:
-        """The choice's final text (cut at a stop string) and OpenAI finish reason."""
-        text = tokenizer.decode(choice.ids, skip_special_tokens=True)
+    # ------------------------------------------------------------------ generation
+    def finish(self, choice: _Choice, stops: list[str]) -> str:
+        """Set the choice's final text (cut at a stop string); return the OpenAI finish reason."""
+        text = self.tokenizer.decode(choice.ids, skip_special_tokens=True)
         cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
         if cut >= 0:
             choice.text, choice.stopped_at = text[:cut], cut
@@ -259,26 +349,37 @@ def add_openai_routes(
         kind = choice.output.finish_reason.get("type") if choice.output else "stop"
         return "length" if kind == "length" else "stop"
 
-    def token_logprobs(ids: list[int], lps: list[float]) -> list[dict[str, Any]]:
+    def token_logprobs(self, ids: list[int], lps: list[float]) -> list[dict[str, Any]]:
+        """Chat-style log-prob entries of ``ids``."""
         out = []
         for t, lp in zip(ids, lps, strict=True):
-            piece = tokenizer.decode([t])
+            piece = self.tokenizer.decode([t])
             out.append({"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []})
         return out
 
-    async def run_choice(choice: _Choice, prompt: list[int], params: SamplingParams, on_token: Callable | None):
-        async for item in engine.generate_stream(prompt, params):
-            if isinstance(item, GenerateOutput):
-                choice.output = item
-            else:
-                choice.ids.append(item[0])
-                choice.logprobs.append(item[1])
-                if on_token is not None:
-                    await on_token(choice)
+    async def run_choices(
+        self, prompt: list[int], params: list[SamplingParams], first: int = 0, on_token: Callable | None = None
+    ) -> list[_Choice]:
+        """Generate one choice per ``params`` (indices from ``first``), concurrently."""
+        choices = [_Choice(first + i) for i in range(len(params))]
 
-    async def stream(request, prompt, params, stops, chunk: Callable, final: Callable, usage_chunk: Callable, markers):
-        """Server-sent events: ``chunk(choice, text, logprob_entries)`` for new text,
-        ``final(choice, reason)`` when a choice ends, ``usage_chunk(usage)`` last when asked."""
+        async def run(choice: _Choice, sampling: SamplingParams) -> None:
+            async for item in self.engine.generate_stream(prompt, sampling):
+                if isinstance(item, GenerateOutput):
+                    choice.output = item
+                else:
+                    choice.ids.append(item[0])
+                    choice.logprobs.append(item[1])
+                    if on_token is not None:
+                        await on_token(choice)
+
+        await asyncio.gather(*(run(c, p) for c, p in zip(choices, params, strict=True)))
+        return choices
+
+    async def _stream(self, request, prompt, params, stops, reply, markers):
+        """Server-sent events: ``reply.chunk(choice, text, logprob_entries)`` for new text,
+        ``reply.final(choice, reason, rest, entries)`` when a choice ends, ``reply.usage_chunk`` last
+        when the request asked for usage."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         lock = asyncio.Lock()
@@ -290,7 +391,7 @@ def add_openai_routes(
         async def on_token(choice: _Choice) -> None:
             if choice.stopped_at is not None:
                 return
-            text = tokenizer.decode(choice.ids, skip_special_tokens=True)
+            text = self.tokenizer.decode(choice.ids, skip_special_tokens=True)
             if text.endswith("\ufffd"):  # a multi-byte character is not complete yet
                 return
             cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
@@ -302,188 +403,142 @@ def add_openai_routes(
                 if markers and (i := text.find(markers[0])) >= 0:  # a tool call: sent whole at the end
                     end = min(end, i)
             if end > choice.sent_chars:
-                new_lps = token_logprobs(choice.ids[choice.sent_tokens :], choice.logprobs[choice.sent_tokens :])
+                new_lps = self.token_logprobs(choice.ids[choice.sent_tokens :], choice.logprobs[choice.sent_tokens :])
                 choice.sent_tokens = len(choice.ids)
-                await send(chunk(choice, text[choice.sent_chars : end], new_lps))
+                await send(reply.chunk(choice, text[choice.sent_chars : end], new_lps))
                 choice.sent_chars = end
 
-        choices = [_Choice(i) for i in range(len(params))]
         try:
-            await asyncio.gather(*(run_choice(c, prompt, p, on_token) for c, p in zip(choices, params, strict=True)))
+            choices = await self.run_choices(prompt, params, on_token=on_token)
         except Exception as e:  # headers are sent: the error goes into the stream
             await send({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}})
             await response.write(b"data: [DONE]\n\n")
             return response
         for c in choices:
-            reason = finish(c, stops)
-            rest = token_logprobs(c.ids[c.sent_tokens :], c.logprobs[c.sent_tokens :])
-            await send(final(c, reason, c.text[c.sent_chars :], rest))
-        if usage_chunk is not None:
-            await send(usage_chunk(usage(prompt, choices)))
+            reason = self.finish(c, stops)
+            rest = self.token_logprobs(c.ids[c.sent_tokens :], c.logprobs[c.sent_tokens :])
+            await send(reply.final(c, reason, c.text[c.sent_chars :], rest))
+        if reply.include_usage:
+            await send(reply.usage_chunk(_usage(prompt, choices)))
         await response.write(b"data: [DONE]\n\n")
         return response
 
-    def usage(prompt: list[int], choices: list[_Choice]) -> dict[str, int]:
-        completion = sum(len(c.ids) for c in choices)
-        return {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion}
 
-    @routes.post("/v1/chat/completions")
-    async def chat_completions(request):
+class _ChatReply:
+    """The response objects of one ``/v1/chat/completions`` request."""
+
+    def __init__(self, api: OpenAIRoutes, body: dict, tools: list[dict] | None, prompt: list[int]):
+        self.api, self.tools, self.prompt = api, tools, prompt
+        self.want_logprobs = bool(body.get("logprobs"))
+        self.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        self.head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": api.model_name}
+
+    def message(self, choice: _Choice, reason: str) -> tuple[dict, str]:
+        content, calls = openai_tool_calls(choice.text) if self.tools else (choice.text, [])
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+            reason = "tool_calls"
+        return message, reason
+
+    async def whole(self, params: list[SamplingParams], stops: list[str]):
+        api = self.api
         try:
-            body = await read_json_object(request)
-            check_common(body)
-            tools = body.get("tools") or None
-            if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-                raise OpenAIRequestError("tools must be a list of function schemas")
-            choice_mode = body.get("tool_choice", "auto")
-            if choice_mode not in ("auto", "none", None):
-                raise OpenAIRequestError(f"tool_choice {choice_mode!r} is not supported (auto or none)")
-            if choice_mode == "none":
-                tools = None
-            if tools and not renderer.supports_tools:
-                raise OpenAIRequestError(
-                    "this model's chat template does not render tools; serve it with --chat-template"
-                )
-            messages = template_messages(body.get("messages"), template_reads_tool_calls=reads_tool_calls)
-            prompt = renderer.prompt_ids(messages, tools=tools)
-            params, stops = sampling(body, len(prompt), None)
-            want_logprobs = bool(body.get("logprobs"))
-        except (OpenAIRequestError, ValueError, TypeError) as e:
-            return error(str(e))
-        ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        head = {"id": ident, "created": created, "model": model_name}
-
-        def message_of(choice: _Choice, reason: str) -> tuple[dict, str]:
-            content, calls = openai_tool_calls(choice.text) if tools else (choice.text, [])
-            message: dict[str, Any] = {"role": "assistant", "content": content}
-            if calls:
-                message["tool_calls"] = calls
-                reason = "tool_calls"
-            return message, reason
-
-        if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-
-            def chunk(choice, text, lps, reason=None, extra=None):
-                delta: dict[str, Any] = {} if choice.started else {"role": "assistant"}
-                choice.started = True
-                if text:
-                    delta["content"] = text
-                delta.update(extra or {})
-                entry = {"index": choice.index, "delta": delta, "finish_reason": reason}
-                entry["logprobs"] = {"content": lps} if want_logprobs else None
-                return {**head, "object": "chat.completion.chunk", "choices": [entry]}
-
-            def final(choice, reason, rest, lps):
-                extra: dict[str, Any] = {}
-                if tools:
-                    content, calls = openai_tool_calls(choice.text)
-                    if calls:  # the calls were held back: send them whole, with any prose not yet sent
-                        rest = (content or "")[choice.sent_chars :]
-                        extra["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
-                        reason = "tool_calls"
-                return chunk(choice, rest, lps, reason, extra)
-
-            def usage_chunk(u):
-                return {**head, "object": "chat.completion.chunk", "choices": [], "usage": u}
-
-            markers = ["<tool_call>"] if tools else []
-            return await stream(
-                request, prompt, params, stops, chunk, final, usage_chunk if include_usage else None, markers + stops
-            )
-
-        choices = [_Choice(i) for i in range(len(params))]
-        try:
-            await asyncio.gather(*(run_choice(c, prompt, p, None) for c, p in zip(choices, params, strict=True)))
+            choices = await api.run_choices(self.prompt, params)
         except ValueError as e:
-            return error(str(e))
+            return _error(str(e))
         out = []
         for c in choices:
-            message, reason = message_of(c, finish(c, stops))
+            message, reason = self.message(c, api.finish(c, stops))
             entry = {"index": c.index, "message": message, "finish_reason": reason, "logprobs": None}
-            if want_logprobs:
-                n_kept = len(tokenizer(c.text, add_special_tokens=False)["input_ids"]) if c.stopped_at else len(c.ids)
-                entry["logprobs"] = {"content": token_logprobs(c.ids[:n_kept], c.logprobs[:n_kept])}
+            if self.want_logprobs:
+                kept = len(api.tokenizer(c.text, add_special_tokens=False)["input_ids"]) if c.stopped_at else len(c.ids)
+                entry["logprobs"] = {"content": api.token_logprobs(c.ids[:kept], c.logprobs[:kept])}
             out.append(entry)
         return web.json_response(
             {
-                **head,
+                **self.head,
                 "object": "chat.completion",
                 "choices": out,
-                "usage": usage(prompt, choices),
-                "system_fingerprint": f"rl2gem-w{engine.weight_version}",
+                "usage": _usage(self.prompt, choices),
+                "system_fingerprint": f"rl2gem-w{api.engine.weight_version}",
             }
         )
 
-    @routes.post("/v1/completions")
-    async def completions(request):
-        try:
-            body = await read_json_object(request)
-            check_common(body)
-            prompt = body.get("prompt")
-            if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
-                prompts = [prompt]
-            elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-                prompts = prompt
-            else:
-                raise OpenAIRequestError("prompt must be a string, a list of token ids, or a non-empty list of those")
-            prompts = [renderer.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
-            if any(not p for p in prompts):
-                raise OpenAIRequestError("a prompt is empty")
-            logprobs = _number(body, "logprobs", None, int, 0, 1)
-            plans = [sampling(body, len(p), 16) for p in prompts]
-            if body.get("stream") and len(prompts) > 1:
-                raise OpenAIRequestError("stream=true takes one prompt")
-        except (OpenAIRequestError, ValueError, TypeError) as e:
-            return error(str(e))
-        ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        head = {"id": ident, "object": "text_completion", "created": created, "model": model_name}
+    def chunk(self, choice, text, lps, reason=None, extra=None):
+        delta: dict[str, Any] = {} if choice.started else {"role": "assistant"}
+        choice.started = True
+        if text:
+            delta["content"] = text
+        delta.update(extra or {})
+        entry = {"index": choice.index, "delta": delta, "finish_reason": reason}
+        entry["logprobs"] = {"content": lps} if self.want_logprobs else None
+        return {**self.head, "object": "chat.completion.chunk", "choices": [entry]}
 
-        def legacy_logprobs(ids: list[int], lps: list[float]) -> dict | None:
-            if logprobs is None:
-                return None
-            pieces = [tokenizer.decode([t]) for t in ids]
-            offsets, at = [], 0
-            for piece in pieces:
-                offsets.append(at)
-                at += len(piece)
-            return {"tokens": pieces, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
+    def final(self, choice, reason, rest, lps):
+        extra: dict[str, Any] = {}
+        if self.tools:
+            content, calls = openai_tool_calls(choice.text)
+            if calls:  # the calls were held back: send them whole, with any prose not yet sent
+                rest = (content or "")[choice.sent_chars :]
+                extra["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+                reason = "tool_calls"
+        return self.chunk(choice, rest, lps, reason, extra)
 
-        if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    def usage_chunk(self, usage):
+        return {**self.head, "object": "chat.completion.chunk", "choices": [], "usage": usage}
 
-            def chunk(choice, text, lps, reason=None):
-                ids = choice.ids[choice.sent_tokens - len(lps) : choice.sent_tokens] if lps else []
-                entry = {"index": choice.index, "text": text, "finish_reason": reason}
-                entry["logprobs"] = legacy_logprobs(ids, [x["logprob"] for x in lps])
-                return {**head, "choices": [entry]}
 
-            def final(choice, reason, rest, lps):
-                ids = choice.ids[len(choice.ids) - len(lps) :] if lps else []
-                entry = {"index": choice.index, "text": rest, "finish_reason": reason}
-                entry["logprobs"] = legacy_logprobs(ids, [x["logprob"] for x in lps])
-                return {**head, "choices": [entry]}
+class _CompletionReply:
+    """The response objects of one ``/v1/completions`` request."""
 
-            def usage_chunk(u):
-                return {**head, "choices": [], "usage": u}
+    def __init__(self, api: OpenAIRoutes, body: dict, logprobs: bool):
+        self.api, self.logprobs = api, logprobs
+        self.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        self.head = {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": api.model_name,
+        }
 
-            params, stops = plans[0]
-            return await stream(
-                request, prompts[0], params, stops, chunk, final, usage_chunk if include_usage else None, stops
-            )
+    def legacy_logprobs(self, ids: list[int], lps: list[float]) -> dict | None:
+        if not self.logprobs:
+            return None
+        pieces = [self.api.tokenizer.decode([t]) for t in ids]
+        offsets, at = [], 0
+        for piece in pieces:
+            offsets.append(at)
+            at += len(piece)
+        return {"tokens": pieces, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
 
+    async def whole(self, prompts: list[list[int]], plans):
         out, total = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
         try:
             for prompt, (params, stops) in zip(prompts, plans, strict=True):
-                choices = [_Choice(len(out) + i) for i in range(len(params))]
-                await asyncio.gather(*(run_choice(c, prompt, p, None) for c, p in zip(choices, params, strict=True)))
+                choices = await self.api.run_choices(prompt, params, first=len(out))
                 for c in choices:
-                    reason = finish(c, stops)
+                    reason = self.api.finish(c, stops)
                     entry = {"index": c.index, "text": c.text, "finish_reason": reason}
-                    entry["logprobs"] = legacy_logprobs(c.ids, c.logprobs)
+                    entry["logprobs"] = self.legacy_logprobs(c.ids, c.logprobs)
                     out.append(entry)
-                for k, v in usage(prompt, choices).items():
+                for k, v in _usage(prompt, choices).items():
                     total[k] += v
         except ValueError as e:
-            return error(str(e))
-        return web.json_response({**head, "choices": out, "usage": total})
+            return _error(str(e))
+        return web.json_response({**self.head, "choices": out, "usage": total})
+
+    def chunk(self, choice, text, lps, reason=None):
+        ids = choice.ids[choice.sent_tokens - len(lps) : choice.sent_tokens] if lps else []
+        entry = {"index": choice.index, "text": text, "finish_reason": reason}
+        entry["logprobs"] = self.legacy_logprobs(ids, [x["logprob"] for x in lps])
+        return {**self.head, "choices": [entry]}
+
+    def final(self, choice, reason, rest, lps):
+        ids = choice.ids[len(choice.ids) - len(lps) :] if lps else []
+        entry = {"index": choice.index, "text": rest, "finish_reason": reason}
+        entry["logprobs"] = self.legacy_logprobs(ids, [x["logprob"] for x in lps])
+        return {**self.head, "choices": [entry]}
+
+    def usage_chunk(self, usage):
+        return {**self.head, "choices": [], "usage": usage}

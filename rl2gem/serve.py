@@ -52,14 +52,18 @@ import contextlib
 import sys
 from typing import Any
 
+from aiohttp import web
+
+from rl2gem.aio import read_json_object
+from rl2gem.openai_api import add_openai_routes
+from rl2gem.rollout.engines.base import SamplingParams
+
 __all__ = ["make_app", "launch", "main", "READY_PREFIX"]
 
 READY_PREFIX = "RL2GEM_SERVE_READY"
 
 
 def _bad(message: str, status: int = 400):
-    from aiohttp import web
-
     return web.json_response({"error": {"message": message}}, status=status)
 
 
@@ -103,50 +107,78 @@ def make_app(
         chat_template: overrides the tokenizer's chat template in the OpenAI API.
         native: serve SGLang's native API (else only ``/health`` and the OpenAI API).
     """
-    from aiohttp import web
-
-    from rl2gem.aio import read_json_object
-    from rl2gem.openai_api import add_openai_routes
-    from rl2gem.rollout.engines.base import SamplingParams
-
     routes = web.RouteTableDef()
-    lora: dict[str, Any] = {"name": None, "base": None}  # the merged adapter, the base weights it replaced
-
-    @routes.get("/health")
-    @routes.get("/health_generate")
-    async def health(_):
-        ok = await engine.health()
-        return web.Response(status=200 if ok else 503)
-
+    api = NativeRoutes(engine, model_path=model_path, tokenizer=tokenizer)
+    routes.get("/health")(api.health)
+    routes.get("/health_generate")(api.health)
     if tokenizer is not None:
         add_openai_routes(
             routes, engine, tokenizer, model_name=served_model_name or model_path, chat_template=chat_template
         )
     if not native:
         return _application(routes, engine)
+    for method, path, handler in (
+        ("GET", "/get_load", api.get_load),
+        ("GET", "/get_model_info", api.model_info),
+        ("GET", "/get_server_info", api.server_info),
+        ("GET", "/get_weight_version", api.weight_version),
+        ("POST", "/generate", api.generate),
+        ("POST", "/pause_generation", api.pause),
+        ("POST", "/continue_generation", api.resume),
+        ("POST", "/abort_request", api.abort),
+        ("POST", "/flush_cache", api.flush),
+        ("GET", "/flush_cache", api.flush),
+        ("POST", "/update_weights_from_disk", api.update_weights_from_disk),
+        ("POST", "/load_lora_adapter", api.load_lora_adapter),
+        ("POST", "/unload_lora_adapter", api.unload_lora_adapter),
+    ):
+        routes.route(method, path)(handler)
+    return _application(routes, engine)
 
-    @routes.get("/get_load")
-    async def get_load(_):
-        load = engine.load()
-        return web.json_response([{"dp_rank": 0, **load}])
 
-    @routes.get("/get_model_info")
-    async def model_info(_):
+def _json(request):
+    return read_json_object(request, allow_empty=True)
+
+
+def _failure(error: BaseException, status: int = 400):
+    return web.json_response({"success": False, "message": f"{type(error).__name__}: {error}"}, status=status)
+
+
+class NativeRoutes:
+    """SGLang's native HTTP API over an engine: one method per route (aiohttp handlers).
+
+    Holds which LoRA adapter is merged into the served weights and the base weights it replaced,
+    so that ``/unload_lora_adapter`` can put them back.
+    """
+
+    def __init__(self, engine, *, model_path: str = "", tokenizer=None):
+        self.engine, self.model_path, self.tokenizer = engine, model_path, tokenizer
+        self.lora_name: str | None = None
+        self.lora_base: dict[str, Any] | None = None  # base weights the merged adapter replaced
+
+    async def health(self, _request):
+        """``GET /health``, ``/health_generate``: 200 when the engine is up, else 503."""
+        return web.Response(status=200 if await self.engine.health() else 503)
+
+    async def get_load(self, _request):
+        return web.json_response([{"dp_rank": 0, **self.engine.load()}])
+
+    async def model_info(self, _request):
         return web.json_response(
             {
-                "model_path": model_path,
-                "tokenizer_path": model_path,
+                "model_path": self.model_path,
+                "tokenizer_path": self.model_path,
                 "is_generation": True,
-                "weight_version": str(engine.weight_version),
+                "weight_version": str(self.engine.weight_version),
                 "preferred_sampling_params": None,
             }
         )
 
-    @routes.get("/get_server_info")
-    async def server_info(_):
+    async def server_info(self, _request):
+        engine = self.engine
         return web.json_response(
             {
-                "model_path": model_path,
+                "model_path": self.model_path,
                 "engine": "rl2gem-embedded",
                 "context_length": engine.context_length,
                 "max_running_requests": engine.max_batch_size,
@@ -157,41 +189,42 @@ def make_app(
             }
         )
 
-    @routes.get("/get_weight_version")
-    async def weight_version(_):
-        return web.json_response({"weight_version": str(engine.weight_version)})
+    async def weight_version(self, _request):
+        return web.json_response({"weight_version": str(self.engine.weight_version)})
 
-    def _json(request):
-        return read_json_object(request, allow_empty=True)
+    def _prompts(self, body: dict) -> tuple[list[list[int]], bool]:
+        """The request's prompts as token ids, and whether it was a batch. Raises ValueError."""
+        ids = body.get("input_ids")
+        if ids is None and "text" in body:
+            if self.tokenizer is None:
+                raise ValueError("this server needs input_ids")
+            text = body["text"]
+            ids = [self.tokenizer.encode(t) for t in text] if isinstance(text, list) else self.tokenizer.encode(text)
+        if not isinstance(ids, list) or not ids:
+            raise ValueError("input_ids must be a non-empty list of token ids (or of such lists)")
+        batch = isinstance(ids[0], list)
+        prompts = ids if batch else [ids]
+        for prompt in prompts:
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise ValueError("input_ids must contain integers")
+        return prompts, batch
 
-    @routes.post("/generate")
-    async def generate(request):
+    async def generate(self, request):
+        """``POST /generate``: token ids (or text) in, token ids and log-probs out."""
         try:
             body = await _json(request)
-            ids = body.get("input_ids")
-            if ids is None and "text" in body:
-                if tokenizer is None:
-                    raise ValueError("this server needs input_ids")
-                text = body["text"]
-                ids = [tokenizer.encode(t) for t in text] if isinstance(text, list) else tokenizer.encode(text)
-            if not isinstance(ids, list) or not ids:
-                raise ValueError("input_ids must be a non-empty list of token ids (or of such lists)")
-            batch = isinstance(ids[0], list)
-            prompts = ids if batch else [ids]
+            prompts, batch = self._prompts(body)
             sp = body.get("sampling_params") or {}
             sps = sp if isinstance(sp, list) else [sp] * len(prompts)
             if len(sps) != len(prompts):
                 raise ValueError("sampling_params list must match the batch size")
             params = [SamplingParams.from_dict(p) for p in sps]
-            for p in prompts:
-                if not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-                    raise ValueError("input_ids must contain integers")
             lora_name = body.get("lora_path")
-            if lora_name != lora["name"]:
+            if lora_name != self.lora_name:
                 raise ValueError(
                     f"lora_path {lora_name!r} is not the loaded adapter"
                     if lora_name is not None
-                    else f"adapter {lora['name']!r} is merged into this server's weights: requests must name it (lora_path)"
+                    else f"adapter {self.lora_name!r} is merged into this server's weights: requests must name it (lora_path)"
                 )
             rid = body.get("rid")
             rids = (rid if isinstance(rid, list) else [None] * len(prompts)) if batch else [rid]
@@ -199,31 +232,28 @@ def make_app(
             start = int(body.get("logprob_start_len", -1)) if return_logprob else -1
             outs = await asyncio.gather(
                 *(
-                    engine.generate(p, s, return_logprob=return_logprob, logprob_start_len=start, rid=r)
+                    self.engine.generate(p, s, return_logprob=return_logprob, logprob_start_len=start, rid=r)
                     for p, s, r in zip(prompts, params, rids, strict=True)
                 )
             )
         except (ValueError, TypeError) as e:
             return _bad(str(e))
-        res = [_output_json(o, tokenizer, return_logprob) for o in outs]
+        res = [_output_json(o, self.tokenizer, return_logprob) for o in outs]
         return web.json_response(res if batch else res[0])
 
-    @routes.post("/pause_generation")
-    async def pause(request):
+    async def pause(self, request):
         try:
             body = await _json(request)
-            await engine.pause(body.get("mode", "abort"))
+            await self.engine.pause(body.get("mode", "abort"))
         except ValueError as e:
             return _bad(str(e))
         return web.json_response({"status": "ok", "message": "generation paused"})
 
-    @routes.post("/continue_generation")
-    async def resume(_):
-        await engine.resume()
+    async def resume(self, _request):
+        await self.engine.resume()
         return web.json_response({"status": "ok", "message": "generation continued"})
 
-    @routes.post("/abort_request")
-    async def abort(request):
+    async def abort(self, request):
         try:
             body = await _json(request)
         except ValueError as e:
@@ -231,34 +261,30 @@ def make_app(
         rid = None if body.get("abort_all") else body.get("rid")
         if rid is None and not body.get("abort_all"):
             return _bad("give rid or abort_all=true")
-        await engine.abort(rid)
+        await self.engine.abort(rid)
         return web.json_response({"status": "ok"})
 
-    @routes.post("/flush_cache")
-    @routes.get("/flush_cache")
-    async def flush(_):
-        await engine.flush_cache()
+    async def flush(self, _request):
+        await self.engine.flush_cache()
         return web.Response(text="Cache flushed.")
 
-    @routes.post("/update_weights_from_disk")
-    async def update_from_disk(request):
+    async def _set_weights(self, weights, version):
+        return await self.engine.update_weights(weights, version=int(version) if version is not None else None)
+
+    async def update_weights_from_disk(self, request):
         try:
             body = await _json(request)
             path = body.get("model_path")
             if not path:
                 raise ValueError("model_path is required")
-            v = body.get("weight_version")
-            version = await engine.update_weights(path, version=int(v) if v is not None else None)
+            version = await self._set_weights(path, body.get("weight_version"))
         except (ValueError, KeyError, FileNotFoundError, OSError) as e:
-            return web.json_response({"success": False, "message": f"{type(e).__name__}: {e}"}, status=400)
-        lora.update(name=None, base=None)  # new base weights: no adapter is merged in them
+            return _failure(e)
+        self.lora_name, self.lora_base = None, None  # new base weights: no adapter is merged in them
         return web.json_response({"success": True, "message": "weights updated", "weight_version": str(version)})
 
-    async def _set_weights(weights, version):
-        return await engine.update_weights(weights, version=int(version) if version is not None else None)
-
-    @routes.post("/load_lora_adapter")
-    async def load_lora_adapter(request):
+    async def load_lora_adapter(self, request):
+        """Merge a PEFT adapter into the served weights (the base weights it changes are kept)."""
         from rl2gem.training.lora import load_adapter, merge_adapter
 
         try:
@@ -267,41 +293,35 @@ def make_app(
             if not name or not path:
                 raise ValueError("lora_name and lora_path are required")
             config, tensors = load_adapter(path)
-            params = engine.model.state_dict()
-            base = lora["base"] or {}
-            current = {k: base.get(k, v) for k, v in params.items()}  # the base weights, not a merged adapter's
+            base = self.lora_base or {}
+            current = {k: base.get(k, v) for k, v in self.engine.model.state_dict().items()}  # not a merged adapter's
             merged = merge_adapter(current, tensors, config)
-            if lora["base"] is not None:  # weights the last adapter changed and this one does not: back to base
-                merged = {**{k: v for k, v in lora["base"].items() if k not in merged}, **merged}
+            if self.lora_base is not None:  # weights the last adapter changed and this one does not: back to base
+                merged = {**{k: v for k, v in self.lora_base.items() if k not in merged}, **merged}
             replaced = {k: current[k].detach().clone() for k in merged}
-            version = await _set_weights(merged, body.get("weight_version"))
+            version = await self._set_weights(merged, body.get("weight_version"))
         except (ValueError, KeyError, FileNotFoundError, OSError) as e:
-            return web.json_response({"success": False, "message": f"{type(e).__name__}: {e}"}, status=400)
-        lora.update(name=name, base=replaced)
+            return _failure(e)
+        self.lora_name, self.lora_base = name, replaced
         return web.json_response(
             {"success": True, "message": f"adapter {name} merged", "loaded_adapters": {name: str(path)},
              "weight_version": str(version)}
         )  # fmt: skip
 
-    @routes.post("/unload_lora_adapter")
-    async def unload_lora_adapter(request):
+    async def unload_lora_adapter(self, request):
         try:
             body = await _json(request)
-            if body.get("lora_name") != lora["name"] or lora["name"] is None:
+            if body.get("lora_name") != self.lora_name or self.lora_name is None:
                 raise ValueError(f"adapter {body.get('lora_name')!r} is not loaded")
-            version = await _set_weights(lora["base"], body.get("weight_version"))
+            version = await self._set_weights(self.lora_base, body.get("weight_version"))
         except ValueError as e:
             return web.json_response({"success": False, "message": str(e)}, status=400)
-        lora.update(name=None, base=None)
+        self.lora_name, self.lora_base = None, None
         return web.json_response({"success": True, "message": "adapter unloaded", "weight_version": str(version)})
-
-    return _application(routes, engine)
 
 
 def _application(routes, engine):
     """An aiohttp application of ``routes`` that closes ``engine`` on shutdown."""
-    from aiohttp import web
-
     app = web.Application(client_max_size=256 * 1024 * 1024)
     app.add_routes(routes)
 
@@ -314,7 +334,6 @@ def _application(routes, engine):
 
 async def _serve(args) -> None:
     import torch
-    from aiohttp import web
 
     from rl2gem.models import load_model, resolve_model
     from rl2gem.procs import stop_on_stdin_eof

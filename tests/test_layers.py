@@ -140,3 +140,15 @@ def test_no_import_cycle_between_modules():
 )
 def test_the_checker_sees_an_upward_import(module, name, expected):
     assert (layer_of(name) > layer_of(module)) is expected
+
+
+def test_no_function_is_over_120_lines():
+    """The developers' guide: no function over 120 lines (a long one is a class or module waiting)."""
+    long = []
+    for module, path in modules():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 120:
+                long.append(
+                    f"{path.relative_to(ROOT)}:{node.lineno}: {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+                )
+    assert long == [], "functions over 120 lines:\n" + "\n".join(long)
