@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import difflib
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +52,14 @@ def check_overrides(defaults: Mapping[str, Any], argv: list[str]) -> None:
         key = arg.split("=", 1)[0].lstrip("+")
         if key in keys or any(key.startswith(m + ".") for m in open_maps):
             continue
-        close = difflib.get_close_matches(key, sorted(keys), n=1, cutoff=0.5)
-        raise ConfigError(f"unknown key {key!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
+        raise ConfigError(f"unknown key {key!r}" + closest_hint(key, keys, cutoff=0.5))
+
+
+def closest_hint(name: str, choices: Iterable[str], *, otherwise: str = "", cutoff: float = 0.6) -> str:
+    """``"; did you mean 'x'?"`` naming the choice closest to ``name`` (:func:`difflib.get_close_matches`
+    with ``cutoff``), else ``otherwise``: the tail of every "unknown ..." error message."""
+    close = difflib.get_close_matches(name, sorted(choices), n=1, cutoff=cutoff)
+    return f"; did you mean {close[0]!r}?" if close else otherwise
 
 
 def _leaves(node: Any, prefix: str = "") -> list[str]:

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from rl2gem.config import closest_hint
+
 __all__ = [
     "BOOTSTRAP_METHODS",
     "CRITIC_ESTIMATORS",
@@ -394,13 +396,8 @@ def compute_advantages(
         ValueError: unknown estimator, a critic estimator without ``values``, or a group estimator without ``group``.
     """
     if estimator not in ESTIMATORS:
-        import difflib
-
-        hint = difflib.get_close_matches(estimator, ESTIMATORS, n=1)
-        raise ValueError(
-            f"unknown advantage estimator {estimator!r}"
-            + (f"; did you mean {hint[0]!r}?" if hint else f"; choose from {ESTIMATORS}")
-        )
+        hint = closest_hint(estimator, ESTIMATORS, otherwise=f"; choose from {ESTIMATORS}")
+        raise ValueError(f"unknown advantage estimator {estimator!r}{hint}")
     if estimator in CRITIC_ESTIMATORS:
         if values is None:
             raise ValueError(f"{estimator} needs critic values")

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import difflib
 from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
+
+from rl2gem.config import closest_hint
 
 __all__ = ["SamplingParams", "GenerateOutput", "Engine", "EngineError", "seeded_uniform", "mix_seed"]
 
@@ -113,11 +114,8 @@ class SamplingParams:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = [k for k in params if k not in names]
         if unknown:
-            hint = difflib.get_close_matches(unknown[0], sorted(names), n=1)
-            raise ValueError(
-                f"unknown sampling parameter {unknown[0]!r}"
-                + (f"; did you mean {hint[0]!r}?" if hint else f"; valid: {sorted(names)}")
-            )
+            hint = closest_hint(unknown[0], names, otherwise=f"; valid: {sorted(names)}")
+            raise ValueError(f"unknown sampling parameter {unknown[0]!r}{hint}")
         return cls(**{k: v for k, v in params.items() if v is not None})
 
     def to_dict(self) -> dict[str, Any]:

@@ -20,8 +20,8 @@ last slot into it (one row copy), so no compute is spent on dead rows; the
 window grows to the right with amortised re-allocation and shrinks from the
 left for free when long sequences leave. transformers' own continuous-batching
 API (``generate_batch``) was measured at 21 tok/s against 47 tok/s for static
-``model.generate`` on this CPU (shared/ANCHORS.md), which is why this engine
-keeps its own scheduler.
+``model.generate`` on the 2-core CPU (transformers 5.x, November 2026), which is why this
+engine keeps its own scheduler.
 
 Llama-family models (Llama, Mistral without a sliding window, Qwen2, Qwen3) run through
 :class:`~rl2gem.rollout.engines.lean_decoder.LeanDecoder`: the same modules without
