@@ -21,7 +21,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["ConfigError", "load_config", "check_overrides"]
+__all__ = ["ConfigError", "load_config", "check_overrides", "check_types", "closest_hint"]
 
 
 class ConfigError(ValueError):
@@ -96,7 +96,37 @@ def load_config(defaults: str | Path | Mapping[str, Any], argv: list[str]) -> Di
             raise ConfigError(f"{path}: {e}") from None
         base = OmegaConf.merge(base, recipe)
     check_overrides(plain, argv)
-    return OmegaConf.merge(base, OmegaConf.from_dotlist([a.lstrip("+") for a in argv]))
+    merged = OmegaConf.merge(base, OmegaConf.from_dotlist([a.lstrip("+") for a in argv]))
+    check_types(plain, OmegaConf.to_container(merged, resolve=False))
+    return merged
+
+
+#: What a default's type accepts: a float default takes an int; a bool only a bool. (A string default
+#: takes any value: keys like ``max_length: auto`` also take a number.)
+_ACCEPTS = {bool: (bool,), int: (int,), float: (int, float)}
+_NAMES = {bool: "a bool (true or false)", int: "an int", float: "a float"}
+
+
+def check_types(defaults: Mapping[str, Any], config: Mapping[str, Any], prefix: str = "") -> None:
+    """Raise :class:`ConfigError` ``key: expected a float, got 'abc'`` for a value whose type does
+    not fit its default's (a ``null`` default, or an ``${...}`` interpolation, takes anything; a
+    number default also takes ``auto``)."""
+    for key, default in defaults.items():
+        if key not in config:
+            continue
+        value, name = config[key], f"{prefix}{key}"
+        if isinstance(default, Mapping) and isinstance(value, Mapping):
+            check_types(default, value, name + ".")
+            continue
+        if default is None or value is None or (isinstance(value, str) and value.startswith("${")):
+            continue
+        if value == "auto" and type(default) in (int, float):  # numeric keys probed at start take ``auto``
+            continue
+        kind = type(default)
+        if kind in _ACCEPTS and (
+            not isinstance(value, _ACCEPTS[kind]) or (kind is not bool and isinstance(value, bool))
+        ):
+            raise ConfigError(f"{name}: expected {_NAMES[kind]}, got {value!r}")
 
 
 def command_line_config(
@@ -109,6 +139,6 @@ def command_line_config(
         cfg = load_config(defaults, sys.argv[1:] if argv is None else argv)
         check(cfg)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"config error: {e}", file=sys.stderr)
         return None
     return cfg

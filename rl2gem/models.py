@@ -28,7 +28,7 @@ from pathlib import Path
 
 from rl2gem.assets import build_dir, cache_dir, fetch, locked, missing_files
 
-__all__ = ["BUILTIN_MODELS", "MODEL_FILES", "resolve_model", "load_model", "decoder_layers"]
+__all__ = ["BUILTIN_MODELS", "MODEL_FILES", "resolve_model", "load_model", "decoder_layers", "model_problem"]
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +109,20 @@ def _convert(name: str, target: Path) -> None:
     gguf = fetch(asset) / rel
     with build_dir(target, required=MODEL_FILES) as staging:
         _export(gguf, staging)
+
+
+def model_problem(name_or_path: str) -> str | None:
+    """Why ``name_or_path`` cannot name a model, checked without loading anything, or ``None``.
+
+    A built-in name or an existing folder is fine; so is anything shaped like a hub id
+    (``name`` or ``owner/name``). A path (it starts with ``/``, ``.`` or ``~``, or has more than
+    one ``/``) that does not exist is not.
+    """
+    if name_or_path.lower() in BUILTIN_MODELS or os.path.exists(os.path.expanduser(name_or_path)):
+        return None
+    if name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") > 1:
+        return f"no such model folder {name_or_path!r} (nor a built-in name: {sorted(BUILTIN_MODELS)})"
+    return None
 
 
 def resolve_model(name_or_path: str) -> str:

@@ -8,6 +8,7 @@ import pytest
 from rl2gem.config import ConfigError, load_config
 
 ROOT = Path(__file__).parents[1]
+PPO = ROOT / "trainers" / "config" / "ppo.yaml"
 
 
 @pytest.fixture
@@ -58,3 +59,23 @@ def test_the_shipped_recipes_load_over_the_trainer_defaults():
         and list(cfg.env_kwargs.operators) == ["+", "-"]
         and cfg.trainer.total_steps == 2
     )
+
+
+@pytest.mark.parametrize(
+    ("argument", "message"),
+    [
+        ("actor.lr=abc", "actor.lr: expected a float, got 'abc'"),
+        ("trainer.total_steps=2.5", "trainer.total_steps: expected an int, got 2.5"),
+        ("rollout.responses_per_prompt=four", "rollout.responses_per_prompt: expected an int, got 'four'"),
+        ("trainer.progress=maybe", "trainer.progress: expected a bool (true or false), got 'maybe'"),
+    ],
+)
+def test_a_value_of_the_wrong_type_names_its_key(argument, message):
+    with pytest.raises(ConfigError) as caught:
+        load_config(PPO, [argument])
+    assert str(caught.value) == message
+
+
+def test_values_that_fit_their_defaults_pass():
+    cfg = load_config(PPO, ["actor.lr=3", "actor.max_length_per_device=auto", "rollout.system_prompt=hi"])
+    assert cfg.actor.lr == 3 and cfg.actor.max_length_per_device == "auto"

@@ -16,15 +16,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import gymnasium as gym
 import torch.distributed as dist
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
-from rl2gem.config import command_line_config
+import rl2gem  # noqa: F401 (registers the rl2/ envs and loads plugins, for the env check)
+from rl2gem.config import ConfigError, command_line_config
+from rl2gem.models import model_problem
 from rl2gem.tracking import Tracker
 from rl2gem.training.metrics import PeakMemory
 
-__all__ = ["Trainer", "launch"]
+__all__ = ["Trainer", "launch", "check_common_keys"]
 
 
 class Trainer:
@@ -129,6 +132,30 @@ class Trainer:
         """Release engines and event loops."""
 
 
+def check_common_keys(cfg) -> None:
+    """Checks every trainer's config gets before anything loads: the env id is registered, each
+    model key names a built-in model, a folder or a hub id, and counts are in range.
+
+    Raises:
+        rl2gem.config.ConfigError: naming the key.
+    """
+    env = cfg.get("env")
+    if env:
+        try:
+            gym.spec(env)
+        except Exception as e:  # gymnasium's own errors (NameNotFound, ...), with its hint
+            raise ConfigError(f"env: {e}") from None
+    for section in ("actor", "critic", "reference", "reward"):
+        model = (cfg.get(section) or {}).get("model")
+        if isinstance(model, str) and (problem := model_problem(model)):
+            raise ConfigError(f"{section}.model: {problem}")
+    minimums = {("rollout", "responses_per_prompt"): 1, ("trainer", "total_steps"): 0}
+    for (section, key), low in minimums.items():
+        value = (cfg.get(section) or {}).get(key)
+        if isinstance(value, int) and value < low:
+            raise ConfigError(f"{section}.{key}: must be >= {low}, got {value}")
+
+
 def launch(
     trainer_cls: Callable[[Any], Trainer],
     config: str | Path,
@@ -139,7 +166,12 @@ def launch(
     overrides from ``argv`` (default ``sys.argv[1:]``), ``check`` for combinations that cannot work,
     then the trainer's :meth:`Trainer.fit`. Returns the exit code: 2 (with the message on stderr)
     for a config error."""
-    cfg = command_line_config(config, check, argv)
+
+    def check_all(cfg) -> None:
+        check_common_keys(cfg)
+        check(cfg)
+
+    cfg = command_line_config(config, check_all, argv)
     if cfg is None:
         return 2
     trainer = trainer_cls(cfg)
