@@ -6,8 +6,8 @@ import sys
 
 import pytest
 from helpers import ROOT
-
 from rl2gem.trainers import dpo, ppo, rm, sft
+
 from rl2gem.training.trainer import launch
 
 
