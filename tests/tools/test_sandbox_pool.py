@@ -215,32 +215,40 @@ def test_the_cpu_limit_holds_per_call_in_a_session():
     assert not busy.ok and not busy.timed_out and busy.elapsed_s < 10 and "CPU time limit exceeded" in busy.text()
 
 
-def test_the_fork_server_does_not_grow_over_many_executions():
-    count = int(os.environ.get("RL2GEM_SANDBOX_EXECUTIONS", "1000"))
+def run_many(count: int) -> tuple[int, dict, dict, int]:
+    """``count`` executions (after 200 to warm up), 16 in flight, each output checked: the server's pid,
+    its status before and after, and how many executions it served in all."""
     config = SandboxConfig(max_concurrency=16, timeout_s=30)
 
     async def batch(n):
         results = await asyncio.gather(*(run_python(f"print({i} * 2)", config) for i in range(n)))
         assert [r.stdout for r in results] == [f"{i * 2}\n" for i in range(n)]
+        return n
 
     async def main():
-        await batch(200)  # warm: the server's own caches and the kernel's
+        done = await batch(200)  # warm: the server's own caches and the kernel's
         server = our_servers()[0]
         before = status(server)
         for _ in range(count // 500):
-            await batch(500)
-        return server, before, status(server)
+            done += await batch(500)
+        return server, before, status(server), done
 
-    server, before, after = asyncio.run(main())
-    assert our_servers() == [server]  # the same server did all of it
+    return asyncio.run(main())
+
+
+def test_the_fork_server_does_not_grow_over_many_executions():
+    server, before, after, done = run_many(1000)
+    assert done == 1200 and our_servers() == [server]  # the same server did all of it
     assert after["fds"] == before["fds"] and after["rss_kib"] - before["rss_kib"] < 2048, (before, after)
     assert sandbox_pids() == []
 
 
 @pytest.mark.soak
-def test_the_fork_server_survives_ten_thousand_executions(monkeypatch):
-    monkeypatch.setenv("RL2GEM_SANDBOX_EXECUTIONS", "10000")
-    test_the_fork_server_does_not_grow_over_many_executions()
+def test_the_fork_server_survives_ten_thousand_executions():
+    server, before, after, done = run_many(10000)
+    assert done == 10200 and our_servers() == [server]
+    assert after["fds"] == before["fds"] and after["rss_kib"] - before["rss_kib"] < 2048, (before, after)
+    assert sandbox_pids() == []
 
 
 def test_a_killed_fork_server_is_replaced():
