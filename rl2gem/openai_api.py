@@ -186,20 +186,10 @@ def _held_back(text: str, markers: list[str]) -> int:
     return keep
 
 
-def add_openai_routes(
-    routes,
-    engine: Engine,
-    tokenizer,
-    *,
-    model_name: str,
-    chat_template: str | None = None,
-    context_length: int | None = None,
-) -> OpenAIRoutes:
+def add_openai_routes(routes, engine: Engine, tokenizer, **options: Any) -> OpenAIRoutes:
     """Add the ``/v1`` routes (see the module doc) to an aiohttp ``RouteTableDef``; returns the
-    :class:`OpenAIRoutes` that serves them (arguments as there)."""
-    api = OpenAIRoutes(
-        engine, tokenizer, model_name=model_name, chat_template=chat_template, context_length=context_length
-    )
+    :class:`OpenAIRoutes` that serves them (``options``: its keyword arguments)."""
+    api = OpenAIRoutes(engine, tokenizer, **options)
     routes.get("/v1/models")(api.models)
     routes.post("/v1/chat/completions")(api.chat_completions)
     routes.post("/v1/completions")(api.completions)

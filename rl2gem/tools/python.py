@@ -509,6 +509,23 @@ async def _pipe_streams(
     return asyncio.StreamWriter(transport, protocol, None, loop), readers, transports
 
 
+async def _hand_over(send) -> tuple[Any, tuple[asyncio.StreamWriter, list[asyncio.StreamReader], list]]:
+    """Make one execution's stdin, stdout and stderr pipes, give the child's ends to ``await send(fds)``
+    (which passes them on; they are closed here after it), and keep ours as event-loop streams.
+    Returns what ``send`` returned and :func:`_pipe_streams`' result."""
+    (stdin_read, stdin_write), (out_read, out_write), (err_read, err_write) = os.pipe(), os.pipe(), os.pipe()
+    try:
+        sent = await send((stdin_read, out_write, err_write))
+    except BaseException:
+        for fd in (stdin_write, out_read, err_read):
+            os.close(fd)
+        raise
+    finally:
+        for fd in (stdin_read, out_write, err_write):
+            os.close(fd)
+    return sent, await _pipe_streams((out_read, err_read), stdin_write)
+
+
 async def _exchange(
     code: str,
     stdin: asyncio.StreamWriter,
@@ -600,18 +617,8 @@ async def run_python(code: str, config: SandboxConfig | None = None) -> SandboxR
 async def _run_pooled(code: str, cfg: SandboxConfig, layers: tuple[str, ...]) -> SandboxResult:
     """One execution forked by the fork server (see the module doc)."""
     server = _server(cfg, layers)
-    (stdin_read, stdin_write), (out_read, out_write), (err_read, err_write) = os.pipe(), os.pipe(), os.pipe()
     start = time.perf_counter()
-    try:
-        child = await server.spawn("run", (stdin_read, out_write, err_write))
-    except BaseException:
-        for fd in (stdin_write, out_read, err_read):
-            os.close(fd)
-        raise
-    finally:
-        for fd in (stdin_read, out_write, err_write):
-            os.close(fd)
-    stdin, (stdout, stderr), transports = await _pipe_streams((out_read, err_read), stdin_write)
+    child, (stdin, (stdout, stderr), transports) = await _hand_over(lambda fds: server.spawn("run", fds))
     try:
         out, err, cut, flood, timed_out = await _exchange(code, stdin, stdout, stderr, cfg, child.kill)
         exit_code = await _exit_status(child, kill=False)
@@ -760,21 +767,16 @@ class PythonSession:
     async def _call(self, code: str, layers: tuple[str, ...], notes: tuple[str, ...]) -> SandboxResult:
         assert self._socket is not None and self._child is not None
         loop, child, control = asyncio.get_running_loop(), self._child, self._socket
-        (stdin_read, stdin_write), (out_read, out_write), (err_read, err_write) = os.pipe(), os.pipe(), os.pipe()
+
+        async def send(fds: Sequence[int]) -> None:
+            control.sendmsg([b"call"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+
         start = time.perf_counter()
         try:
-            control.sendmsg(
-                [b"call"],
-                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", (stdin_read, out_write, err_write)))],
-            )
-        except OSError:
-            for fd in (stdin_write, out_read, err_read):
-                os.close(fd)
-            child.kill()
-        finally:
-            for fd in (stdin_read, out_write, err_write):
-                os.close(fd)
-        stdin, (stdout, stderr), transports = await _pipe_streams((out_read, err_read), stdin_write)
+            _, (stdin, (stdout, stderr), transports) = await _hand_over(send)
+        except OSError:  # the session's socket is gone: it ended between two calls
+            self.close()
+            raise
         answered = asyncio.ensure_future(loop.sock_recv(control, 64))
         try:
             out, err, cut, flood, timed_out = await _exchange(
