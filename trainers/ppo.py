@@ -59,7 +59,7 @@ from rl2gem.config import ConfigError
 from rl2gem.models import load_model
 from rl2gem.parallel.packing import tree_size
 from rl2gem.rewards.objectives import COMBINERS, ParetoArchive, apply_objectives, load_transform
-from rl2gem.rollout import EmbeddedEngine, Rollout, RolloutConfig, merge_rank_metrics
+from rl2gem.rollout import EmbeddedEngine, Rollout, RolloutConfig, merge_rank_metrics, reward_metrics
 from rl2gem.rollout.tito import load_chat_template
 from rl2gem.training.autosize import MaxLength
 from rl2gem.training.checkpoint import Checkpointer
@@ -263,6 +263,10 @@ class PPOTrainer(Trainer):
             batch.metrics.update(self.reward_model.apply(batch, c.reward.mode))
         o = c.reward.objectives  # component means, and the combined reward when configured
         batch.metrics.update(apply_objectives(batch, o.combine, dict(o.weights), dict(o.reference), self.transform))
+        if self.reward_model is not None or o.combine is not None or self.transform is not None:
+            # the rewards trained on: rollout/reward & co. after shaping, the env's own mean kept
+            batch.metrics["rollout/env_reward"] = batch.metrics["rollout/reward"]
+            batch.metrics.update(reward_metrics(batch.groups))
         local = samples_from_batch(batch, c.adv.estimator, c.adv.gamma, c.adv.lam)
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, (local, batch.metrics))

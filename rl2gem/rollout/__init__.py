@@ -23,5 +23,6 @@ __all__, __getattr__ = lazy_exports(
         "RolloutBatch": "rl2gem.rollout.rollout",
         "RolloutConfig": "rl2gem.rollout.rollout",
         "merge_rank_metrics": "rl2gem.rollout.rollout",
+        "reward_metrics": "rl2gem.rollout.rollout",
     },
 )

@@ -37,7 +37,7 @@ from typing import Any
 from rl2gem.rollout.engines.base import Engine, EngineError, SamplingParams, mix_seed
 from rl2gem.rollout.tito import ChatRenderer, Episode, Sequence
 
-__all__ = ["Rollout", "RolloutBatch", "RolloutConfig", "reply_messages"]
+__all__ = ["Rollout", "RolloutBatch", "RolloutConfig", "reply_messages", "reward_metrics"]
 
 
 @dataclasses.dataclass
@@ -118,6 +118,23 @@ class RolloutBatch:
     @property
     def sequences(self) -> list[Sequence]:
         return [s for e in self.episodes for s in e.sequences]
+
+
+def reward_metrics(groups: list[list[Episode]]) -> dict[str, float]:
+    """The reward statistics of rollout groups (episodes' final rewards, as they are now):
+    ``rollout/reward`` (mean), ``rollout/success`` (share > 0), ``rollout/zero_variance_groups``
+    (share of groups of 2 or more whose samples all got the same reward: a group baseline gives
+    them zero advantage) and ``rollout/group_reward_std`` (mean population std within a group).
+    Recompute them after anything that changes rewards (reward model, objectives, transform)."""
+    eps = [e for g in groups for e in g]
+    n = max(len(eps), 1)
+    multi = [[e.reward for e in g] for g in groups if len(g) > 1]  # groups with a within-group baseline
+    return {
+        "rollout/reward": sum(e.reward for e in eps) / n,
+        "rollout/success": sum(e.reward > 0 for e in eps) / n,
+        "rollout/zero_variance_groups": sum(len(set(r)) == 1 for r in multi) / len(multi) if multi else 0.0,
+        "rollout/group_reward_std": sum(statistics.pstdev(r) for r in multi) / len(multi) if multi else 0.0,
+    }
 
 
 class _Group:
@@ -484,14 +501,12 @@ class Rollout:
     def _metrics(self, groups, m: Counter, before: Counter, launched: int, seconds: float) -> dict[str, float]:
         eps = [e for g in groups for e in g]
         n = max(len(eps), 1)
-        multi = [[e.reward for e in g] for g in groups if len(g) > 1]  # groups with a within-group baseline
         done = len(groups) + m["filtered"] + m["dropped_stale"]
         delta = self.stats - before
         out = {
             "rollout/groups": float(len(groups)),
             "rollout/episodes": float(len(eps)),
-            "rollout/reward": sum(e.reward for e in eps) / n,
-            "rollout/success": sum(e.reward > 0 for e in eps) / n,
+            **reward_metrics(groups),
             "rollout/response_length": sum(e.num_action_tokens for e in eps) / n,
             "rollout/turns": sum(e.turns for e in eps) / n,
             "rollout/tokens": float(sum(e.num_tokens for e in eps)),
@@ -499,9 +514,6 @@ class Rollout:
             "rollout/sequences": float(sum(len(e.sequences) for e in eps)),
             "rollout/splits": float(sum(e.splits for e in eps)),
             "rollout/truncated": sum(e.truncated for e in eps) / n,
-            # groups whose samples all got the same reward: a group baseline gives them zero advantage
-            "rollout/zero_variance_groups": sum(len(set(r)) == 1 for r in multi) / len(multi) if multi else 0.0,
-            "rollout/group_reward_std": sum(statistics.pstdev(r) for r in multi) / len(multi) if multi else 0.0,
             "rollout/filtered_ratio": m["filtered"] / done if done else 0.0,
             "rollout/dropped_stale": float(m["dropped_stale"]),
             "rollout/carried_over": float(m["carried_over"]),

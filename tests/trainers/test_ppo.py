@@ -373,9 +373,10 @@ def test_on_policy_steps_use_the_rollout_logprobs_and_equal_recomputing_them(tin
         torchrun(
             1,
             *arithmetic_run(tiny_dir),
+            "rollout.responses_per_prompt=4",  # 4 samples a group: rewards that differ within a group
             "rollout.max_new_tokens=8",
             *MOVING_WEIGHTS,
-            "reward.transform=tests.toy_envs:even_token_reward",  # rewards that differ within a group
+            "reward.transform=tests.toy_envs:even_token_reward",
             f"actor.old_logprobs={option}",
             *(["actor.old_logprobs_tolerance=-1"] if name == "strict" else []),
             "trainer.total_steps=3",
@@ -391,9 +392,13 @@ def test_on_policy_steps_use_the_rollout_logprobs_and_equal_recomputing_them(tin
     assert all(recompute[s]["actor/old_logprobs_from_rollout"] == 0.0 for s in (1, 2, 3))
     assert all(strict[s]["actor/old_logprobs_from_rollout"] == 0.0 for s in (1, 2, 3))
     assert "actor/old_logprob_max_diff" not in recompute[1]
+    # rollout/reward is the transformed reward trained on; the random model's env reward is kept apart
+    assert auto[1]["rollout/env_reward"] == 0.0 < auto[1]["rollout/reward"]
     for step in (1, 2):  # same samples (same weights after step 1), the same update
         assert auto[step]["rollout/reward"] == recompute[step]["rollout/reward"]
-        assert auto[step]["actor/pg_loss"] != 0.0
+        # non-zero advantages, so the old log-probs enter the gradient through the importance ratio
+        # (pg_loss itself may be exactly 0 on-policy: +A and -A over responses of equal length)
+        assert auto[step]["rollout/zero_variance_groups"] < 1.0 and auto[step]["actor/grad_norm"] > 0
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/mismatch_kl"):
             assert auto[step][key] == pytest.approx(recompute[step][key], rel=1e-4, abs=1e-7), (step, key)
     r = run_module("rl2gem.trainers.ppo", "actor.old_logprobs=rollout", "actor.update_per_rollout=2")
