@@ -15,7 +15,11 @@
 * :mod:`~rl2gem.training.metrics`: averages over micro-batches and ranks, FLOPs and MFU;
 * :mod:`~rl2gem.training.trainer`: the outer loop (resume, evaluation, checkpoints, logging, the
   end-of-run report) and the command line of every trainer;
-* :mod:`~rl2gem.training.offline`: the base of the trainers over a fixed data set (SFT, RM, DPO).
+* :mod:`~rl2gem.training.offline`: the base of the trainers over a fixed data set (SFT, RM, DPO);
+* :mod:`~rl2gem.training.online`: the base of the online RL trainers (PPO family): workers, engine,
+  rollout, reward shaping, weight sync; :mod:`~rl2gem.training.rl_config` checks their config and
+  builds its KL controller, constraints and objectives; :mod:`~rl2gem.training.old_logprobs`
+  chooses the PPO ratio's denominator.
 """
 
 from rl2gem.training.checkpoint import Checkpointer, atomic_write
@@ -33,6 +37,7 @@ from rl2gem.training.forward import (
 )
 from rl2gem.training.metrics import Averager, measure_peak_flops, peak_flops_from_config, reduce_mean, train_flops
 from rl2gem.training.offline import OfflineTrainer, check_data_config, epoch_batch
+from rl2gem.training.online import OnlineTrainer
 from rl2gem.training.pairs import PairSample, pair_sequences, plan_pair_micro_batches, tokenize_pairs
 from rl2gem.training.reward_model import REWARD_MODES, RewardModel
 from rl2gem.training.samples import Sample, apply_critic_estimator, samples_from_batch, subtract_kl_from_rewards
@@ -44,6 +49,7 @@ __all__ = [
     "Checkpointer",
     "MicroBatch",
     "OfflineTrainer",
+    "OnlineTrainer",
     "PairSample",
     "Sample",
     "Worker",

@@ -39,6 +39,7 @@ __all__ = [
     "peak_flops_from_config",
     "reduce_mean",
     "simulated_memory_bytes",
+    "throughput_metrics",
     "train_flops",
 ]
 
@@ -180,6 +181,16 @@ def train_flops(
     """Model FLOPs: ``2 P`` per token of a forward-only pass (scoring, generation) and ``6 P`` per
     token of a forward + backward pass."""
     return 2.0 * num_parameters * (forward_tokens + generated_tokens) + 6.0 * num_parameters * train_tokens
+
+
+def throughput_metrics(flops: float, tokens: float, seconds: float, peak_flops: float, world: int = 1) -> dict:
+    """``perf/tokens_per_second`` (``tokens / seconds``), ``perf/mfu`` (``flops / seconds`` over
+    ``world`` ranks' ``peak_flops``, FLOP/s per rank) and ``time/step`` (``seconds``) of one step."""
+    return {
+        "perf/tokens_per_second": tokens / seconds,
+        "perf/mfu": flops / seconds / peak_flops / world,
+        "time/step": seconds,
+    }
 
 
 class PeakMemory:

@@ -29,7 +29,7 @@ from rl2gem.rollout.tito import ChatRenderer, load_chat_template
 from rl2gem.training.autosize import MaxLength
 from rl2gem.training.checkpoint import Checkpointer
 from rl2gem.training.evaluation import evaluate_env
-from rl2gem.training.metrics import peak_flops_from_config, reduce_mean, train_flops
+from rl2gem.training.metrics import peak_flops_from_config, reduce_mean, throughput_metrics, train_flops
 from rl2gem.training.trainer import Trainer
 from rl2gem.training.worker import Worker, setup_distributed
 
@@ -155,9 +155,7 @@ class OfflineTrainer(Trainer):
                 "actor/grad_norm": grad_norm,
                 "actor/lr": self.actor.lr,
                 "train/epoch": self.step / self.steps_per_epoch,
-                "time/step": seconds,
-                "perf/tokens_per_second": sum(len(item) for item in items) / seconds,
-                "perf/mfu": flops / seconds / self.peak_flops,
+                **throughput_metrics(flops, sum(len(item) for item in items), seconds, self.peak_flops),
             }
         )
         return reduce_mean(metrics, ["time/step", "perf/tokens_per_second", "perf/mfu"])

@@ -8,13 +8,23 @@ critic, from GAE or an off-policy estimator over packed values (:func:`apply_cri
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from rl2gem.algorithms import CRITIC_ESTIMATORS, OFF_POLICY_ESTIMATORS, compute_advantages, kl_estimate
+from rl2gem.rewards.objectives import apply_objectives
+from rl2gem.rollout.rollout import reward_metrics
 
-__all__ = ["Sample", "samples_from_batch", "apply_critic_estimator", "subtract_kl_from_rewards", "OUTCOME_ESTIMATORS"]
+__all__ = [
+    "OUTCOME_ESTIMATORS",
+    "Sample",
+    "apply_critic_estimator",
+    "packed_field",
+    "samples_from_batch",
+    "shape_rewards",
+    "subtract_kl_from_rewards",
+]
 
 OUTCOME_ESTIMATORS = ("grpo", "drgrpo", "rloo")
 
@@ -43,6 +53,38 @@ class Sample:
 
     def __len__(self) -> int:
         return len(self.ids)
+
+
+def packed_field(samples: Sequence[Sample], field: str, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The per-token lists ``field`` of ``samples`` concatenated: the packed row, shape
+    ``(sum of lengths,)``, ``dtype`` on ``device``."""
+    return torch.tensor([x for s in samples for x in getattr(s, field)], dtype=dtype, device=device)
+
+
+def shape_rewards(
+    batch,
+    reward_model=None,
+    mode: str = "replace",
+    combine: str | None = None,
+    weights: Mapping[str, float] | None = None,
+    reference: Mapping[str, float] | None = None,
+    transform: Callable[..., float] | None = None,
+) -> dict[str, float]:
+    """Turn a rollout batch's env rewards into the rewards trained on, in place: a reward model's
+    score (:meth:`rl2gem.training.RewardModel.apply`, ``mode`` replace or add), then the reward
+    objectives and ``transform`` (:func:`rl2gem.rewards.objectives.apply_objectives`).
+
+    Returns:
+        the metrics to add to ``batch.metrics``: the reward model's and the component means and,
+        when anything changed the rewards, ``rollout/reward`` & co. recomputed
+        (:func:`rl2gem.rollout.reward_metrics`) with the env's own mean kept as ``rollout/env_reward``.
+    """
+    metrics = reward_model.apply(batch, mode) if reward_model is not None else {}
+    metrics.update(apply_objectives(batch, combine, weights, reference, transform))
+    if reward_model is not None or combine is not None or transform is not None:
+        metrics["rollout/env_reward"] = batch.metrics["rollout/reward"]
+        metrics.update(reward_metrics(batch.groups))
+    return metrics
 
 
 def samples_from_batch(batch, estimator: str, gamma: float = 1.0, lam: float = 1.0) -> list[Sample]:

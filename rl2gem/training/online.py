@@ -1,0 +1,180 @@
+"""The base of the online RL trainers (the PPO family, ``trainers/ppo.py``): what runs around the
+loss.
+
+:class:`OnlineTrainer` builds, from the merged config (``trainers/config/ppo.yaml``, checked by
+:func:`rl2gem.training.rl_config.check_config`), the actor and, where the config needs them, the
+reference model (a KL coefficient or constraint) and the critic (a critic estimator: the actor's
+backbone with a scalar head); an embedded engine holding the actor's weights and the multi-turn
+:class:`rl2gem.rollout.Rollout` over ``env``; the reward model, objectives and transform; the KL
+controller and the constraints. It provides one step's :meth:`~OnlineTrainer.collect` (every
+rank's rollout groups, rewards shaped, samples shared by all ranks), :meth:`~OnlineTrainer.sync_weights`,
+the env evaluation, checkpoints of the rollout state and the close. A subclass writes the loss and
+its ``train_step`` (collect -> score -> update -> sync), as :class:`rl2gem.training.OfflineTrainer`
+leaves SFT, RM and DPO their batch loss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+import rl2gem
+from rl2gem.algorithms import CRITIC_ESTIMATORS
+from rl2gem.config import ConfigError
+from rl2gem.models import load_model
+from rl2gem.rollout import EmbeddedEngine, Rollout, RolloutConfig, merge_rank_metrics
+from rl2gem.rollout.tito import load_chat_template
+from rl2gem.training.autosize import MaxLength
+from rl2gem.training.checkpoint import Checkpointer
+from rl2gem.training.evaluation import evaluate_env
+from rl2gem.training.metrics import peak_flops_from_config
+from rl2gem.training.old_logprobs import OldLogprobs
+from rl2gem.training.reward_model import RewardModel
+from rl2gem.training.rl_config import check_config, constraints, kl_controller, reward_objectives
+from rl2gem.training.samples import Sample, samples_from_batch, shape_rewards
+from rl2gem.training.trainer import Trainer
+from rl2gem.training.worker import Worker, setup_distributed
+
+__all__ = ["OnlineTrainer"]
+
+
+class OnlineTrainer(Trainer):
+    """See the module docstring. ``cfg`` is the merged OmegaConf config.
+
+    Attributes:
+        actor, ref, critic: :class:`rl2gem.training.Worker` (``ref`` and ``critic`` None when unused).
+        engine, rollout, loop: the embedded engine, the rollout over ``env``, their event loop.
+        kl, constraints: the KL controller and the Lagrangian constraints (their state is checkpointed).
+        old_logprobs: :class:`rl2gem.training.old_logprobs.OldLogprobs` of ``actor.old_logprobs``.
+        max_length: the per-device token budget (:class:`rl2gem.training.autosize.MaxLength`).
+    """
+
+    def __init__(self, cfg):
+        check_config(cfg)
+        self.cfg, c = cfg, cfg
+        self.rank, self.world, self.device, self.mesh = setup_distributed(c.seed, c.actor)
+        if c.rollout.prompts_per_rollout % self.world:
+            raise ConfigError(
+                f"rollout.prompts_per_rollout={c.rollout.prompts_per_rollout} must be a multiple of the world size "
+                f"{self.world}"
+            )
+        self.out, self.total_steps = Path(c.trainer.output_dir), int(c.trainer.total_steps)
+        self.actor = Worker(c.actor, self.mesh, self.device, total_steps=self.total_steps)
+        self.kl, self.constraints = kl_controller(c), constraints(c)
+        self.transform, self.pareto = reward_objectives(c)
+        needs_ref = self.kl.active or "kl" in self.constraints
+        self.ref = Worker(c.actor, self.mesh, self.device, trainable=False) if needs_ref else None
+        self.critic = None
+        if c.adv.estimator in CRITIC_ESTIMATORS:  # the actor's backbone + a scalar head
+            self.critic = Worker(
+                {**c.actor, **{k: v for k, v in c.critic.items() if v is not None}},
+                self.mesh,
+                self.device,
+                head="value",
+                total_steps=c.trainer.total_steps,
+            )
+        self.checkpointer = Checkpointer(
+            self.out, {"actor": self.actor, **({"critic": self.critic} if self.critic else {})}
+        )
+        self.peak_flops = peak_flops_from_config(c.trainer.peak_flops, self.device, self.actor.dtype)
+        self.step, self.loop, self.reward_model = 0, asyncio.new_event_loop(), None
+        a = c.actor
+        self.old_logprobs = OldLogprobs(
+            a.old_logprobs, a.old_logprobs_tolerance, a.update_per_rollout, a.minibatches_per_update
+        )
+        self.old_from_rollout = False  # this step's old log-probs are the engine's
+        if c.reward.model:  # every rank scores its own episodes with a full copy
+            self.reward_model = RewardModel(
+                c.reward.model, device=self.device, dtype=self.actor.dtype, chat_template=c.rollout.chat_template
+            )
+        model, self.tokenizer = load_model(c.actor.model, dtype=self.actor.dtype, device=str(self.device))
+        model.load_state_dict(self.actor.full_state_dict(), strict=True)
+        self.engine = EmbeddedEngine(model, self.tokenizer, seed=c.seed * 1000 + self.rank)
+        env_kwargs = rl2gem.standard_kwargs(
+            c.env, OmegaConf.to_container(c.env_kwargs, resolve=True), tools_in_template=c.rollout.tools_in_template
+        )
+        self.rollout = Rollout(
+            self.engine,
+            self.tokenizer,
+            c.env,
+            RolloutConfig.from_mapping(c.rollout, seed=c.seed * 1000 + self.rank, progress=False),
+            env_kwargs=env_kwargs,
+            chat_template=load_chat_template(c.rollout.chat_template),
+        )
+        # sized after the engine took its share of the device
+        trained = [self.actor] + ([self.critic] if self.critic is not None else [])
+        self.max_length = MaxLength(c.actor, trained, self.mesh, self.device, self.out)
+        self.tracker = self.open_tracker(self.out)
+        if self.rank == 0:
+            print(OmegaConf.to_yaml(c), flush=True)
+
+    def collect(self) -> tuple[list[Sample], dict[str, float]]:
+        """This rank's rollout groups -> every rank's samples (advantages of outcome estimators
+        filled in), and the rollout metrics over ranks. A collective."""
+        c = self.cfg
+        start = time.perf_counter()
+        batch = self.loop.run_until_complete(self.rollout.collect(c.rollout.prompts_per_rollout // self.world))
+        self.loop.run_until_complete(self.engine.release_memory())  # the KV cache's memory goes to the update
+        o = c.reward.objectives  # reward model, objectives, transform: the rewards trained on
+        shaping = (dict(o.weights), dict(o.reference), self.transform)
+        batch.metrics.update(shape_rewards(batch, self.reward_model, c.reward.mode, o.combine, *shaping))
+        local = samples_from_batch(batch, c.adv.estimator, c.adv.gamma, c.adv.lam)
+        gathered: list = [None] * self.world
+        dist.all_gather_object(gathered, (local, batch.metrics))
+        metrics = merge_rank_metrics([m for _, m in gathered])
+        samples = [s for part, _ in gathered for s in part]
+        action = [v for s in samples for v, m in zip(s.versions, s.mask, strict=True) if m]
+        # action tokens sampled by an older policy version than the one being trained (partial rollouts)
+        metrics["rollout/stale_token_fraction"] = sum(v < self.step for v in action) / max(len(action), 1)
+        metrics["time/rollout"] = time.perf_counter() - start
+        return samples, metrics
+
+    def sync_weights(self) -> float:
+        """Load the actor's current weights into the engine as policy version ``self.step``;
+        returns the seconds it took."""
+        start = time.perf_counter()
+        self.loop.run_until_complete(self.engine.update_weights(self.actor.full_state_dict(), version=self.step))
+        return time.perf_counter() - start
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy episodes on the eval split, spread over ranks (:func:`rl2gem.training.evaluate_env`)."""
+        c, t = self.cfg, self.cfg.trainer
+        kwargs = OmegaConf.to_container(OmegaConf.merge(c.env_kwargs, c.eval_env_kwargs), resolve=True)
+        greedy = {"responses_per_prompt": 1, "temperature": 0.0, "partial_rollout": False, "dynamic_filter": False}
+        config = RolloutConfig.from_mapping(c.rollout, **greedy, seed=t.eval_seed, progress=False)
+        template = self.rollout.renderer.chat_template
+        out = evaluate_env(
+            self.engine, self.tokenizer, c.env, kwargs, t.eval_n, config,
+            loop=self.loop, chat_template=template, seed=t.eval_seed, split=t.eval_split,
+        )  # fmt: skip
+        if self.pareto is not None:  # the evaluation point joins the archive unless dominated
+            out.update(self.pareto.add_evaluation(out, self.step, self.out if self.rank == 0 else None))
+        return out
+
+    def rank_state(self) -> dict:
+        return {
+            "rollout": self.rollout.state_dict(),
+            "engine": self.engine.state_dict(),
+            "kl": self.kl.state_dict(),
+            "constraints": self.constraints.state_dict(),
+            "pareto": self.pareto.state_dict() if self.pareto is not None else None,
+        }
+
+    def restore(self, trainer_state, rank_state) -> None:
+        self.rollout.load_state_dict(rank_state["rollout"])
+        self.engine.load_state_dict(rank_state["engine"])
+        if "kl" in rank_state:  # checkpoints written before the KL controller have none
+            self.kl.load_state_dict(rank_state["kl"])
+        self.constraints.load_state_dict(rank_state.get("constraints", {}))
+        if self.pareto is not None and rank_state.get("pareto"):
+            self.pareto.load_state_dict(rank_state["pareto"])
+        self.sync_weights()
+
+    def close(self):
+        self.loop.run_until_complete(self.rollout.close())
+        self.loop.run_until_complete(self.engine.close())
+        self.loop.close()

@@ -1,0 +1,123 @@
+"""The PPO family's config (``trainers/config/ppo.yaml``): the checks of values that cannot work
+together, and the objects built from its sections (KL controller, Lagrangian constraints, reward
+objectives, the advantage estimator's options). :func:`check_config` runs in
+:func:`rl2gem.training.launch` before anything loads; the trainer builds its objects with the
+same functions, so a value is read in one place.
+"""
+
+from __future__ import annotations
+
+import torch
+from omegaconf import OmegaConf
+
+from rl2gem.algorithms import CRITIC_ESTIMATORS, ESTIMATORS, compute_advantages
+from rl2gem.algorithms.constraints import Constraints
+from rl2gem.algorithms.kl_control import KLController, make_kl_controller
+from rl2gem.config import ConfigError
+from rl2gem.rewards.objectives import COMBINERS, ParetoArchive, load_transform
+from rl2gem.training.forward import check_attention, check_packing
+from rl2gem.training.reward_model import REWARD_MODES
+
+__all__ = ["OLD_LOGPROBS", "check_config", "constraints", "estimator_options", "kl_controller", "reward_objectives"]
+
+#: ``actor.old_logprobs``: where the PPO ratio's denominator comes from (see :class:`rl2gem.training.old_logprobs.OldLogprobs`).
+OLD_LOGPROBS = ("auto", "recompute", "rollout")
+
+
+def check_config(cfg) -> None:
+    """Combinations of values that cannot work together.
+
+    Raises:
+        rl2gem.config.ConfigError: with the keys to change.
+    """
+    if cfg.adv.estimator not in ESTIMATORS:
+        raise ConfigError(f"adv.estimator={cfg.adv.estimator!r} is not one of {list(ESTIMATORS)}")
+    if cfg.reward.mode not in REWARD_MODES:
+        raise ConfigError(f"reward.mode={cfg.reward.mode!r} is not one of {list(REWARD_MODES)}")
+    controller = kl_controller(cfg)
+    if cfg.kl.in_reward and controller.active and cfg.adv.estimator not in CRITIC_ESTIMATORS:
+        raise ConfigError(
+            f"kl.in_reward=true needs token-level credit (adv.estimator one of {list(CRITIC_ESTIMATORS)}), got "
+            f"adv.estimator={cfg.adv.estimator}; use kl.in_reward=false (a KL loss term) with outcome estimators"
+        )
+    if cfg.actor.old_logprobs not in OLD_LOGPROBS:
+        raise ConfigError(f"actor.old_logprobs={cfg.actor.old_logprobs!r} is not one of {list(OLD_LOGPROBS)}")
+    if cfg.actor.old_logprobs == "rollout" and (
+        cfg.actor.update_per_rollout != 1 or cfg.actor.minibatches_per_update != 1
+    ):
+        raise ConfigError(
+            "actor.old_logprobs=rollout needs an exactly on-policy update (actor.update_per_rollout=1 and "
+            f"actor.minibatches_per_update=1), got {cfg.actor.update_per_rollout} and "
+            f"{cfg.actor.minibatches_per_update}; use actor.old_logprobs=recompute or auto"
+        )
+    check_packing(cfg.actor)
+    check_attention(cfg.actor)
+    constraints(cfg)
+    reward_objectives(cfg)
+    try:  # the estimator's own options, checked on a one-token batch
+        one = torch.ones(1, 1)
+        compute_advantages(
+            cfg.adv.estimator, one, one.bool(), torch.zeros(1, dtype=torch.long), one, **estimator_options(cfg)
+        )
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"adv.{cfg.adv.estimator}: {e}") from None
+
+
+def constraints(cfg) -> Constraints:
+    """The Lagrangian constraints of ``cfg.constraints`` (:mod:`rl2gem.algorithms.constraints`).
+
+    Raises:
+        rl2gem.config.ConfigError: a bad bound, rate or multiplier, naming the key.
+    """
+    try:
+        return Constraints(OmegaConf.to_container(cfg.constraints, resolve=True))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def reward_objectives(cfg) -> tuple:
+    """``(transform or None, ParetoArchive or None)`` of ``cfg.reward``, after checking its keys.
+
+    Raises:
+        rl2gem.config.ConfigError: naming the key.
+    """
+    o = cfg.reward.objectives
+    if o.combine is not None and o.combine not in COMBINERS:
+        raise ConfigError(f"reward.objectives.combine={o.combine!r} is not null or one of {list(COMBINERS)}")
+    if o.combine is not None and not o.weights:
+        raise ConfigError(f"reward.objectives.combine={o.combine} needs reward.objectives.weights")
+    if o.combine == "tchebycheff":
+        missing = sorted(set(o.weights) - set(o.reference))
+        if missing:
+            raise ConfigError(f"reward.objectives.reference needs a value for {missing} (tchebycheff)")
+    bad = {k: v for k, v in dict(o.pareto).items() if v not in ("max", "min")}
+    if bad:
+        raise ConfigError(f"reward.objectives.pareto values must be max or min, got {bad}")
+    try:
+        transform = load_transform(cfg.reward.transform) if cfg.reward.transform else None
+        archive = None
+        if o.pareto:
+            archive = ParetoArchive(
+                list(o.pareto), [k for k, v in o.pareto.items() if v == "min"], dict(o.hv_reference)
+            )
+    except ValueError as e:
+        raise ConfigError(f"reward: {e}") from None
+    return transform, archive
+
+
+def estimator_options(cfg) -> dict:
+    """The keywords of ``cfg.adv.estimator`` from its own section (``adv.vtrace``, ``adv.multistep``, ...)."""
+    section = cfg.adv.get(cfg.adv.estimator)
+    return OmegaConf.to_container(section, resolve=True) if section is not None else {}
+
+
+def kl_controller(cfg) -> KLController:
+    """The KL coefficient's controller of ``cfg.kl`` (``kl.coef`` and ``kl.adaptive``).
+
+    Raises:
+        rl2gem.config.ConfigError: a bad ``kl.adaptive`` value, naming the key.
+    """
+    try:
+        return make_kl_controller(float(cfg.kl.coef), OmegaConf.to_container(cfg.kl.adaptive, resolve=True))
+    except ValueError as e:
+        raise ConfigError(f"kl.adaptive: {e}") from None

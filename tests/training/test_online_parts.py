@@ -1,0 +1,81 @@
+"""The pieces of the online trainer base: the old log-probs' source step by step, rewards shaped
+into the ones trained on (and their statistics recomputed), the PPO config's checks."""
+
+import statistics
+from types import SimpleNamespace
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from rl2gem.config import ConfigError
+from rl2gem.rollout.rollout import RolloutBatch, reward_metrics
+from rl2gem.trainers.ppo import CONFIG, computed_token_fraction
+from rl2gem.training.forward import MicroBatch
+from rl2gem.training.old_logprobs import OldLogprobs
+from rl2gem.training.rl_config import check_config
+from rl2gem.training.samples import Sample, packed_field, shape_rewards
+from tests.rewards.test_objectives import episode
+
+
+def sample(versions, mask):
+    return SimpleNamespace(versions=versions, mask=mask)
+
+
+def test_the_old_logprobs_come_from_the_engine_only_when_exactly_on_policy_and_checked():
+    on_policy = [sample([0, 0, 3, 3], [0, 0, 1, 1])]  # prompt tokens carry any version
+    stale = [sample([0, 0, 2, 3], [0, 0, 1, 1])]  # one action token of version 2 (partial rollout)
+    auto = OldLogprobs("auto", tolerance=1e-3)
+    assert auto.source(on_policy, step=3) == "check" and auto.source(stale, step=3) == "recompute"
+    assert auto.decide(torch.tensor(5e-4)) == {"actor/old_logprob_max_diff": pytest.approx(5e-4)}
+    assert auto.match is True and auto.source(on_policy, step=3) == "rollout"
+    assert auto.source(stale, step=3) == "recompute"  # never the engine's for older tokens
+    strict = OldLogprobs("auto", tolerance=1e-3)
+    strict.decide(torch.tensor(2e-3))
+    assert strict.match is False and strict.source(on_policy, step=3) == "recompute"
+    assert OldLogprobs("rollout", 0.0).source(on_policy, step=3) == "rollout"
+    assert OldLogprobs("recompute", 1.0).source(on_policy, step=3) == "recompute"
+    two_passes = OldLogprobs("rollout", 1.0, update_per_rollout=2)
+    two_minibatches = OldLogprobs("auto", 1.0, minibatches_per_update=2)
+    assert two_passes.source(on_policy, 3) == two_minibatches.source(on_policy, 3) == "recompute"
+
+
+def test_shaped_rewards_are_the_ones_logged_and_the_env_mean_is_kept():
+    groups = [[episode(1.0, 1.0, 4), episode(0.0, 1.0, 10)], [episode(0.0, 0.0, 2), episode(0.0, 1.0, 6)]]
+    batch = RolloutBatch(groups, {})
+    batch.metrics.update(reward_metrics(batch.groups))
+    assert batch.metrics["rollout/reward"] == 0.25 and batch.metrics["rollout/zero_variance_groups"] == 0.5
+    untouched = shape_rewards(batch)  # nothing configured: component means only, rewards as they were
+    assert "rollout/env_reward" not in untouched and [e.reward for e in batch.episodes] == [1.0, 0.0, 0.0, 0.0]
+    metrics = shape_rewards(batch, transform=lambda reward, components, ep: reward + 0.1 * components["length"])
+    shaped = [1.4, 1.0, 0.2, 0.6]  # + 0.1 per action token
+    assert [e.reward for e in batch.episodes] == pytest.approx(shaped)
+    assert metrics["rollout/env_reward"] == 0.25
+    assert metrics["rollout/reward"] == pytest.approx(sum(shaped) / 4) and metrics["rollout/success"] == 1.0
+    assert metrics["rollout/zero_variance_groups"] == 0.0
+    assert metrics["rollout/group_reward_std"] == pytest.approx((0.2 + 0.2) / 2)
+    assert statistics.pstdev(shaped[:2]) == pytest.approx(0.2)
+
+
+def test_packed_field_and_the_computed_token_fraction():
+    samples = [Sample([1, 2, 3, 4], [0, 0, 1, 1]), Sample([1, 2, 3, 5], [0, 1, 1, 1]), Sample([7, 8], [0, 1])]
+    row = packed_field(samples[:2], "mask", torch.device("cpu"), torch.bool)
+    assert row.tolist() == [False, False, True, True, False, True, True, True] and row.dtype == torch.bool
+    plan = [MicroBatch([0, 1]), MicroBatch([2]), MicroBatch([2], placeholder=True)]
+    assert computed_token_fraction(samples, plan, None) == 1.0
+    # the tree computes 1 2 3 once: 3 + 1 + 1 + 2 tokens against 4 + 4 + 2 (the placeholder not counted)
+    assert computed_token_fraction(samples, plan, [s.ids for s in samples]) == pytest.approx(7 / 10)
+    assert computed_token_fraction(samples, [MicroBatch([2], placeholder=True)], None) == 0.0
+
+
+def test_the_ppo_config_checks_name_the_key():
+    base = OmegaConf.load(CONFIG)
+    for override, key in [
+        ("adv.estimator=nope", "adv.estimator"),
+        ("reward.mode=multiply", "reward.mode"),
+        ("actor.old_logprobs=engine", "actor.old_logprobs"),
+        ("reward.objectives.combine=tchebycheff", "reward.objectives.combine"),
+    ]:
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            check_config(OmegaConf.merge(base, OmegaConf.from_dotlist([override])))
+    check_config(base)  # the defaults pass
