@@ -7,7 +7,7 @@ TORCH_VERSION := 2.13.0
 # Every other package `make setup` installs, pinned with hashes (`make lock` regenerates it).
 LOCK   := requirements.lock
 
-.PHONY: setup run test test-soak test-fast test-latest lint lock bench sft-searchqa preference-arithmetic clean
+.PHONY: setup run test test-slow test-all test-soak test-latest lint lock bench sft-searchqa preference-arithmetic clean
 
 setup: $(STAMP)
 
@@ -56,7 +56,16 @@ preference-arithmetic: setup
 	$(TORCHRUN) trainers/ppo.py config=arithmetic reward.model=runs/arithmetic-rm reward.mode=replace \
 		trainer.total_steps=20 trainer.output_dir=runs/arithmetic-ppo-rm trainer.progress=false
 
+# The default suite (CI): everything but the tests marked slow (long real-model runs another test
+# covers at smoke size, e.g. the README's commands as written) and soak.
 test: setup
+	$(BIN)/python -m pytest -q --durations=25 -m "not slow and not soak"
+
+# The long real-model runs (also run by make bench), and everything at once.
+test-slow: setup
+	$(BIN)/python -m pytest -q --durations=25 -m "slow and not soak"
+
+test-all: setup
 	$(BIN)/python -m pytest -q --durations=25 -m "not soak"
 
 # Endurance runs (a minute or more each, e.g. the sandbox's fork server over 10,000 executions).
@@ -67,9 +76,6 @@ test-soak: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-
-test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow and not soak"
 
 # Drift on purpose: a fresh .venv-latest with the newest versions pyproject.toml allows (torch
 # still $(TORCH_VERSION), installed first), then the fast tests. A failure here is the next lock's
@@ -121,6 +127,7 @@ bench: setup
 	$(BIN)/python benchmarks/tree_packing.py
 	$(BIN)/python benchmarks/parallel.py
 	$(BIN)/python benchmarks/sandbox.py
+	$(MAKE) test-slow
 	$(MAKE) test-soak
 
 clean:

@@ -150,9 +150,45 @@ def test_readme_python_blocks_run(index, tmp_path):
     assert run(str(script)).strip().endswith("snippet ok")
 
 
+TRAINER_MODULES = ("rl2gem.trainers.ppo", "rl2gem.trainers.rm", "rl2gem.trainers.dpo")
+
+
+def short_form(command: str, model: pathlib.Path) -> str:
+    """A README command at smoke size: the trainers, the tuner, the agentic pipeline, the server and
+    the evaluations on ``model`` (the tiny random Llama with SmolLM2's tokenizer) instead of SmolLM2;
+    every key and flag as written. ``rl2gem.collect`` keeps the real model: the RM and DPO commands
+    train on its preference pairs, which need a model that solves some items."""
+    if "rl2gem.collect" in command:
+        return command
+    command = command.replace("smollm2-135m-instruct", str(model))
+    if any(f"-m {module} " in command for module in TRAINER_MODULES) and "actor.model=" not in command:
+        command += f" actor.model={model}"
+    command = command.replace("'base=[", f"'base=[actor.model={model}, ")
+    if "rl2gem.trainers.agentic" in command:
+        command += f" --base {model}"
+    return command
+
+
+def test_short_forms_change_only_the_model(tmp_path):
+    tiny = tmp_path / "tiny"
+    ppo = ".venv/bin/python -m torch.distributed.run -m rl2gem.trainers.ppo config=arithmetic trainer.total_steps=2"
+    assert short_form(ppo, tiny) == f"{ppo} actor.model={tiny}"
+    evaluate = ".venv/bin/python -m rl2gem.evaluate env=rl2/SearchQA-v0 model=smollm2-135m-instruct n=2"
+    assert short_form(evaluate, tiny) == f".venv/bin/python -m rl2gem.evaluate env=rl2/SearchQA-v0 model={tiny} n=2"
+    collect = ".venv/bin/python -m rl2gem.collect model=smollm2-135m-instruct pairs=true"
+    assert short_form(collect, tiny) == collect
+    tune = ".venv/bin/python -m rl2gem.trainers.tune trainer=ppo 'base=[config=arithmetic]' n_trials=2"
+    assert (
+        short_form(tune, tiny)
+        == f".venv/bin/python -m rl2gem.trainers.tune trainer=ppo 'base=[actor.model={tiny}, config=arithmetic]' n_trials=2"
+    )
+
+
 @pytest.mark.timeout(900)
-def test_readme_shell_commands_run(tmp_path):
-    """Every README command except the Quickstart's make targets (.ci/run runs those)."""
+@pytest.mark.parametrize("form", ["short", pytest.param("full", marks=pytest.mark.slow)])
+def test_readme_shell_commands_run(form, tmp_path, tiny_dir):
+    """Every README command except the Quickstart's make targets (.ci/run runs those): the short form
+    (:func:`short_form`) in the default suite, as written in ``make test-slow``."""
     commands = [
         line.split("#")[0].strip()
         for block in readme_blocks("bash")
@@ -160,6 +196,8 @@ def test_readme_shell_commands_run(tmp_path):
         if line.strip() and not line.startswith("make ")
     ]
     assert commands, "the README lost its commands"
+    if form == "short":
+        commands = [short_form(command, tiny_dir) for command in commands]
     background = []  # servers a command line ending in & starts; stopped at the end
     try:
         for cmd in commands:
