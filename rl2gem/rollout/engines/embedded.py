@@ -745,107 +745,111 @@ class EmbeddedEngine(Engine):
         several prompts share beyond the cache are prefilled once first (:meth:`_shared_stems`).
         """
         first_of: dict[tuple[int, ...], int] = {}
-        dup = []
-        for j, r in enumerate(take):
-            dup.append(first_of.setdefault(tuple(r.input_ids), j))
-        uniq = [j for j in range(len(take)) if dup[j] == j]
-        rows = {j: i for i, j in enumerate(uniq)}
-        all_take, take = take, [take[j] for j in uniq]
-        hits = [self._lookup_prefix(r.input_ids) for r in take]
-        stems = self._shared_stems(take, [h[0] for h in hits])
+        # the first request with the same prompt: its prefill row serves every copy
+        original = [first_of.setdefault(tuple(request.input_ids), index) for index, request in enumerate(take)]
+        unique = [index for index in range(len(take)) if original[index] == index]
+        row_of = {index: row for row, index in enumerate(unique)}
+        requests, take = take, [take[index] for index in unique]
+        hits = [self._lookup_prefix(request.input_ids) for request in take]
+        stems = self._shared_stems(take, [hit[0] for hit in hits])
         if stems:
-            tmp = self._prefill_store
             self._prefill_rows(stems, [self._lookup_prefix(stem) for stem in stems])
-            for j, stem in enumerate(stems):
-                self._keep_kv(tuple(stem), tmp, j)
-            hits = [self._lookup_prefix(r.input_ids) for r in take]
-        pre = [h[0] for h in hits]
-        W, logits = self._prefill_rows([r.input_ids for r in take], hits)
-        tmp = self._prefill_store
-        self.stats["cached_tokens"] += sum(pre) + sum(len(r.input_ids) for j, r in enumerate(all_take) if dup[j] != j)
-        logits = logits[[rows[dup[j]] for j in range(len(all_take))]]
-        tokens, lps = _sample(logits, [r.params for r in all_take], self._gen, [len(r.out_ids) for r in all_take])
+            for row, stem in enumerate(stems):
+                self._keep_kv(tuple(stem), self._prefill_store, row)
+            hits = [self._lookup_prefix(request.input_ids) for request in take]
+        cached = [hit[0] for hit in hits]
+        width, logits = self._prefill_rows([request.input_ids for request in take], hits)
+        prefilled = self._prefill_store
+        self.stats["cached_tokens"] += sum(cached) + sum(
+            len(request.input_ids) for index, request in enumerate(requests) if original[index] != index
+        )
+        logits = logits[[row_of[original[index]] for index in range(len(requests))]]
+        tokens, logprobs = _sample(logits, [r.params for r in requests], self._gen, [len(r.out_ids) for r in requests])
         # join the running batch: rows right-aligned at the window's end
-        st = self._store
+        store = self._store
         if not self._running:
-            st.clear()
-        need = st.slots + len(all_take)
-        expect = min(self.max_batch_size, need + len(self._waiting))
-        st.reserve(need, max(0, W - st.window), 1, self._growth(self._running + all_take), expect)
-        st.lo = min(st.lo, st.hi - W)
+            store.clear()
+        needed_slots = store.slots + len(requests)
+        expected = min(self.max_batch_size, needed_slots + len(self._waiting))
+        growth = self._growth(self._running + requests)
+        store.reserve(needed_slots, max(0, width - store.window), 1, growth, expected)
+        store.lo = min(store.lo, store.hi - width)
         # longest rows first: running rows are older (longer), so slots stay roughly sorted by span
         # and a decode chunk of neighbouring rows reads few columns its rows do not need
-        spans = [W - int(tmp.mask[rows[dup[jj]], :W].nonzero()[0]) for jj in range(len(all_take))]
-        for jj in sorted(range(len(all_take)), key=lambda jj: -spans[jj]):
-            r = all_take[jj]
-            j = rows[dup[jj]]
-            s = st.slots
-            st.slots += 1
-            self._running.append(r)
-            for li in range(st.num_layers):
-                st.keys[li][s, :, st.hi - W : st.hi] = tmp.keys[li][j, :, :W]
-                st.values[li][s, :, st.hi - W : st.hi] = tmp.values[li][j, :, :W]
-            st.mask[s] = False
-            st.mask[s, st.hi - W : st.hi] = tmp.mask[j, :W]
-            r.length = len(r.input_ids)
-            r.span = spans[jj]
-            r.cached = pre[j] if dup[jj] == jj else len(r.input_ids)
-        self._append_tokens(list(all_take), tokens.tolist(), lps.tolist())
+        spans = [
+            width - int(prefilled.mask[row_of[original[index]], :width].nonzero()[0]) for index in range(len(requests))
+        ]
+        columns = slice(store.hi - width, store.hi)
+        for index in sorted(range(len(requests)), key=lambda index: -spans[index]):
+            request, row, slot = requests[index], row_of[original[index]], store.slots
+            store.slots += 1
+            self._running.append(request)
+            for layer in range(store.num_layers):
+                store.keys[layer][slot, :, columns] = prefilled.keys[layer][row, :, :width]
+                store.values[layer][slot, :, columns] = prefilled.values[layer][row, :, :width]
+            store.mask[slot] = False
+            store.mask[slot, columns] = prefilled.mask[row, :width]
+            request.length = len(request.input_ids)
+            request.span = spans[index]
+            request.cached = cached[row] if original[index] == index else len(request.input_ids)
+        self._append_tokens(list(requests), tokens.tolist(), logprobs.tolist())
 
     def _prefill_rows(self, prompts: list[list[int]], hits: list) -> tuple[int, torch.Tensor]:
         """One forward over ``prompts`` into the prefill store, row ``j`` = its cached prefix
-        ``hits[j]`` (from :meth:`_lookup_prefix`) + the rest of its prompt -> (columns ``W``,
+        ``hits[j]`` (from :meth:`_lookup_prefix`) + the rest of its prompt -> (columns ``width``,
         logits [rows, V] float32 after each prompt's last token); row ``j`` holds its prompt in the
-        masked-in columns of ``[0, W)``, its last token at ``W - 1``.
+        masked-in columns of ``[0, width)``, its last token at ``width - 1``.
 
-        Lean path: each row right-aligned at ``W``, its cached prefix just before its new tokens,
-        one packed forward without padding. ``model(...)`` path: cached prefixes right-aligned in
-        ``[0, P)``, the new tokens left-padded in ``[P, P + Q)``.
+        Lean path: each row right-aligned at ``width``, its cached prefix just before its new
+        tokens, one packed forward without padding. ``model(...)`` path: cached prefixes
+        right-aligned in ``[0, longest_cached)``, the new tokens left-padded after them.
         """
-        n = len(prompts)
-        pre = [h[0] for h in hits]
-        suf = [len(ids) - p for ids, p in zip(prompts, pre, strict=True)]
+        rows = len(prompts)
+        cached = [hit[0] for hit in hits]
+        new = [len(ids) - length for ids, length in zip(prompts, cached, strict=True)]
         if self._lean is not None:
-            W = max(map(len, prompts))
-            prefix_end = [W - q for q in suf]
+            width = max(map(len, prompts))
+            prefix_end = [width - count for count in new]
         else:
-            P, Q = max(pre), max(suf)
-            W = P + Q
-            prefix_end = [P] * n
-        tmp = self._prefill_store  # kept between prefills: allocating it each time costs page faults
-        tmp.slots = tmp.lo = tmp.hi = 0
-        tmp.reserve(n, 0, W)
-        tmp.lo = tmp.hi = 0
-        tmp.slots = n
-        tmp.mask[:n] = False
-        for j, (p, kv) in enumerate(hits):
-            if p:
-                for li, (k, v) in enumerate(kv):
-                    tmp.keys[li][j, :, prefix_end[j] - p : prefix_end[j]] = k
-                    tmp.values[li][j, :, prefix_end[j] - p : prefix_end[j]] = v
-                tmp.mask[j, prefix_end[j] - p : prefix_end[j]] = True
-            tmp.mask[j, W - suf[j] : W] = True  # the new tokens end at W in both layouts
+            longest_cached, longest_new = max(cached), max(new)
+            width = longest_cached + longest_new
+            prefix_end = [longest_cached] * rows
+        store = self._prefill_store  # kept between prefills: allocating it each time costs page faults
+        store.slots = store.lo = store.hi = 0
+        store.reserve(rows, 0, width)
+        store.lo = store.hi = 0
+        store.slots = rows
+        store.mask[:rows] = False
+        for row, (length, kv) in enumerate(hits):
+            if length:
+                prefix = slice(prefix_end[row] - length, prefix_end[row])
+                for layer, (keys, values) in enumerate(kv):
+                    store.keys[layer][row, :, prefix] = keys
+                    store.values[layer][row, :, prefix] = values
+                store.mask[row, prefix] = True
+            store.mask[row, width - new[row] : width] = True  # the new tokens end at width in both layouts
         if self._lean is not None:
-            logits = self._lean.prefill(tmp, [(j, ids[pre[j] :], pre[j]) for j, ids in enumerate(prompts)], W)
+            pieces = [(row, ids[cached[row] :], cached[row]) for row, ids in enumerate(prompts)]
+            logits = self._lean.prefill(store, pieces, width)
         else:
-            tmp.hi = P
-            ids = torch.zeros(n, Q, dtype=torch.long)
-            pos = torch.zeros(n, Q, dtype=torch.long)
-            for j, prompt in enumerate(prompts):
-                ids[j, Q - suf[j] :] = torch.tensor(prompt[pre[j] :])
-                pos[j, Q - suf[j] :] = torch.arange(pre[j], pre[j] + suf[j])
+            store.hi = longest_cached
+            ids = torch.zeros(rows, longest_new, dtype=torch.long)
+            positions = torch.zeros(rows, longest_new, dtype=torch.long)
+            for row, prompt in enumerate(prompts):
+                ids[row, longest_new - new[row] :] = torch.tensor(prompt[cached[row] :])
+                positions[row, longest_new - new[row] :] = torch.arange(cached[row], cached[row] + new[row])
             out = self._forward(
                 input_ids=ids.to(self._device),
-                attention_mask=tmp.mask[:n, :W],
-                position_ids=pos.to(self._device),
-                past_key_values=_step_cache(tmp),
+                attention_mask=store.mask[:rows, :width],
+                position_ids=positions.to(self._device),
+                past_key_values=_step_cache(store),
                 logits_to_keep=1,
             )
             logits = out.logits[:, -1].float()
-        tmp.hi = W
-        self.stats["prefill_tokens"] += sum(suf)
+        store.hi = width
+        self.stats["prefill_tokens"] += sum(new)
         self.stats["prefill_forwards"] += 1
-        return W, logits
+        return width, logits
 
     def _append_tokens(self, reqs: list[_Request], tokens: list[int], lps: list[float]):
         for r, t, lp in zip(reqs, tokens, lps, strict=True):
