@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ __all__ = [
     "load_conversations",
     "load_preferences",
     "load_table",
+    "missing_data_files",
     "prepared",
 ]
 
@@ -48,6 +49,19 @@ FILE_FORMATS = {
 
 class DataUnavailable(RuntimeError):
     """A data set could not be loaded (offline hub, missing file, missing columns)."""
+
+
+def missing_data_files(node: Any, prefix: str) -> list[tuple[str, str]]:
+    """``(dotted key, path)`` of every string in ``node`` (a config value: a string, or mappings and
+    lists of them, walked recursively under the key ``prefix``) that names a data file (its suffix
+    is one of :data:`FILE_FORMATS`) which does not exist. Dataset names and built-in names are not
+    files, so they are never reported."""
+    if isinstance(node, Mapping):
+        return [found for key, value in node.items() for found in missing_data_files(value, f"{prefix}.{key}")]
+    if isinstance(node, Sequence) and not isinstance(node, str):
+        return [found for i, value in enumerate(node) for found in missing_data_files(value, f"{prefix}.{i}")]
+    is_file = isinstance(node, str) and Path(node).suffix.lower() in FILE_FORMATS
+    return [(prefix, node)] if is_file and not Path(node).exists() else []
 
 
 def _is_file_spec(source: str | Mapping[str, str]) -> bool:

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 import rl2gem  # noqa: F401 (registers the rl2/ envs and loads plugins, for the env check)
 from rl2gem.config import ConfigError, command_line_config
+from rl2gem.data import missing_data_files
 from rl2gem.models import model_problem
 from rl2gem.tracking import Tracker
 from rl2gem.training.metrics import PeakMemory
@@ -134,7 +135,8 @@ class Trainer:
 
 def check_common_keys(cfg) -> None:
     """Checks every trainer's config gets before anything loads: the env id is registered, each
-    model key names a built-in model, a folder or a hub id, and counts are in range.
+    model key names a built-in model, a folder or a hub id, every data file named in ``env_kwargs``,
+    ``eval_env_kwargs`` and ``data`` exists, and counts are in range.
 
     Raises:
         rl2gem.config.ConfigError: naming the key.
@@ -149,6 +151,9 @@ def check_common_keys(cfg) -> None:
         model = (cfg.get(section) or {}).get("model")
         if isinstance(model, str) and (problem := model_problem(model)):
             raise ConfigError(f"{section}.model: {problem}")
+    for section in ("env_kwargs", "eval_env_kwargs", "data", "trainer.eval_env_kwargs"):
+        for key, path in missing_data_files(OmegaConf.select(cfg, section, default=None), section):
+            raise ConfigError(f"{key}: no such data file {path!r}")
     minimums = {("rollout", "responses_per_prompt"): 1, ("trainer", "total_steps"): 0}
     for (section, key), low in minimums.items():
         value = (cfg.get(section) or {}).get(key)

@@ -6,8 +6,10 @@ import sys
 
 import pytest
 from helpers import ROOT
-from rl2gem.trainers import dpo, ppo, rm, sft
+from omegaconf import OmegaConf
 
+from rl2gem.data import missing_data_files
+from rl2gem.trainers import dpo, ppo, rm, sft
 from rl2gem.training.trainer import launch
 
 
@@ -25,19 +27,27 @@ CASES = [
     ("config=no_such_recipe", "config error: config=no_such_recipe: no such recipe file"),
     ("env=rl2/NoSuchEnv-v0", "config error: env: Environment `NoSuchEnv` doesn't exist in namespace rl2"),
     ("actor.model=/no/such/model", "config error: actor.model: no such model folder '/no/such/model'"),
+    (
+        "env=rl2/Math-v0 env_kwargs.dataset=/no/such/data.jsonl",
+        "config error: env_kwargs.dataset: no such data file '/no/such/data.jsonl'",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("argument", "line"), CASES)
 def test_ppo_refuses_a_bad_value_before_building_anything(argument, line, capsys):
-    assert launch(MustNotBuild, ppo.CONFIG, ppo.check_config, [argument]) == 2
+    assert launch(MustNotBuild, ppo.CONFIG, ppo.check_config, argument.split()) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(line), err
 
 
 @pytest.mark.parametrize("trainer", [sft, rm, dpo])
-def test_every_trainer_checks_types_and_models(trainer, capsys):
-    for argument, line in [CASES[0], CASES[-1]]:
+def test_every_trainer_checks_types_models_and_data_files(trainer, capsys):
+    missing_data = (
+        "data.train=/no/such/rows.jsonl",
+        "config error: data.train: no such data file '/no/such/rows.jsonl'",
+    )
+    for argument, line in [CASES[0], CASES[5], missing_data]:
         assert launch(MustNotBuild, trainer.CONFIG, trainer.check_config, [argument]) == 2
         assert capsys.readouterr().err.strip().startswith(line)
 
@@ -59,3 +69,16 @@ def test_under_torchrun_the_error_is_one_line_and_no_model_is_fetched(tmp_path):
     assert "config error: actor.lr: expected a float, got 'abc'" in r.stderr
     assert "Traceback" not in r.stderr.split("config error")[0]  # nothing failed before the check
     assert list(cache.iterdir()) == []  # no model (nor data) was fetched or converted
+
+
+def test_missing_data_files_are_found_anywhere_in_a_section(tmp_path):
+    present = tmp_path / "present.jsonl"
+    present.write_text("{}\n")
+    section = OmegaConf.create(
+        {"dataset": "gsm8k", "files": {"train": "/x/a.jsonl", "test": str(present)}, "more": ["/y/b.csv", "org/name"]}
+    )
+    assert missing_data_files(section, "env_kwargs") == [
+        ("env_kwargs.files.train", "/x/a.jsonl"),
+        ("env_kwargs.more.0", "/y/b.csv"),
+    ]
+    assert missing_data_files(None, "data") == [] and missing_data_files("math500", "env_kwargs.dataset") == []
