@@ -21,7 +21,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["ConfigError", "load_config", "check_overrides", "check_types", "closest_hint"]
+__all__ = ["ConfigError", "load_config", "check_overrides", "check_types", "closest_hint", "config_help"]
 
 
 class ConfigError(ValueError):
@@ -129,14 +129,45 @@ def check_types(defaults: Mapping[str, Any], config: Mapping[str, Any], prefix: 
             raise ConfigError(f"{name}: expected {_NAMES[kind]}, got {value!r}")
 
 
+#: The arguments that ask a command line for its keys instead of running it.
+HELP_ARGUMENTS = ("--help", "-h", "help=true")
+
+
+def config_help(defaults: str | Path) -> str:
+    """The help of a command line over the YAML ``defaults``: the usage line, the defaults file as
+    written (every key, its default and its comment: the schema) and the recipes next to it that
+    ``config=<name>`` merges over the defaults."""
+    path = Path(defaults)
+    plain = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    recipes = []
+    for recipe in sorted(path.parent.glob("*.yaml")):
+        try:  # the recipes of this command: files next to it whose keys all exist in its defaults
+            leaves = _leaves(OmegaConf.to_container(OmegaConf.load(recipe), resolve=False))
+            check_overrides(plain, [f"{key}=" for key in leaves])
+        except ConfigError:
+            continue
+        if not (path.parent.parent / f"{recipe.stem}.py").exists():  # not another command's defaults
+            recipes.append(recipe.stem)
+    return (
+        "usage: [config=<recipe>] [key=value ...]   (unknown keys and values of the wrong type are errors)\n\n"
+        f"keys, defaults and descriptions ({path.name}):\n\n{path.read_text().rstrip()}\n\n"
+        f"recipes (config=<name>): {', '.join(recipes) if recipes else 'none'}"
+    )
+
+
 def command_line_config(
     defaults: str | Path, check: Callable[[DictConfig], None], argv: list[str] | None = None
 ) -> DictConfig | None:
     """The config of a command line (:func:`load_config` on ``argv``, default ``sys.argv[1:]``)
     after ``check`` (combinations that cannot work); on a :class:`ConfigError` the message goes to
-    stderr as ``error: ...`` and the result is None (the command then exits with 2)."""
+    stderr as ``error: ...`` and the result is None (the command then exits with 2). ``--help``,
+    ``-h`` or ``help=true`` prints :func:`config_help` and exits with 0."""
+    argv = sys.argv[1:] if argv is None else argv
+    if any(arg in HELP_ARGUMENTS for arg in argv):
+        print(config_help(defaults))
+        raise SystemExit(0)
     try:
-        cfg = load_config(defaults, sys.argv[1:] if argv is None else argv)
+        cfg = load_config(defaults, argv)
         check(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

@@ -82,3 +82,14 @@ def test_missing_data_files_are_found_anywhere_in_a_section(tmp_path):
         ("env_kwargs.more.0", "/y/b.csv"),
     ]
     assert missing_data_files(None, "data") == [] and missing_data_files("math500", "env_kwargs.dataset") == []
+
+
+@pytest.mark.parametrize("argument", ["--help", "help=true"])
+def test_help_prints_every_key_with_its_default_and_the_recipes(argument, capsys):
+    with pytest.raises(SystemExit) as stop:
+        launch(MustNotBuild, ppo.CONFIG, ppo.check_config, [argument, "actor.lr=abc"])
+    assert stop.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: [config=<recipe>] [key=value ...]" in out
+    assert ppo.CONFIG.read_text().rstrip() in out  # every key, its default and its comment
+    assert out.rstrip().endswith("recipes (config=<name>): arithmetic, guess, guess_hard, searchqa")
