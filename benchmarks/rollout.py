@@ -36,7 +36,7 @@ import torch
 from rl2gem.models import load_model, resolve_model
 from rl2gem.rollout import EmbeddedEngine, HTTPEngine, Rollout, RolloutConfig
 from rl2gem.rollout.router import Router
-from rl2gem.serve import launch
+from rl2gem.serving import launch
 
 MODEL = "smollm2-135m-instruct"
 

@@ -35,8 +35,8 @@ LAYERS = [
     ("rollout", ["rl2gem.rollout"]),
     ("evaluation", ["rl2gem.evaluation"]),
     ("training core", ["rl2gem.algorithms", "rl2gem.parallel", "rl2gem.training"]),
-    ("serving", ["rl2gem.openai_api", "rl2gem.serve"]),
-    ("command lines and integrations", ["rl2gem.evaluate", "rl2gem.collect", "rl2gem.integrations"]),
+    ("serving", ["rl2gem.serving"]),
+    ("command lines and integrations", ["rl2gem.evaluate", "rl2gem.collect", "rl2gem.serve", "rl2gem.integrations"]),
     ("trainers", ["rl2gem.trainers"]),
 ]
 #: Where the installed names ``rl2gem.envs`` and ``rl2gem.trainers`` live in the source tree.

@@ -8,7 +8,7 @@ import pytest
 
 from rl2gem.rollout import HTTPEngine, Rollout, RolloutConfig
 from rl2gem.rollout.router import Router
-from rl2gem.serve import launch
+from rl2gem.serving import launch
 
 
 @pytest.fixture

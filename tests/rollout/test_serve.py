@@ -10,7 +10,7 @@ import torch
 from tiny import tiny_model
 
 from rl2gem.rollout import HTTPEngine
-from rl2gem.serve import launch
+from rl2gem.serving import launch
 
 
 @pytest.fixture(scope="module")

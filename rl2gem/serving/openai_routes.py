@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API of ``python -m rl2gem.serve``, and the conversions between
 OpenAI messages and rl2gem's text protocol.
 
-Routes (added to :func:`rl2gem.serve.make_app`), following the OpenAI API reference:
+Routes (added to :func:`rl2gem.serving.make_app`), following the OpenAI API reference:
 
 ==============================  ==========================================================
 ``GET /v1/models``              the one served model (``id`` = ``--served-model-name``)
