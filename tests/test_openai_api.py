@@ -17,10 +17,10 @@ from transformers import AutoTokenizer
 
 from rl2gem.evaluate import parse_args
 from rl2gem.evaluation import evaluate
-from rl2gem.serving.openai_routes import openai_tool_calls, template_messages
 from rl2gem.rollout.engines.base import Engine, GenerateOutput
 from rl2gem.rollout.tito import ChatRenderer, load_chat_template
 from rl2gem.serving import launch, make_app
+from rl2gem.serving.openai_routes import openai_tool_calls, template_messages
 from rl2gem.tools import parse_tool_calls
 from rl2gem.tools.base import hermes_tool_calls
 

@@ -31,10 +31,11 @@ import torch.distributed as dist
 from rl2gem.algorithms import DPO_LOSS_TYPES, dpo_loss
 from rl2gem.config import ConfigError
 from rl2gem.data import load_preferences
+from rl2gem.parallel.packing import plan_pair_micro_batches
 from rl2gem.training.forward import check_attention, check_packing, sequence_sums, token_logprobs
 from rl2gem.training.metrics import Averager
 from rl2gem.training.offline import PAIRS_HELP, OfflineTrainer, check_data_config
-from rl2gem.training.pairs import PairSample, pair_sequences, plan_pair_micro_batches, tokenize_pairs
+from rl2gem.training.pairs import PairSample, pair_sequences, tokenize_pairs
 from rl2gem.training.trainer import launch
 from rl2gem.training.worker import Worker
 
@@ -106,7 +107,7 @@ class DPOTrainer(OfflineTrainer):
         d, averager, tokens = self.cfg.dpo, Averager(), 0
         self.reference_tokens = 0
         for mb in plan_pair_micro_batches(
-            pairs,
+            [(pair.chosen.ids, pair.rejected.ids) for pair in pairs],
             self.mesh.dp_rank,
             self.mesh.dp_size,
             self.max_length.micro_batch_tokens,

@@ -48,8 +48,8 @@ from rl2gem.algorithms import (
     policy_loss,
     value_loss,
 )
-from rl2gem.parallel.packing import tree_size
-from rl2gem.training.forward import MicroBatch, plan_micro_batches, regroup_scores, token_logprobs, token_values
+from rl2gem.parallel.packing import MicroBatch, plan_micro_batches, regroup_scores, tree_size
+from rl2gem.training.forward import token_logprobs, token_values
 from rl2gem.training.metrics import Averager, reduce_mean, throughput_metrics, train_flops
 from rl2gem.training.online import OnlineTrainer
 from rl2gem.training.rl_config import check_config, estimator_options

@@ -31,10 +31,11 @@ import torch
 
 from rl2gem.algorithms import bradley_terry_loss
 from rl2gem.data import load_preferences
+from rl2gem.parallel.packing import plan_pair_micro_batches
 from rl2gem.training.forward import check_attention, sequence_scores
 from rl2gem.training.metrics import Averager
 from rl2gem.training.offline import PAIRS_HELP, OfflineTrainer, check_data_config
-from rl2gem.training.pairs import PairSample, pair_sequences, plan_pair_micro_batches, tokenize_pairs
+from rl2gem.training.pairs import PairSample, pair_sequences, tokenize_pairs
 from rl2gem.training.trainer import launch
 
 CONFIG = Path(__file__).with_name("config") / "rm.yaml"
@@ -59,7 +60,7 @@ class RMTrainer(OfflineTrainer):
         """Bradley-Terry loss of ``pairs`` (mean over all of them) and their metrics."""
         averager, tokens = Averager(), 0
         for mb in plan_pair_micro_batches(
-            pairs,
+            [(pair.chosen.ids, pair.rejected.ids) for pair in pairs],
             self.mesh.dp_rank,
             self.mesh.dp_size,
             self.max_length.micro_batch_tokens,

@@ -29,8 +29,9 @@ import torch.distributed as dist
 from rl2gem.algorithms import LOSS_AGGREGATIONS, packed_loss_weights
 from rl2gem.config import ConfigError
 from rl2gem.data import load_conversations
+from rl2gem.parallel.packing import plan_micro_batches
 from rl2gem.rollout.tito import ChatRenderer
-from rl2gem.training.forward import check_attention, plan_micro_batches, token_logprobs
+from rl2gem.training.forward import check_attention, token_logprobs
 from rl2gem.training.offline import OfflineTrainer, check_data_config
 from rl2gem.training.samples import Sample
 from rl2gem.training.trainer import launch

@@ -12,7 +12,10 @@ A step's sequences are
    sequence, so attention never crosses sequences (flash-attn varlen on GPU,
    a block-diagonal causal mask on CPU; see :func:`packed_attention_mask`);
 3. every rank gets the same number of micro-batches (FSDP collectives must
-   match), padding with empty ones.
+   match), padding with empty ones: :func:`plan_micro_batches` gives a rank its
+   :class:`MicroBatch` list, placeholders included; :func:`plan_pair_micro_batches` plans
+   preference pairs whole; :func:`regroup_scores` moves per-token scores to a finer plan
+   (after an out-of-memory back-off).
 
 Prefix-tree ("tree") packing (:func:`tree_batch`, :func:`plan_tree`): sequences that share a
 prefix (the samples of a GRPO group share the prompt; multi-turn samples often share turns too)
@@ -25,8 +28,10 @@ tokens), while the shared prefix runs once. AReaL packs GRPO groups the same way
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
+from collections.abc import Sequence
 
 import torch
 
@@ -46,6 +51,10 @@ __all__ = [
     "tree_attention_mask",
     "tree_size",
     "plan_tree",
+    "MicroBatch",
+    "plan_micro_batches",
+    "plan_pair_micro_batches",
+    "regroup_scores",
 ]
 
 
@@ -327,3 +336,103 @@ def _cheapest_cuts(first: int, end: int, size, max_tokens: int) -> list[tuple[in
         units.append((cut[b], b))
         b = cut[b]
     return units[::-1]
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """Indices of the sequences of one micro-batch on this rank.
+
+    Attributes:
+        indices: positions in the step's list of sequences.
+        placeholder: True for a micro-batch a rank runs only to keep FSDP's collectives matched
+            (it got fewer real micro-batches than another rank): it computes on the step's shortest
+            sequence and its loss must be multiplied by 0 (:attr:`scale`).
+    """
+
+    indices: list[int]
+    placeholder: bool = False
+
+    @property
+    def scale(self) -> float:
+        """1.0 for a real micro-batch, 0.0 for a placeholder."""
+        return 0.0 if self.placeholder else 1.0
+
+
+def plan_micro_batches(
+    lengths: Sequence[int],
+    dp_rank: int,
+    dp_size: int,
+    max_tokens: int,
+    attn_coef: float = 1.0 / 4096,
+    sequences: Sequence[Sequence[int]] | None = None,
+) -> list[MicroBatch]:
+    """This rank's micro-batches of a step (the same number on every data-parallel rank).
+
+    Sequences are partitioned over ranks by Karmarkar-Karp on compute cost ``L + attn_coef * L^2``
+    and packed into micro-batches of at most ``max(max_tokens, longest)`` tokens
+    (:func:`plan`). With ``sequences`` (the token ids, for prefix-tree
+    packing) micro-batches are planned on their prefix trees' sizes instead
+    (:func:`plan_tree`, ``attn_coef`` unused): each rank gets a span of
+    the sorted sequences, the largest rank's tree as small as possible, and a micro-batch keeps a
+    shared prefix once. A rank with fewer micro-batches than the busiest rank gets placeholders
+    (see :class:`MicroBatch`).
+
+    Raises:
+        ValueError: no sequences.
+    """
+    if not lengths:
+        raise ValueError("plan_micro_batches needs at least one sequence")
+    limit = max(int(max_tokens), max(lengths))
+    if sequences is not None:
+        per_rank = plan_tree([list(s) for s in sequences], dp_size, limit)[dp_rank]
+    else:
+        per_rank = plan(list(lengths), dp_size, limit, attn_coef)[dp_rank]
+    shortest = min(range(len(lengths)), key=lambda i: lengths[i])
+    return [MicroBatch(list(mb)) if mb else MicroBatch([shortest], placeholder=True) for mb in per_rank]
+
+
+def regroup_scores(
+    scores: Sequence[dict[str, torch.Tensor]],
+    old: Sequence[MicroBatch],
+    new: Sequence[MicroBatch],
+    lengths: Sequence[int],
+) -> list[dict[str, torch.Tensor]]:
+    """Per-token tensors packed for the micro-batches ``old`` (``scores[j][key]``: ``[sum of the
+    lengths of old[j]'s sequences]``), packed again for ``new`` (the same sequences planned with
+    another token budget). A sequence of ``new`` that ``old`` did not hold on this rank (a
+    placeholder's, whose loss is multiplied by 0) gets zeros."""
+    if [(m.indices, m.placeholder) for m in old] == [(m.indices, m.placeholder) for m in new]:
+        return list(scores)
+    per_sequence: dict[int, dict[str, torch.Tensor]] = {}
+    for mb, packed in zip(old, scores, strict=True):
+        sizes = [lengths[i] for i in mb.indices]
+        for key, tensor in packed.items():
+            for i, chunk in zip(mb.indices, tensor.split(sizes), strict=True):
+                per_sequence.setdefault(i, {})[key] = chunk
+    template = scores[0]
+    return [
+        {
+            key: torch.cat(
+                [per_sequence[i][key] if i in per_sequence else template[key].new_zeros(lengths[i]) for i in mb.indices]
+            )
+            for key in template
+        }
+        for mb in new
+    ]
+
+
+def plan_pair_micro_batches(
+    pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+    dp_rank: int,
+    dp_size: int,
+    max_tokens: int,
+    tree: bool = False,
+) -> list[MicroBatch]:
+    """This rank's micro-batches of preference pairs (``pairs[i]``: the chosen and the rejected
+    token ids): :func:`plan_micro_batches` over each pair's total length, so the two are never
+    split. With ``tree`` a pair counts the tokens of its prefix tree (the prompt they share once)."""
+    if tree:
+        sizes = [tree_size([list(chosen), list(rejected)]) for chosen, rejected in pairs]
+    else:
+        sizes = [len(chosen) + len(rejected) for chosen, rejected in pairs]
+    return plan_micro_batches(sizes, dp_rank, dp_size, max_tokens)

@@ -22,12 +22,11 @@
   chooses the PPO ratio's denominator.
 """
 
+from rl2gem.parallel.packing import MicroBatch, plan_micro_batches, plan_pair_micro_batches
 from rl2gem.training.checkpoint import Checkpointer, atomic_write
 from rl2gem.training.evaluation import evaluate_env
 from rl2gem.training.forward import (
-    MicroBatch,
     packed_inputs,
-    plan_micro_batches,
     score_positions,
     sequence_ends,
     sequence_scores,
@@ -38,7 +37,7 @@ from rl2gem.training.forward import (
 from rl2gem.training.metrics import Averager, measure_peak_flops, peak_flops_from_config, reduce_mean, train_flops
 from rl2gem.training.offline import OfflineTrainer, check_data_config, epoch_batch
 from rl2gem.training.online import OnlineTrainer
-from rl2gem.training.pairs import PairSample, pair_sequences, plan_pair_micro_batches, tokenize_pairs
+from rl2gem.training.pairs import PairSample, pair_sequences, tokenize_pairs
 from rl2gem.training.reward_model import REWARD_MODES, RewardModel
 from rl2gem.training.samples import Sample, apply_critic_estimator, samples_from_batch, subtract_kl_from_rewards
 from rl2gem.training.trainer import Trainer, launch

@@ -16,7 +16,6 @@ and the first token of each sequence gets 0 (nothing predicts it).
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from collections.abc import Sequence
 
@@ -25,7 +24,7 @@ import torch.distributed as dist
 
 from rl2gem.algorithms import entropy_from_logits
 from rl2gem.parallel.attention import IMPLEMENTATIONS, attention_mask, resolve_attention
-from rl2gem.parallel.packing import packed_batch, plan, plan_tree, tree_batch
+from rl2gem.parallel.packing import packed_batch, tree_batch
 from rl2gem.parallel.ring_attention import gather_sequence_parallel, ring_context, zigzag_layout
 from rl2gem.parallel.tensor_parallel import vocab_parallel_logprobs
 from rl2gem.training.metrics import SavedTensorBytes, simulated_memory_bytes
@@ -34,8 +33,6 @@ __all__ = [
     "PACKINGS",
     "check_packing",
     "check_attention",
-    "MicroBatch",
-    "plan_micro_batches",
     "packed_inputs",
     "token_logprobs",
     "takes_logits_to_keep",
@@ -95,89 +92,6 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
-
-
-@dataclasses.dataclass
-class MicroBatch:
-    """Indices of the sequences of one micro-batch on this rank.
-
-    Attributes:
-        indices: positions in the step's list of sequences.
-        placeholder: True for a micro-batch a rank runs only to keep FSDP's collectives matched
-            (it got fewer real micro-batches than another rank): it computes on the step's shortest
-            sequence and its loss must be multiplied by 0 (:attr:`scale`).
-    """
-
-    indices: list[int]
-    placeholder: bool = False
-
-    @property
-    def scale(self) -> float:
-        """1.0 for a real micro-batch, 0.0 for a placeholder."""
-        return 0.0 if self.placeholder else 1.0
-
-
-def plan_micro_batches(
-    lengths: Sequence[int],
-    dp_rank: int,
-    dp_size: int,
-    max_tokens: int,
-    attn_coef: float = 1.0 / 4096,
-    sequences: Sequence[Sequence[int]] | None = None,
-) -> list[MicroBatch]:
-    """This rank's micro-batches of a step (the same number on every data-parallel rank).
-
-    Sequences are partitioned over ranks by Karmarkar-Karp on compute cost ``L + attn_coef * L^2``
-    and packed into micro-batches of at most ``max(max_tokens, longest)`` tokens
-    (:func:`rl2gem.parallel.packing.plan`). With ``sequences`` (the token ids, for prefix-tree
-    packing) micro-batches are planned on their prefix trees' sizes instead
-    (:func:`rl2gem.parallel.packing.plan_tree`, ``attn_coef`` unused): each rank gets a span of
-    the sorted sequences, the largest rank's tree as small as possible, and a micro-batch keeps a
-    shared prefix once. A rank with fewer micro-batches than the busiest rank gets placeholders
-    (see :class:`MicroBatch`).
-
-    Raises:
-        ValueError: no sequences.
-    """
-    if not lengths:
-        raise ValueError("plan_micro_batches needs at least one sequence")
-    limit = max(int(max_tokens), max(lengths))
-    if sequences is not None:
-        per_rank = plan_tree([list(s) for s in sequences], dp_size, limit)[dp_rank]
-    else:
-        per_rank = plan(list(lengths), dp_size, limit, attn_coef)[dp_rank]
-    shortest = min(range(len(lengths)), key=lambda i: lengths[i])
-    return [MicroBatch(list(mb)) if mb else MicroBatch([shortest], placeholder=True) for mb in per_rank]
-
-
-def regroup_scores(
-    scores: Sequence[dict[str, torch.Tensor]],
-    old: Sequence[MicroBatch],
-    new: Sequence[MicroBatch],
-    lengths: Sequence[int],
-) -> list[dict[str, torch.Tensor]]:
-    """Per-token tensors packed for the micro-batches ``old`` (``scores[j][key]``: ``[sum of the
-    lengths of old[j]'s sequences]``), packed again for ``new`` (the same sequences planned with
-    another token budget). A sequence of ``new`` that ``old`` did not hold on this rank (a
-    placeholder's, whose loss is multiplied by 0) gets zeros."""
-    if [(m.indices, m.placeholder) for m in old] == [(m.indices, m.placeholder) for m in new]:
-        return list(scores)
-    per_sequence: dict[int, dict[str, torch.Tensor]] = {}
-    for mb, packed in zip(old, scores, strict=True):
-        sizes = [lengths[i] for i in mb.indices]
-        for key, tensor in packed.items():
-            for i, chunk in zip(mb.indices, tensor.split(sizes), strict=True):
-                per_sequence.setdefault(i, {})[key] = chunk
-    template = scores[0]
-    return [
-        {
-            key: torch.cat(
-                [per_sequence[i][key] if i in per_sequence else template[key].new_zeros(lengths[i]) for i in mb.indices]
-            )
-            for key in template
-        }
-        for mb in new
-    ]
 
 
 def packed_inputs(model, sequences: Sequence[Sequence[int]], device: torch.device) -> tuple[dict, dict]:

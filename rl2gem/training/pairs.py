@@ -9,12 +9,10 @@ import dataclasses
 from collections.abc import Sequence
 
 from rl2gem.data import PreferencePair
-from rl2gem.parallel.packing import tree_size
 from rl2gem.rollout.tito import ChatRenderer
-from rl2gem.training.forward import MicroBatch, plan_micro_batches
 from rl2gem.training.samples import Sample
 
-__all__ = ["PairSample", "tokenize_pairs", "plan_pair_micro_batches", "pair_sequences"]
+__all__ = ["PairSample", "tokenize_pairs", "pair_sequences"]
 
 
 @dataclasses.dataclass
@@ -67,18 +65,6 @@ def tokenize_pairs(renderer: ChatRenderer, pairs: Sequence[PreferencePair], max_
         refs = tuple(float(r) for r in refs) if None not in refs else (None, None)
         out.append(PairSample(chosen, rejected, *refs))
     return out
-
-
-def plan_pair_micro_batches(
-    pairs: Sequence[PairSample], dp_rank: int, dp_size: int, max_tokens: int, tree: bool = False
-) -> list[MicroBatch]:
-    """This rank's micro-batches of pair indices (:func:`rl2gem.training.plan_micro_batches` over
-    each pair's total length, so chosen and rejected are never split). With ``tree`` a pair
-    counts the tokens of its prefix tree (the prompt the two share once)."""
-    if tree:
-        sizes = [tree_size([p.chosen.ids, p.rejected.ids]) for p in pairs]
-        return plan_micro_batches(sizes, dp_rank, dp_size, max_tokens)
-    return plan_micro_batches([len(p) for p in pairs], dp_rank, dp_size, max_tokens)
 
 
 def pair_sequences(pairs: Sequence[PairSample]) -> list[Sample]:

@@ -6,8 +6,9 @@ import pytest
 import torch
 from tiny import tiny_model
 
+from rl2gem.parallel.packing import MicroBatch, regroup_scores
 from rl2gem.training.autosize import MULTIPLE, PROBE_LENGTHS, auto_max_length, fit_max_length
-from rl2gem.training.forward import MicroBatch, regroup_scores, token_logprobs
+from rl2gem.training.forward import token_logprobs
 from rl2gem.training.metrics import SavedTensorBytes
 
 

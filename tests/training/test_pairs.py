@@ -8,9 +8,10 @@ from transformers import AutoTokenizer
 
 from rl2gem.data import PreferencePair
 from rl2gem.models import resolve_model
+from rl2gem.parallel.packing import plan_pair_micro_batches
 from rl2gem.rollout.tito import ChatRenderer
 from rl2gem.training.forward import score_positions, sequence_sums
-from rl2gem.training.pairs import pair_sequences, plan_pair_micro_batches, tokenize_pairs
+from rl2gem.training.pairs import pair_sequences, tokenize_pairs
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,7 @@ def test_pairs_are_planned_whole_and_packed_chosen_then_rejected(renderer):
     items = tokenize_pairs(renderer, pairs, 1024)
     seen = []
     for rank in range(2):
-        for mb in plan_pair_micro_batches(items, rank, 2, max_tokens=60):
+        for mb in plan_pair_micro_batches([(p.chosen.ids, p.rejected.ids) for p in items], rank, 2, max_tokens=60):
             assert mb.placeholder or sum(len(items[i]) for i in mb.indices) <= max(60, max(map(len, items)))
             if not mb.placeholder:
                 seen += mb.indices
