@@ -43,6 +43,10 @@ def _valid_keys(node: Any, prefix: str = "") -> tuple[set[str], set[str]]:
     return keys, open_maps
 
 
+#: Keys that moved, old -> new: an old key is an error that names the new one.
+MOVED_KEYS = {"rollout.is_mode": "actor.is_mode", "rollout.is_cap": "actor.is_cap"}
+
+
 def check_overrides(defaults: Mapping[str, Any], argv: list[str]) -> None:
     """Raise :class:`ConfigError` for an argument that is not ``key=value`` or names an unknown key."""
     keys, open_maps = _valid_keys(defaults)
@@ -52,6 +56,8 @@ def check_overrides(defaults: Mapping[str, Any], argv: list[str]) -> None:
         key = arg.split("=", 1)[0].lstrip("+")
         if key in keys or any(key.startswith(m + ".") for m in open_maps):
             continue
+        if MOVED_KEYS.get(key) in keys:
+            raise ConfigError(f"{key}: moved to {MOVED_KEYS[key]}")
         raise ConfigError(f"unknown key {key!r}" + closest_hint(key, keys, cutoff=0.5))
 
 

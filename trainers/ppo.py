@@ -197,9 +197,7 @@ class PPOTrainer(OnlineTrainer):
         weights = scale * packed_loss_weights(
             [s.mask for s in part], actor.loss_agg, float(config.rollout.max_length), **totals
         ).to(self.device)
-        is_weights, is_mask = importance_weights(
-            score["old"], rollout_logprobs, mask, config.rollout.is_mode, config.rollout.is_cap
-        )
+        is_weights, is_mask = importance_weights(score["old"], rollout_logprobs, mask, actor.is_mode, actor.is_cap)
         if config.adv.estimator in WEIGHTED_ESTIMATORS:  # the advantage already carries the token's own weight
             is_weights = torch.ones_like(is_weights)
         advantages = packed_field(part, "advantages", self.device)

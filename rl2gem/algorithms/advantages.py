@@ -257,7 +257,7 @@ def vtrace(rewards, action_mask, values, log_ratio, gamma=1.0, lam=1.0, rho_bar=
         A_s = rho'_s (r_s + gamma v_{s+1} - V(s_s))
 
     ``returns`` are the value targets ``v_s``. Because ``A_s`` already carries ``rho'_s``, the PPO
-    trainer does not apply its own importance weight on top (``rollout.is_mode`` only masks).
+    trainer does not apply its own importance weight on top (``actor.is_mode`` only masks).
     On-policy (``log_ratio = 0``) with ``rho_bar, c_bar >= 1``, ``v_s`` is the TD(lambda) return.
 
     Args:

@@ -31,7 +31,7 @@ import math
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from rl2gem.rollout.engines.base import Engine, EngineError, SamplingParams, mix_seed
@@ -86,19 +86,26 @@ class RolloutConfig:
     progress: bool = False
 
     @classmethod
-    def from_mapping(cls, section: Any, **overrides: Any) -> RolloutConfig:
+    def from_mapping(cls, section: Any, *, known: Iterable[str] | None = None, **overrides: Any) -> RolloutConfig:
         """The one place a config section becomes a :class:`RolloutConfig`: every key of
-        ``section`` (a dict or an OmegaConf node, e.g. a trainer's ``rollout:``) that names a field
-        is taken, other keys are ignored; ``overrides`` win.
+        ``section`` (a dict or an OmegaConf node) that names a field is taken; ``overrides`` win.
+        With ``known`` (a trainer's ``rollout:`` section: the keys the caller reads itself, such as
+        ``prompts_per_rollout``) any other key is an error; without it (a whole command's config,
+        as the eval CLI's) keys that are not fields are ignored.
 
         Raises:
             TypeError: an override that is not a field.
+            ValueError: with ``known``, a key of ``section`` that is neither a field nor known.
         """
         names = {f.name for f in dataclasses.fields(cls)}
         bad = sorted(set(overrides) - names)
         if bad:
             raise TypeError(f"RolloutConfig has no field(s) {bad}")
         items = section.items() if hasattr(section, "items") else []
+        if known is not None:
+            unknown = sorted(k for k, _ in items if k not in names and k not in set(known))
+            if unknown:
+                raise ValueError(f"rollout: {unknown} are not rollout settings (fields: {sorted(names)})")
         values = {k: v for k, v in items if k in names}
         values.update(overrides)
         return cls(**values)

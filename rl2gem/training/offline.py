@@ -186,7 +186,9 @@ class OfflineTrainer(Trainer):
             )
             self.engine = EmbeddedEngine(model, self.tokenizer, seed=c.seed * 1000 + self.rank)
         self.loop.run_until_complete(self.engine.update_weights(state, version=self.step))
-        config = RolloutConfig.from_mapping(c.rollout, responses_per_prompt=1, seed=c.trainer.eval_seed, progress=False)
+        config = RolloutConfig.from_mapping(
+            c.rollout, known=("chat_template",), responses_per_prompt=1, seed=c.trainer.eval_seed, progress=False
+        )
         return evaluate_env(
             self.engine,
             self.tokenizer,

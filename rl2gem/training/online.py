@@ -39,7 +39,10 @@ from rl2gem.training.samples import Sample, samples_from_batch, shape_rewards
 from rl2gem.training.trainer import Trainer
 from rl2gem.training.worker import Worker, setup_distributed
 
-__all__ = ["OnlineTrainer"]
+__all__ = ["OnlineTrainer", "TRAINER_ROLLOUT_KEYS"]
+
+#: The keys of a trainer's ``rollout:`` section that are not :class:`rl2gem.rollout.RolloutConfig` fields.
+TRAINER_ROLLOUT_KEYS = ("prompts_per_rollout", "chat_template")
 
 
 class OnlineTrainer(Trainer):
@@ -101,7 +104,9 @@ class OnlineTrainer(Trainer):
             self.engine,
             self.tokenizer,
             c.env,
-            RolloutConfig.from_mapping(c.rollout, seed=c.seed * 1000 + self.rank, progress=False),
+            RolloutConfig.from_mapping(
+                c.rollout, known=TRAINER_ROLLOUT_KEYS, seed=c.seed * 1000 + self.rank, progress=False
+            ),
             env_kwargs=env_kwargs,
             chat_template=load_chat_template(c.rollout.chat_template),
         )
@@ -145,7 +150,7 @@ class OnlineTrainer(Trainer):
         c, t = self.cfg, self.cfg.trainer
         kwargs = OmegaConf.to_container(OmegaConf.merge(c.env_kwargs, c.eval_env_kwargs), resolve=True)
         greedy = {"responses_per_prompt": 1, "temperature": 0.0, "partial_rollout": False, "dynamic_filter": False}
-        config = RolloutConfig.from_mapping(c.rollout, **greedy, seed=t.eval_seed, progress=False)
+        config = RolloutConfig.from_mapping(c.rollout, known=TRAINER_ROLLOUT_KEYS, **greedy, seed=t.eval_seed)
         template = self.rollout.renderer.chat_template
         out = evaluate_env(
             self.engine, self.tokenizer, c.env, kwargs, t.eval_n, config,

@@ -27,6 +27,7 @@ CASES = [
     ("config=no_such_recipe", "config error: config=no_such_recipe: no such recipe file"),
     ("env=rl2/NoSuchEnv-v0", "config error: env: Environment `NoSuchEnv` doesn't exist in namespace rl2"),
     ("actor.model=/no/such/model", "config error: actor.model: no such model folder '/no/such/model'"),
+    ("rollout.is_mode=masked", "config error: rollout.is_mode: moved to actor.is_mode"),
     (
         "env=rl2/Math-v0 env_kwargs.dataset=/no/such/data.jsonl",
         "config error: env_kwargs.dataset: no such data file '/no/such/data.jsonl'",

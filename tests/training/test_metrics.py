@@ -36,6 +36,9 @@ def test_rollout_config_from_a_config_section():
     assert config.responses_per_prompt == RolloutConfig().responses_per_prompt  # not in the section: the default
     with pytest.raises(TypeError, match="no field"):
         RolloutConfig.from_mapping(section, prompts_per_rollout=3)
+    with pytest.raises(ValueError, match=r"\['is_mode'\] are not rollout settings"):  # a trainer's section: strict
+        RolloutConfig.from_mapping(section, known=["prompts_per_rollout"])
+    assert RolloutConfig.from_mapping(section, known=["prompts_per_rollout", "is_mode"]).max_new_tokens == 7
 
 
 def test_peak_memory_sees_a_freed_allocation_inside_its_phase():
