@@ -40,11 +40,13 @@ from rl2gem.training.online import OnlineTrainer
 from rl2gem.training.pairs import PairSample, pair_sequences, tokenize_pairs
 from rl2gem.training.reward_model import REWARD_MODES, RewardModel
 from rl2gem.training.samples import Sample, apply_critic_estimator, samples_from_batch, subtract_kl_from_rewards
+from rl2gem.training.settings import LoraSettings, WorkerSettings
 from rl2gem.training.trainer import Trainer, launch
 from rl2gem.training.worker import Worker, resolve_dtype, setup_distributed
 
 __all__ = [
     "Averager",
+    "LoraSettings",
     "Checkpointer",
     "MicroBatch",
     "OfflineTrainer",
@@ -52,6 +54,7 @@ __all__ = [
     "PairSample",
     "Sample",
     "Worker",
+    "WorkerSettings",
     "apply_critic_estimator",
     "atomic_write",
     "check_data_config",

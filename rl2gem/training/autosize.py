@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from rl2gem.training.forward import sequence_scores, token_logprobs, token_values
 from rl2gem.training.metrics import SavedTensorBytes, simulated_memory_bytes
+from rl2gem.training.settings import WorkerSettings
 
 __all__ = ["MaxLength", "auto_max_length", "device_budget", "fit_max_length"]
 
@@ -167,12 +168,13 @@ class MaxLength:
     """
 
     def __init__(self, section, workers: Sequence, mesh, device: torch.device, output_dir: str | Path):
-        setting = section.get("max_length_per_device")
+        settings = WorkerSettings.from_section(section)
+        setting = settings.max_length_per_device
         self.workers, self.mesh, self.device = list(workers), mesh, device
-        self.backoff = bool(section.get("oom_backoff", True))
+        self.backoff = bool(settings.oom_backoff)
         self.record = Path(output_dir) / RECORD
         if setting == "auto":
-            fraction = float(section.get("memory_fraction", 0.8))
+            fraction = float(settings.memory_fraction)
             self.value = auto_max_length(self.workers, device, fraction, mesh.micro_batch_tokens(1))
         elif isinstance(setting, int) and not isinstance(setting, bool) and setting > 0:
             self.value = setting

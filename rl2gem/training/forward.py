@@ -28,6 +28,7 @@ from rl2gem.parallel.packing import packed_batch, tree_batch
 from rl2gem.parallel.ring_attention import gather_sequence_parallel, ring_context, zigzag_layout
 from rl2gem.parallel.tensor_parallel import vocab_parallel_logprobs
 from rl2gem.training.metrics import SavedTensorBytes, simulated_memory_bytes
+from rl2gem.training.settings import WorkerSettings
 
 __all__ = [
     "PACKINGS",
@@ -56,10 +57,11 @@ def check_packing(actor) -> bool:
     """
     from rl2gem.config import ConfigError
 
-    packing = actor.get("packing", "flat")
+    settings = WorkerSettings.from_section(actor)
+    packing = settings.packing
     if packing not in PACKINGS:
         raise ConfigError(f"actor.packing={packing!r} is not one of {list(PACKINGS)}")
-    if packing == "tree" and int(actor.get("sp_size", 1)) > 1:
+    if packing == "tree" and int(settings.sp_size) > 1:
         raise ConfigError("actor.packing=tree does not combine with actor.sp_size > 1 (ring attention); use flat")
     return packing == "tree"
 
@@ -75,13 +77,14 @@ def check_attention(actor) -> str:
     """
     from rl2gem.config import ConfigError
 
-    attention = actor.get("attention", "auto")
+    settings = WorkerSettings.from_section(actor)
+    attention = settings.attention
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        resolve_attention(attention, device, tree=actor.get("packing", "flat") == "tree")
+        resolve_attention(attention, device, tree=settings.packing == "tree")
     except ValueError as error:
         raise ConfigError(f"actor.{error}") from None
-    if attention != "auto" and int(actor.get("sp_size", 1)) > 1:
+    if attention != "auto" and int(settings.sp_size) > 1:
         raise ConfigError(f"actor.attention={attention} with actor.sp_size > 1: ring attention is used; leave it auto")
     return attention
 

@@ -34,9 +34,10 @@ from typing import Any
 
 import torch
 
+from rl2gem.training.settings import LoraSettings
+
 __all__ = [
     "ADAPTER",
-    "LORA_KEYS",
     "adapter_state_dict",
     "inject",
     "load_adapter",
@@ -46,40 +47,31 @@ __all__ = [
     "save_adapter",
 ]
 
-#: The keys of ``actor.lora`` (``trainers/config/*.yaml`` give their defaults).
-LORA_KEYS = ("rank", "alpha", "dropout", "target_modules", "rslora")
-
 #: The adapter's name inside the model (peft's default).
 ADAPTER = "default"
 
 
-def lora_config(section: Mapping[str, Any] | None):
+def lora_config(section: LoraSettings | Mapping[str, Any] | None):
     """A ``peft.LoraConfig`` from ``actor.lora``, or None when ``rank`` is 0 or the section is absent.
 
     Args:
-        section: ``rank`` (int, 0 = off), ``alpha`` (float, the scale is ``alpha / rank``),
-            ``dropout`` (on the adapter's input, training only), ``target_modules`` (a list of
-            module names such as ``q_proj``, or ``all-linear``: every linear layer but the LM
-            head), ``rslora`` (bool: scale ``alpha / sqrt(rank)``).
+        section: :class:`rl2gem.training.settings.LoraSettings`, or a mapping of its keys (a key it
+            lacks takes the default there): ``rank`` (0 = off), ``alpha`` (the scale is
+            ``alpha / rank``), ``dropout`` (on the adapter's input, training only),
+            ``target_modules`` (a list of module names such as ``q_proj``, or ``all-linear``: every
+            linear layer but the LM head), ``rslora`` (scale ``alpha / sqrt(rank)``).
 
     Raises:
         ValueError: an unknown key, a negative rank, a non-positive alpha, a dropout outside [0, 1)
             or an empty ``target_modules``.
     """
-    if not section:
-        return None
-    section = dict(section)
-    unknown = sorted(set(section) - set(LORA_KEYS))
-    if unknown:
-        raise ValueError(f"actor.lora: unknown keys {unknown} (known: {list(LORA_KEYS)})")
-    rank = int(section.get("rank", 0) or 0)
+    settings = section if isinstance(section, LoraSettings) else LoraSettings.from_section(section)
+    rank = int(settings.rank or 0)
     if rank < 0:
         raise ValueError(f"actor.lora.rank must be >= 0 (0 turns LoRA off), got {rank}")
     if rank == 0:
         return None
-    alpha = float(section.get("alpha", 2 * rank))
-    dropout = float(section.get("dropout", 0.0))
-    targets = section.get("target_modules", "all-linear")
+    alpha, dropout, targets = float(settings.alpha), float(settings.dropout), settings.target_modules
     if alpha <= 0:
         raise ValueError(f"actor.lora.alpha must be > 0, got {alpha}")
     if not 0.0 <= dropout < 1.0:
@@ -97,7 +89,7 @@ def lora_config(section: Mapping[str, Any] | None):
         lora_alpha=alpha,
         lora_dropout=dropout,
         target_modules=targets,
-        use_rslora=bool(section.get("rslora", False)),
+        use_rslora=bool(settings.rslora),
         bias="none",
         task_type="CAUSAL_LM",
     )

@@ -24,6 +24,7 @@ from rl2gem.parallel.attention import resolve_attention
 from rl2gem.parallel.fsdp import clip_grad_norm, full_state_dict, head_class, init_distributed, load_sharded
 from rl2gem.parallel.mesh import ParallelMesh, build_mesh
 from rl2gem.training import lora
+from rl2gem.training.settings import WorkerSettings
 
 __all__ = ["Worker", "resolve_dtype", "setup_distributed", "SCHEDULES"]
 
@@ -57,7 +58,8 @@ def setup_distributed(seed: int, section: Mapping[str, Any]) -> tuple[int, int, 
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     torch.manual_seed(seed)
-    mesh = build_mesh(int(section.get("ddp_size", 1)), int(section.get("tp_size", 1)), int(section.get("sp_size", 1)))
+    settings = WorkerSettings.from_section(section)
+    mesh = build_mesh(int(settings.ddp_size), int(settings.tp_size), int(settings.sp_size))
     return rank, world, device, mesh
 
 
@@ -114,15 +116,14 @@ class Worker:
         trainable: bool = True,
         total_steps: int = 0,
     ):
-        get = section.get
-        self.name_or_path = model or get("model")
+        settings = self.settings = WorkerSettings.from_section(section)
+        self.name_or_path = model or settings.model
         self.head, self.mesh, self.device = head, mesh, device
-        self.dtype = resolve_dtype(get("dtype", "auto"), device)
-        self.attention = resolve_attention(
-            get("attention", "auto"), device, tree=get("packing", "flat") == "tree", dtype=self.dtype
-        )
-        self.max_grad_norm = float(get("max_grad_norm", 1.0))
-        self.lora = lora.lora_config(get("lora")) if trainable and head == "lm" else None
+        self.dtype = resolve_dtype(settings.dtype, device)
+        tree = settings.packing == "tree"
+        self.attention = resolve_attention(settings.attention, device, tree=tree, dtype=self.dtype)
+        self.max_grad_norm = float(settings.max_grad_norm)
+        self.lora = lora.lora_config(settings.lora) if trainable and head == "lm" else None
         if self.lora is not None and mesh.tp_mesh is not None:
             raise ValueError("actor.lora with tp_size > 1 is not supported: use tp_size 1 (FSDP shards the base)")
         self.model = load_sharded(
@@ -131,24 +132,24 @@ class Worker:
             device=device,
             dtype=self.dtype,
             head=head,
-            cpu_offload=bool(get("cpu_offload", False)),
-            reshard_after_forward=bool(get("reshard_after_forward", True)),
-            gradient_checkpointing=trainable and bool(get("gradient_checkpointing", False)),
+            cpu_offload=bool(settings.cpu_offload),
+            reshard_after_forward=bool(settings.reshard_after_forward),
+            gradient_checkpointing=trainable and bool(settings.gradient_checkpointing),
             tp_mesh=mesh.tp_mesh,
             sp_group=mesh.sp_group,
             adapt=(lambda model: lora.inject(model, self.lora)) if self.lora is not None else None,
             attention=self.attention,
-            compile_layers=bool(get("compile", False)),
+            compile_layers=bool(settings.compile),
         )
         self.optimizer = self.scheduler = None
         self.optimizer_steps = 0  # in this process (a resumed run counts from 0)
         if trainable:
             self.optimizer = torch.optim.AdamW(
                 [p for p in self.model.parameters() if p.requires_grad],
-                lr=float(get("lr", 1e-6)),
-                weight_decay=float(get("weight_decay", 0.0)),
+                lr=float(settings.lr),
+                weight_decay=float(settings.weight_decay),
             )
-            factor = _schedule(get("scheduler", "constant"), max(0, int(get("warmup_steps", 0))), int(total_steps))
+            factor = _schedule(settings.scheduler, max(0, int(settings.warmup_steps)), int(total_steps))
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
         else:
             self.model.eval()

@@ -1,0 +1,116 @@
+"""The settings of a worker (a trained or frozen model on the device mesh), typed, with their
+defaults in one place.
+
+Every trainer's ``actor:`` section holds these keys (plus its own: the PPO loss, ...), and a PPO
+critic's section overrides some of them. The library reads a section through
+:meth:`WorkerSettings.from_section` (a key the section lacks takes the default here), never with
+``section.get(key, default)``; the trainers' YAML files list the same keys with the same defaults
+(``tests/training/test_settings.py`` fails when one drifts) so ``--help`` shows them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["LoraSettings", "WorkerSettings"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSettings:
+    """``actor.lora``: LoRA adapters (peft; :func:`rl2gem.training.lora.lora_config`).
+
+    Attributes:
+        rank: adapter rank; 0 turns LoRA off (every weight trains).
+        alpha: output scale ``alpha / rank`` (``alpha / sqrt(rank)`` with ``rslora``).
+        dropout: on the adapter's input, in training only; in [0, 1).
+        target_modules: ``all-linear`` (every linear layer but the LM head) or module names.
+        rslora: rank-stabilised scaling.
+    """
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: Any = "all-linear"
+    rslora: bool = False
+
+    @classmethod
+    def from_section(cls, section: Mapping[str, Any] | None) -> LoraSettings:
+        """The settings of a ``lora:`` mapping (None or empty: the defaults).
+
+        Raises:
+            ValueError: a key that is not a LoRA setting.
+        """
+        values = dict(section or {})
+        names = [field.name for field in dataclasses.fields(cls)]
+        unknown = sorted(set(values) - set(names))
+        if unknown:
+            raise ValueError(f"actor.lora: unknown keys {unknown} (known: {names})")
+        return cls(**{key: value for key, value in values.items() if value is not None or key == "target_modules"})
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSettings:
+    """A worker's settings (:class:`rl2gem.training.Worker`, :class:`rl2gem.training.autosize.MaxLength`,
+    :func:`rl2gem.training.setup_distributed`).
+
+    Attributes:
+        model: built-in name, folder or hub id (no download at run time).
+        dtype: ``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32`` or ``bfloat16``.
+        lr, weight_decay: AdamW's.
+        warmup_steps: linear warm-up of the learning rate, in optimizer steps.
+        scheduler: after warm-up: ``constant``, ``linear`` or ``cosine`` (decay to 0 at the run's end).
+        max_grad_norm: gradient clipping (global L2 norm over ranks).
+        attention: the packed rows' kernel: ``auto``, ``flex``, ``flash``, ``sdpa`` or ``block``
+            (:func:`rl2gem.parallel.attention.resolve_attention`).
+        compile: ``torch.compile`` each decoder layer.
+        packing: ``flat`` (one row of concatenated sequences) or ``tree`` (their prefix tree).
+        max_length_per_device: tokens per rank in a packed micro-batch (times ``sp_size * tp_size``),
+            or ``auto`` (probed at start).
+        memory_fraction: with ``auto``: the share of free device memory to plan for.
+        oom_backoff: out of memory in a step: halve ``max_length_per_device`` and run it again.
+        ddp_size, tp_size, sp_size: HSDP replicas, tensor-parallel and sequence-parallel ranks.
+        cpu_offload: FSDP2 parameter offload to the host.
+        gradient_checkpointing: recompute activations in the backward pass.
+        reshard_after_forward: FSDP2 frees the gathered parameters after each forward.
+        lora: :class:`LoraSettings`.
+    """
+
+    model: str | None = "smollm2-135m-instruct"
+    dtype: str = "auto"
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    scheduler: str = "constant"
+    max_grad_norm: float = 1.0
+    attention: str = "auto"
+    compile: bool = False
+    packing: str = "flat"
+    max_length_per_device: int | str = 2048
+    memory_fraction: float = 0.8
+    oom_backoff: bool = True
+    ddp_size: int = 1
+    tp_size: int = 1
+    sp_size: int = 1
+    cpu_offload: bool = False
+    gradient_checkpointing: bool = False
+    reshard_after_forward: bool = True
+    lora: LoraSettings = dataclasses.field(default_factory=LoraSettings)
+
+    @classmethod
+    def from_section(cls, section: WorkerSettings | Mapping[str, Any]) -> WorkerSettings:
+        """The worker settings of a config section (a dict or an OmegaConf node): its keys that
+        are worker settings, the defaults for those it lacks; its other keys (a trainer's loss
+        settings) are not the worker's and are left to the trainer.
+
+        Raises:
+            ValueError: a bad ``lora`` section (:meth:`LoraSettings.from_section`).
+        """
+        if isinstance(section, WorkerSettings):
+            return section
+        names = {field.name for field in dataclasses.fields(cls)}
+        values = {key: section[key] for key in section if key in names}
+        if "lora" in values:
+            values["lora"] = LoraSettings.from_section(values["lora"])
+        return cls(**values)
