@@ -34,7 +34,7 @@ from rl2gem.training.evaluation import evaluate_env
 from rl2gem.training.metrics import peak_flops_from_config
 from rl2gem.training.old_logprobs import OldLogprobs
 from rl2gem.training.reward_model import RewardModel
-from rl2gem.training.rl_config import check_config, constraints, kl_controller, reward_objectives
+from rl2gem.training.rl_config import constraints, kl_controller, reward_objectives
 from rl2gem.training.samples import Sample, samples_from_batch, shape_rewards
 from rl2gem.training.trainer import Trainer
 from rl2gem.training.worker import Worker, setup_distributed
@@ -57,7 +57,8 @@ class OnlineTrainer(Trainer):
     """
 
     def __init__(self, cfg):
-        check_config(cfg)
+        """``cfg``: the merged config, already checked by :func:`rl2gem.training.rl_config.check_config`
+        (:func:`rl2gem.training.launch` does it once, before anything loads)."""
         self.cfg, c = cfg, cfg
         self.rank, self.world, self.device, self.mesh = setup_distributed(c.seed, c.actor)
         if c.rollout.prompts_per_rollout % self.world:
