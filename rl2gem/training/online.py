@@ -24,7 +24,6 @@ from omegaconf import OmegaConf
 
 import rl2gem
 from rl2gem.algorithms import CRITIC_ESTIMATORS
-from rl2gem.config import ConfigError
 from rl2gem.models import load_model
 from rl2gem.rollout import EmbeddedEngine, Rollout, RolloutConfig, merge_rank_metrics
 from rl2gem.rollout.tito import load_chat_template
@@ -61,11 +60,6 @@ class OnlineTrainer(Trainer):
         (:func:`rl2gem.training.launch` does it once, before anything loads)."""
         self.cfg, c = cfg, cfg
         self.rank, self.world, self.device, self.mesh = setup_distributed(c.seed, c.actor)
-        if c.rollout.prompts_per_rollout % self.world:
-            raise ConfigError(
-                f"rollout.prompts_per_rollout={c.rollout.prompts_per_rollout} must be a multiple of the world size "
-                f"{self.world}"
-            )
         self.out, self.total_steps = Path(c.trainer.output_dir), int(c.trainer.total_steps)
         self.actor = Worker(c.actor, self.mesh, self.device, total_steps=self.total_steps)
         self.kl, self.constraints = kl_controller(c), constraints(c)

@@ -7,6 +7,8 @@ same functions, so a value is read in one place.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from omegaconf import OmegaConf
 
@@ -30,6 +32,11 @@ def check_config(cfg) -> None:
     Raises:
         rl2gem.config.ConfigError: with the keys to change.
     """
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, set before the script starts
+    if cfg.rollout.prompts_per_rollout % world:
+        raise ConfigError(
+            f"rollout.prompts_per_rollout={cfg.rollout.prompts_per_rollout} must be a multiple of the world size {world}"
+        )
     if cfg.adv.estimator not in ESTIMATORS:
         raise ConfigError(f"adv.estimator={cfg.adv.estimator!r} is not one of {list(ESTIMATORS)}")
     if cfg.reward.mode not in REWARD_MODES:

@@ -7,9 +7,9 @@ import sys
 import pytest
 from helpers import ROOT
 from omegaconf import OmegaConf
+from rl2gem.trainers import dpo, ppo, rm, sft
 
 from rl2gem.data import missing_data_files
-from rl2gem.trainers import dpo, ppo, rm, sft
 from rl2gem.training.trainer import launch
 
 
@@ -40,6 +40,13 @@ def test_ppo_refuses_a_bad_value_before_building_anything(argument, line, capsys
     assert launch(MustNotBuild, ppo.CONFIG, ppo.check_config, argument.split()) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(line), err
+
+
+def test_groups_that_do_not_split_over_the_ranks_are_refused_before_the_process_group(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert launch(MustNotBuild, ppo.CONFIG, ppo.check_config, ["rollout.prompts_per_rollout=3"]) == 2
+    line = "config error: rollout.prompts_per_rollout=3 must be a multiple of the world size 2"
+    assert capsys.readouterr().err.strip() == line
 
 
 @pytest.mark.parametrize("trainer", [sft, rm, dpo])
