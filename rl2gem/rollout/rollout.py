@@ -258,14 +258,19 @@ class Rollout:
         self._pool.clear()
 
     # ------------------------------------------------------------------ episodes
-    async def _generate(self, ids: list[int], max_new: int, ep: Episode):
+    async def _generate(self, ids: list[int], max_new: int, episode: Episode):
+        """One action: generate from ``ids`` until a stop or ``max_new`` tokens, resuming after a
+        partial-rollout pause (the tokens so far kept) and retrying a failed request up to 3 times.
+        Returns ``(token ids, log-probs, policy versions, finish reason)``."""
         out_ids: list[int] = []
-        out_lp: list[float] = []
-        out_ver: list[int] = []
+        out_logprobs: list[float] = []
+        out_versions: list[int] = []
         failures = 0
         while True:
             await self._gate.wait()
-            seed = None if ep.sampling_seed is None else mix_seed(ep.sampling_seed, ep.turns, len(out_ids))
+            seed = None
+            if episode.sampling_seed is not None:
+                seed = mix_seed(episode.sampling_seed, episode.turns, len(out_ids))
             params = dataclasses.replace(self._params, max_new_tokens=max_new - len(out_ids), sampling_seed=seed)
             async with self._sem:
                 if not self._gate.is_set():
@@ -273,58 +278,63 @@ class Rollout:
                 self.stats["requests"] += 1
                 out = await self.engine.generate(ids + out_ids, params)
             out_ids += out.output_ids
-            out_lp += out.output_logprobs
-            out_ver += [out.weight_version] * len(out.output_ids)
-            ep.info["_pending_versions"] = out_ver
+            out_logprobs += out.output_logprobs
+            out_versions += [out.weight_version] * len(out.output_ids)
+            episode.info["_pending_versions"] = out_versions
             if out.aborted and len(out_ids) < max_new:
                 self.stats["aborted_requests"] += 1
-                ep.aborts += 1
+                episode.aborts += 1
                 if self._gate.is_set():  # not our pause: the engine failed the request
                     failures += 1
                     if failures > 3:
                         raise EngineError(f"generation aborted repeatedly: {out.finish_reason}")
                 continue
-            ep.info.pop("_pending_versions", None)
-            return out_ids, out_lp, out_ver, out.finish_reason.get("type", "stop")
+            episode.info.pop("_pending_versions", None)
+            return out_ids, out_logprobs, out_versions, out.finish_reason.get("type", "stop")
 
-    async def _episode(self, env, obs: str, info: dict, ep: Episode) -> Episode:
-        c, r = self.config, self.renderer
-        msgs = r.initial_messages(obs, info.get("role", "user"))
-        tools = info.get("tools") if c.tools_in_template else None
-        seq = Sequence()
-        seq.extend_context(r.prompt_ids(msgs, tools))
-        ep.sequences.append(seq)
+    async def _episode(self, env, observation: str, info: dict, episode: Episode) -> Episode:
+        """Play ``episode`` on ``env`` from its reset ``observation`` and ``info``: token in, token
+        out, each turn's reply appended as a template delta (a new sequence where the template is
+        not append-only)."""
+        config, renderer = self.config, self.renderer
+        messages = renderer.initial_messages(observation, info.get("role", "user"))
+        tools = info.get("tools") if config.tools_in_template else None
+        sequence = Sequence()
+        sequence.extend_context(renderer.prompt_ids(messages, tools))
+        episode.sequences.append(sequence)
         while True:
-            budget = c.max_length - len(seq)
+            budget = config.max_length - len(sequence)
             if budget <= 0:
-                ep.truncated = True
-                ep.info = {**ep.info, "truncated_reason": "max_length"}
+                episode.truncated = True
+                episode.info = {**episode.info, "truncated_reason": "max_length"}
                 break
-            ids, lps, vers, finish = await self._generate(seq.input_ids, min(c.max_new_tokens, budget), ep)
-            seq.extend_action(ids, lps, vers)
-            text = r.decode(ids)
-            obs, reward, terminated, truncated, info = await env.astep(text)
-            ep.turns += 1
-            ep.turn_rewards.append(float(reward))
-            ep.finish_reasons.append(finish)
-            seq.rewards[-1] += float(reward)
-            ep.info = {**{k: v for k, v in ep.info.items() if k in ("seed", "index")}, **info}
-            asst = {"role": "assistant", "content": text}
+            max_new = min(config.max_new_tokens, budget)
+            ids, logprobs, versions, finish = await self._generate(sequence.input_ids, max_new, episode)
+            sequence.extend_action(ids, logprobs, versions)
+            text = renderer.decode(ids)
+            observation, reward, terminated, truncated, info = await env.astep(text)
+            episode.turns += 1
+            episode.turn_rewards.append(float(reward))
+            episode.finish_reasons.append(finish)
+            sequence.rewards[-1] += float(reward)
+            kept = {key: value for key, value in episode.info.items() if key in ("seed", "index")}
+            episode.info = {**kept, **info}
+            assistant = {"role": "assistant", "content": text}
             if terminated or truncated:
-                ep.terminated, ep.truncated = bool(terminated), bool(truncated)
-                ep.messages = msgs + [asst]
+                episode.terminated, episode.truncated = bool(terminated), bool(truncated)
+                episode.messages = messages + [assistant]
                 break
-            replies = reply_messages(obs, info)
+            replies = reply_messages(observation, info)
             stop = ids[-1] if finish == "stop" and ids else None
-            delta = r.delta(msgs, text, replies, stop, tools)
-            msgs = msgs + [asst] + replies
+            delta = renderer.delta(messages, text, replies, stop, tools)
+            messages = messages + [assistant] + replies
             if delta.split:
-                ep.splits += 1
-                seq = Sequence()
-                ep.sequences.append(seq)
-            seq.extend_context(delta.ids)
-        ep.messages = ep.messages or msgs
-        return ep
+                episode.splits += 1
+                sequence = Sequence()
+                episode.sequences.append(sequence)
+            sequence.extend_context(delta.ids)
+        episode.messages = episode.messages or messages
+        return episode
 
     async def _group(self, g: _Group) -> _Group:
         n = self.config.responses_per_prompt
