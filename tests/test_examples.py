@@ -78,14 +78,14 @@ def test_evaluate_rejects_unknown_keys_with_a_suggestion():
     assert r.returncode != 0 and "did you mean 'model'" in r.stderr
 
 
-@pytest.mark.slow
-def test_evaluate_renders_tools_with_the_chat_template(tmp_path):
+def test_evaluate_renders_tools_with_the_chat_template(tmp_path, tiny_dir):
+    """The tiny random Llama has SmolLM2's tokenizer and chat template: the rendering is the real one."""
     out = tmp_path / "pymath.jsonl"
     stdout = run(
         "-m",
         "rl2gem.evaluate",
         "env=rl2/PythonMath-v0",
-        "model=smollm2-135m-instruct",
+        f"model={tiny_dir}",
         "n=2",
         "batch_size=2",
         "max_new_tokens=32",
@@ -104,7 +104,7 @@ def test_evaluate_renders_tools_with_the_chat_template(tmp_path):
             "-m",
             "rl2gem.evaluate",
             "env=rl2/PythonMath-v0",
-            "model=smollm2-135m-instruct",
+            f"model={tiny_dir}",
             "n=1",
             "tools_in_template=true",
             "progress=false",
