@@ -155,14 +155,14 @@ def test_policy_and_temperature_defaults():
     assert _resolve(parse_args(["policy=model", "model=m", "temperature=0.3", "output=x"])).temperature == 0.3
 
 
-@pytest.mark.slow
-def test_model_rejection_sampling_rows_tokenise(tmp_path, tokenizer, monkeypatch):
+def test_model_rejection_sampling_rows_tokenise(tmp_path, tokenizer, tiny_dir, monkeypatch):
+    """On the tiny random Llama (SmolLM2's tokenizer): the README's collect command runs the real model."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     path, again = tmp_path / "model.jsonl", tmp_path / "again.jsonl"
     args = (
         "env=rl2/GuessTheNumber-Easy-v0",
         "policy=model",
-        "model=smollm2-135m-instruct",
+        f"model={tiny_dir}",
         "n=2",
         "batch_size=2",
         "max_new_tokens=12",
@@ -174,7 +174,7 @@ def test_model_rejection_sampling_rows_tokenise(tmp_path, tokenizer, monkeypatch
     assert len(rows) == 2  # every reward is >= 0
     renderer = ChatRenderer(tokenizer)
     for row, messages in zip(rows, load_conversations(str(path)), strict=True):
-        assert set(row) == ROW_KEYS | {"model"} and (row["policy"], row["model"]) == ("model", "smollm2-135m-instruct")
+        assert set(row) == ROW_KEYS | {"model"} and (row["policy"], row["model"]) == ("model", str(tiny_dir))
         assert messages[-1]["role"] == "assistant"
         sequence = renderer.conversation(messages)
         assert sum(sequence.action_mask) > 0 and len(sequence.input_ids) == len(sequence.action_mask)
