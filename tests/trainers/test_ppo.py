@@ -138,7 +138,10 @@ def test_two_rank_smoke_run_logs_evaluates_and_exports(tiny_dir, tmp_path):
         assert steps[0][f"memory/{phase}_peak_mib"] > 100, phase
     assert rows[-1]["memory/eval_peak_mib"] > 100
     assert steps[0]["rollout/component/length"] == pytest.approx(steps[0]["rollout/response_length"])
-    assert steps[0]["rollout/component/reward"] == pytest.approx(steps[0]["rollout/reward"])
+    # rollout/reward is the combined reward trained on (reward - 0.01 * length), the env's kept apart
+    assert steps[0]["rollout/component/reward"] == pytest.approx(steps[0]["rollout/env_reward"])
+    combined = steps[0]["rollout/component/reward"] - 0.01 * steps[0]["rollout/component/length"]
+    assert steps[0]["rollout/reward"] == pytest.approx(combined)
     evals = [r for r in rows if "pareto/size" in r]
     assert len(evals) == 2 and evals[-1]["pareto/size"] >= 1  # at the start and at the end
     archive = json.loads((out / "pareto.json").read_text())["points"]
