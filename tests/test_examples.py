@@ -116,6 +116,8 @@ def test_evaluate_renders_tools_with_the_chat_template(tmp_path, tiny_dir):
     assert r.returncode != 0 and "does not render tools" in r.stderr  # SmolLM2's own template has no tools
 
 
+# slow: make bench runs the script in full
+@pytest.mark.slow
 def test_retrieval_benchmark_smoke():
     stdout = run("benchmarks/retrieval.py", "--quick")
     assert re.search(r"^\| 8 \| \d+ \|", stdout, re.M)
@@ -123,12 +125,16 @@ def test_retrieval_benchmark_smoke():
     assert float(recall.group(2)) > 0.9  # BM25 finds the subject's article in the top 3
 
 
+# slow: make bench runs the script in full
+@pytest.mark.slow
 def test_env_throughput_benchmark_smoke():
     stdout = run("benchmarks/env_throughput.py", "--quick")
     rows = [line for line in stdout.splitlines() if line.startswith("| compute") or line.startswith("| io")]
     assert len(rows) == 4 and all(line.rstrip().endswith("x |") for line in rows)
 
 
+# slow: make bench runs the script in full
+@pytest.mark.slow
 def test_sandbox_benchmark_smoke():
     stdout = run("benchmarks/sandbox.py", "--quick")
     rows = re.findall(r"^\| (1|8) \| [\d.]+ \|", stdout, re.M)
@@ -254,6 +260,8 @@ def wait_until_healthy(url: str, proc: subprocess.Popen, cmd: str, timeout: floa
     raise AssertionError(f"{cmd}: {url} did not answer in {timeout:.0f} s")
 
 
+# slow: make bench runs the script in full
+@pytest.mark.slow
 def test_rollout_benchmark_smoke(tiny_dir):
     """The script end to end on a tiny random model (the real model's numbers are in RESULTS.md)."""
     stdout = run("benchmarks/rollout.py", "--quick", "--model", str(tiny_dir))
@@ -263,6 +271,8 @@ def test_rollout_benchmark_smoke(tiny_dir):
     assert "prefix merging" in stdout and "partial rollouts" in stdout
 
 
+# slow: make bench runs the script in full
+@pytest.mark.slow
 def test_tree_packing_benchmark_smoke(tiny_dir):
     """Flat against prefix-tree packing on real rollouts of a tiny random model: the tree computes
     fewer tokens, and all four rows (whole-row SDPA, block attention, the last with the LM head at
@@ -279,6 +289,8 @@ def test_tree_packing_benchmark_smoke(tiny_dir):
         assert whole == flat and tree < flat and action_head == tree, stdout
 
 
+# slow: make bench runs the script in full
+@pytest.mark.slow
 def test_trainer_benchmark_smoke(tiny_dir):
     """Both trainers end to end on a tiny random model (the real model's numbers are in RESULTS.md)."""
     stdout = run("benchmarks/trainer.py", "--quick", "--model", str(tiny_dir), "--lora", "4", "--packings", "tree")
@@ -317,6 +329,8 @@ def test_proof_tables_read_runs(tmp_path):
     assert (tmp_path / "kl" / "curves.png").stat().st_size > 1000
 
 
+# slow: make bench runs the script in full
+@pytest.mark.slow
 def test_gpu_benchmark_smoke(tiny_dir):
     """benchmarks/gpu.py end to end on the CPU fallback (a tiny model, short rows): the trainer's SFT
     data path and the plain padded loop train the same rows to the same loss, and the decode table

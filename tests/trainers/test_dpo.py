@@ -6,7 +6,8 @@ import json
 
 import pytest
 import torch
-from helpers import logged_steps, run_module, stop_and_resume, torchrun
+from helpers import logged_steps, stop_and_resume, torchrun
+from rl2gem.trainers import dpo
 from safetensors.torch import load_file
 from tiny import tiny_model
 
@@ -83,11 +84,13 @@ def test_loss_and_gradients_equal_trl(tiny_dir, loss_type, tmp_path):
         assert (mine.grad - theirs.grad).abs().max().item() <= 1e-5 * scale + 1e-9, name
 
 
-def test_config_errors_name_the_key():
-    r = run_module("rl2gem.trainers.dpo", "data.train=x.jsonl", "dpo.loss_type=hinge")
-    assert r.returncode == 2 and "dpo.loss_type" in r.stderr
-    r = run_module("rl2gem.trainers.dpo", "data.train=x.jsonl", "actor.packing=trie")
-    assert r.returncode == 2 and "actor.packing" in r.stderr
+def test_config_errors_name_the_key(tmp_path, capsys):
+    data = tmp_path / "x.jsonl"
+    data.write_text("")
+    assert dpo.main([f"data.train={data}", "dpo.loss_type=hinge"]) == 2
+    assert "dpo.loss_type" in capsys.readouterr().err
+    assert dpo.main([f"data.train={data}", "actor.packing=trie"]) == 2
+    assert "actor.packing" in capsys.readouterr().err
 
 
 ARGS = ["data.batch_size=8", "actor.lr=1e-3", "trainer.progress=false", "actor.max_length_per_device=128"]
@@ -97,6 +100,8 @@ def weights(run, step):
     return load_file(run / f"checkpoint-{step}" / "hf" / "model.safetensors")
 
 
+# slow: the loss: test_loss_and_gradients_equal_trl; 2 ranks and resume: test_ppo.py's FSDP and kill -9 tests (same Worker, Checkpointer)
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_ranks_equal_one_and_resume_equals_an_uninterrupted_run(tiny_dir, pairs_file, tmp_path):
     """One rank with flat packing against two ranks with prefix-tree packing (each pair's prompt

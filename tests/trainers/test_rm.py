@@ -3,7 +3,8 @@ that gives the training scores, RewardModel scores episodes (replace / add), and
 
 import pytest
 import torch
-from helpers import logged_steps, run_module, torchrun
+from helpers import logged_steps, torchrun
+from rl2gem.trainers import rm
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -32,9 +33,9 @@ def runs(tiny_dir, pairs_file, tmp_path_factory):
     return out
 
 
-def test_config_errors_name_the_key():
-    r = run_module("rl2gem.trainers.rm")
-    assert r.returncode == 2 and "data.train is required" in r.stderr
+def test_config_errors_name_the_key(capsys):
+    assert rm.main([]) == 2
+    assert "data.train is required" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(900)

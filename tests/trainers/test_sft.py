@@ -7,7 +7,8 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, logged_steps, masked_runs, run_module, stop_and_resume, torchrun
+from helpers import ROOT, logged_steps, masked_runs, stop_and_resume, torchrun
+from rl2gem.trainers import sft
 from safetensors.torch import load_file
 
 
@@ -34,11 +35,13 @@ def episodes(tmp_path_factory):
     return out
 
 
-def test_config_errors_name_the_key():
-    r = run_module("rl2gem.trainers.sft")
-    assert r.returncode == 2 and "data.train is required" in r.stderr
-    r = run_module("rl2gem.trainers.sft", "data.train=x.jsonl", "actor.loss_agg=sum")
-    assert r.returncode == 2 and "actor.loss_agg" in r.stderr
+def test_config_errors_name_the_key(tmp_path, capsys):
+    assert sft.main([]) == 2
+    assert "data.train is required" in capsys.readouterr().err
+    data = tmp_path / "x.jsonl"
+    data.write_text("")
+    assert sft.main([f"data.train={data}", "actor.loss_agg=sum"]) == 2
+    assert "actor.loss_agg" in capsys.readouterr().err
 
 
 def test_assistant_only_mask_with_the_smollm2_template():
@@ -66,6 +69,8 @@ def test_assistant_only_mask_with_the_smollm2_template():
     assert tokenize(ChatRenderer(tokenizer), [conversation], 10) == []  # no assistant token left
 
 
+# slow: 2 ranks: test_ppo.py's FSDP equivalence (same Worker); the env evaluation: the README's agentic short form
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_ranks_equal_one_and_eval_equals_the_cli(tiny_dir, episodes, tmp_path):
     """Same losses and weights on 1 and 2 ranks; the trainer's env evaluation equals
@@ -132,6 +137,8 @@ def test_two_ranks_equal_one_and_eval_equals_the_cli(tiny_dir, episodes, tmp_pat
     assert final["eval/reward"] == pytest.approx(sum(x["reward"] for x in records) / 5)
 
 
+# slow: resume: test_ppo.py's kill -9 test (same Checkpointer)
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_resume_matches_an_uninterrupted_run(tiny_dir, episodes, tmp_path):
     """Stop after step 2 (its checkpoint), resume to step 4: the same losses and weights as 4 steps in one go."""

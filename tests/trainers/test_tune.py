@@ -149,6 +149,8 @@ def test_a_killed_study_resumes_and_reruns_the_interrupted_trial(tmp_path):
     assert after[2].system_attrs.get("failed_trial") == before[1].number
 
 
+# slow: the README's tune command runs a real PPO trial in its short form
+@pytest.mark.slow
 def test_one_real_ppo_trial(tiny_dir, tmp_path):
     out = tmp_path / "ppo"
     tune_run(

@@ -7,11 +7,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 from omegaconf import OmegaConf
+from rl2gem.trainers.ppo import CONFIG, computed_token_fraction
 
 from rl2gem.config import ConfigError
 from rl2gem.parallel.packing import MicroBatch
 from rl2gem.rollout.rollout import RolloutBatch, reward_metrics
-from rl2gem.trainers.ppo import CONFIG, computed_token_fraction
 from rl2gem.training.old_logprobs import OldLogprobs
 from rl2gem.training.rl_config import check_config
 from rl2gem.training.samples import Sample, packed_field, shape_rewards
