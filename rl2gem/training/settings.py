@@ -37,7 +37,7 @@ class LoraSettings:
 
     @classmethod
     def from_section(cls, section: Mapping[str, Any] | None) -> LoraSettings:
-        """The settings of a ``lora:`` mapping (None or empty: the defaults).
+        """The settings of a ``lora:`` mapping (None or empty, or a key set to null: the defaults).
 
         Raises:
             ValueError: a key that is not a LoRA setting.
@@ -47,7 +47,7 @@ class LoraSettings:
         unknown = sorted(set(values) - set(names))
         if unknown:
             raise ValueError(f"actor.lora: unknown keys {unknown} (known: {names})")
-        return cls(**{key: value for key, value in values.items() if value is not None or key == "target_modules"})
+        return cls(**{key: value for key, value in values.items() if value is not None})  # null: the default
 
 
 @dataclasses.dataclass(frozen=True)
