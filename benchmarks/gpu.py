@@ -86,6 +86,7 @@ WORDS = [
     "again",
 ]
 BATCH = 16  # rows per optimizer step
+FAILED: list[str] = []  # the runs that failed (main exits non-zero)
 
 
 def make_rows(folder: Path, kind: str, scale: float = 1.0, count: int = 64) -> Path:
@@ -170,6 +171,7 @@ def sft_section(model_dir: Path, tmp: Path, steps: int, ours: list[str], peak: f
             out = tmp / f"sft-{kind}-{index}"
             result = run("sft", args, out)
             if "error" in result:
+                FAILED.append(f"sft {kind} {variant}")
                 print(f"| {kind} | rl2gem {variant or 'defaults'} | failed: {result['error'][-200:]!r} | | | |")
                 continue
             rows = [json.loads(line) for line in (out / "metrics.jsonl").open()]
@@ -202,6 +204,7 @@ def ppo_section(model_dir: Path, tmp: Path, steps: int, groups: int) -> None:
         args = ["trainers/ppo.py", f"actor.model={model_dir}", f"trainer.total_steps={steps}", "trainer.eval_n=8"]
         result = run("ppo", [*args, *extra], out)
         if "error" in result:
+            FAILED.append(f"ppo {name}")
             print(f"| {name} | failed: {result['error'][-200:]!r} |")
             continue
         rows = [r for r in map(json.loads, (out / "metrics.jsonl").open()) if "time/step" in r][1:]
@@ -330,7 +333,9 @@ def main(argv: list[str] | None = None) -> int:
             if "decode" in sections:
                 print()
                 decode_section(model_dir, [int(n) for n in args.rows.split(",")], args.new_tokens)
-    return 0
+    if FAILED:
+        print(f"\nfailed: {'; '.join(FAILED)}")
+    return 1 if FAILED else 0
 
 
 if __name__ == "__main__":

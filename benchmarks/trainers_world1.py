@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -71,6 +72,9 @@ def run(name: str, args: list[str], out: Path) -> dict:
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - start
     if result.returncode:
+        if os.environ.get("RL2GEM_BENCH_FAILURES"):  # the whole tail, for a machine you cannot log into
+            with open(os.environ["RL2GEM_BENCH_FAILURES"], "a") as log:
+                log.write(f"==== {name}: {' '.join(args)}\n{result.stdout[-3000:]}\n{result.stderr[-12000:]}\n")
         errors = [line for line in (result.stderr + result.stdout).splitlines() if "Error:" in line]
         return {"trainer": name, "error": (errors[0] if errors else result.stderr[-500:])[-400:]}
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
