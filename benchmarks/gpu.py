@@ -252,11 +252,12 @@ def static_generate(model, prompts: list[list[int]], pad: int, new: int) -> None
         )
 
 
-def engine_decode(model, tokenizer, prompts: list[list[int]], new: int) -> dict:
-    """The embedded engine (as the rollout uses it) on ``prompts``, ``new`` tokens each; its counters."""
+def engine_decode(model, tokenizer, prompts: list[list[int]], new: int, graphs: bool | None = None) -> dict:
+    """The embedded engine (as the rollout uses it; ``graphs``: its ``decode_graphs``) on
+    ``prompts``, ``new`` tokens each; its counters."""
 
     async def go():
-        engine = EmbeddedEngine(model, tokenizer, max_batch_size=len(prompts))
+        engine = EmbeddedEngine(model, tokenizer, max_batch_size=len(prompts), decode_graphs=graphs)
         params = {"max_new_tokens": new, "temperature": 1.0, "ignore_eos": True}
         await asyncio.gather(*(engine.generate(p, params) for p in prompts))
         await engine.close()
@@ -281,13 +282,18 @@ def decode_section(model_dir: Path, row_counts: list[int], new_tokens: int) -> N
         seconds = timed(lambda p=prompts: static_generate(model, p, pad, new_tokens + 1), device)
         seconds -= timed(lambda p=prompts: static_generate(model, p, pad, 1), device)  # its prefill
         baseline = rows * new_tokens / max(seconds, 1e-9)
-        engine_decode(model, tokenizer, prompts, new_tokens)  # warm
-        stats = engine_decode(model, tokenizer, prompts, new_tokens)
-        rate = stats["decode_tokens"] / max(stats["time_decode_ms"] / 1000, 1e-9)
-        busy = busy_fraction(lambda p=prompts: engine_decode(model, tokenizer, p, new_tokens))
-        busy_text = f"{busy:.0%}" if busy is not None else "-"
         print(f"| {rows} | model.generate (warm, static batch) | {baseline:.0f} | 1.00x | - |")
-        print(f"| {rows} | rl2gem EmbeddedEngine | {rate:.0f} | {rate / baseline:.2f}x | {busy_text} |", flush=True)
+        # the engine as trainers build it (CUDA graphs on CUDA), then with the windowed decode
+        for graphs, name in ((None, "EmbeddedEngine"), (False, "EmbeddedEngine decode_graphs=False")):
+            engine_decode(model, tokenizer, prompts, new_tokens, graphs)  # warm
+            stats = engine_decode(model, tokenizer, prompts, new_tokens, graphs)
+            rate = stats["decode_tokens"] / max(stats["time_decode_ms"] / 1000, 1e-9)
+            busy = busy_fraction(lambda p=prompts, g=graphs: engine_decode(model, tokenizer, p, new_tokens, g))
+            busy_text = f"{busy:.0%}" if busy is not None else "-"
+            if stats["decode_graphs_failed"]:
+                name += " (graphs failed: windowed)"
+                FAILED.append(f"decode graphs at {rows} rows")
+            print(f"| {rows} | rl2gem {name} | {rate:.0f} | {rate / baseline:.2f}x | {busy_text} |", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

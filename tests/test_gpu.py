@@ -110,9 +110,45 @@ def test_engine_greedy_equals_model_generate():
         params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
         outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
         await engine.close()
+        assert engine.stats["decode_graph_captures"] > 0  # decode steps replay CUDA graphs by default
         return [list(o.output_ids) for o in outs]
 
     assert asyncio.run(run()) == expected
+
+
+def test_engine_decode_graphs_equal_the_windowed_decode():
+    """Captured decode steps (several row buckets, the store re-allocated, a weight update in
+    place) give the tokens and log-probabilities of the windowed decode, greedy and seeded."""
+    from rl2gem.rollout.engines.embedded import EmbeddedEngine
+
+    model = tiny_model().float().to(CUDA)
+    update = {n: p.detach() * 1.01 for n, p in model.named_parameters() if n.endswith("mlp.up_proj.weight")}
+    prompts = [list(range(10, 10 + n)) for n in (7, 19, 3, 30, 11, 11)]
+
+    async def run(decode_graphs: bool):
+        local = copy.deepcopy(model)
+        engine = EmbeddedEngine(local, None, max_batch_size=6, decode_graphs=decode_graphs)
+        greedy = {"temperature": 0.0, "ignore_eos": True}
+        first = await asyncio.gather(
+            *(engine.generate(p, {**greedy, "max_new_tokens": 8 + 6 * i}) for i, p in enumerate(prompts))
+        )
+        await engine.update_weights(update)
+        seeded = await asyncio.gather(
+            *(
+                engine.generate(p, {"temperature": 0.8, "max_new_tokens": 12, "sampling_seed": i})
+                for i, p in enumerate(prompts)
+            )
+        )
+        await engine.close()
+        outs = [*first, *seeded]
+        return [o.output_ids for o in outs], [o.output_logprobs for o in outs], engine.stats["decode_graph_captures"]
+
+    graph_tokens, graph_logprobs, captures = asyncio.run(run(True))
+    window_tokens, window_logprobs, none = asyncio.run(run(False))
+    assert captures >= 3 and none == 0
+    assert graph_tokens == window_tokens
+    for a, b in zip(graph_logprobs, window_logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=1e-4)
 
 
 def write_data(folder):

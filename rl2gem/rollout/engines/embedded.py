@@ -43,6 +43,7 @@ import itertools
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ import torch
 
 from rl2gem.openmp import release_thread_team
 from rl2gem.rollout.engines.base import Engine, EngineError, GenerateOutput, SamplingParams, seeded_uniform
+from rl2gem.rollout.engines.cuda_graphs import DecodeGraphs
 from rl2gem.rollout.engines.lean_decoder import LeanDecoder, unsupported_reason
 from rl2gem.rollout.tito import common_prefix_length
 
@@ -244,16 +246,18 @@ def _sample(
     over a 49k vocabulary on CPU), top-k / top-p rows after zeroing what they exclude.
     """
     n = len(params)
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
-    greedy = temps == 0
-    scaled = logits.div_(torch.where(greedy, torch.ones_like(temps), temps)[:, None])
+    # which rows are greedy is host data: no device round trip to find them
+    divisors = [p.temperature if p.temperature != 0 else 1.0 for p in params]
+    greedy_rows = [i for i, p in enumerate(params) if p.temperature == 0]
+    sample_rows = [i for i, p in enumerate(params) if p.temperature != 0]
+    if len(set(divisors)) == 1:  # one temperature for the batch (the rollout's case): a scalar
+        scaled = logits.div_(divisors[0])
+    else:
+        scaled = logits.div_(torch.tensor(divisors, dtype=logits.dtype).to(logits.device, non_blocking=True)[:, None])
     peak = scaled.amax(-1, keepdim=True)
     weights = (scaled - peak).exp_()  # unnormalised probabilities
     log_total = weights.sum(-1, keepdim=True).log_().add_(peak)  # logsumexp per row
-    tokens = torch.empty(n, dtype=torch.long, device=logits.device)
-    if bool(greedy.any()):
-        tokens[greedy] = scaled[greedy].argmax(-1)
-    sample_rows = (~greedy).nonzero().flatten().tolist()
+    tokens = scaled.argmax(-1) if greedy_rows else torch.empty(n, dtype=torch.long, device=logits.device)
     if sample_rows:
         every = len(sample_rows) == n
         probs = weights if every else weights[sample_rows]
@@ -277,8 +281,11 @@ def _sample(
             if params[r].sampling_seed is not None:
                 u[j, 0] = seeded_uniform(params[r].sampling_seed, counts[r] if counts else 0)
         u = u.to(cum.device) * cum[:, -1:]
-        index = torch.searchsorted(cum, u, right=True).clamp_(max=cum.shape[-1] - 1)
-        tokens[sample_rows] = index.flatten()
+        index = torch.searchsorted(cum, u, right=True).clamp_(max=cum.shape[-1] - 1).flatten()
+        if every:
+            tokens = index
+        else:
+            tokens[sample_rows] = index
     lps = scaled.gather(1, tokens[:, None]).sub_(log_total).flatten()
     return tokens, lps
 
@@ -307,6 +314,13 @@ class EmbeddedEngine(Engine):
             (packed prefill without padding, row-chunked attention, sliced LM head) when the
             model is Llama-family; ``False``, or another architecture, calls ``model(...)`` with
             a cache over the same store (``lean_reason`` says why the lean path is off).
+        decode_graphs: run decode steps through captured CUDA graphs
+            (:class:`~rl2gem.rollout.engines.cuda_graphs.DecodeGraphs`); ``None`` (the default)
+            turns them on for a model on CUDA that takes the lean path. ``True`` off CUDA runs the
+            same fixed-shape step eagerly (a test of it on the CPU).
+
+    Raises:
+        ValueError: ``decode_graphs=True`` for a model the lean path cannot run.
     """
 
     def __init__(
@@ -322,6 +336,7 @@ class EmbeddedEngine(Engine):
         dtype=None,
         prefix_cache_tokens: int = 1 << 15,
         lean: bool = True,
+        decode_graphs: bool | None = None,
     ):
         if isinstance(model, (str, Path)):
             from rl2gem.models import load_model
@@ -353,6 +368,13 @@ class EmbeddedEngine(Engine):
         self._store = _KVStore(cfg.num_hidden_layers, kv_heads, head_dim, p.dtype, p.device, int(max_batch_size))
         self._prefill_store = _KVStore(cfg.num_hidden_layers, kv_heads, head_dim, p.dtype, p.device)
         self._device = p.device
+        if decode_graphs is None:
+            decode_graphs = self._lean is not None and p.device.type == "cuda"
+        if decode_graphs and self._lean is None:
+            raise ValueError(
+                f"decode_graphs=True needs the lean decoder, which cannot run this model: {self.lean_reason}"
+            )
+        self._graphs = DecodeGraphs(self._lean, capture=p.device.type == "cuda") if decode_graphs else None
         self._gen = torch.Generator().manual_seed(seed)
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Request] = []
@@ -736,6 +758,8 @@ class EmbeddedEngine(Engine):
         self._store.release()
         self._prefill_store.release()
         self._clear_prefix()
+        if self._graphs is not None:
+            self._graphs.reset()
 
     def _prefill(self, take: list[_Request]):
         """Prefill admitted requests together (:meth:`_prefill_rows`), sample their first tokens and
@@ -869,6 +893,37 @@ class EmbeddedEngine(Engine):
             for r in reqs
         )
 
+    def _decode_logits(self, st: _KVStore, reqs: list[_Request]) -> torch.Tensor:
+        """Logits ``[n, V]`` float32 of the next token of the store's ``n`` running rows, whose new
+        column ``st.hi`` the caller has masked in: a replayed CUDA graph, the lean windowed
+        decode, or ``model(...)``. A step that CUDA cannot capture turns the graphs off for the
+        engine's life (a warning, ``stats["decode_graphs_failed"]``) and runs windowed."""
+        if self._graphs is not None:
+            captures = self._graphs.captures
+            try:
+                logits = self._graphs.decode(st, [r.out_ids[-1] for r in reqs], [r.length for r in reqs])
+            except RuntimeError as error:
+                warnings.warn(f"decode_graphs turned off, the decode runs windowed: {error}", stacklevel=2)
+                self._graphs.reset()
+                self._graphs = None
+                self.stats["decode_graphs_failed"] += 1
+            else:
+                self.stats["decode_graph_captures"] += self._graphs.captures - captures
+                return logits
+        if self._lean is not None:
+            tokens = torch.tensor([r.out_ids[-1] for r in reqs], dtype=torch.long, device=self._device)
+            positions = torch.tensor([r.length for r in reqs], dtype=torch.long, device=self._device)
+            return self._lean.decode(st, tokens, positions, [r.span + 1 for r in reqs])
+        n = st.slots
+        out = self._forward(
+            input_ids=torch.tensor([[r.out_ids[-1]] for r in reqs], dtype=torch.long, device=self._device),
+            attention_mask=st.mask[:n, st.lo : st.hi + 1],
+            position_ids=torch.tensor([[r.length] for r in reqs], dtype=torch.long, device=self._device),
+            past_key_values=_step_cache(st),
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1].float()
+
     def _decode(self):
         st = self._store
         st.reserve(st.slots, 0, 1, self._growth(self._running))
@@ -876,19 +931,7 @@ class EmbeddedEngine(Engine):
         reqs = list(self._running)
         st.mask[:n, st.hi] = True
         t0 = time.perf_counter()
-        if self._lean is not None:
-            tokens = torch.tensor([r.out_ids[-1] for r in reqs], dtype=torch.long, device=self._device)
-            positions = torch.tensor([r.length for r in reqs], dtype=torch.long, device=self._device)
-            logits = self._lean.decode(st, tokens, positions, [r.span + 1 for r in reqs])
-        else:
-            out = self._forward(
-                input_ids=torch.tensor([[r.out_ids[-1]] for r in reqs], dtype=torch.long, device=self._device),
-                attention_mask=st.mask[:n, st.lo : st.hi + 1],
-                position_ids=torch.tensor([[r.length] for r in reqs], dtype=torch.long, device=self._device),
-                past_key_values=_step_cache(st),
-                logits_to_keep=1,
-            )
-            logits = out.logits[:, -1].float()
+        logits = self._decode_logits(st, reqs)
         self.stats["time_decode_forward_ms"] += int(1000 * (time.perf_counter() - t0))
         st.hi += 1
         for r in reqs:

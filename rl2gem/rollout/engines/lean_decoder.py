@@ -188,6 +188,49 @@ class LeanDecoder:
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return self._logits(inner.norm(hidden))
 
+    @torch.no_grad()
+    def decode_all_columns(
+        self,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        mask: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        column: torch.Tensor,
+    ) -> torch.Tensor:
+        """One decode step of ``b`` rows over every column of the buffers, with no host data and
+        no shape that changes from step to step: the step a CUDA graph captures
+        (:class:`~rl2gem.rollout.engines.cuda_graphs.DecodeGraphs`).
+
+        Args:
+            keys, values: per layer ``[b, kv_heads, C, head_dim]`` (the store's first ``b`` rows).
+            mask: ``[b, C]`` bool, the columns each row reads, the new column included (a row
+                with none would give NaN: the caller marks the new column of every row).
+            tokens: ``[b]`` int64, the last sampled token of each row.
+            positions: ``[b]`` int64, its position id.
+            column: ``[1]`` int64, the column the new keys and values go to.
+
+        Returns:
+            logits ``[b, V]`` float32, all on the buffers' device. Equal to :meth:`decode` on the
+            rows whose masked-in columns lie in its window (masked columns weigh exactly 0).
+        """
+        rows = tokens.shape[0]
+        inner = self.model.model
+        hidden = inner.embed_tokens(tokens)  # [b, H]
+        cos, sin = inner.rotary_emb(hidden, positions[None])
+        cos, sin = cos[0, :, None], sin[0, :, None]  # [b, 1, d]
+        bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        bias = bias.masked_fill_(~mask, float("-inf"))[:, None]  # [b, 1, C]
+        for index, layer in enumerate(inner.layers):
+            attention = layer.self_attn
+            query, key, value = self._project(attention, layer.input_layernorm(hidden), cos, sin)
+            keys[index].index_copy_(2, column, key[:, :, None])
+            values[index].index_copy_(2, column, value[:, :, None])
+            attended = self._attend(query[:, None], keys[index], values[index], bias, attention.scaling)
+            hidden = hidden + attention.o_proj(attended.view(rows, -1))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self._logits(inner.norm(hidden))
+
     # ------------------------------------------------------------------ prefill
     @torch.no_grad()
     def prefill(self, store, rows: list[tuple[int, list[int], int]], end: int) -> torch.Tensor:

@@ -1,0 +1,140 @@
+"""The fixed-shape decode step that CUDA graphs capture (rl2gem.rollout.engines.cuda_graphs), run
+eagerly on the CPU: equal to the windowed decode and to the engine without it. The capture itself
+runs under ``pytest -m gpu`` (tests/test_gpu.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from test_lean_decoder import build, new_store
+
+from rl2gem.rollout import EmbeddedEngine
+from rl2gem.rollout.engines.cuda_graphs import DecodeGraphs, row_bucket
+from rl2gem.rollout.engines.lean_decoder import LeanDecoder
+
+
+def test_row_bucket_by_hand():
+    assert [row_bucket(n, 64) for n in (1, 2, 3, 5, 8, 9, 33, 64)] == [1, 2, 4, 8, 8, 16, 64, 64]
+    assert row_bucket(5, 6) == 6  # never past the store's rows
+    with pytest.raises(ValueError, match="do not fit"):
+        row_bucket(7, 6)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@torch.no_grad()
+def test_all_column_step_equals_the_windowed_decode(kind):
+    """Five rows (bucket 8 in a store of 8 rows) with staggered prompts, six steps: the logits and
+    the keys written equal the windowed decode's, and the padding rows stay finite."""
+    model = build(kind)
+    decoder = LeanDecoder(model, chunk_rows=2)
+    generator = torch.Generator().manual_seed(3)
+    lengths = [3, 9, 4, 17, 6]
+    sequences = [torch.randint(0, 256, (n + 6,), generator=generator).tolist() for n in lengths]
+    windowed, fixed = new_store(model, 8, 64), new_store(model, 8, 64)
+    end = max(lengths)
+    for store in (windowed, fixed):
+        store.slots = len(lengths)
+        for row, n in enumerate(lengths):
+            store.mask[row, end - n : end] = True
+        decoder.prefill(
+            store, [(row, s[:n], 0) for row, (s, n) in enumerate(zip(sequences, lengths, strict=True))], end
+        )
+        store.hi = end
+    graphs = DecodeGraphs(decoder, capture=False)
+    for step in range(6):
+        tokens = [s[n + step] for s, n in zip(sequences, lengths, strict=True)]
+        positions = [n + step for n in lengths]
+        for store in (windowed, fixed):
+            store.mask[: store.slots, store.hi] = True
+        expected = decoder.decode(
+            windowed, torch.tensor(tokens), torch.tensor(positions), [n + step + 1 for n in lengths]
+        )
+        got = graphs.decode(fixed, tokens, positions)
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        for layer in range(model.config.num_hidden_layers):
+            torch.testing.assert_close(
+                fixed.keys[layer][:5, :, : fixed.hi + 1], windowed.keys[layer][:5, :, : windowed.hi + 1]
+            )
+            assert torch.isfinite(fixed.keys[layer][5:8, :, fixed.hi]).all()
+        for store in (windowed, fixed):
+            store.hi += 1
+    assert list(graphs._steps) == [8] and graphs.captures == 0
+
+
+def test_engine_with_the_fixed_shape_step_gives_the_same_tokens(tokenizer, monkeypatch):
+    """Staggered requests over 1, 3, 5 and 6 running rows (several buckets), a GRPO group, a second
+    turn through the prefix cache, a store that re-allocates as generations grow, and a weight
+    update copied in place: the engine with ``decode_graphs=True`` (eager on the CPU) gives the
+    greedy tokens and log-probabilities of the windowed engine, sampled tokens with the same
+    seeds too."""
+    model = build("llama", vocab_size=tokenizer.vocab_size)
+    update = {name: p.detach() * 1.01 for name, p in model.named_parameters() if name.endswith("mlp.up_proj.weight")}
+
+    async def run(decode_graphs: bool):
+        local = build("llama", vocab_size=tokenizer.vocab_size)
+        engine = EmbeddedEngine(local, max_batch_size=6, decode_graphs=decode_graphs)
+        greedy = {"temperature": 0.0, "max_new_tokens": 40, "ignore_eos": True}
+        prompts = [list(range(10, 10 + n)) for n in (7, 19, 3, 30, 11, 11)]
+        first = await asyncio.gather(
+            *[engine.generate(p, {**greedy, "max_new_tokens": 8 + 6 * i}) for i, p in enumerate(prompts)]
+        )
+        second = await engine.generate(prompts[3] + first[3].output_ids + [40, 41], greedy)
+        await engine.update_weights(update)
+        sampled = await asyncio.gather(
+            *[
+                engine.generate(p, {"temperature": 0.8, "max_new_tokens": 12, "sampling_seed": 5 + i})
+                for i, p in enumerate(prompts[:3])
+            ]
+        )
+        await engine.close()
+        outs = [*first, second, *sampled]
+        return [o.output_ids for o in outs], [o.output_logprobs for o in outs], engine
+
+    built, resets = [], []
+    original_build, original_reset = DecodeGraphs._build, DecodeGraphs.reset
+    monkeypatch.setattr(
+        DecodeGraphs, "_build", lambda self, store, b: built.append(b) or original_build(self, store, b)
+    )
+    monkeypatch.setattr(DecodeGraphs, "reset", lambda self: resets.append(1) or original_reset(self))
+    fixed_tokens, fixed_logprobs, fixed_engine = asyncio.run(run(True))
+    window_tokens, window_logprobs, window_engine = asyncio.run(run(False))
+    assert fixed_engine._graphs is not None and window_engine._graphs is None
+    assert fixed_tokens == window_tokens
+    for a, b in zip(fixed_logprobs, window_logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=1e-4)
+    assert {1, 4, 6} <= set(built) <= {1, 2, 4, 6}  # buckets of the store's 6 rows
+    assert len(resets) >= 3  # the store grew or was freed (weight update) and the steps were built again
+    assert fixed_engine.stats["decode_graph_captures"] == 0  # nothing is captured off CUDA
+
+
+def test_decode_graphs_need_the_lean_decoder():
+    with pytest.raises(ValueError, match="lean decoder"):
+        EmbeddedEngine(build("llama"), lean=False, decode_graphs=True)
+    engine = EmbeddedEngine(build("llama"))  # on the CPU the default is the windowed decode
+    assert engine._graphs is None
+    asyncio.run(engine.close())
+
+
+def test_a_step_that_cannot_be_captured_falls_back_to_the_windowed_decode(tokenizer, monkeypatch):
+    """A capture error turns the graphs off with a warning; the request still gets the windowed
+    engine's tokens."""
+    model = build("llama", vocab_size=tokenizer.vocab_size)
+
+    def fail(self, store, tokens, positions):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    async def run(decode_graphs: bool):
+        engine = EmbeddedEngine(model, decode_graphs=decode_graphs)
+        out = await engine.generate(list(range(10, 30)), {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True})
+        await engine.close()
+        return out.output_ids, engine
+
+    expected, _ = asyncio.run(run(False))
+    monkeypatch.setattr(DecodeGraphs, "decode", fail)
+    with pytest.warns(UserWarning, match="decode_graphs turned off"):
+        got, engine = asyncio.run(run(True))
+    assert got == expected
+    assert engine._graphs is None and engine.stats["decode_graphs_failed"] == 1
