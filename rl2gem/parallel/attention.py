@@ -14,7 +14,10 @@ reads it in its own form:
                   visible pair are computed, flat rows and trees alike. Compiled (Triton) on
                   CUDA; a training device must be CUDA (PyTorch has no FlexAttention backward
                   on CPU; :func:`enable_attention` still runs it eagerly on CPU, forward only,
-                  for tests).
+                  for tests). The row is padded to a multiple of :data:`FLEX_BLOCK` tokens
+                  that see only themselves (dropped after attention): the H200 run found no
+                  Inductor flex configuration for a float32 row shorter than one block, and
+                  whole blocks give the compiler fewer shapes.
 ``flash``         flash-attn's varlen kernels (transformers' ``flash_attention_2``, the ``[gpu]``
                   extra), which read the sequence boundaries from ``position_ids``: flat rows on
                   CUDA only (a tree is not a set of sequences).
@@ -43,6 +46,7 @@ from rl2gem.parallel.packing import visibility_mask
 __all__ = [
     "ATTENTIONS",
     "FLEX_ATTENTION",
+    "FLEX_BLOCK",
     "IMPLEMENTATIONS",
     "attention_mask",
     "enable_attention",
@@ -55,6 +59,9 @@ ATTENTIONS = ("auto", "flex", "flash", "sdpa", "block")
 
 #: The name under which the FlexAttention wrapper is registered in transformers' attention interface.
 FLEX_ATTENTION = "rl2_flex"
+
+#: FlexAttention's block size: the rows it reads are padded to a multiple of it.
+FLEX_BLOCK = 128
 
 #: transformers' ``_attn_implementation`` for each resolved ``actor.attention``.
 IMPLEMENTATIONS = {"flex": FLEX_ATTENTION, "flash": "flash_attention_2", "sdpa": "sdpa", "block": BLOCK_ATTENTION}
@@ -138,14 +145,21 @@ def enable_attention(model, attention: str) -> None:
 
 def _flex_attention(module, query, key, value, attention_mask, **kwargs):
     """transformers' ``flex_attention`` forward (``query`` ``[B, H, N, d]``, ``attention_mask`` a
-    ``BlockMask``), compiled on CUDA; on other devices eager, since compiling FlexAttention for the
-    CPU takes tens of seconds per shape."""
+    ``BlockMask`` over the row padded to a multiple of :data:`FLEX_BLOCK`, from
+    :func:`attention_mask`), compiled on CUDA; on other devices eager, since compiling
+    FlexAttention for the CPU takes tens of seconds per shape. ``query``, ``key`` and ``value`` are
+    padded with zeros to the mask's length and the output ``[B, N, H, d]`` cut back to ``N``."""
     from transformers.integrations.flex_attention import flex_attention_forward
 
+    length, padded = query.shape[-2], attention_mask.seq_lengths[0]
+    if padded > length:
+        query, key, value = (torch.nn.functional.pad(t, (0, 0, 0, padded - length)) for t in (query, key, value))
     if query.device.type == "cuda":
-        return flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    with torch.compiler.set_stance("force_eager"):
-        return flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        output, weights = flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    else:
+        with torch.compiler.set_stance("force_eager"):
+            output, weights = flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return output[:, :length], weights
 
 
 def attention_mask(model, until: torch.Tensor):
@@ -154,8 +168,10 @@ def attention_mask(model, until: torch.Tensor):
 
     Returns:
         None for flash-attn (it reads ``position_ids``); a FlexAttention ``BlockMask`` over
-        ``[1, 1, N, N]`` for ``flex``; else an additive ``[1, 1, N, N]`` mask in the model's
-        dtype. All on ``until``'s device, with no copy from the host.
+        ``[1, 1, P, P]`` for ``flex``, ``P`` the row's length rounded up to a multiple of
+        :data:`FLEX_BLOCK` (each padding position sees itself only); else an additive
+        ``[1, 1, N, N]`` mask in the model's dtype. All on ``until``'s device, with no copy from
+        the host.
     """
     implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if implementation == IMPLEMENTATIONS["flash"]:
@@ -163,10 +179,13 @@ def attention_mask(model, until: torch.Tensor):
     if implementation in (FLEX_ATTENTION, "flex_attention"):
         from torch.nn.attention.flex_attention import create_block_mask
 
-        def visible(batch, head, query, key):
-            return (key <= query) & (query <= until[key])
-
         n = len(until)
-        return create_block_mask(visible, None, None, n, n, device=until.device)
+        padded = -(-n // FLEX_BLOCK) * FLEX_BLOCK
+        reach = torch.cat([until, torch.arange(n, padded, dtype=until.dtype, device=until.device)])
+
+        def visible(batch, head, query, key):
+            return (key <= query) & (query <= reach[key])
+
+        return create_block_mask(visible, None, None, padded, padded, device=until.device)
     dtype = next(model.parameters()).dtype
     return visibility_mask(until, dtype if dtype.is_floating_point else torch.float32)
