@@ -16,6 +16,7 @@ import time
 
 from rl2gem.config import ConfigError, load_config
 from rl2gem.evaluation import DEFAULTS, evaluate, summarize
+from rl2gem.models import resolve_device, resolve_dtype
 
 __all__ = ["parse_args", "main"]
 
@@ -24,6 +25,11 @@ def parse_args(argv: list[str]):
     """Merge ``key=value`` arguments over :data:`DEFAULTS`; an unknown key names the closest valid one."""
     try:
         cfg = load_config(DEFAULTS, argv)
+        for key, resolve in (("device", resolve_device), ("dtype", lambda name: resolve_dtype(name, "cpu"))):
+            try:
+                resolve(cfg[key])
+            except ValueError as e:
+                raise ConfigError(f"{key}: {e}") from None
     except ConfigError as e:
         raise SystemExit(f"{e} (e.g. env=rl2/GSM8K-v0 n=50)") from None
     if cfg.output is None:

@@ -70,6 +70,8 @@ DEFAULTS: dict[str, Any] = {
     "responses_per_prompt": 1,  # episodes per task (a group: pass@k, preference pairs)
     "split": "test",
     "seed": 0,
+    "device": "auto",  # a local model's device: auto is CUDA when a GPU is visible, else the CPU
+    "dtype": "auto",  # a local model's dtype: auto is bfloat16 on CUDA, float32 on the CPU
     "batch_size": 16,
     "max_new_tokens": 512,
     "temperature": 0.0,
@@ -248,7 +250,7 @@ def _evaluate_model(cfg, resets, emit) -> None:
     if cfg.server:
         model, tokenizer = None, _served_tokenizer(cfg)
     else:
-        model, tokenizer = load_model(cfg.model)
+        model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
     rcfg = RolloutConfig.from_mapping(
         cfg,
         responses_per_prompt=1,

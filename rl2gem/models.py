@@ -28,7 +28,17 @@ from pathlib import Path
 
 from rl2gem.assets import build_dir, cache_dir, fetch, locked, missing_files
 
-__all__ = ["BUILTIN_MODELS", "MODEL_FILES", "resolve_model", "load_model", "decoder_layers", "model_problem"]
+__all__ = [
+    "BUILTIN_MODELS",
+    "DTYPES",
+    "MODEL_FILES",
+    "decoder_layers",
+    "load_model",
+    "model_problem",
+    "resolve_device",
+    "resolve_dtype",
+    "resolve_model",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -161,23 +171,69 @@ def resolve_model(name_or_path: str) -> str:
     return str(target)
 
 
-def load_model(name_or_path: str, *, dtype=None, device: str = "cpu"):
+def resolve_device(name: str = "auto"):
+    """The ``torch.device`` a model runs on: ``auto`` is CUDA when a GPU is visible, else the CPU;
+    any other name is ``torch.device(name)``.
+
+    Raises:
+        ValueError: a name torch does not know, or ``cuda...`` on a machine without CUDA.
+    """
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"device {name!r}: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}: this machine has no CUDA device (use auto or cpu)")
+    return device
+
+
+#: The dtype names :func:`resolve_dtype` takes.
+DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16")
+
+
+def resolve_dtype(name: str, device):
+    """``auto``: bfloat16 on CUDA, float32 elsewhere (CPUs without bf16 units run it ~100x slower);
+    else the named dtype (one of :data:`DTYPES`).
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if name not in table:
+        raise ValueError(f"dtype must be auto or one of {sorted(table)}, got {name!r}")
+    return table[name]
+
+
+def load_model(name_or_path: str, *, dtype=None, device="auto"):
     """``(model, tokenizer)`` for a built-in name, a local folder or a hub id, in eval mode.
 
     Args:
-        dtype: torch dtype (default float32: CPUs without bf16 units run fp32 far faster).
-        device: where to put the model.
+        dtype: a torch dtype or a name for :func:`resolve_dtype` (default ``auto``: bfloat16 on
+            CUDA, float32 on the CPU).
+        device: a ``torch.device`` or a name for :func:`resolve_device` (default ``auto``: CUDA
+            when a GPU is visible).
 
     Raises:
+        ValueError: as :func:`resolve_device` and :func:`resolve_dtype`.
         rl2gem.assets.AssetUnavailable, RuntimeError, rl2gem.assets.IncompleteBuild: as
             :func:`resolve_model`, for a built-in name.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    device = device if isinstance(device, torch.device) else resolve_device(device)
+    dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype or "auto", device)
     path = resolve_model(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32).to(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     model.eval()
     return model, tokenizer
 

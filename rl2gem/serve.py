@@ -19,7 +19,7 @@ import torch
 from aiohttp import web
 from transformers import AutoTokenizer
 
-from rl2gem.models import load_model, resolve_model
+from rl2gem.models import DTYPES, load_model, resolve_device, resolve_model
 from rl2gem.procs import stop_on_stdin_eof
 from rl2gem.rollout.engines.embedded import EmbeddedEngine
 from rl2gem.rollout.engines.http import HTTPEngine
@@ -39,7 +39,7 @@ async def _serve(args) -> None:
         engine = HTTPEngine(args.upstream)
         app = make_app(engine, tokenizer=tokenizer, served_model_name=name, chat_template=template, native=False)
     else:
-        model, tokenizer = load_model(args.model)
+        model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
         engine = EmbeddedEngine(
             model,
             tokenizer,
@@ -80,12 +80,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--max-cached-tokens", type=int, default=1 << 17)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", help="auto (CUDA when a GPU is visible, else cpu), cpu, cuda, cuda:1")
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: bfloat16 on CUDA, float32 on the CPU")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--served-model-name", default=None, help="model id of the OpenAI API (default: --model)")
     p.add_argument("--chat-template", default=None, help="built-in name, Jinja file or text (OpenAI API rendering)")
     p.add_argument("--upstream", default=None, help="serve the OpenAI API in front of this SGLang-API server/router")
     p.add_argument("--exit-on-stdin-eof", action="store_true", help="stop when stdin closes (used by launchers)")
     args = p.parse_args(argv)
+    try:
+        resolve_device(args.device)
+    except ValueError as e:
+        p.error(f"--device: {e}")  # exits with 2 before anything loads
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_serve(args))
     return 0

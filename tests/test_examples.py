@@ -78,6 +78,14 @@ def test_evaluate_rejects_unknown_keys_with_a_suggestion():
     assert r.returncode != 0 and "did you mean 'model'" in r.stderr
 
 
+def test_evaluate_names_a_bad_device_or_dtype_before_loading_anything():
+    from rl2gem.evaluate import parse_args
+
+    for argument, message in (("device=gpu0", "device: device 'gpu0'"), ("dtype=float8", "dtype: dtype must be")):
+        with pytest.raises(SystemExit, match=message):
+            parse_args(["model=/no/such/model", argument])
+
+
 def test_evaluate_renders_tools_with_the_chat_template(tmp_path, tiny_dir):
     """The tiny random Llama has SmolLM2's tokenizer and chat template: the rendering is the real one."""
     out = tmp_path / "pymath.jsonl"

@@ -12,10 +12,12 @@ import json
 import math
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
-from helpers import grouped, logged_steps, one_at_a_time, torchrun
+from helpers import ROOT, grouped, logged_steps, one_at_a_time, torchrun
 from tiny import tiny_model
 
 from rl2gem.parallel.attention import enable_attention, flash_attn_available
@@ -198,3 +200,14 @@ def test_each_trainer_runs_two_steps_on_cuda(cuda_model_dir, tmp_path, trainer, 
         losses = [v for k, v in row.items() if k.endswith("loss")]
         assert all(math.isfinite(v) for v in losses)
         assert any(k.startswith("memory/") and v > 0 for k, v in row.items())
+
+
+def test_evaluate_plays_a_local_model_on_cuda(cuda_model_dir, tmp_path):
+    """``python -m rl2gem.evaluate`` with a local model puts it on the GPU (``device=auto``) and
+    plays every episode."""
+    out = tmp_path / "episodes.jsonl"
+    command = [sys.executable, "-m", "rl2gem.evaluate", "env=rl2/GuessTheNumber-v0", f"model={cuda_model_dir}"]
+    command += ["n=4", "batch_size=4", "max_new_tokens=16", f"output={out}", "progress=false"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=TRAINER_SECONDS, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(out.read_text().splitlines()) == 4

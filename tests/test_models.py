@@ -4,6 +4,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import ROOT, torchrun
 
 from rl2gem import models
@@ -167,3 +168,23 @@ def test_two_ranks_convert_from_an_empty_cache(tmp_path, first):
     names = {p.name for p in folder.iterdir()}
     assert {".complete", "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
     assert json.loads((folder / "config.json").read_text())["model_type"] == "llama"
+
+
+def test_device_and_dtype_resolve_to_the_machine():
+    """``auto`` is CUDA with bfloat16 where a GPU is visible, the CPU with float32 elsewhere; a CUDA
+    device asked for on a machine without one, or an unknown name, is a ValueError naming it."""
+    from rl2gem.models import resolve_device, resolve_dtype
+
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto").type == expected
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("bf16", "cpu") == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be"):
+        resolve_dtype("float8", "cpu")
+    with pytest.raises(ValueError, match="'gpu0'"):
+        resolve_device("gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            resolve_device("cuda")

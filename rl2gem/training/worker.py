@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from rl2gem.models import resolve_dtype
 from rl2gem.parallel.attention import resolve_attention
 from rl2gem.parallel.fsdp import clip_grad_norm, full_state_dict, head_class, init_distributed, load_sharded
 from rl2gem.parallel.mesh import ParallelMesh, build_mesh
@@ -29,20 +30,6 @@ from rl2gem.training.settings import WorkerSettings
 __all__ = ["Worker", "resolve_dtype", "setup_distributed", "SCHEDULES"]
 
 SCHEDULES = ("constant", "linear", "cosine")
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto``: bfloat16 on GPU, float32 on CPU (no bf16 units: ~100x slower); else the named dtype.
-
-    Raises:
-        ValueError: unknown name.
-    """
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-    if name not in table:
-        raise ValueError(f"dtype must be auto or one of {sorted(table)}, got {name!r}")
-    return table[name]
 
 
 def setup_distributed(seed: int, section: Mapping[str, Any]) -> tuple[int, int, torch.device, ParallelMesh]:
