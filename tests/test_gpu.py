@@ -183,6 +183,11 @@ def write_data(folder):
             ],
         ),
         ("ppo", ["env=rl2/GuessTheNumber-v0", "actor.packing=tree", "trainer.eval_n=4", "rollout.max_new_tokens=16"]),
+        # compiled layers beside the engine (and its decode graphs) and under the pair losses: whether
+        # actor.compile can become the default on CUDA (it gave SFT 1.27x on the H200)
+        ("ppo", ["env=rl2/GuessTheNumber-v0", "actor.compile=true", "trainer.eval_n=4", "rollout.max_new_tokens=16"]),
+        ("dpo", ["data.train={data}/pairs.jsonl", "actor.compile=true"]),
+        ("rm", ["data.train={data}/pairs.jsonl", "actor.compile=true"]),
     ],
 )
 @pytest.mark.timeout(TRAINER_SECONDS + 20)  # the first steps compile FlexAttention
