@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 import threading
+import time
+import urllib.request
 from pathlib import Path
 
 import openai
@@ -161,6 +163,8 @@ def test_requests_it_cannot_serve_get_400_with_a_reason(client):
         ({"tools": [PYTHON_TOOL], "tool_choice": "required"}, "tool_choice"),
         ({"tools": [PYTHON_TOOL]}, "--chat-template"),  # SmolLM2's own template has no tools
         ({"temperature": 5}, "temperature"),
+        ({"max_tokens": 10**9}, "max_tokens asks for 1000000000 more"),  # refused as vLLM does, not cut short
+        ({"max_completion_tokens": 10**6}, "at most"),
     ]
     for extra, reason in cases:
         kwargs = {"model": "tiny", "messages": QUESTION, "max_tokens": 2, **extra}
@@ -336,3 +340,108 @@ def test_the_openai_client_example_runs_against_a_local_server(server):
     lines = r.stdout.strip().splitlines()
     assert [line.split(":")[0] for line in lines[:2]] == ["episode 0", "episode 1"]
     assert lines[-1].startswith("rl2/GuessTheNumber-v0 with tiny: mean reward")
+
+
+def test_a_dropped_stream_cancels_its_generations_and_logs_no_error(tiny_dir, tokenizer, caplog):
+    """A client that closes a streamed chat completion (two choices, room for 1,500 tokens each)
+    after its first event: both generations stop at once (far fewer tokens decoded than asked),
+    the engine's slots are free again, the server logs no error and answers the next request."""
+    import http.client
+    import logging
+
+    from rl2gem.models import load_model
+    from rl2gem.rollout import EmbeddedEngine
+
+    model, _ = load_model(str(tiny_dir), device="cpu")
+    engine = EmbeddedEngine(model, tokenizer)
+    app = make_app(engine, tokenizer=tokenizer, served_model_name="tiny")
+    body = {"model": "tiny", "messages": QUESTION, "max_tokens": 1500, "n": 2, "stream": True, "temperature": 1.0}
+    with caplog.at_level(logging.WARNING), serving(app) as url:
+        host, port = url.removeprefix("http://").split(":")
+        connection = http.client.HTTPConnection(host, int(port), timeout=60)
+        connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        assert response.status == 200 and response.readline().startswith(b"data: ")
+        connection.sock.close()  # the client leaves mid-stream
+        connection.close()
+        deadline = time.monotonic() + 30
+        while (engine.load()["num_reqs"] or engine.load()["num_running_reqs"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.load()["num_reqs"] == 0 and engine.load()["num_running_reqs"] == 0
+        assert engine.stats["decode_tokens"] < 1500  # cancelled, not run to the end (3,000 tokens)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="EMPTY", max_retries=0)
+        reply = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=4)
+        assert reply.choices[0].message.content is not None
+    asyncio.run(engine.close())
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
+
+
+def test_a_burst_of_good_dropped_and_malformed_requests(tiny_dir, tokenizer, caplog):
+    """64 requests at once on loopback: 40 good ones (some streamed to the end), 12 streams dropped
+    after their first event, 12 malformed. Every good one gets 200 with its choices, every malformed
+    one a 400 with an OpenAI-style error body; afterwards the server is healthy, its engine idle, and
+    nothing was logged as an error."""
+    import logging
+
+    import aiohttp
+
+    from rl2gem.models import load_model
+    from rl2gem.rollout import EmbeddedEngine
+
+    model, _ = load_model(str(tiny_dir), device="cpu")
+    engine = EmbeddedEngine(model, tokenizer, max_batch_size=16)
+    app = make_app(engine, tokenizer=tokenizer, served_model_name="tiny")
+    good = {"model": "tiny", "messages": QUESTION, "max_tokens": 4}
+    malformed = [
+        b"{not json",
+        json.dumps({"model": "tiny", "messages": "hi"}).encode(),
+        json.dumps({**good, "max_tokens": 10**9}).encode(),
+        json.dumps({**good, "temperature": "hot"}).encode(),
+    ]
+
+    async def burst(url: str) -> tuple[list, list, list]:
+        timeout = aiohttp.ClientTimeout(total=120)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+
+            async def good_request(index: int):
+                streamed = index % 4 == 0
+                async with session.post(f"{url}/v1/chat/completions", json={**good, "stream": streamed}) as response:
+                    if streamed:
+                        events = [line async for line in response.content if line.startswith(b"data: ")]
+                        return response.status, events[-1] == b"data: [DONE]\n" and len(events) >= 2
+                    return response.status, len((await response.json())["choices"]) == 1
+
+            async def dropped_request():
+                body = {**good, "max_tokens": 400, "stream": True}
+                async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+                    first = await response.content.readline()
+                    response.close()  # leave mid-stream
+                    return response.status, first.startswith(b"data: ")
+
+            async def bad_request(index: int):
+                data = malformed[index % len(malformed)]
+                headers = {"Content-Type": "application/json"}
+                async with session.post(f"{url}/v1/chat/completions", data=data, headers=headers) as response:
+                    body = await response.json(content_type=None)
+                    return response.status, bool(body["error"]["message"])
+
+            jobs = [good_request(i) for i in range(40)] + [dropped_request() for _ in range(12)]
+            jobs += [bad_request(i) for i in range(12)]
+            results = await asyncio.gather(*jobs)
+        return results[:40], results[40:52], results[52:]
+
+    with caplog.at_level(logging.WARNING), serving(app) as url:
+        goods, dropped, bads = asyncio.run(burst(url))
+        assert goods == [(200, True)] * 40
+        assert dropped == [(200, True)] * 12
+        assert bads == [(400, True)] * 12
+        deadline = time.monotonic() + 30
+        while engine.load()["num_reqs"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.load()["num_reqs"] == 0 and engine.load()["num_running_reqs"] == 0
+        with urllib.request.urlopen(f"{url}/health", timeout=10) as response:
+            assert response.status == 200
+    asyncio.run(engine.close())
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]

@@ -37,6 +37,7 @@ rollout (:mod:`rl2gem.rollout.tito`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -311,9 +312,14 @@ class OpenAIRoutes:
         room = self.limit - prompt_len - 1
         if room < 1:
             raise OpenAIRequestError(f"the prompt has {prompt_len} tokens; this model's context is {self.limit}")
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        max_tokens = room if max_tokens is None and default_max is None else (max_tokens or default_max)
+        requested = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_tokens = room if requested is None and default_max is None else (requested or default_max)
         max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", room, int, 1, None)
+        if requested is not None and max_tokens > room:  # as vLLM and SGLang: refused, not cut short
+            raise OpenAIRequestError(
+                f"this model's context is {self.limit} tokens; the prompt has {prompt_len} and max_tokens asks for "
+                f"{max_tokens} more (at most {room} fit)"
+            )
         n = _number(body, "n", 1, int, 1, 16)
         seed = _number(body, "seed", None, int)
         params = [
@@ -363,7 +369,14 @@ class OpenAIRoutes:
                     if on_token is not None:
                         await on_token(choice)
 
-        await asyncio.gather(*(run(c, p) for c, p in zip(choices, params, strict=True)))
+        tasks = [asyncio.ensure_future(run(c, p)) for c, p in zip(choices, params, strict=True)]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:  # one choice failed, or the client left: the others stop too (their slots free)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         return choices
 
     async def _stream(self, request, prompt, params, stops, reply, markers):
@@ -398,19 +411,24 @@ class OpenAIRoutes:
                 await send(reply.chunk(choice, text[choice.sent_chars : end], new_lps))
                 choice.sent_chars = end
 
-        try:
-            choices = await self.run_choices(prompt, params, on_token=on_token)
-        except Exception as e:  # headers are sent: the error goes into the stream
-            await send({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}})
+        # a client that leaves mid-stream makes a write fail with ConnectionResetError: its choices are
+        # cancelled (run_choices), and nothing more is written to the closed transport
+        with contextlib.suppress(ConnectionResetError):
+            try:
+                choices = await self.run_choices(prompt, params, on_token=on_token)
+            except ConnectionResetError:
+                raise
+            except Exception as e:  # headers are sent: the error goes into the stream
+                await send({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}})
+                await response.write(b"data: [DONE]\n\n")
+                return response
+            for c in choices:
+                reason = self.finish(c, stops)
+                rest = self.token_logprobs(c.ids[c.sent_tokens :], c.logprobs[c.sent_tokens :])
+                await send(reply.final(c, reason, c.text[c.sent_chars :], rest))
+            if reply.include_usage:
+                await send(reply.usage_chunk(_usage(prompt, choices)))
             await response.write(b"data: [DONE]\n\n")
-            return response
-        for c in choices:
-            reason = self.finish(c, stops)
-            rest = self.token_logprobs(c.ids[c.sent_tokens :], c.logprobs[c.sent_tokens :])
-            await send(reply.final(c, reason, c.text[c.sent_chars :], rest))
-        if reply.include_usage:
-            await send(reply.usage_chunk(_usage(prompt, choices)))
-        await response.write(b"data: [DONE]\n\n")
         return response
 
 
