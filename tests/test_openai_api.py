@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -445,3 +446,18 @@ def test_a_burst_of_good_dropped_and_malformed_requests(tiny_dir, tokenizer, cap
     asyncio.run(engine.close())
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, [r.getMessage() for r in errors]
+
+
+def test_aiohttp_refusals_carry_error_bodies_too(scripted):
+    """An unknown route or a wrong method answers JSON like every other refusal: OpenAI's error
+    object under /v1, SGLang's shape elsewhere."""
+    _, url = scripted
+    cases = [("GET", "/v1/chat/completions", 405), ("POST", "/v1/no_such_route", 404), ("GET", "/no_such_route", 404)]
+    for method, path, status in cases:
+        request = urllib.request.Request(url + path, method=method, data=b"{}" if method == "POST" else None)
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(request, timeout=10)
+        assert caught.value.code == status
+        body = json.loads(caught.value.read())
+        message = body["error"]["message"] if path.startswith("/v1/") else body["message"]
+        assert path in message

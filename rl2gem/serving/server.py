@@ -320,9 +320,29 @@ class NativeRoutes:
         return web.json_response({"success": True, "message": "adapter unloaded", "weight_version": str(version)})
 
 
+@web.middleware
+async def _error_bodies(request, handler):
+    """aiohttp's own 4xx answers (an unknown route, a wrong method, a body over the size limit) as
+    JSON bodies like every other refusal: OpenAI's ``{"error": {...}}`` under ``/v1``, SGLang's
+    ``{"success": false, "message": ...}`` elsewhere."""
+    try:
+        return await handler(request)
+    except web.HTTPException as error:
+        if error.status < 400 or error.status >= 500:
+            raise
+        message = f"{request.method} {request.path}: {error.reason}"
+        if request.path.startswith("/v1/"):
+            kind = "not_found_error" if error.status == 404 else "invalid_request_error"
+            body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+        else:
+            body = {"success": False, "message": message}
+        allow = {"Allow": error.headers["Allow"]} if "Allow" in error.headers else None  # 405 names the methods
+        return web.json_response(body, status=error.status, headers=allow)
+
+
 def _application(routes, engine):
     """An aiohttp application of ``routes`` that closes ``engine`` on shutdown."""
-    app = web.Application(client_max_size=256 * 1024 * 1024)
+    app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[_error_bodies])
     app.add_routes(routes)
 
     async def _close(_app):
