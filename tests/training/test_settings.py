@@ -1,5 +1,6 @@
-"""Worker settings: the library's defaults in one dataclass, read without ``get(key, default)``,
-and the trainers' YAML files (which list the keys for ``--help``) in step with them."""
+"""Worker and rollout settings: the library's defaults in one dataclass each, read without
+``get(key, default)``, and the trainers' YAML files and the eval CLI's defaults (which list the keys
+for ``--help``) in step with them, every difference declared."""
 
 import dataclasses
 
@@ -41,3 +42,32 @@ def test_a_section_takes_the_defaults_it_lacks_and_leaves_other_keys_to_the_trai
         WorkerSettings.from_section({"lora": {"ranks": 4}})
     config = lora_config({"rank": 4})  # the alpha default is the one in LoraSettings
     assert config.r == 4 and config.lora_alpha == 16.0 and lora_config(LoraSettings()) is None
+
+
+#: Where ppo.yaml's ``rollout:`` section deliberately differs from :class:`RolloutConfig`'s default:
+#: CPU-sized actions and sequences (the library's defaults suit served models).
+ROLLOUT_OVERRIDES = {"max_new_tokens": 64, "max_length": 1024}
+#: RolloutConfig fields the trainer sets itself rather than from its YAML.
+ROLLOUT_NOT_OFFERED = {"top_k", "max_groups_factor", "seed", "progress"}
+#: Where the eval CLI's defaults deliberately differ: greedy, one episode per task, room for long
+#: answers, a progress bar on the terminal.
+EVALUATE_OVERRIDES = {"temperature": 0.0, "responses_per_prompt": 1, "max_new_tokens": 512, "progress": True}
+
+
+def test_rollout_defaults_live_in_rollout_config_and_every_difference_is_declared():
+    """ppo.yaml's rollout section and the eval CLI's defaults list RolloutConfig's fields with its
+    defaults, except where declared above: a default changed in one place only fails here."""
+    from rl2gem.evaluation import DEFAULTS
+    from rl2gem.rollout import RolloutConfig
+    from rl2gem.training.online import TRAINER_ROLLOUT_KEYS
+
+    defaults = dataclasses.asdict(RolloutConfig())
+    section = OmegaConf.to_container(OmegaConf.load(ppo.CONFIG).rollout)
+    assert set(defaults) - set(section) == ROLLOUT_NOT_OFFERED
+    assert set(section) - set(defaults) <= set(TRAINER_ROLLOUT_KEYS)  # the trainer's own keys
+    expected = {**defaults, **ROLLOUT_OVERRIDES}
+    assert {key: section[key] for key in defaults if key in section} == {
+        key: value for key, value in expected.items() if key in section
+    }
+    shared = {key: DEFAULTS[key] for key in defaults if key in DEFAULTS}
+    assert shared == {key: {**defaults, **EVALUATE_OVERRIDES}[key] for key in shared}
