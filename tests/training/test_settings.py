@@ -71,3 +71,34 @@ def test_rollout_defaults_live_in_rollout_config_and_every_difference_is_declare
     }
     shared = {key: DEFAULTS[key] for key in defaults if key in DEFAULTS}
     assert shared == {key: {**defaults, **EVALUATE_OVERRIDES}[key] for key in shared}
+
+
+#: Keys the trainers' YAML files share but set differently on purpose, with why.
+DIFFERENT_ON_PURPOSE = {
+    "actor.lr": "RL steps are smaller than supervised ones",
+    "actor.max_length_per_device": "PPO packs a rollout's episodes, the offline trainers longer conversations",
+    "rollout.max_length": "PPO's CPU-sized episodes; the offline trainers' evaluations play longer ones",
+    "rollout.max_new_tokens": "likewise",
+    "rollout.temperature": "PPO samples; the offline trainers evaluate greedily",
+    "trainer.eval_seed": "PPO's evaluation episodes are seeded far from its training episodes",
+    "trainer.output_dir": "one folder per trainer",
+    "trainer.total_steps": "PPO has no epochs: a step count; the offline trainers default to their epochs",
+}
+
+
+def test_a_key_the_trainers_share_has_one_default_unless_declared():
+    """Across ppo.yaml, sft.yaml, rm.yaml and dpo.yaml, a key present in several has the same
+    default everywhere, or is in DIFFERENT_ON_PURPOSE (and that table holds no stale entry)."""
+
+    def leaves(node, prefix=""):
+        if isinstance(node, dict) and node:
+            return {k: v for key, value in node.items() for k, v in leaves(value, f"{prefix}{key}.").items()}
+        return {prefix.rstrip("."): node}
+
+    flat = {t.__name__: leaves(OmegaConf.to_container(OmegaConf.load(t.CONFIG))) for t in (ppo, sft, rm, dpo)}
+    differing = set()
+    for key in set().union(*flat.values()):
+        values = {repr(keys[key]) for keys in flat.values() if key in keys}
+        if len(values) > 1:
+            differing.add(key)
+    assert differing == set(DIFFERENT_ON_PURPOSE)
