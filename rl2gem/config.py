@@ -14,6 +14,7 @@ other overrides; its keys are checked the same way.
 from __future__ import annotations
 
 import difflib
+import os
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -166,7 +167,8 @@ def command_line_config(
 ) -> DictConfig | None:
     """The config of a command line (:func:`load_config` on ``argv``, default ``sys.argv[1:]``)
     after ``check`` (combinations that cannot work); on a :class:`ConfigError` the message goes to
-    stderr as ``error: ...`` and the result is None (the command then exits with 2). ``--help``,
+    stderr as ``config error: ...`` (from rank 0 only: under torchrun every rank checks the same
+    config and exits, and one line says why) and the result is None (the command then exits with 2). ``--help``,
     ``-h`` or ``help=true`` prints :func:`config_help` and exits with 0."""
     argv = sys.argv[1:] if argv is None else argv
     if any(arg in HELP_ARGUMENTS for arg in argv):
@@ -176,6 +178,7 @@ def command_line_config(
         cfg = load_config(defaults, argv)
         check(cfg)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # every rank checks and exits; one says why
+            print(f"config error: {e}", file=sys.stderr)
         return None
     return cfg

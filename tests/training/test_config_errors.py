@@ -60,12 +60,19 @@ def test_every_trainer_checks_types_models_and_data_files(trainer, capsys):
         assert capsys.readouterr().err.strip().startswith(line)
 
 
+def test_every_rank_stops_and_only_rank_0_says_why(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "1")
+    assert launch(MustNotBuild, ppo.CONFIG, ppo.check_config, ["actor.lr=abc"]) == 2
+    assert capsys.readouterr().err == ""
+
+
 def test_under_torchrun_the_error_is_one_line_and_no_model_is_fetched(tmp_path):
-    """The README's command with a typo'd value: exit non-zero, the line, an untouched model cache."""
+    """The README's command with a typo'd value on two ranks: exit non-zero, the line once, an
+    untouched model cache."""
     cache = tmp_path / "cache"
     cache.mkdir()
-    env = {**os.environ, "RL2GEM_CACHE": str(cache)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    env = {**os.environ, "RL2GEM_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     r = subprocess.run(
         [*command, str(ROOT / "trainers" / "ppo.py"), "actor.lr=abc"],
         capture_output=True,
@@ -74,6 +81,7 @@ def test_under_torchrun_the_error_is_one_line_and_no_model_is_fetched(tmp_path):
         timeout=120,
     )
     assert r.returncode != 0
+    assert r.stderr.count("config error:") == 1  # both ranks stopped, one said why
     assert "config error: actor.lr: expected a float, got 'abc'" in r.stderr
     assert "Traceback" not in r.stderr.split("config error")[0]  # nothing failed before the check
     assert list(cache.iterdir()) == []  # no model (nor data) was fetched or converted
