@@ -112,6 +112,20 @@ class LeanDecoder:
             query, key = attention.q_norm(query), attention.k_norm(key)
         return _rope(query, cos, sin), _rope(key, cos, sin), value
 
+    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor):
+        """``tokens``, ``positions`` [t] int64 -> (hidden [t, H], cos and sin [t, 1, d]) for :meth:`_project`."""
+        inner = self.model.model
+        hidden = inner.embed_tokens(tokens)
+        cos, sin = inner.rotary_emb(hidden, positions[None])  # [1, t, d]
+        return hidden, cos[0, :, None], sin[0, :, None]
+
+    @staticmethod
+    def _residual(layer, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The rest of a decoder layer after attention: ``attended`` [t, heads * d] through
+        ``o_proj`` onto the residual stream ``hidden`` [t, H], then the MLP block."""
+        hidden = hidden + layer.self_attn.o_proj(attended)
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
     def _attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scaling):
         """Grouped-query attention of ``q`` queries per row.
 
@@ -159,9 +173,7 @@ class LeanDecoder:
         """
         n, column = store.slots, store.hi
         inner = self.model.model
-        hidden = inner.embed_tokens(tokens)  # [n, H]
-        cos, sin = inner.rotary_emb(hidden, positions[None])  # [1, n, d]
-        cos, sin = cos[0, :, None], sin[0, :, None]  # [n, 1, d]
+        hidden, cos, sin = self._embed(tokens, positions)  # [n, H], [n, 1, d]
         chunks = []
         for a, b, width in self.plan_chunks(spans):
             start = column + 1 - width
@@ -184,8 +196,7 @@ class LeanDecoder:
                 for a, b, start, bias in chunks
             ]
             attended = parts[0] if len(parts) == 1 else torch.cat(parts)
-            hidden = hidden + attention.o_proj(attended.view(n, -1))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = self._residual(layer, hidden, attended.view(n, -1))
         return self._logits(inner.norm(hidden))
 
     @torch.no_grad()
@@ -216,9 +227,7 @@ class LeanDecoder:
         """
         rows = tokens.shape[0]
         inner = self.model.model
-        hidden = inner.embed_tokens(tokens)  # [b, H]
-        cos, sin = inner.rotary_emb(hidden, positions[None])
-        cos, sin = cos[0, :, None], sin[0, :, None]  # [b, 1, d]
+        hidden, cos, sin = self._embed(tokens, positions)  # [b, H], [b, 1, d]
         bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
         bias = bias.masked_fill_(~mask, float("-inf"))[:, None]  # [b, 1, C]
         for index, layer in enumerate(inner.layers):
@@ -227,8 +236,7 @@ class LeanDecoder:
             keys[index].index_copy_(2, column, key[:, :, None])
             values[index].index_copy_(2, column, value[:, :, None])
             attended = self._attend(query[:, None], keys[index], values[index], bias, attention.scaling)
-            hidden = hidden + attention.o_proj(attended.view(rows, -1))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = self._residual(layer, hidden, attended.view(rows, -1))
         return self._logits(inner.norm(hidden))
 
     # ------------------------------------------------------------------ prefill
@@ -250,9 +258,7 @@ class LeanDecoder:
         device = store.mask.device
         tokens = torch.tensor([t for _, ids, _ in rows for t in ids], dtype=torch.long, device=device)
         positions = torch.cat([torch.arange(p, p + len(ids)) for _, ids, p in rows]).to(device)
-        hidden = inner.embed_tokens(tokens)  # [T, H]
-        cos, sin = inner.rotary_emb(hidden, positions[None])
-        cos, sin = cos[0, :, None], sin[0, :, None]
+        hidden, cos, sin = self._embed(tokens, positions)  # [T, H], [T, 1, d]
         # per request: the columns it reads and its additive mask [1, q, w], built once for all layers
         segments = []
         offset = 0
@@ -283,7 +289,6 @@ class LeanDecoder:
                     attention.scaling,
                 )
                 parts.append(attended[0])
-            hidden = hidden + attention.o_proj(torch.cat(parts))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = self._residual(layer, hidden, torch.cat(parts))
         last = torch.tensor([start + q - 1 for _, start, q, _, _ in segments], device=device)
         return self._logits(inner.norm(hidden[last]))
