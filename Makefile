@@ -16,11 +16,14 @@ setup: $(STAMP)
 # hash-pinned in the lock; a looser install would fetch a CUDA build of several GB. Then the lock,
 # hash-checked and with --no-deps (it is complete), then rl2gem itself, editable, with no
 # dependencies of its own to resolve. `pip check` fails the set-up if the set is inconsistent.
+# --no-compile: pip would byte-compile every module of every package, on one core (the lock took
+# 116 s with it, 40 s without, on the 2-core machine); Python compiles a module the first time it
+# is imported instead, and caches it.
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip "setuptools>=77"
-	$(BIN)/python -m pip install -q --no-deps torch==$(TORCH_VERSION)
-	$(BIN)/python -m pip install -q --no-deps --require-hashes -r $(LOCK)
+	$(BIN)/python -m pip install -q --no-compile --no-deps torch==$(TORCH_VERSION)
+	$(BIN)/python -m pip install -q --no-compile --no-deps --require-hashes -r $(LOCK)
 	$(BIN)/python -m pip install -q --no-deps -e .
 	$(BIN)/python -m pip check
 	touch $@
@@ -57,16 +60,21 @@ preference-arithmetic: setup
 		trainer.total_steps=20 trainer.output_dir=runs/arithmetic-ppo-rm trainer.progress=false
 
 # The default suite (CI): everything but the tests marked slow (long real-model runs another test
-# covers at smoke size, e.g. the README's commands as written) and soak.
+# covers at smoke size, e.g. the README's commands as written) and soak. TEST_WORKERS pytest
+# workers (pytest-xdist; each with one OpenMP thread, tests/conftest.py) share the tests out, an
+# idle one taking tests from a busy one: a serial run leaves a core idle while a test waits on a
+# subprocess's start. TEST_WORKERS=0 runs them in this process, one after another.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist worksteal
 test: setup
-	$(BIN)/python -m pytest -q --durations=25 -m "not slow and not soak"
+	$(PYTEST) -m "not slow and not soak"
 
 # The long real-model runs (also run by make bench), and everything at once.
 test-slow: setup
-	$(BIN)/python -m pytest -q --durations=25 -m "slow and not soak"
+	$(PYTEST) -m "slow and not soak"
 
 test-all: setup
-	$(BIN)/python -m pytest -q --durations=25 -m "not soak"
+	$(PYTEST) -m "not soak"
 
 # Endurance runs (a minute or more each, e.g. the sandbox's fork server over 10,000 executions).
 test-soak: setup
@@ -88,7 +96,7 @@ test-latest:
 	$(LATEST)/bin/python -m pip install -q torch==$(TORCH_VERSION)
 	$(LATEST)/bin/python -m pip install -q -e ".[dev,bench]"
 	$(LATEST)/bin/python -m pip list --format=freeze | grep -iE '^(torch|transformers|datasets|trl|numpy|gymnasium)=='
-	$(LATEST)/bin/python -m pytest -q -m "not slow and not soak"
+	$(LATEST)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not slow and not soak"
 
 # Regenerates $(LOCK) from pyproject.toml's ranges for Python 3.11 on Linux x86-64 with uv (in
 # .venv-uv). Versions already in the lock are kept where still allowed; LOCK_FLAGS=--upgrade moves

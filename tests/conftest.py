@@ -4,6 +4,11 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # make test runs one pytest worker per core (pytest-xdist): one OpenMP thread each, inherited
+    # by the subprocesses a test starts, so the workers do not oversubscribe the cores (libgomp
+    # then sleeps between parallel regions instead of spinning, rl2gem/openmp.py)
+    os.environ["OMP_NUM_THREADS"] = "1"
 os.environ.setdefault("WANDB_MODE", "offline")
 
 

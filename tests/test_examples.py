@@ -198,61 +198,91 @@ def test_short_forms_change_only_the_model(tmp_path):
     )
 
 
+def readme_shell_blocks() -> list[list[str]]:
+    """The README's bash blocks, each as its command lines (comments cut), leaving out the
+    Quickstart's make targets (.ci/run runs those) and blocks with no other command. A block is
+    what a reader runs together: a server in the background and the commands that use it."""
+    blocks = [
+        [line.split("#")[0].strip() for line in block.splitlines() if line.strip() and not line.startswith("make ")]
+        for block in readme_blocks("bash")
+    ]
+    return [block for block in blocks if block]
+
+
+def test_the_readme_has_its_command_blocks():
+    blocks = readme_shell_blocks()
+    commands = [command for block in blocks for command in block]
+    assert len(blocks) >= 8 and all(command.startswith(".venv/bin/python ") for command in commands), commands
+    for module in (
+        "rl2gem.evaluate",
+        "rl2gem.serve",
+        "rl2gem.trainers.ppo",
+        "rl2gem.trainers.agentic",
+        "rl2gem.collect",
+    ):
+        assert any(f"-m {module} " in command for command in commands), module
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("form", ["short", pytest.param("full", marks=pytest.mark.slow)])
-def test_readme_shell_commands_run(form, tmp_path, tiny_dir):
-    """Every README command except the Quickstart's make targets (.ci/run runs those): the short form
-    (:func:`short_form`) in the default suite, as written in ``make test-slow``."""
-    commands = [
-        line.split("#")[0].strip()
-        for block in readme_blocks("bash")
-        for line in block.splitlines()
-        if line.strip() and not line.startswith("make ")
-    ]
-    assert commands, "the README lost its commands"
+@pytest.mark.parametrize("block", range(len(readme_shell_blocks())))
+def test_readme_shell_commands_run(block, form, tmp_path, tiny_dir):
+    """Each README bash block's commands in order: the short form (:func:`short_form`) in the
+    default suite, as written in ``make test-slow``. One test per block, so that the test workers
+    of ``make test`` share them out."""
+    commands = readme_shell_blocks()[block]
     if form == "short":
         commands = [short_form(command, tiny_dir) for command in commands]
     background = []  # servers a command line ending in & starts; stopped at the end
     try:
         for cmd in commands:
-            assert cmd.startswith(".venv/bin/python "), cmd
-            args = shlex.split(cmd.removesuffix("&"))[1:]  # quoted arguments (a YAML mapping) stay whole
-            if cmd.endswith("&"):
-                port = re.search(r"--port (\d+)", cmd).group(1)
-                background.append(subprocess.Popen([sys.executable, *args], cwd=tmp_path, stdin=subprocess.PIPE))
-                wait_until_healthy(f"http://127.0.0.1:{port}/health", background[-1], cmd)
-                continue
-            uses_root = args[0].startswith(("benchmarks/", "examples/"))  # they write nothing in the checkout
-            cwd = ROOT if uses_root else tmp_path
-            r = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
-            assert r.returncode == 0, cmd + "\n" + r.stderr
-            if args[0].startswith("benchmarks/"):
-                assert "|---|" in r.stdout, cmd  # it printed its table
-            for output_dir in re.findall(r"trainer\.output_dir=(\S+)", cmd):
-                run_dir = tmp_path / output_dir
-                assert (run_dir / "metrics.jsonl").read_text().strip(), cmd
-                assert list(run_dir.glob("checkpoint-*/hf/config.json")), cmd
-                shutil.rmtree(run_dir)  # each checkpoint is about 2 GB; no later command reads it
-            for pipeline_dir in re.findall(r"rl2gem\.trainers\.agentic .*--out (\S+)", cmd):
-                run_dir = tmp_path / pipeline_dir
-                rows = [row.split(" | ")[0] for row in (run_dir / "results.md").read_text().splitlines()[2:]]
-                assert rows == ["| base", "| sft", "| sft+rl"], cmd  # every stage ran, every model evaluated
-                assert (run_dir / "sft" / "DONE").exists() and (run_dir / "ppo" / "DONE").exists(), cmd
-                assert (run_dir / "results.png").stat().st_size > 1000, cmd
-                shutil.rmtree(run_dir)
+            run_readme_command(cmd, tmp_path, background)
     finally:
         for proc in background:
             proc.terminate()
             proc.wait(timeout=60)
-    served, local = (
-        [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
-        for name in ("served.jsonl", "local.jsonl")
-    )
-    # the real model played: 2 episodes of at most 2 turns of at most 24 new tokens each
-    assert len(local) == 2 and all(0 < r["generated_tokens"] <= 2 * 24 for r in local)
-    assert all(m["content"] for r in local for m in r["messages"] if m["role"] == "assistant")
-    same = [sorted(json.dumps(r["messages"]) for r in records) for records in (served, local)]
-    assert same[0] == same[1]  # server= plays as the local model
+    if any("output=served.jsonl" in command for command in commands):
+        served, local = (
+            [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+            for name in ("served.jsonl", "local.jsonl")
+        )
+        # the model played: 2 episodes of at most 2 turns of at most 24 new tokens each
+        assert len(local) == 2 and all(0 < r["generated_tokens"] <= 2 * 24 for r in local)
+        assert all(m["content"] for r in local for m in r["messages"] if m["role"] == "assistant")
+        same = [sorted(json.dumps(r["messages"]) for r in records) for records in (served, local)]
+        assert same[0] == same[1]  # server= plays as the local model
+
+
+def run_readme_command(cmd: str, tmp_path: pathlib.Path, background: list) -> None:
+    """Run one README command line in ``tmp_path`` (benchmarks and examples in the checkout), or
+    start it in the background (a line ending in ``&``: a server, appended to ``background`` once
+    healthy); assert what it wrote: a benchmark's table, a run's metrics and checkpoint, the agentic
+    pipeline's results."""
+    assert cmd.startswith(".venv/bin/python "), cmd
+    args = shlex.split(cmd.removesuffix("&"))[1:]  # quoted arguments (a YAML mapping) stay whole
+    if cmd.endswith("&"):
+        port = re.search(r"--port (\d+)", cmd).group(1)
+        background.append(subprocess.Popen([sys.executable, *args], cwd=tmp_path, stdin=subprocess.PIPE))
+        wait_until_healthy(f"http://127.0.0.1:{port}/health", background[-1], cmd)
+        return
+    uses_root = args[0].startswith(("benchmarks/", "examples/"))  # they write nothing in the checkout
+    cwd = ROOT if uses_root else tmp_path
+    r = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, cmd + "\n" + r.stderr
+    if args[0].startswith("benchmarks/"):
+        assert "|---|" in r.stdout, cmd  # it printed its table
+    for output_dir in re.findall(r"trainer\.output_dir=(\S+)", cmd):
+        run_dir = tmp_path / output_dir
+        assert (run_dir / "metrics.jsonl").read_text().strip(), cmd
+        assert list(run_dir.glob("checkpoint-*/hf/config.json")), cmd
+        shutil.rmtree(run_dir)  # each checkpoint is about 2 GB; no later command reads it
+    for pipeline_dir in re.findall(r"rl2gem\.trainers\.agentic .*--out (\S+)", cmd):
+        run_dir = tmp_path / pipeline_dir
+        rows = [row.split(" | ")[0] for row in (run_dir / "results.md").read_text().splitlines()[2:]]
+        assert rows == ["| base", "| sft", "| sft+rl"], cmd  # every stage ran, every model evaluated
+        assert (run_dir / "sft" / "DONE").exists() and (run_dir / "ppo" / "DONE").exists(), cmd
+        assert (run_dir / "results.png").stat().st_size > 1000, cmd
+        shutil.rmtree(run_dir)
 
 
 def wait_until_healthy(url: str, proc: subprocess.Popen, cmd: str, timeout: float = 300.0) -> None:

@@ -182,18 +182,23 @@ def test_kv_store_slides_inside_its_buffers_and_keeps_the_window():
 
 
 def test_release_thread_team_frees_the_callers_openmp_workers():
-    if torch.get_num_threads() < 2 or "OpenMP" not in torch.__config__.parallel_info():
-        pytest.skip("needs torch's OpenMP with 2 threads")
+    if "OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("needs torch's OpenMP")
 
     def threads() -> int:
         return len(os.listdir("/proc/self/task"))
 
-    torch.ones(1 << 22).add_(1)  # a parallel region: this thread now keeps a worker team
-    before = threads()
-    assert release_thread_team()
-    deadline = time.monotonic() + 5
-    while threads() >= before and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert threads() < before  # the worker threads exited
-    torch.ones(1 << 22).add_(1)  # and the next region starts a new team
-    assert threads() >= before
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)  # a team of 2 (the test workers of make test run with 1)
+    try:
+        torch.ones(1 << 22).add_(1)  # a parallel region: this thread now keeps a worker team
+        before = threads()
+        assert release_thread_team()
+        deadline = time.monotonic() + 5
+        while threads() >= before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert threads() < before  # the worker threads exited
+        torch.ones(1 << 22).add_(1)  # and the next region starts a new team
+        assert threads() >= before
+    finally:
+        torch.set_num_threads(saved)

@@ -590,6 +590,12 @@ def test_out_of_memory_backs_off_and_the_step_equals_one_run_at_the_smaller_leng
     for key in ("rollout/reward", "actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/vf_loss"):
         assert got[1][key] == pytest.approx(want[1][key], rel=1e-4, abs=1e-6), key
     assert "eval/success" in logged_steps(backoff / "metrics.jsonl", "eval/success")[2]
+
+
+# slow: tests/training/test_autosize.py::test_out_of_memory_is_raised_when_it_cannot_be_retried
+# raises the same errors from MaxLength in process
+@pytest.mark.slow
+def test_out_of_memory_fails_the_run_when_it_cannot_back_off(tiny_dir, tmp_path):
     fixed = subprocess.run(
         torchrun_command(1, *arithmetic_run(tiny_dir), *BACKOFF_RUN, "actor.max_length_per_device=1024",
                          "actor.oom_backoff=false", f"trainer.output_dir={tmp_path / 'fixed'}")[0],

@@ -7,7 +7,7 @@ import torch
 from tiny import tiny_model
 
 from rl2gem.parallel.packing import MicroBatch, regroup_scores
-from rl2gem.training.autosize import MULTIPLE, PROBE_LENGTHS, auto_max_length, fit_max_length
+from rl2gem.training.autosize import MULTIPLE, PROBE_LENGTHS, MaxLength, auto_max_length, fit_max_length
 from rl2gem.training.forward import token_logprobs
 from rl2gem.training.metrics import SavedTensorBytes
 
@@ -75,3 +75,60 @@ def test_auto_picks_the_longest_length_that_fits_a_simulated_device(monkeypatch)
     monkeypatch.setenv("RL2GEM_SIMULATED_MEMORY_MIB", str(activation_bytes(model, 64) / 2**20 / 2))
     with pytest.raises(RuntimeError, match="not even 64 tokens"):
         auto_max_length([worker], torch.device("cpu"), fraction=0.8)
+
+
+class _Worker:
+    """What :class:`MaxLength` reads of a worker: its optimizer and its count of optimizer steps."""
+
+    def __init__(self):
+        self.weight = torch.nn.Parameter(torch.ones(2))
+        self.weight.grad = torch.ones(2)
+        self.optimizer = torch.optim.SGD([self.weight], lr=0.1)
+        self.optimizer_steps = 0
+
+
+def _max_length(tmp_path, value, backoff=True):
+    mesh = types.SimpleNamespace(micro_batch_tokens=lambda tokens: tokens)  # sp = tp = 1
+    section = {"max_length_per_device": value, "oom_backoff": backoff}
+    return MaxLength(section, [_Worker()], mesh, torch.device("cpu"), tmp_path)
+
+
+def test_out_of_memory_halves_the_length_until_the_passes_fit(tmp_path):
+    """The passes fit at 256 tokens or fewer: from 1024 the step runs at 1024, 512, then 256, and
+    each retry starts with no gradients left from the failed one (trainers/ppo.py runs the same
+    end to end: tests/trainers/test_ppo.py)."""
+    length, tried = _max_length(tmp_path, 1024), []
+
+    def passes():
+        tried.append(length.micro_batch_tokens)
+        assert all(p.grad is None for w in length.workers for p in [w.weight]) or len(tried) == 1
+        if length.micro_batch_tokens > 256:
+            raise torch.OutOfMemoryError("simulated")
+        return "done"
+
+    with pytest.warns(UserWarning, match="retrying the step at") as warned:
+        assert length.run(passes, longest=100) == "done"
+    assert tried == [1024, 512, 256] and length.value == 256
+    assert [str(w.message).rsplit(" ", 1)[1] for w in warned] == ["512", "256"]
+    assert not (tmp_path / "max_length_per_device").exists()  # one rank: retried in place, nothing recorded
+
+
+def test_out_of_memory_is_raised_when_it_cannot_be_retried(tmp_path):
+    def out_of_memory():
+        raise torch.OutOfMemoryError("simulated")
+
+    with pytest.raises(torch.OutOfMemoryError, match="simulated"):  # actor.oom_backoff=false: as raised
+        _max_length(tmp_path, 1024, backoff=False).run(out_of_memory, longest=100)
+    # a micro-batch at 128 tokens holds one 128-token sequence already
+    with pytest.raises(torch.OutOfMemoryError, match="nothing left to halve") as raised:
+        _max_length(tmp_path, 128).run(out_of_memory, longest=128)
+    assert "actor.max_length_per_device=128" in str(raised.value)
+    stepped = _max_length(tmp_path, 1024)
+
+    def step_then_out_of_memory():
+        stepped.workers[0].optimizer_steps += 1  # an optimizer step taken: a retry would step twice
+        out_of_memory()
+
+    with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+        stepped.run(step_then_out_of_memory, longest=100)
+    assert stepped.value == 1024
