@@ -16,14 +16,14 @@ setup: $(STAMP)
 # hash-pinned in the lock; a looser install would fetch a CUDA build of several GB. Then the lock,
 # hash-checked and with --no-deps (it is complete), then rl2gem itself, editable, with no
 # dependencies of its own to resolve. `pip check` fails the set-up if the set is inconsistent.
-# --no-compile: pip would byte-compile every module of every package, on one core (the lock took
-# 116 s with it, 40 s without, on the 2-core machine); Python compiles a module the first time it
-# is imported instead, and caches it.
+# pip byte-compiles every module here (the lock: 40 s to install, 76 s more to compile, on the
+# 2-core machine): keep it. That machine sets PYTHONDONTWRITEBYTECODE=1, so nothing compiled later is kept
+# and every process would compile torch and transformers again (a CI run took 2280 s that way).
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip "setuptools>=77"
-	$(BIN)/python -m pip install -q --no-compile --no-deps torch==$(TORCH_VERSION)
-	$(BIN)/python -m pip install -q --no-compile --no-deps --require-hashes -r $(LOCK)
+	$(BIN)/python -m pip install -q --no-deps torch==$(TORCH_VERSION)
+	$(BIN)/python -m pip install -q --no-deps --require-hashes -r $(LOCK)
 	$(BIN)/python -m pip install -q --no-deps -e .
 	$(BIN)/python -m pip check
 	touch $@
