@@ -24,6 +24,7 @@ register("rl2/SearchQA-v0", "rl2gem.envs.search_qa:SearchQAEnv")
 register("rl2/PythonMath-v0", "rl2gem.envs.python_math:make_python_math")
 register("rl2/FunctionCall-v0", "rl2gem.envs.bfcl:FunctionCallEnv")  # category= one or "all"
 register("rl2/ToolUse-v0", "rl2gem.envs.bfcl:ToolUseEnv")  # category= base | long_context | miss_param
+register("rl2/Remote-v0", "rl2gem.remote:RemoteEnv")  # url= a python -m rl2gem.envserver server
 
 #: Multi-turn games: ``rl2/<Game>-v0`` uses the game's default difficulty (``hard``, or
 #: ``medium`` where named below); ``-Easy-v0`` / ``-Hard-v0`` fix a preset; every id also

@@ -19,7 +19,9 @@ import threading
 import time
 from collections import deque
 
-__all__ = ["ServiceProcess", "free_port", "stop_on_stdin_eof"]
+from aiohttp import web
+
+__all__ = ["ServiceProcess", "free_port", "serve_app", "stop_on_stdin_eof"]
 
 
 class ServiceProcess:
@@ -134,3 +136,22 @@ def stop_on_stdin_eof(stop: asyncio.Event) -> None:
     """Set ``stop`` (from a daemon thread) when this process's stdin closes."""
     loop = asyncio.get_running_loop()
     threading.Thread(target=lambda: (sys.stdin.read(), loop.call_soon_threadsafe(stop.set)), daemon=True).start()
+
+
+async def serve_app(app, host: str, port: int, ready_prefix: str, exit_on_stdin_eof: bool = False) -> None:
+    """Serve the aiohttp application ``app`` on ``host:port`` (0: a free port), print
+    ``<ready_prefix> http://host:port`` (the real port) once it listens (what
+    :class:`ServiceProcess` waits for), and serve until cancelled, or until stdin closes with
+    ``exit_on_stdin_eof``; then clean the application up."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    print(f"{ready_prefix} http://{host}:{site._server.sockets[0].getsockname()[1]}", flush=True)
+    stop = asyncio.Event()
+    if exit_on_stdin_eof:
+        stop_on_stdin_eof(stop)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()

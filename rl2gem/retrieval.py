@@ -36,7 +36,7 @@ from typing import Any
 
 from rl2gem.aio import LoopSessions
 from rl2gem.assets import ASSETS, asset_path, build_dir, cache_dir, locked
-from rl2gem.procs import ServiceProcess, stop_on_stdin_eof
+from rl2gem.procs import ServiceProcess, serve_app
 
 __all__ = [
     "LazyRetrieval",
@@ -199,22 +199,8 @@ def make_app(index: BM25Index, default_topk: int = 3):
 
 
 async def _serve(host: str, port: int, topk: int, exit_on_stdin_eof: bool) -> None:
-    from aiohttp import web
-
     index = BM25Index.load_or_build()
-    runner = web.AppRunner(make_app(index, topk), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    bound = site._server.sockets[0].getsockname()[1]  # the real port when port=0
-    print(f"RL2GEM_RETRIEVAL_READY http://{host}:{bound}", flush=True)
-    stop = asyncio.Event()
-    if exit_on_stdin_eof:
-        stop_on_stdin_eof(stop)
-    try:
-        await stop.wait()
-    finally:
-        await runner.cleanup()
+    await serve_app(make_app(index, topk), host, port, "RL2GEM_RETRIEVAL_READY", exit_on_stdin_eof)
 
 
 class RetrievalError(RuntimeError):

@@ -16,11 +16,10 @@ import contextlib
 import sys
 
 import torch
-from aiohttp import web
 from transformers import AutoTokenizer
 
 from rl2gem.models import DTYPES, load_model, resolve_device, resolve_model
-from rl2gem.procs import stop_on_stdin_eof
+from rl2gem.procs import serve_app
 from rl2gem.rollout.engines.embedded import EmbeddedEngine
 from rl2gem.rollout.engines.http import HTTPEngine
 from rl2gem.rollout.tito import load_chat_template
@@ -54,19 +53,7 @@ async def _serve(args) -> None:
             served_model_name=name,
             chat_template=template,
         )
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    print(f"{READY_PREFIX} http://{args.host}:{port}", flush=True)
-    stop = asyncio.Event()
-    if args.exit_on_stdin_eof:
-        stop_on_stdin_eof(stop)
-    try:
-        await stop.wait()
-    finally:
-        await runner.cleanup()
+    await serve_app(app, args.host, args.port, READY_PREFIX, args.exit_on_stdin_eof)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import math
+import urllib.error
+import urllib.request
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -20,8 +23,10 @@ import numpy as np
 from gymnasium.utils.env_checker import check_env as gym_check_env
 
 from rl2gem.core import VALID_ROLES, Env
+from rl2gem.env_protocol import ACTION_FIELD
+from rl2gem.remote import RemoteEnv
 
-__all__ = ["check_env", "PROBE_ACTIONS", "scripted_actions"]
+__all__ = ["check_env", "check_server", "PROBE_ACTIONS", "scripted_actions"]
 
 #: Odd actions every env must survive without raising (besides an over-long
 #: one built from the env's own limit). The first seven must be reported as
@@ -149,22 +154,39 @@ def check_env(
        observation, on a ``role="tool"`` step.
 
     Args:
-        env: an env or a registered id. With an id, fresh envs come from
-            ``gymnasium.make(id)``; with an env, from ``make`` if given, else
-            from ``env.clone()``.
+        env: an env, a registered id, or the URL of an env server
+            (``python -m rl2gem.envserver``): then :func:`check_server` first,
+            and every check above on :class:`rl2gem.remote.RemoteEnv` clients.
+            With an id, fresh envs come from ``gymnasium.make(id)``; with an
+            env, from ``make`` if given, else from ``env.clone()``.
         num_steps: actions per scripted episode.
         seed: seed of the scripted episodes.
 
     Raises:
         AssertionError: naming the first check that failed.
     """
-    if isinstance(env, str):
+    created = isinstance(env, str)
+    if isinstance(env, str) and env.startswith(("http://", "https://")):
+        url = env
+        check_server(url, num_steps=num_steps, seed=seed)
+        make = make or (lambda: RemoteEnv(url))
+        env = make()
+    elif isinstance(env, str):
         env_id = env
         make = make or (lambda: gym.make(env_id))
         env = make()
     elif make is None:
         make = env.unwrapped.clone  # type: ignore[attr-defined]
     assert make is not None
+    try:
+        _check_made_env(env, make, num_steps, seed)
+    finally:
+        if created:  # the env check_env made (a served env's session ends with it)
+            env.close()
+
+
+def _check_made_env(env: gym.Env, make: Callable[[], gym.Env], num_steps: int, seed: int) -> None:
+    """The checks of :func:`check_env` on ``env``, with fresh envs from ``make``."""
     base = env.unwrapped
     name = repr(base)
     assert isinstance(base, Env), f"{name}: not an rl2gem.Env"
@@ -231,3 +253,110 @@ def check_env(
     c.reset(seed=seed)
     c.close()
     c.close()
+
+
+def _http(url: str, method: str = "GET", body: Any = None, raw: bytes | None = None) -> tuple[int, Any]:
+    """(status, JSON body) of one call; a body that is not JSON reads as None."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            status, text = response.status, response.read()
+    except urllib.error.HTTPError as error:
+        status, text = error.code, error.read()
+    try:
+        return status, json.loads(text or b"null")
+    except ValueError:
+        return status, None
+
+
+def _check_routes(url: str) -> None:
+    """The fixed routes, as ``openenv validate`` checks them."""
+    assert _http(f"{url}/health") == (200, {"status": "healthy"}), f"{url}: /health is not 200 healthy"
+    status, metadata = _http(f"{url}/metadata")
+    assert status == 200 and all(isinstance(metadata.get(k), str) for k in ("name", "description")), (
+        f"{url}: /metadata lacks name and description strings"
+    )
+    status, schema = _http(f"{url}/schema")
+    assert status == 200 and all(isinstance(schema.get(k), dict) for k in ("action", "observation", "state")), (
+        f"{url}: /schema lacks the action, observation and state schemas"
+    )
+    assert schema["action"].get("required") == [ACTION_FIELD], (
+        f"{url}: the action schema does not require {ACTION_FIELD!r}"
+    )
+    status, openapi = _http(f"{url}/openapi.json")
+    assert status == 200 and str(openapi.get("info", {}).get("version", "")).startswith("1."), (
+        f"{url}: /openapi.json has no 1.x info.version"
+    )
+    assert {"/reset", "/step", "/state"} <= set(openapi.get("paths", {})), (
+        f"{url}: /openapi.json lacks the episode routes"
+    )
+    status, reply = _http(f"{url}/mcp", "POST", {})
+    assert status == 200 and reply.get("jsonrpc") == "2.0", f"{url}: /mcp is not JSON-RPC 2.0"
+
+
+def _check_refusals(url: str, seed: int) -> None:
+    """Bad requests get a 4xx with an error body, and the session they aimed at goes on."""
+    status, envelope = _http(f"{url}/reset", "POST", {"seed": seed})
+    assert status == 200 and isinstance(envelope.get("session_id"), str), f"{url}: /reset opened no session"
+    observation = envelope.get("observation", {})
+    assert isinstance(observation.get(ACTION_FIELD), str) and isinstance(observation.get("info"), dict), (
+        f"{url}: /reset's observation is not {{{ACTION_FIELD}, terminated, truncated, info}}"
+    )
+    assert envelope.get("done") is False and envelope.get("reward") is None, f"{url}: /reset's envelope is off"
+    session = envelope["session_id"]
+    for path, body, raw, status in [
+        ("/step", None, b"{not json", 400),
+        ("/step", {"session_id": "no-such-session", "action": {ACTION_FIELD: "x"}}, None, 404),
+        ("/step", {"session_id": session}, None, 400),
+        ("/step", {"session_id": session, "action": {ACTION_FIELD: 5}}, None, 422),
+        ("/reset", {"seed": -1}, None, 422),
+    ]:
+        got, answer = _http(url + path, "POST", body, raw)
+        assert got == status and isinstance(answer, dict) and isinstance(answer.get("detail"), str), (
+            f"{url}: POST {path} {body or raw!r:.60} answered {got} {answer!r:.100}, expected {status} with a detail"
+        )
+    status, state = _http(f"{url}/state?session_id={session}")
+    assert status == 200 and state.get("step_count") == 0, f"{url}: a refused request changed the session"
+    _http(f"{url}/close", "POST", {"session_id": session})
+
+
+def check_server(url: str, *, num_steps: int = 8, seed: int = 7) -> None:
+    """Check a running env server against the contract of :mod:`rl2gem.serving.env_server`.
+
+    1. The fixed routes, as ``openenv validate`` checks them: ``/health``, ``/metadata``,
+       ``/schema`` (action, observation and state schemas; the action requires its text field),
+       ``/openapi.json`` (``info.version`` 1.x, the episode routes), ``/mcp`` (JSON-RPC 2.0).
+    2. A reset's envelope; bad requests (not JSON, an unknown session, no action, an action that
+       is not text, a negative seed) get the 4xx they should with a ``detail``, and the session
+       is untouched.
+    3. Sessions are isolated: two episodes played step by step in turn equal each played alone.
+
+    Raises:
+        AssertionError: naming the first check that failed.
+    """
+    url = url.rstrip("/")
+    _check_routes(url)
+    _check_refusals(url, seed)
+    first, second, alone = RemoteEnv(url), RemoteEnv(url), RemoteEnv(url)
+    try:
+        actions = scripted_actions(first, num_steps, seed)
+        solo = [_play(alone, seed, actions), _play(alone, seed + 1, actions)]
+        together: list[list[tuple]] = [
+            [_stable_reset(env.reset(seed=s))] for env, s in ((first, seed), (second, seed + 1))
+        ]
+        live = [True, True]
+        for action in actions:
+            for k, env in enumerate((first, second)):
+                if live[k]:
+                    obs, r, term, trunc, info = env.step(action)
+                    together[k].append((obs, r, term, trunc, _stable(info)))
+                    live[k] = not (term or trunc)
+        assert _same(together, solo), f"{url}: two sessions played in turn differ from each played alone"
+    finally:
+        for env in (first, second, alone):
+            env.close()
+
+
+def _stable_reset(result: tuple[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    return result[0], _stable(result[1])

@@ -1,12 +1,16 @@
 """Helpers shared by several test files: torchrun jobs, metrics rows, action-mask runs."""
 
+import asyncio
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import torch
+from aiohttp import web
 
 ROOT = Path(__file__).parents[1]
 
@@ -150,3 +154,24 @@ def sandbox_pids() -> list[int]:
         if b"_sandbox_boot.py" in cmd or ancestor in servers:
             found.append(pid)
     return found
+
+
+@contextlib.contextmanager
+def serving(app: web.Application):
+    """Serve the aiohttp ``app`` on a free loopback port from a thread with its own event loop (so a
+    test can call it with blocking clients); yields its URL."""
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app, access_log=None)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = site._server.sockets[0].getsockname()[1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()

@@ -241,6 +241,10 @@ def test_readme_shell_commands_run(block, form, tmp_path, tiny_dir):
         for proc in background:
             proc.terminate()
             proc.wait(timeout=60)
+    if any("output=remote.jsonl" in command for command in commands):  # episodes played through an env server
+        records = [json.loads(line) for line in (tmp_path / "remote.jsonl").read_text().splitlines()]
+        assert len(records) == 8 and len({r["seed"] for r in records}) == 8
+        assert all(r["turns"] >= 1 and r["messages"][0]["content"] for r in records)
     if any("output=served.jsonl" in command for command in commands):
         served, local = (
             [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]

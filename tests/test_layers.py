@@ -29,14 +29,28 @@ LAYERS = [
             "rl2gem.data",
         ],
     ),
-    ("env API", ["rl2gem.core", "rl2gem.wrappers", "rl2gem.vector", "rl2gem.registry", "rl2gem.testing"]),
+    (
+        "env API",
+        [
+            "rl2gem.core",
+            "rl2gem.wrappers",
+            "rl2gem.vector",
+            "rl2gem.registry",
+            "rl2gem.testing",
+            "rl2gem.env_protocol",
+            "rl2gem.remote",
+        ],
+    ),
     ("tools and rewards", ["rl2gem.retrieval", "rl2gem.tools", "rl2gem.rewards"]),
     ("envs", ["rl2gem.envs", "rl2gem"]),
     ("rollout", ["rl2gem.rollout"]),
     ("evaluation", ["rl2gem.evaluation"]),
     ("training core", ["rl2gem.algorithms", "rl2gem.parallel", "rl2gem.training"]),
     ("serving", ["rl2gem.serving"]),
-    ("command lines and integrations", ["rl2gem.evaluate", "rl2gem.collect", "rl2gem.serve", "rl2gem.integrations"]),
+    (
+        "command lines and integrations",
+        ["rl2gem.evaluate", "rl2gem.collect", "rl2gem.serve", "rl2gem.envserver", "rl2gem.integrations"],
+    ),
     ("trainers", ["rl2gem.trainers"]),
 ]
 #: Where the installed names ``rl2gem.envs`` and ``rl2gem.trainers`` live in the source tree.

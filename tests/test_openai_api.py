@@ -2,11 +2,9 @@
 ``rl2gem.evaluate`` against served models (live servers on 127.0.0.1 only)."""
 
 import asyncio
-import contextlib
 import json
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -15,6 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 import torch
+from helpers import serving
 from tiny import tiny_model
 from transformers import AutoTokenizer
 
@@ -221,27 +220,6 @@ class ScriptedEngine(Engine):
 
     async def health(self):
         return True
-
-
-@contextlib.contextmanager
-def serving(app):
-    """Serve an aiohttp app on a free local port from a thread; yields its URL."""
-    from aiohttp import web
-
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app)
-    loop.run_until_complete(runner.setup())
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    loop.run_until_complete(site.start())
-    port = site._server.sockets[0].getsockname()[1]
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(30)
 
 
 @pytest.fixture(scope="module")

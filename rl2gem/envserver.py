@@ -1,0 +1,71 @@
+"""``python -m rl2gem.envserver``: serve a registered env over OpenEnv's HTTP and WebSocket contract.
+
+    python -m rl2gem.envserver rl2/GuessTheNumber-v0 --port 8000
+    python -m rl2gem.envserver rl2/GSM8K-v0 --port 8001 split=test    # env kwargs as key=value (YAML values)
+
+Any registered env (built-in or plugin) with the kwargs given; the routes are
+:mod:`rl2gem.serving.env_server`. Clients: ``gym.make("rl2/Remote-v0", url=...)``
+(:class:`rl2gem.remote.RemoteEnv`), OpenEnv's WebSocket client, ``openenv validate URL``. It
+prints ``RL2GEM_ENVSERVER_READY <url>`` once it listens. A bad env id or kwarg exits with 2 and
+one line before anything listens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+
+import gymnasium as gym
+from omegaconf import OmegaConf
+
+from rl2gem.procs import serve_app
+from rl2gem.registry import load_plugins
+from rl2gem.serving.env_server import make_env_app
+
+__all__ = ["READY_PREFIX", "main"]
+
+READY_PREFIX = "RL2GEM_ENVSERVER_READY"
+
+
+def parse_env_kwargs(pairs: list[str]) -> dict:
+    """``key=value`` arguments as env kwargs, values read as YAML (``n=3`` an int, ``a.b=1`` nested).
+
+    Raises:
+        ValueError: an argument that is not ``key=value``.
+    """
+    for pair in pairs:
+        if "=" not in pair or pair.startswith("="):
+            raise ValueError(f"env kwargs are key=value pairs, got {pair!r}")
+    return OmegaConf.to_container(OmegaConf.from_dotlist(pairs), resolve=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m rl2gem.envserver", description=__doc__.split("\n\n")[0])
+    p.add_argument("env_id", help="a registered env id, e.g. rl2/SearchQA-v0")
+    p.add_argument("env_kwargs", nargs="*", help="the env's kwargs as key=value")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed in the ready line)")
+    p.add_argument("--max-sessions", type=int, default=256, help="sessions open at once (more get HTTP 503)")
+    p.add_argument("--session-timeout", type=float, default=600.0, help="seconds idle before a session is closed")
+    p.add_argument("--exit-on-stdin-eof", action="store_true", help="stop when stdin closes (used by launchers)")
+    args = p.parse_intermixed_args(argv)  # options before or after the key=value pairs
+    load_plugins()
+    try:
+        app = make_env_app(
+            args.env_id,
+            parse_env_kwargs(args.env_kwargs),
+            max_sessions=args.max_sessions,
+            session_timeout=args.session_timeout if args.session_timeout > 0 else None,
+        )
+    except (gym.error.Error, TypeError, ValueError, FileNotFoundError) as error:
+        print(f"config error: {args.env_id}: {error}", file=sys.stderr)
+        return 2
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve_app(app, args.host, args.port, READY_PREFIX, args.exit_on_stdin_eof))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
