@@ -129,6 +129,7 @@ lock: .venv-uv/bin/uv
 
 bench: setup
 	$(BIN)/python benchmarks/env_throughput.py
+	$(BIN)/python benchmarks/env_server.py
 	$(BIN)/python benchmarks/retrieval.py
 	$(BIN)/python benchmarks/rollout.py
 	$(BIN)/python benchmarks/trainer.py --lora 16

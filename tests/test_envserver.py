@@ -126,13 +126,38 @@ def test_a_vector_env_over_the_server_equals_the_local_one(game_url):
         observations, infos = await venv.areset(seed=11)
         out = [(observations, [i["seed"] for i in infos])]
         for guess in (50, 25, 75):
-            observations, rewards, terminated, truncated, infos = await venv.astep([f"\\boxed{{{guess}}}"] * 4)
-            out.append((observations, list(rewards), list(terminated), [i["turn"] for i in infos]))
+            observations, rewards, terminated, truncated, infos = await venv.astep(
+                [f"\\boxed{{{guess}}}"] * venv.num_envs
+            )
+            out.append((observations, list(rewards), list(terminated), [i.get("turn") for i in infos]))
         await venv.aclose()
         return out
 
-    remote = asyncio.run(episode(rl2gem.make_vec("rl2/Remote-v0", num_envs=4, url=game_url)))
-    assert remote == asyncio.run(episode(rl2gem.make_vec(GAME, num_envs=4)))
+    remote = asyncio.run(episode(rl2gem.make_vec("rl2/Remote-v0", num_envs=64, url=game_url)))  # 64 sessions
+    assert remote == asyncio.run(episode(rl2gem.make_vec(GAME, num_envs=64)))
+
+
+def test_a_served_searchqa_replays_the_solvers_episodes_exactly():
+    """100 episodes of the oracle solver (what ``collect policy=solver`` plays) on the local
+    SearchQA, then the same seeds and actions through rl2/Remote-v0: the same observations (search
+    results as tool turns), rewards, flags and info (em, f1, num_searches, role, turn, seed)."""
+    with serving_env("rl2/SearchQA-v0", {"topk": 1, "split": "test"}) as (url, _):
+        local = rl2gem.make("rl2/SearchQA-v0", topk=1, split="test")
+        remote = gym.make("rl2/Remote-v0", url=url, topk=1, split="test")
+        solve = local.unwrapped.make_solver()
+        searched = 0
+        for seed in range(100):
+            observation, _ = local.reset(seed=seed)
+            actions, done = [], False
+            while not done:
+                actions.append(solve(observation))
+                observation, _, terminated, truncated, _ = local.step(actions[-1])
+                done = terminated or truncated
+            searched += any(action.startswith("<search>") for action in actions)
+            assert play(remote, seed, actions) == play(local, seed, actions), seed
+        assert searched == 100
+        remote.close()
+        local.close()
 
 
 def test_env_kwargs_and_the_split_reach_the_served_env():

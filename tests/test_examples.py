@@ -133,6 +133,14 @@ def test_retrieval_benchmark_smoke():
     assert float(recall.group(2)) > 0.9  # BM25 finds the subject's article in the top 3
 
 
+# slow: make bench runs the script in full; tests/test_envserver.py covers the serving path
+@pytest.mark.slow
+def test_env_server_benchmark_smoke():
+    stdout = run("benchmarks/env_server.py", "--quick", "--sessions", "1,8")
+    rows = re.findall(r"^\| (\d+) \| \d+ \| \d+ \| [\d.]+x \|$", stdout, re.M)
+    assert rows == ["1", "8"]
+
+
 # slow: make bench runs the script in full
 @pytest.mark.slow
 def test_env_throughput_benchmark_smoke():
