@@ -153,15 +153,12 @@ class RemoteEnv(Env):
         return "", 0.0, False, True, {"error": error, "truncated_reason": "remote_error"}
 
     def _begin_step(self, action: Any) -> tuple[str, str | None]:
-        """The base checks (reset first, text), but an empty or over-long text goes to the server,
-        whose env judges it as it would locally."""
+        """The base checks (reset first, text), but any text JSON can carry (an empty or over-long
+        one too) goes to the server, whose env judges it as it would locally."""
         text, reason = super()._begin_step(action)
-        if reason is not None and isinstance(action, str) and not reason.endswith("UTF-8 text"):
+        if reason is not None and isinstance(action, str) and _encodable(action):
             return action, None
         return text, reason
-
-    def render_text(self) -> str:
-        return getattr(self, "_last_observation", "")
 
     @property
     def session_id(self) -> str | None:
@@ -170,3 +167,12 @@ class RemoteEnv(Env):
 
     def __repr__(self) -> str:
         return f"<rl2/Remote-v0 {self.url}>"
+
+
+def _encodable(text: str) -> bool:
+    """Whether ``text`` is valid UTF-8 (no lone surrogates), so JSON can carry it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

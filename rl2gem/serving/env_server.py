@@ -84,6 +84,16 @@ class EnvSession:
     last_request: tuple[str, dict[str, Any]] | None = None  # (request_id, its answer)
 
 
+async def close_env(env: Any) -> None:
+    """Close ``env`` (``aclose`` on this loop, else ``close`` in a worker thread); an env that fails
+    to close is left behind, the server goes on."""
+    with contextlib.suppress(Exception):
+        if hasattr(env, "aclose"):
+            await env.aclose()
+        else:
+            await asyncio.to_thread(env.close)
+
+
 class EnvSessions:
     """The live sessions of a server: each an env made with ``env_kwargs`` (the served ones updated
     by the client's), at most ``max_sessions`` at once, closed after ``timeout`` idle seconds by
@@ -148,8 +158,7 @@ class EnvSessions:
         session = self.sessions.pop(session_id, None)
         if session is None:
             return False
-        with contextlib.suppress(Exception):  # an env that fails to close still leaves the server
-            await session.env.aclose() if hasattr(session.env, "aclose") else await asyncio.to_thread(session.env.close)
+        await close_env(session.env)
         return True
 
     async def reap(self) -> list[str]:
@@ -236,8 +245,7 @@ class EnvRoutes:
             if overrides is not None and {**self.sessions.env_kwargs, **overrides} != session.env_kwargs:
                 old = session.env
                 session.env, session.env_kwargs = await self.sessions.make_env(overrides)
-                with contextlib.suppress(Exception):
-                    await old.aclose()
+                await close_env(old)
             try:
                 observation, info = await session.env.areset(seed=seed, options=options)
             except (ValueError, IndexError, KeyError) as error:  # e.g. an options index out of range
