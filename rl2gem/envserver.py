@@ -20,7 +20,7 @@ import sys
 import gymnasium as gym
 from omegaconf import OmegaConf
 
-from rl2gem.procs import serve_app
+from rl2gem.procs import quick_exit_collection, serve_app
 from rl2gem.registry import load_plugins
 from rl2gem.serving.env_server import make_env_app
 
@@ -68,4 +68,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    quick_exit_collection()
+    raise SystemExit(main())

@@ -17,6 +17,7 @@ import time
 from rl2gem.config import ConfigError, load_config
 from rl2gem.evaluation import DEFAULTS, evaluate, summarize
 from rl2gem.models import resolve_device, resolve_dtype
+from rl2gem.procs import quick_exit_collection
 
 __all__ = ["parse_args", "main"]
 
@@ -54,4 +55,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    quick_exit_collection()
     raise SystemExit(main())

@@ -9,7 +9,9 @@ never leaves it running).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
+import gc
 import os
 import signal
 import socket
@@ -21,7 +23,21 @@ from collections import deque
 
 from aiohttp import web
 
-__all__ = ["ServiceProcess", "free_port", "serve_app", "stop_on_stdin_eof"]
+__all__ = ["ServiceProcess", "free_port", "quick_exit_collection", "serve_app", "stop_on_stdin_eof"]
+
+
+def quick_exit_collection() -> None:
+    """Make this process's interpreter shutdown skip the cyclic garbage collector's walk over every
+    live object: at exit (after the ``atexit`` handlers registered later, such as the loggers'),
+    :func:`gc.freeze` moves all objects to the permanent generation. Called by each command line's
+    ``main``, never at import, so a user's own program keeps Python's usual shutdown.
+
+    A process that imported torch and transformers spends 1.8-2.5 s of CPU in its final
+    collections (a PPO rank on this project's 2-core host; 0.27 s with this), every trainer rank,
+    evaluation and server. Objects are still freed by reference counting as modules are cleared;
+    only garbage in reference cycles is left to the operating system, so files must be closed by
+    their owners, as every writer of this project does (``with open``, explicit ``close``)."""
+    atexit.register(gc.freeze)
 
 
 class ServiceProcess:

@@ -36,7 +36,7 @@ from typing import Any
 
 from rl2gem.aio import LoopSessions
 from rl2gem.assets import ASSETS, asset_path, build_dir, cache_dir, locked
-from rl2gem.procs import ServiceProcess, serve_app
+from rl2gem.procs import ServiceProcess, quick_exit_collection, serve_app
 
 __all__ = [
     "LazyRetrieval",
@@ -341,10 +341,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
-
-
 class LazyRetrieval:
     """A :class:`RetrievalClient` made on first use, for envs and tools that may never search.
 
@@ -374,3 +370,8 @@ class LazyRetrieval:
         if self._embedded:
             EmbeddedService.release()
             self._embedded = False
+
+
+if __name__ == "__main__":
+    quick_exit_collection()
+    raise SystemExit(main())

@@ -13,13 +13,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import sys
 
 import torch
 from transformers import AutoTokenizer
 
 from rl2gem.models import DTYPES, load_model, resolve_device, resolve_model
-from rl2gem.procs import serve_app
+from rl2gem.procs import quick_exit_collection, serve_app
 from rl2gem.rollout.engines.embedded import EmbeddedEngine
 from rl2gem.rollout.engines.http import HTTPEngine
 from rl2gem.rollout.tito import load_chat_template
@@ -85,4 +84,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    quick_exit_collection()
+    raise SystemExit(main())

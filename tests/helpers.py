@@ -1,16 +1,23 @@
 """Helpers shared by several test files: torchrun jobs, metrics rows, action-mask runs."""
 
 import asyncio
+import atexit
 import contextlib
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
 from aiohttp import web
+
+from rl2gem.procs import free_port
 
 ROOT = Path(__file__).parents[1]
 
@@ -23,13 +30,115 @@ def torchrun_command(nproc: int, *args: str) -> tuple[list[str], dict[str, str]]
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 600, cwd=None, env=None) -> str:
-    """Run a torchrun job to the end; assert it succeeded (its output tails in the message); its stdout."""
+    """Run a torchrun job (``args``: a script and its arguments) to the end; assert it succeeded (its
+    output tails in the message); its stdout.
+
+    The ranks are forked from :class:`RankZygote` with the environment ``torchrun --standalone``
+    gives them, not started by the launcher (6 s of imports per rank saved); the README's commands
+    and ``make run`` use the real launcher. ``RL2GEM_TEST_LAUNCHER=torchrun`` runs every job under it.
+    """
     cmd, base = torchrun_command(nproc, *args)
-    r = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT, env={**base, **(env or {})}
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    return r.stdout
+    env = {**base, **(env or {})}
+    if os.environ.get("RL2GEM_TEST_LAUNCHER") == "torchrun":
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT, env=env)
+        code, stdout, stderr = r.returncode, r.stdout, r.stderr
+    else:
+        code, stdout, stderr = RankZygote.shared().run(nproc, args[0], args[1:], cwd or ROOT, env, timeout)
+    assert code == 0, stdout[-3000:] + stderr[-5000:]
+    return stdout
+
+
+class RankZygote:
+    """A ``tests/rank_zygote.py`` fork server, one per test process (:meth:`shared`), started on first use."""
+
+    _shared: "RankZygote | None" = None
+
+    @classmethod
+    def shared(cls) -> "RankZygote":
+        if cls._shared is None or cls._shared.process.poll() is not None:
+            cls._shared = cls()
+        return cls._shared
+
+    def __init__(self):
+        _, env = torchrun_command(1)
+        self.process = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "rank_zygote.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=ROOT,
+            env=env,
+            text=True,
+            bufsize=1,
+        )
+        self._pending, self._exits = b"", {}
+        assert "ready" in self._read(None)
+        atexit.register(self.process.stdin.close)
+
+    def run(self, nproc: int, script: str, args, cwd, env: dict, timeout: float) -> tuple[int, str, str]:
+        """Run ``script args`` as ``nproc`` ranks; ``(exit code, stdout, stderr)`` as torchrun reports
+        them: the ranks' outputs in rank order, the first failing rank's code, and the other ranks
+        killed when one fails (or at ``timeout``, raising :class:`subprocess.TimeoutExpired`)."""
+        port = free_port()
+        with tempfile.TemporaryDirectory() as folder:
+            pids = []
+            for rank in range(nproc):
+                rank_env = {
+                    **env,
+                    **{name: str(rank) for name in ("RANK", "LOCAL_RANK", "ROLE_RANK")},
+                    **{name: str(nproc) for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "ROLE_WORLD_SIZE")},
+                    "GROUP_RANK": "0",  # the node's rank
+                    "GROUP_WORLD_SIZE": "1",
+                    "ROLE_NAME": "default",
+                    "MASTER_ADDR": "localhost",
+                    "MASTER_PORT": str(port),
+                    "TORCHELASTIC_RESTART_COUNT": "0",
+                    "TORCHELASTIC_MAX_RESTARTS": "0",
+                }
+                request = {"script": str(script), "args": [str(a) for a in args], "cwd": str(cwd), "env": rank_env}
+                request |= {stream: f"{folder}/{rank}.{stream}" for stream in ("stdout", "stderr")}
+                self.process.stdin.write(json.dumps(request) + "\n")
+                self.process.stdin.flush()
+                pids.append(self._next("pid"))
+            codes = self._wait(pids, timeout)
+            outputs = [
+                "".join(Path(f"{folder}/{rank}.{stream}").read_text() for rank in range(nproc))
+                for stream in ("stdout", "stderr")
+            ]
+        failed = [code for code in codes.values() if code != 0]  # in the order the ranks ended
+        return (failed[0] if failed else 0), *outputs
+
+    def _read(self, timeout: float | None) -> dict | None:
+        """The server's next message, or None after ``timeout`` seconds without one."""
+        while b"\n" not in self._pending:
+            ready, _, _ = select.select([self.process.stdout], [], [], timeout)
+            if not ready:
+                return None
+            chunk = os.read(self.process.stdout.fileno(), 65536)
+            assert chunk, f"the rank fork server exited ({self.process.wait()})"
+            self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def _next(self, key: str) -> int:
+        while "exited" in (message := self._read(None)):  # an exit before this pid: kept for _wait
+            self._exits[message["exited"]] = message["code"]
+        return message[key]
+
+    def _wait(self, pids: list[int], timeout: float) -> dict[int, int]:
+        deadline = time.monotonic() + timeout
+        codes = {pid: self._exits.pop(pid) for pid in pids if pid in self._exits}
+        while len(codes) < len(pids):
+            late = time.monotonic() > deadline
+            if late or any(code != 0 for code in codes.values()):
+                for pid in set(pids) - set(codes):  # torchrun stops the other ranks when one fails
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(pid, signal.SIGKILL)
+            message = self._read(1.0)
+            if message is not None and message["exited"] in pids:
+                codes[message["exited"]] = message["code"]
+            if late and len(codes) == len(pids):
+                raise subprocess.TimeoutExpired(f"ranks {pids}", timeout)
+        return codes
 
 
 def logged_steps(path, key: str) -> dict[int, dict]:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rl2gem.evaluation import EpisodeRecord, record_sums
+from rl2gem.procs import quick_exit_collection
 
 __all__ = ["PIPELINES", "Pipeline", "main", "prefix_merging_tokens"]
 
@@ -312,4 +313,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    quick_exit_collection()
     raise SystemExit(main())

@@ -49,6 +49,7 @@ from rl2gem.algorithms import (
     value_loss,
 )
 from rl2gem.parallel.packing import MicroBatch, plan_micro_batches, regroup_scores, tree_size
+from rl2gem.procs import quick_exit_collection
 from rl2gem.training.forward import token_logprobs, token_values
 from rl2gem.training.metrics import Averager, reduce_mean, throughput_metrics, train_flops
 from rl2gem.training.online import OnlineTrainer
@@ -248,4 +249,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    quick_exit_collection()
     raise SystemExit(main())

@@ -41,6 +41,7 @@ import psutil
 from omegaconf import OmegaConf
 
 from rl2gem.config import ConfigError, command_line_config
+from rl2gem.procs import quick_exit_collection
 
 CONFIG = Path(__file__).with_name("config") / "tune.yaml"
 TRAINERS = ("ppo", "sft", "rm", "dpo")
@@ -388,4 +389,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    quick_exit_collection()
     raise SystemExit(main())

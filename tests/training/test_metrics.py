@@ -101,7 +101,7 @@ def test_peak_from_config_prints_its_source(capsys, monkeypatch):
     assert "MFU peak: 123 TFLOP/s per rank (trainer.peak_flops)" in capsys.readouterr().out
     monkeypatch.setattr(metrics, "measure_peak_flops", lambda device, dtype: 2e11)
     assert metrics.peak_flops_from_config(None, torch.device("cpu"), torch.float32) == 2e11
-    assert "(measured: a 2048^3 float32 matmul)" in capsys.readouterr().out
+    assert "(measured: a 1024^3 float32 matmul)" in capsys.readouterr().out
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     assert metrics.peak_flops_from_config(None, torch.device("cuda"), torch.bfloat16) == pytest.approx(989.4e12)
     assert "(H100/H200 SXM bf16 dense, datasheet)" in capsys.readouterr().out
