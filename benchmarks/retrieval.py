@@ -21,7 +21,7 @@ import sys
 import time
 
 import numpy as np
-from rl2gem.envs.search_qa import load_questions
+from rl2gem.envs.search_qa import bridge_recall, load_questions
 
 from rl2gem.procs import free_port
 from rl2gem.retrieval import BM25Index, RetrievalClient
@@ -107,6 +107,15 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|" + "---:|" * len(ks))
     print("| the question | " + " | ".join(f"{by_question[k]:.3f}" for k in ks) + " |")
     print("| the subject | " + " | ".join(f"{by_subject[k]:.3f}" for k in ks) + " |")
+
+    two_hop = load_questions("train", hops=2) + load_questions("test", hops=2)
+    print(
+        f"\nTwo-hop questions (rl2/MultiHopQA-v0, {len(two_hop)}): the share whose bridge article, the one "
+        "holding the answer, is in BM25's top-k for the question text (one search would do)\n"
+    )
+    print("| query | " + " | ".join(f"@{k}" for k in ks) + " |")
+    print("|---|" + "---:|" * len(ks))
+    print("| the question | " + " | ".join(f"{bridge_recall(index, two_hop, k):.3f}" for k in ks) + " |")
 
 
 if __name__ == "__main__":

