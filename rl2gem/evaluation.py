@@ -82,6 +82,7 @@ DEFAULTS: dict[str, Any] = {
     "env_kwargs": {},
     "tools_in_template": False,
     "chat_template": None,
+    "context": {"max_tokens": None, "policy": "truncate", "summary_max_new_tokens": 128},  # rl2gem.rollout.context
     "server": None,  # URL of a server speaking SGLang's native API (or a router in front of several)
     "openai_base_url": None,  # e.g. http://127.0.0.1:30000/v1: play through the OpenAI Chat Completions API
     "openai_model": None,  # the model name the API serves (required with openai_base_url)

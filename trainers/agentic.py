@@ -1,6 +1,8 @@
 """The agentic pipeline of an env, stage by stage and resumable: oracle episodes -> SFT -> PPO on
 multi-turn rollouts -> evaluation of the base, SFT-only and SFT+RL models on held-out items.
-Pipelines: ``searchqa`` (rl2/SearchQA-v0) and ``guess`` (rl2/GuessTheNumber-v0).
+Pipelines: ``searchqa`` (rl2/SearchQA-v0), ``guess`` (rl2/GuessTheNumber-v0) and ``multihop``
+(rl2/MultiHopQA-v0: two searches per question), also with its history managed in 512-token
+segments (``multihop-truncate``, ``multihop-summarize``; ``rollout.context``).
 
     python -m rl2gem.trainers.agentic searchqa          # the full run (README, "Agentic training")
     python -m rl2gem.trainers.agentic searchqa --toy    # a few items and one step per stage (CI)
@@ -95,6 +97,31 @@ PIPELINES: dict[str, Pipeline] = {
         eval=["n=200", "seed=100000", "env_kwargs.difficulty=expert", "max_new_tokens=16", "batch_size=64"],
         toy=_toy({"difficulty": "easy"}),  # 1..10 in 4 guesses: a toy run checks the stages, not the game
     ),
+    **{
+        name: Pipeline(
+            env="rl2/MultiHopQA-v0",
+            collect=["n=2000", "env_kwargs.topk=3"],
+            sft_config="multihop_sft",
+            ppo_config=name.replace("-", "_"),
+            eval=[
+                "n=200",
+                "env_kwargs.topk=3",
+                "env_kwargs.max_turns=5",
+                "max_new_tokens=48",
+                "batch_size=32",
+                *context,
+            ],
+            toy=_toy(),
+        )
+        for name, context in (
+            ("multihop", []),
+            ("multihop-truncate", ["context.max_tokens=512", "context.policy=truncate"]),
+            (
+                "multihop-summarize",
+                ["context.max_tokens=512", "context.policy=summarize", "context.summary_max_new_tokens=96"],
+            ),
+        )
+    },
     "guess-hard": Pipeline(  # few demonstrations: 64 solver games, so SFT stops well below the solver
         env="rl2/GuessTheNumber-v0",
         collect=["n=64", "env_kwargs.difficulty=hard"],

@@ -34,6 +34,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from rl2gem.rollout.context import CONTINUE_PROMPT, SUMMARY_PROMPT, ContextConfig, truncated_messages
 from rl2gem.rollout.engines.base import Engine, EngineError, SamplingParams, mix_seed
 from rl2gem.rollout.tito import ChatRenderer, Episode, Sequence
 
@@ -66,6 +67,8 @@ class RolloutConfig:
         seed: base of the per-group env seeds and of the per-request sampling seeds
             (``sampling_seed``: a group's samples are the same whatever the batching).
         progress: show a tqdm bar.
+        context: managed context (:class:`rl2gem.rollout.context.ContextConfig`, or its keys as
+            a mapping): a segment budget and ``truncate`` / ``summarize`` when it is reached.
     """
 
     responses_per_prompt: int = 4
@@ -84,6 +87,10 @@ class RolloutConfig:
     tools_in_template: bool = False
     seed: int = 0
     progress: bool = False
+    context: ContextConfig = dataclasses.field(default_factory=ContextConfig)
+
+    def __post_init__(self) -> None:
+        self.context = ContextConfig.from_value(self.context)
 
     @classmethod
     def from_mapping(cls, section: Any, *, known: Iterable[str] | None = None, **overrides: Any) -> RolloutConfig:
@@ -295,9 +302,10 @@ class Rollout:
     async def _episode(self, env, observation: str, info: dict, episode: Episode) -> Episode:
         """Play ``episode`` on ``env`` from its reset ``observation`` and ``info``: token in, token
         out, each turn's reply appended as a template delta (a new sequence where the template is
-        not append-only)."""
+        not append-only, or a new segment where the context is managed and full)."""
         config, renderer = self.config, self.renderer
         messages = renderer.initial_messages(observation, info.get("role", "user"))
+        task_length = len(messages)
         tools = info.get("tools") if config.tools_in_template else None
         sequence = Sequence()
         sequence.extend_context(renderer.prompt_ids(messages, tools))
@@ -327,6 +335,17 @@ class Rollout:
             replies = reply_messages(observation, info)
             stop = ids[-1] if finish == "stop" and ids else None
             delta = renderer.delta(messages, text, replies, stop, tools)
+            if not delta.split and not config.context.fits(len(sequence) + len(delta.ids), config.max_new_tokens):
+                segment = await self._next_segment(
+                    episode, sequence, messages[:task_length], messages, (text, replies, stop), tools
+                )
+                if segment is None:
+                    episode.truncated = True
+                    episode.info = {**episode.info, "truncated_reason": "context"}
+                    episode.messages = messages + [assistant] + replies
+                    break
+                sequence, messages = segment
+                continue
             messages = messages + [assistant] + replies
             if delta.split:
                 episode.splits += 1
@@ -335,6 +354,40 @@ class Rollout:
             sequence.extend_context(delta.ids)
         episode.messages = episode.messages or messages
         return episode
+
+    async def _next_segment(self, episode: Episode, sequence: Sequence, task, messages, turn, tools):
+        """A new segment (:mod:`rl2gem.rollout.context`) after the action ``turn = (text, replies,
+        stop token)`` of the full ``sequence`` (``messages`` before the action, the first of them
+        the ``task``): ``(its sequence, its messages)``, appended to the episode, or None when
+        the task and the last turn do not fit ``context.max_tokens``."""
+        context, renderer = self.config.context, self.renderer
+        text, replies, stop = turn
+        history = messages + [{"role": "assistant", "content": text}] + replies
+        kept = None
+        if context.policy == "summarize":
+            request = renderer.delta(
+                messages, text, [*replies, {"role": "user", "content": SUMMARY_PROMPT}], stop, tools
+            )
+            room = min(context.max_tokens, self.config.max_length) - len(sequence) - len(request.ids)
+            if not request.split and room > 0:
+                sequence.extend_context(request.ids)
+                ids, logprobs, versions, _ = await self._generate(
+                    sequence.input_ids, min(context.summary_max_new_tokens, room), episode
+                )
+                sequence.extend_action(ids, logprobs, versions)
+                episode.summaries += 1
+                summary = {"role": "assistant", "content": renderer.decode(ids)}
+                kept = task + [summary, {"role": "user", "content": CONTINUE_PROMPT}]
+        if kept is None:  # truncate, or no room left to ask for a summary
+            budget = context.max_tokens - self.config.max_new_tokens
+            kept = truncated_messages(history, len(task), lambda m: len(renderer.prompt_ids(m, tools)), budget)
+            if kept is None:
+                return None
+        segment = Sequence()
+        segment.extend_context(renderer.prompt_ids(kept, tools))
+        episode.sequences.append(segment)
+        episode.segments += 1
+        return segment, kept
 
     async def _group(self, g: _Group) -> _Group:
         n = self.config.responses_per_prompt
@@ -530,6 +583,8 @@ class Rollout:
             "rollout/action_tokens": float(sum(e.num_action_tokens for e in eps)),
             "rollout/sequences": float(sum(len(e.sequences) for e in eps)),
             "rollout/splits": float(sum(e.splits for e in eps)),
+            "rollout/context_segments": sum(e.segments for e in eps) / n,
+            "rollout/summaries": sum(e.summaries for e in eps) / n,
             "rollout/truncated": sum(e.truncated for e in eps) / n,
             "rollout/filtered_ratio": m["filtered"] / done if done else 0.0,
             "rollout/dropped_stale": float(m["dropped_stale"]),

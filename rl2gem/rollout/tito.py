@@ -116,6 +116,8 @@ class Episode:
             token budget, ``info["truncated_reason"] == "max_length"``).
         info: the env's last info.
         splits: how many times the chat template forced a new sequence.
+        segments: how many times a full context started a new sequence (``rollout.context``).
+        summaries: how many of those began with the model's summary of its progress.
         messages: the conversation as text (for logs; the tokens are the truth).
         sampling_seed: base of the per-request ``sampling_seed`` of its actions
             (None: the engine's own generator).
@@ -130,6 +132,8 @@ class Episode:
     truncated: bool = False
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
     splits: int = 0
+    segments: int = 0
+    summaries: int = 0
     messages: list[dict[str, str]] = dataclasses.field(default_factory=list)
     aborts: int = 0
     sampling_seed: int | None = None

@@ -1,0 +1,136 @@
+"""Managed context (rollout.context): segments that are exactly what the engine saw, the policies'
+choices of history, and log-probs the trainer reproduces."""
+
+import asyncio
+
+import pytest
+import torch
+from tiny import tiny_model
+
+from rl2gem.rollout import EmbeddedEngine, Rollout, RolloutConfig
+from rl2gem.rollout.context import CONTINUE_PROMPT, SUMMARY_PROMPT, ContextConfig, truncated_messages
+from rl2gem.training.forward import token_logprobs
+
+ENV = "rl2/GuessTheNumber-Easy-v0"  # 4 turns; the random tiny model never answers validly
+
+
+class RecordingEngine(EmbeddedEngine):
+    """The embedded engine, recording the token ids of every generate call."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.inputs = []
+
+    async def generate(self, input_ids, sampling_params=None, **kwargs):
+        self.inputs.append(list(input_ids))
+        return await super().generate(input_ids, sampling_params, **kwargs)
+
+
+def play(tokenizer, context: ContextConfig, model=None, episodes: int = 2):
+    async def main():
+        engine = RecordingEngine(model or tiny_model())
+        config = RolloutConfig(responses_per_prompt=episodes, max_new_tokens=8, seed=3, context=context)
+        rollout = Rollout(engine, tokenizer, ENV, config)
+        batch = await rollout.collect(1)
+        await rollout.close()
+        await engine.close()
+        return batch, engine.inputs
+
+    return asyncio.run(main())
+
+
+def test_truncation_keeps_the_task_and_the_latest_whole_turns():
+    task = [{"role": "system", "content": "s"}, {"role": "user", "content": "task"}]
+    turns = [
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "r1"},
+        {"role": "assistant", "content": "a2"},
+        {"role": "tool", "content": "t2"},
+        {"role": "tool", "content": "t2b"},
+        {"role": "assistant", "content": "a3"},
+        {"role": "user", "content": "r3"},
+    ]
+
+    def length(messages):
+        return len(messages)
+
+    assert truncated_messages(task + turns, 2, length, 9) == task + turns
+    assert truncated_messages(task + turns, 2, length, 8) == task + turns[2:]  # a2 with both tool replies
+    assert truncated_messages(task + turns, 2, length, 5) == task + turns[5:]
+    assert truncated_messages(task + turns, 2, length, 4) == task + turns[5:]
+    assert truncated_messages(task + turns, 2, length, 3) is None  # not even the last turn
+    with pytest.raises(ValueError, match="policy"):
+        ContextConfig(max_tokens=100, policy="forget")
+    with pytest.raises(ValueError, match="not context settings"):
+        ContextConfig.from_value({"max_token": 100})
+    assert RolloutConfig.from_mapping({"context": {"max_tokens": 64}}).context == ContextConfig(max_tokens=64)
+
+
+def _segments_are_what_the_engine_saw(batch, inputs):
+    """Every generate call's input is a prefix of one segment, followed there by that action's
+    tokens; every segment's action tokens are accounted for by those calls."""
+    for episode in batch.episodes:
+        for sequence in episode.sequences:
+            starts = [
+                i for i, m in enumerate(sequence.action_mask) if m and (i == 0 or not sequence.action_mask[i - 1])
+            ]
+            for start in starts:
+                assert sequence.input_ids[:start] in inputs, "an action generated from tokens the engine never saw"
+
+
+def test_truncate_starts_segments_from_the_task_and_the_latest_turns(tokenizer):
+    prompt = 150  # GuessTheNumber-Easy's first prompt, rendered, is about this long
+    batch, inputs = play(tokenizer, ContextConfig(max_tokens=prompt + 60, policy="truncate"))
+    _segments_are_what_the_engine_saw(batch, inputs)
+    for episode in batch.episodes:
+        assert episode.turns == 4 and episode.segments >= 1 and episode.summaries == 0
+        assert len(episode.sequences) == 1 + episode.segments
+        first = episode.sequences[0]
+        task_ids = first.input_ids[: first.action_mask.index(1)]
+        for sequence in episode.sequences:
+            assert len(sequence) <= prompt + 60
+        for sequence in episode.sequences[1:]:
+            text = tokenizer.decode(sequence.input_ids)
+            assert tokenizer.decode(task_ids).split("<|im_start|>user")[1] in text  # the task is kept
+            assert sequence.action_mask[: len(task_ids)] == [0] * len(task_ids)
+    assert batch.metrics["rollout/context_segments"] >= 1
+
+
+def test_summarize_trains_the_summary_and_continues_from_it(tokenizer):
+    batch, inputs = play(tokenizer, ContextConfig(max_tokens=230, policy="summarize", summary_max_new_tokens=6))
+    _segments_are_what_the_engine_saw(batch, inputs)
+    for episode in batch.episodes:
+        assert episode.turns == 4 and episode.summaries == episode.segments >= 1
+        for old, new in zip(episode.sequences, episode.sequences[1:], strict=False):
+            old_text = tokenizer.decode(old.input_ids)
+            assert SUMMARY_PROMPT in old_text
+            ask = len(tokenizer.decode(old.input_ids).split(SUMMARY_PROMPT)[0])
+            summary_ids = old.input_ids[-sum(1 for _ in _last_run(old.action_mask)) :]
+            assert old.action_mask[-1] == 1 and 1 <= len(summary_ids) <= 6  # the summary: the old segment's last action
+            assert ask > 0
+            new_text = tokenizer.decode(new.input_ids)
+            assert tokenizer.decode(summary_ids).strip() in new_text and CONTINUE_PROMPT in new_text
+    assert batch.metrics["rollout/summaries"] >= 1
+
+
+def _last_run(mask):
+    for m in reversed(mask):
+        if not m:
+            return
+        yield m
+
+
+def test_the_trainer_recomputes_each_segments_logprobs(tokenizer):
+    model = tiny_model()
+    batch, _ = play(tokenizer, ContextConfig(max_tokens=230, policy="summarize", summary_max_new_tokens=6), model)
+    sequences = batch.sequences
+    assert len(sequences) > len(batch.episodes)
+    with torch.no_grad():
+        logprobs, _ = token_logprobs(model, [s.input_ids for s in sequences], torch.device("cpu"))
+    start = 0
+    for s in sequences:
+        got = logprobs[start : start + len(s)]
+        want = torch.tensor(s.logprobs)
+        mask = torch.tensor(s.action_mask, dtype=torch.bool)
+        assert torch.allclose(got[mask], want[mask], atol=1e-4), (got[mask] - want[mask]).abs().max()
+        start += len(s)
