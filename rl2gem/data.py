@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rl2gem.assets import cache_dir
+from rl2gem.assets import cache_dir, locked
 
 __all__ = [
     "CHAT_ROLES",
@@ -288,21 +288,23 @@ def prepared(name: str, build: Callable[[], list[dict[str, Any]]]) -> list[dict[
     """Records ``build()`` returns, cached on disk as ``<cache>/prepared/<name>.jsonl`` and in memory.
 
     ``name`` must change whenever ``build`` would give other records (put the
-    asset version and a format version in it).
+    asset version and a format version in it). One process builds while the
+    others wait for its file (an inter-process lock), so concurrent first uses
+    (test workers, trainer ranks) build once.
     """
     if name in _memo:
         return _memo[name]
     path = cache_dir() / "prepared" / f"{name}.jsonl"
-    if path.exists():
-        with open(path, encoding="utf-8") as fh:
-            records = [json.loads(line) for line in fh]
-    else:
-        records = build()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{name}-")
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            for r in records:
-                fh.write(json.dumps(r, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
+    if not path.exists():
+        with locked(path.parent / f".{name}.lock"):
+            if not path.exists():
+                records = build()
+                fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{name}-")
+                with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                    for r in records:
+                        fh.write(json.dumps(r, ensure_ascii=False) + "\n")
+                os.replace(tmp, path)
+    with open(path, encoding="utf-8") as fh:
+        records = [json.loads(line) for line in fh]
     _memo[name] = records
     return records

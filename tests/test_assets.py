@@ -1,5 +1,7 @@
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -53,3 +55,30 @@ def test_sdist_from_an_unreachable_index_is_a_clear_error(tmp_cache, monkeypatch
     with pytest.raises(AssetUnavailable, match=r"bigbench==1.0.0.*\n.*(Connection|URLError)"):
         fetch("bigbench")
     assert not (tmp_cache / "assets" / "bigbench-1.0.0").exists()
+
+
+BUILD_ONCE = """
+import sys, time
+from rl2gem.data import prepared
+
+def build():
+    with open(sys.argv[1], "a") as log:
+        log.write("built\\n")
+    time.sleep(1.0)
+    return [{"n": 1}, {"n": 2}]
+
+print(prepared("concurrent-test-v1", build))
+"""
+
+
+def test_concurrent_first_uses_of_a_prepared_set_build_it_once(tmp_path):
+    log = tmp_path / "builds.txt"
+    env = {**os.environ, "RL2GEM_CACHE": str(tmp_path / "cache")}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", BUILD_ONCE, str(log)], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    outputs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert outputs == ["[{'n': 1}, {'n': 2}]"] * 3
+    assert log.read_text() == "built\n"
