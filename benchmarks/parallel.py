@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from rl2gem.procs import quick_exit_collection
+
 ROOT = Path(__file__).resolve().parents[1]
 GROWTH = 1.25  # the longest-sequence search multiplies the length by this
 LAYOUTS = [("1 rank", 1, {}), ("fsdp 2", 2, {}), ("sp 2", 2, {"sp_size": 2}), ("tp 2", 2, {"tp_size": 2})]
@@ -211,6 +213,7 @@ def main() -> None:
     parser.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
+        quick_exit_collection()  # a torchrun rank: skip the interpreter's final walk over torch's objects
         worker(*args.worker)
         return
     args.lengths = args.lengths or ("64,128" if args.quick else "256,512,1024")

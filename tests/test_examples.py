@@ -294,6 +294,9 @@ def run_readme_command(cmd: str, tmp_path: pathlib.Path, background: list) -> No
         assert rows == ["| base", "| sft", "| sft+rl"], cmd  # every stage ran, every model evaluated
         assert (run_dir / "sft" / "DONE").exists() and (run_dir / "ppo" / "DONE").exists(), cmd
         assert (run_dir / "results.png").stat().st_size > 1000, cmd
+        if "multihop-summarize" in cmd:  # the PPO stage's rollouts summarised to stay in their context
+            ppo = [json.loads(line) for line in (run_dir / "ppo" / "metrics.jsonl").read_text().splitlines()]
+            assert any(row.get("rollout/summaries", 0) > 0 for row in ppo), cmd
         shutil.rmtree(run_dir)
 
 

@@ -80,6 +80,16 @@ def _toy(env_kwargs: dict[str, str] | None = None) -> dict[str, list[str]]:
     }
 
 
+def _toy_multihop(context: bool) -> dict[str, list[str]]:
+    """:func:`_toy` for a multihop pipeline: the PPO step updates (no dynamic filtering: the tiny
+    test model's groups all score 0) and, with a context policy, segments of 256 tokens, so that
+    the toy rollouts do start new segments."""
+    toy = _toy()
+    toy["ppo"] = [*toy["ppo"], "rollout.dynamic_filter=false", *(["rollout.context.max_tokens=256"] if context else [])]
+    toy["eval"] = [*toy["eval"], *(["context.max_tokens=256"] if context else [])]
+    return toy
+
+
 PIPELINES: dict[str, Pipeline] = {
     "searchqa": Pipeline(
         env="rl2/SearchQA-v0",
@@ -111,7 +121,7 @@ PIPELINES: dict[str, Pipeline] = {
                 "batch_size=32",
                 *context,
             ],
-            toy=_toy(),
+            toy=_toy_multihop(bool(context)),
         )
         for name, context in (
             ("multihop", []),

@@ -75,8 +75,9 @@ class PPOTrainer(OnlineTrainer):
         start = time.perf_counter()
         with self.memory.phase("rollout"):
             samples, metrics = self.collect()
-        if not samples:
-            return metrics
+        if not samples:  # dynamic filtering dropped every group (equal rewards in each): no signal, no update
+            self.step += 1
+            return {**metrics, "actor/skipped_step": 1.0}
         lengths = [len(sample) for sample in samples]
         tree_sequences = [sample.ids for sample in samples] if self.cfg.actor.packing == "tree" else None
 

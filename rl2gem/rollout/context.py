@@ -12,7 +12,10 @@ rollout starts a new segment from a shorter conversation, chosen by the policy:
 * ``summarize``: the model is asked (:data:`SUMMARY_PROMPT`, a user turn after the env's
   reply) to summarise its progress; the summary is an action of the old segment (trained with
   the episode's credit, like any action; the env never sees it) and the new segment starts from
-  the task, the summary as the assistant's turn and :data:`CONTINUE_PROMPT`.
+  the task, the summary as the assistant's turn and :data:`CONTINUE_PROMPT`. The request and the
+  summary may take the old segment past ``max_tokens`` (up to the rollout's ``max_length``): the
+  model has to read the reply that did not fit to summarise it. Without that room the policy
+  falls back to ``truncate``.
 
 Every segment is a training sequence of the episode (:attr:`rl2gem.rollout.tito.Episode.sequences`):
 outcome estimators score each with the episode's return, ``turn_rloo`` numbers the turns across

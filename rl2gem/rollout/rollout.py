@@ -368,7 +368,7 @@ class Rollout:
             request = renderer.delta(
                 messages, text, [*replies, {"role": "user", "content": SUMMARY_PROMPT}], stop, tools
             )
-            room = min(context.max_tokens, self.config.max_length) - len(sequence) - len(request.ids)
+            room = self.config.max_length - len(sequence) - len(request.ids)  # past max_tokens: it reads the reply
             if not request.split and room > 0:
                 sequence.extend_context(request.ids)
                 ids, logprobs, versions, _ = await self._generate(

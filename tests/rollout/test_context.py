@@ -27,6 +27,9 @@ class RecordingEngine(EmbeddedEngine):
 
 
 def play(tokenizer, context: ContextConfig, model=None, episodes: int = 2):
+    """A group of GuessTheNumber-Easy episodes: a prompt of 83 tokens, then 4 turns of 8 action
+    tokens and a 23-token reply each (184 tokens in one sequence without a context budget)."""
+
     async def main():
         engine = RecordingEngine(model or tiny_model())
         config = RolloutConfig(responses_per_prompt=episodes, max_new_tokens=8, seed=3, context=context)
@@ -79,16 +82,18 @@ def _segments_are_what_the_engine_saw(batch, inputs):
 
 
 def test_truncate_starts_segments_from_the_task_and_the_latest_turns(tokenizer):
-    prompt = 150  # GuessTheNumber-Easy's first prompt, rendered, is about this long
-    batch, inputs = play(tokenizer, ContextConfig(max_tokens=prompt + 60, policy="truncate"))
+    # 140 tokens: turn 3 (at 145) does not fit; the task and turn 2 (83 + 31) and an action do
+    batch, inputs = play(tokenizer, ContextConfig(max_tokens=140, policy="truncate"))
     _segments_are_what_the_engine_saw(batch, inputs)
     for episode in batch.episodes:
-        assert episode.turns == 4 and episode.segments >= 1 and episode.summaries == 0
+        assert episode.turns == 4 and episode.segments == 2 and episode.summaries == 0
         assert len(episode.sequences) == 1 + episode.segments
         first = episode.sequences[0]
         task_ids = first.input_ids[: first.action_mask.index(1)]
+        assert len(task_ids) == 83
         for sequence in episode.sequences:
-            assert len(sequence) <= prompt + 60
+            assert len(sequence) <= 140
+            assert sum(sequence.action_mask) in (8, 16)  # one or two turns per segment
         for sequence in episode.sequences[1:]:
             text = tokenizer.decode(sequence.input_ids)
             assert tokenizer.decode(task_ids).split("<|im_start|>user")[1] in text  # the task is kept
@@ -97,32 +102,34 @@ def test_truncate_starts_segments_from_the_task_and_the_latest_turns(tokenizer):
 
 
 def test_summarize_trains_the_summary_and_continues_from_it(tokenizer):
-    batch, inputs = play(tokenizer, ContextConfig(max_tokens=230, policy="summarize", summary_max_new_tokens=6))
+    batch, inputs = play(tokenizer, ContextConfig(max_tokens=140, policy="summarize", summary_max_new_tokens=6))
     _segments_are_what_the_engine_saw(batch, inputs)
     for episode in batch.episodes:
         assert episode.turns == 4 and episode.summaries == episode.segments >= 1
         for old, new in zip(episode.sequences, episode.sequences[1:], strict=False):
-            old_text = tokenizer.decode(old.input_ids)
-            assert SUMMARY_PROMPT in old_text
-            ask = len(tokenizer.decode(old.input_ids).split(SUMMARY_PROMPT)[0])
-            summary_ids = old.input_ids[-sum(1 for _ in _last_run(old.action_mask)) :]
-            assert old.action_mask[-1] == 1 and 1 <= len(summary_ids) <= 6  # the summary: the old segment's last action
-            assert ask > 0
-            new_text = tokenizer.decode(new.input_ids)
-            assert tokenizer.decode(summary_ids).strip() in new_text and CONTINUE_PROMPT in new_text
+            summary_length = old.action_mask[::-1].index(0)  # the old segment ends with the summary
+            assert 1 <= summary_length <= 6
+            summary = tokenizer.decode(old.input_ids[-summary_length:], skip_special_tokens=True)
+            asked = tokenizer.decode(old.input_ids[:-summary_length])
+            assert asked.rstrip().endswith("<|im_start|>assistant") and SUMMARY_PROMPT in asked
+            # the new segment starts with the chat template's rendering of the task, the summary
+            # and the request to go on (rendered here by the tokenizer itself)
+            conversation = [
+                episode.messages[0],
+                {"role": "assistant", "content": summary},
+                {"role": "user", "content": CONTINUE_PROMPT},
+            ]
+            prompt = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+            expected = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            assert new.input_ids[: len(expected)] == expected and new.action_mask[: len(expected)] == [0] * len(
+                expected
+            )
     assert batch.metrics["rollout/summaries"] >= 1
-
-
-def _last_run(mask):
-    for m in reversed(mask):
-        if not m:
-            return
-        yield m
 
 
 def test_the_trainer_recomputes_each_segments_logprobs(tokenizer):
     model = tiny_model()
-    batch, _ = play(tokenizer, ContextConfig(max_tokens=230, policy="summarize", summary_max_new_tokens=6), model)
+    batch, _ = play(tokenizer, ContextConfig(max_tokens=140, policy="summarize", summary_max_new_tokens=6), model)
     sequences = batch.sequences
     assert len(sequences) > len(batch.episodes)
     with torch.no_grad():

@@ -667,3 +667,31 @@ def test_auto_length_fits_the_simulated_device_without_backing_off(tiny_dir, tmp
     length = steps[1]["actor/max_length_per_device"]
     assert length % 64 == 0 and 64 <= length < 512 and steps[2]["actor/max_length_per_device"] == length
     assert not (out / "max_length_per_device").exists()
+
+
+def test_a_step_whose_groups_dynamic_filtering_all_drops_is_skipped_not_repeated(tiny_dir, tmp_path):
+    """The tiny random model never solves Countdown: with dynamic filtering every group (all
+    rewards 0) is dropped, up to max_groups_factor x the groups asked for. Such a step counts, with
+    no update, so the run ends (it looped on step 0 before)."""
+    out = tmp_path / "run"
+    torchrun(
+        1,
+        "trainers/ppo.py",
+        "env=rl2/Countdown-v0",
+        f"actor.model={tiny_dir}",
+        "rollout.prompts_per_rollout=2",
+        "rollout.responses_per_prompt=2",
+        "rollout.max_new_tokens=4",
+        "rollout.dynamic_filter=true",
+        "trainer.total_steps=2",
+        "trainer.eval_at_start=false",
+        "trainer.eval_n=2",
+        "trainer.progress=false",
+        f"trainer.output_dir={out}",
+        timeout=300,
+    )
+    steps = logged_steps(out / "metrics.jsonl", "rollout/filtered_ratio")
+    assert sorted(steps) == [1, 2]
+    for row in steps.values():
+        assert row["rollout/filtered_ratio"] == 1.0 and row["actor/skipped_step"] == 1.0
+        assert row["rollout/groups_started"] == 8  # max_groups_factor 4 x 2 groups
