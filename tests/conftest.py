@@ -12,7 +12,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 os.environ.setdefault("WANDB_MODE", "offline")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # one per test process: pytest-xdist interleaves modules
 def tiny_dir(tmp_path_factory):
     """A folder with the tiny random Llama and SmolLM2's tokenizer, loadable as ``actor.model``."""
     from tiny import tiny_model

@@ -4,7 +4,7 @@ import random
 import pytest
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def pairs_file(tmp_path_factory):
     """24 hand-made arithmetic preference pairs (the right sum chosen, a wrong one rejected) in
     RL2's two row shapes, some with a system prompt."""

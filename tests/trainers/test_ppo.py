@@ -46,7 +46,7 @@ def test_unknown_config_key_names_the_closest(capsys):
         assert message in capsys.readouterr().err, arguments
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def one_rank_reference(tiny_dir, tmp_path_factory):
     """The one-process result of ``fsdp_equivalence.py`` for given data options, run once per
     option set."""

@@ -23,7 +23,7 @@ ARGS = [
 ]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per test process, however its tests are interleaved
 def runs(tiny_dir, pairs_file, tmp_path_factory):
     """The same 3 steps on 1 and on 2 ranks, evaluated on the pairs."""
     out = tmp_path_factory.mktemp("rm")

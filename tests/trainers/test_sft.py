@@ -12,7 +12,7 @@ from rl2gem.trainers import sft
 from safetensors.torch import load_file
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def episodes(tmp_path_factory):
     """Multi-turn solver episodes of GuessTheNumber, written by ``python -m rl2gem.collect``."""
     out = tmp_path_factory.mktemp("data") / "episodes.jsonl"

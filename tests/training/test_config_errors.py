@@ -108,4 +108,6 @@ def test_help_prints_every_key_with_its_default_and_the_recipes(argument, capsys
     out = capsys.readouterr().out
     assert "usage: [config=<recipe>] [key=value ...]" in out
     assert ppo.CONFIG.read_text().rstrip() in out  # every key, its default and its comment
-    assert out.rstrip().endswith("recipes (config=<name>): arithmetic, guess, guess_hard, searchqa")
+    assert out.rstrip().endswith(
+        "recipes (config=<name>): arithmetic, guess, guess_hard, multihop, multihop_summarize, multihop_truncate, searchqa"
+    )
