@@ -22,7 +22,15 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["ConfigError", "load_config", "check_overrides", "check_types", "closest_hint", "config_help"]
+__all__ = [
+    "ConfigError",
+    "load_config",
+    "check_overrides",
+    "check_types",
+    "closest_hint",
+    "config_error_exit_code",
+    "config_help",
+]
 
 
 class ConfigError(ValueError):
@@ -162,13 +170,23 @@ def config_help(defaults: str | Path) -> str:
     )
 
 
+def config_error_exit_code() -> int:
+    """The exit code of a command line whose config :func:`command_line_config` refused: 2 on rank
+    0 (the rank that printed why; also without torchrun), 0 on the other ranks. Under torchrun
+    every rank finds the same error; had the silent ranks failed too, torchrun would stop rank 0
+    as soon as one of them exited, possibly before its line was written. The job still fails,
+    with rank 0's code."""
+    return 2 if os.environ.get("RANK", "0") == "0" else 0
+
+
 def command_line_config(
     defaults: str | Path, check: Callable[[DictConfig], None], argv: list[str] | None = None
 ) -> DictConfig | None:
     """The config of a command line (:func:`load_config` on ``argv``, default ``sys.argv[1:]``)
     after ``check`` (combinations that cannot work); on a :class:`ConfigError` the message goes to
     stderr as ``config error: ...`` (from rank 0 only: under torchrun every rank checks the same
-    config and exits, and one line says why) and the result is None (the command then exits with 2). ``--help``,
+    config and exits, and one line says why) and the result is None (the command then exits with
+    :func:`config_error_exit_code`). ``--help``,
     ``-h`` or ``help=true`` prints :func:`config_help` and exits with 0."""
     argv = sys.argv[1:] if argv is None else argv
     if any(arg in HELP_ARGUMENTS for arg in argv):

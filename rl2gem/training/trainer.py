@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 import rl2gem  # noqa: F401 (registers the rl2/ envs and loads plugins, for the env check)
-from rl2gem.config import ConfigError, command_line_config
+from rl2gem.config import ConfigError, command_line_config, config_error_exit_code
 from rl2gem.data import missing_data_files
 from rl2gem.models import model_problem
 from rl2gem.tracking import Tracker
@@ -170,7 +170,7 @@ def launch(
     """The ``main`` of a trainer script: ``config`` defaults with ``config=<recipe>`` and ``key=value``
     overrides from ``argv`` (default ``sys.argv[1:]``), ``check`` for combinations that cannot work,
     then the trainer's :meth:`Trainer.fit`. Returns the exit code: 2 (with the message on stderr)
-    for a config error."""
+    for a config error (0 on the ranks other than 0, :func:`rl2gem.config.config_error_exit_code`)."""
 
     def check_all(cfg) -> None:
         check_common_keys(cfg)
@@ -178,7 +178,7 @@ def launch(
 
     cfg = command_line_config(config, check_all, argv)
     if cfg is None:
-        return 2
+        return config_error_exit_code()
     trainer = trainer_cls(cfg)
     try:
         trainer.fit()

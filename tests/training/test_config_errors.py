@@ -61,9 +61,14 @@ def test_every_trainer_checks_types_models_and_data_files(trainer, capsys):
 
 
 def test_every_rank_stops_and_only_rank_0_says_why(monkeypatch, capsys):
+    """Rank 0 says why and exits 2; another rank stops as well (nothing built) but exits 0 at once,
+    so that torchrun, which stops every rank when one fails, never cuts rank 0 off before its line."""
     monkeypatch.setenv("RANK", "1")
-    assert launch(MustNotBuild, ppo.CONFIG, ppo.check_config, ["actor.lr=abc"]) == 2
+    assert launch(MustNotBuild, ppo.CONFIG, ppo.check_config, ["actor.lr=abc"]) == 0
     assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    assert launch(MustNotBuild, ppo.CONFIG, ppo.check_config, ["actor.lr=abc"]) == 2
+    assert capsys.readouterr().err == "config error: actor.lr: expected a float, got 'abc'\n"
 
 
 def test_under_torchrun_the_error_is_one_line_and_no_model_is_fetched(tmp_path):
@@ -111,3 +116,4 @@ def test_help_prints_every_key_with_its_default_and_the_recipes(argument, capsys
     assert out.rstrip().endswith(
         "recipes (config=<name>): arithmetic, guess, guess_hard, multihop, multihop_summarize, multihop_truncate, searchqa"
     )
+
