@@ -116,4 +116,3 @@ def test_help_prints_every_key_with_its_default_and_the_recipes(argument, capsys
     assert out.rstrip().endswith(
         "recipes (config=<name>): arithmetic, guess, guess_hard, multihop, multihop_summarize, multihop_truncate, searchqa"
     )
-
