@@ -157,22 +157,11 @@ def rebn(rewards, action_mask, group=None, gamma: float = 1.0):
     vanish over long actions), normalised over all action tokens of the batch."""
     r, m = _check(rewards, action_mask, group)
     out = torch.zeros_like(r)
-    for b in range(r.shape[0]):
+    for b, runs in enumerate(action_turns(m)):
         running = 0.0
-        ends = []
-        t = r.shape[1] - 1
-        row_m = m[b]
-        while t >= 0:
-            if row_m[t]:
-                end = t
-                while t >= 0 and row_m[t]:
-                    t -= 1
-                ends.append((t + 1, end))
-            else:
-                t -= 1
-        for start, end in ends:  # last turn first
-            running = float(r[b, start : end + 1].sum()) + gamma * running
-            out[b, start : end + 1] = running
+        for start, end in reversed(runs):  # last turn first
+            running = float(r[b, start:end].sum()) + gamma * running
+            out[b, start:end] = running
     return _batch_normalize(out, m)
 
 
