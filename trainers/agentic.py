@@ -7,6 +7,7 @@ segments (``multihop-truncate``, ``multihop-summarize``; ``rollout.context``).
     python -m rl2gem.trainers.agentic searchqa          # the full run (README, "Agentic training")
     python -m rl2gem.trainers.agentic searchqa --toy    # a few items and one step per stage (CI)
     python -m rl2gem.trainers.agentic guess             # the second env
+    python -m rl2gem.trainers.agentic multihop-summarize --sft-from runs/agentic-multihop
 
 Stages (each a child process; ``--stages`` runs a subset):
 
@@ -18,6 +19,10 @@ Stages (each a child process; ``--stages`` runs a subset):
 5. ``table``: ``<out>/results.md`` (one row per model: reward, success, EM / F1 and searches where
    the env reports them, turns, invalid actions, generated tokens, and the tokens prefix merging
    saved against re-rendering each turn as a new prompt) and ``<out>/results.png``.
+
+``--sft-from DIR`` takes the SFT model of another pipeline's run folder (its ``sft`` stage must be
+done) and skips ``collect`` and ``sft``: the context-managed multihop runs start from the model of
+the ``multihop`` run, so that the policies compare at equal steps from one starting point.
 
 Resuming: a stage whose output is complete is skipped (collect and eval write to a temporary file
 renamed at the end; SFT and PPO write ``<out>/<stage>/DONE`` when they exit cleanly), and an
@@ -316,11 +321,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stages", default="collect,sft,ppo,eval,table")
     p.add_argument("--nproc", type=int, default=2, help="ranks of the SFT and PPO stages")
     p.add_argument("--base", default="smollm2-135m-instruct", help="the base model")
+    p.add_argument("--sft-from", default=None, help="reuse the SFT model of this run folder (skips collect, sft)")
     args = p.parse_args(argv)
     pipe = PIPELINES[args.env]
     out = Path(args.out or f"runs/agentic-{args.env}{'-toy' if args.toy else ''}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     stages = args.stages.split(",")
+    if args.sft_from:
+        sft_dir = Path(args.sft_from).resolve() / "sft"
+        if not (sft_dir / "DONE").exists():
+            raise SystemExit(f"--sft-from: {sft_dir} has no finished SFT stage (no DONE file)")
+        stages = [s for s in stages if s not in ("collect", "sft")]
+    else:
+        sft_dir = out / "sft"
     toy = pipe.toy if args.toy else {}
     oracle = out / "oracle.jsonl"
     if "collect" in stages and not oracle.exists():
@@ -332,9 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     models = {"base": args.base}
     if "sft" in stages:
         extra = [*common, f"data.train={oracle}", *toy.get("sft", [])]
-        models["sft"] = str(_trained("sft", pipe.sft_config, out / "sft", extra, args.nproc, out / "sft.log"))
-    elif (out / "sft" / "latest").exists():
-        models["sft"] = str(_checkpoint_hf(out / "sft"))
+        models["sft"] = str(_trained("sft", pipe.sft_config, sft_dir, extra, args.nproc, out / "sft.log"))
+    elif (sft_dir / "latest").exists():
+        models["sft"] = str(_checkpoint_hf(sft_dir))
     if "ppo" in stages:
         extra = ["trainer.progress=false", f"actor.model={models['sft']}", *toy.get("ppo", [])]
         models["sft+rl"] = str(_trained("ppo", pipe.ppo_config, out / "ppo", extra, args.nproc, out / "ppo.log"))

@@ -22,13 +22,19 @@ __all__ = ["OldLogprobs"]
 
 class OldLogprobs:
     """The choice of ``actor.old_logprobs`` (``auto``, ``recompute`` or ``rollout``) and, for
-    ``auto``, the outcome of its one check (None until it ran; not kept in checkpoints, so a resumed
-    run checks again)."""
+    ``auto``, the outcome of its one check (None until it ran; kept in checkpoints by
+    :meth:`state_dict`, so a resumed run makes the same choice as an uninterrupted one)."""
 
     def __init__(self, option: str, tolerance: float, update_per_rollout: int = 1, minibatches_per_update: int = 1):
         self.option, self.tolerance = option, float(tolerance)
         self.single_pass = int(update_per_rollout) == 1 and int(minibatches_per_update) == 1
         self.match: bool | None = None
+
+    def state_dict(self) -> dict[str, bool | None]:
+        return {"match": self.match}
+
+    def load_state_dict(self, state: dict[str, bool | None]) -> None:
+        self.match = state["match"]
 
     def source(self, samples, step: int) -> str:
         """``"rollout"``, ``"recompute"`` or ``"check"`` (recompute, and compare with the rollout's)

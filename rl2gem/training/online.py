@@ -161,6 +161,7 @@ class OnlineTrainer(Trainer):
             "engine": self.engine.state_dict(),
             "kl": self.kl.state_dict(),
             "constraints": self.constraints.state_dict(),
+            "old_logprobs": self.old_logprobs.state_dict(),
             "pareto": self.pareto.state_dict() if self.pareto is not None else None,
         }
 
@@ -170,6 +171,8 @@ class OnlineTrainer(Trainer):
         if "kl" in rank_state:  # checkpoints written before the KL controller have none
             self.kl.load_state_dict(rank_state["kl"])
         self.constraints.load_state_dict(rank_state.get("constraints", {}))
+        if "old_logprobs" in rank_state:  # checkpoints written before it was kept check again
+            self.old_logprobs.load_state_dict(rank_state["old_logprobs"])
         if self.pareto is not None and rank_state.get("pareto"):
             self.pareto.load_state_dict(rank_state["pareto"])
         self.sync_weights()

@@ -1,6 +1,8 @@
 """The agentic pipeline's accounting of prefix merging (the pipeline itself runs in CI at toy size,
 from the README's command)."""
 
+from pathlib import Path
+
 import pytest
 from rl2gem.trainers.agentic import PIPELINES, main, prefix_merging_tokens
 from transformers import AutoTokenizer
@@ -46,6 +48,33 @@ def test_the_pipeline_names_recipes_that_exist_and_refuses_unknown_envs():
         # every key of each recipe is one its trainer knows (load_config raises ConfigError otherwise)
         sft = load_config(config / "sft.yaml", [f"config={pipe.sft_config}"])
         ppo = load_config(config / "ppo.yaml", [f"config={pipe.ppo_config}"])
-        assert ppo.env == pipe.env and sft.trainer.eval_env == pipe.env
+        assert ppo.env == pipe.env and sft.trainer.eval_env in (None, pipe.env)
     with pytest.raises(SystemExit):
         main(["no-such-env"])
+
+
+def test_sft_from_trains_ppo_from_another_runs_sft_model_and_skips_its_stages(tmp_path, monkeypatch):
+    import rl2gem.trainers.agentic as agentic
+
+    shared = tmp_path / "agentic-multihop"
+    with pytest.raises(SystemExit, match="no finished SFT stage"):
+        main(["multihop-truncate", "--out", str(tmp_path / "run"), "--sft-from", str(shared), "--stages", "ppo"])
+    (shared / "sft" / "checkpoint-40").mkdir(parents=True)
+    (shared / "sft" / "latest").write_text("checkpoint-40\n")
+    (shared / "sft" / "DONE").write_text("done\n")
+    commands = []
+
+    def fake_run(cmd, log):  # the stage "ran": it leaves a finished checkpoint as the trainers do
+        commands.append(cmd)
+        run_dir = Path(next(a for a in cmd if a.startswith("trainer.output_dir=")).split("=", 1)[1])
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "latest").write_text("checkpoint-2\n")
+
+    monkeypatch.setattr(agentic, "_run", fake_run)
+    out = tmp_path / "run"
+    assert main(["multihop-truncate", "--out", str(out), "--sft-from", str(shared), "--stages", "collect,sft,ppo"]) == 0
+    assert len(commands) == 1  # only the PPO stage ran
+    assert any(a.endswith("ppo.py") for a in commands[0])
+    assert f"actor.model={shared / 'sft' / 'checkpoint-40' / 'hf'}" in commands[0]
+    assert "config=multihop_truncate" in commands[0]
+    assert not (out / "oracle.jsonl").exists() and not (out / "sft").exists()

@@ -179,14 +179,28 @@ def _descendants(pid):
 def test_resume_after_kill_9_matches_an_uninterrupted_run(tiny_dir, tmp_path):
     """kill -9 after the step-2 checkpoint, resume: steps 3-4 equal the uninterrupted run's.
 
-    The entropy bonus gives non-zero gradients even when the tiny random model earns no reward,
-    so weights, Adam moments and therefore the sampled tokens change every step."""
+    Multi-turn two-hop search with the history managed in 160-token segments and summaries
+    (rollout.context), so the resumed rollouts must also start the same segments and write the same
+    summaries. The entropy bonus gives non-zero gradients even when the tiny random model earns no
+    reward, so weights, Adam moments and therefore the sampled tokens change every step. The old
+    log-probs are recomputed: the engine's differ between two runs at the 1e-8 level (multi-turn
+    requests meet in different decode batches), which Adam amplifies to 5e-3 in the weights after
+    4 steps at this learning rate."""
     import signal
     import time
 
     args = [
-        *arithmetic_run(tiny_dir),
+        "trainers/ppo.py",
+        "env=rl2/MultiHopQA-v0",
+        f"actor.model={tiny_dir}",
+        "rollout.prompts_per_rollout=2",
+        "rollout.responses_per_prompt=2",
+        "rollout.dynamic_filter=false",
         "rollout.max_new_tokens=12",
+        "rollout.context.max_tokens=160",
+        "rollout.context.policy=summarize",
+        "rollout.context.summary_max_new_tokens=8",
+        "actor.old_logprobs=recompute",
         *MOVING_WEIGHTS,
         "trainer.total_steps=4",
         "trainer.save_every=2",
@@ -230,6 +244,7 @@ def test_resume_after_kill_9_matches_an_uninterrupted_run(tiny_dir, tmp_path):
     assert a[4]["actor/grad_norm"] > 0
     assert len({a[s]["rollout/tokens"] for s in a}) > 1  # prompts differ from step to step
     assert len({a[s]["kl/coef"] for s in a}) > 1  # the controller moved the coefficient
+    assert all(a[s]["rollout/context_segments"] > 0 and a[s]["rollout/summaries"] > 0 for s in a)
     for step in (3, 4):
         for key in (
             "rollout/reward",
@@ -243,6 +258,9 @@ def test_resume_after_kill_9_matches_an_uninterrupted_run(tiny_dir, tmp_path):
             "kl/coef",
             "constraint/entropy_multiplier",
             "constraint/kl_multiplier",
+            "rollout/context_segments",
+            "rollout/summaries",
+            "actor/is_weight",
         ):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-4, abs=1e-6), (step, key)
     # dual ascent by hand from the logged entropy and KL (entropy < 20 nats: always violated)

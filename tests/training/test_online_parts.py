@@ -37,6 +37,11 @@ def test_the_old_logprobs_come_from_the_engine_only_when_exactly_on_policy_and_c
     assert strict.match is False and strict.source(on_policy, step=3) == "recompute"
     assert OldLogprobs("rollout", 0.0).source(on_policy, step=3) == "rollout"
     assert OldLogprobs("recompute", 1.0).source(on_policy, step=3) == "recompute"
+    resumed = OldLogprobs("auto", tolerance=1e-3)  # a checkpoint keeps the check's outcome
+    resumed.load_state_dict(auto.state_dict())
+    assert resumed.source(on_policy, step=3) == "rollout"
+    resumed.load_state_dict(strict.state_dict())
+    assert resumed.source(on_policy, step=3) == "recompute"
     two_passes = OldLogprobs("rollout", 1.0, update_per_rollout=2)
     two_minibatches = OldLogprobs("auto", 1.0, minibatches_per_update=2)
     assert two_passes.source(on_policy, 3) == two_minibatches.source(on_policy, 3) == "recompute"
