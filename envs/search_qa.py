@@ -41,6 +41,7 @@ from rl2gem.core import Env, StepResult
 from rl2gem.data import load_table, prepared
 from rl2gem.retrieval import BM25Index, LazyRetrieval, RetrievalError, format_passages, load_corpus
 from rl2gem.rewards.qa import exact_match, token_f1
+from rl2gem.tools.search import SearchTool
 
 __all__ = ["SearchQAEnv", "bridge_recall", "load_questions", "PROMPT"]
 
@@ -269,6 +270,11 @@ class SearchQAEnv(Env):
 
     def __len__(self) -> int:
         return len(self.questions)
+
+    def agent_tools(self) -> list[SearchTool]:
+        """The env's search as a tool (:func:`rl2gem.tools.env_tools`, ``envserver --mcp``): the
+        same retrieval service and ``topk`` as the episodes' ``<search>``."""
+        return [SearchTool(self.retrieval_url, topk=self.topk, timeout=self.timeout, retries=self.retries)]
 
     async def _areset(self, options: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
         questions = self.questions

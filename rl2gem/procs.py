@@ -23,7 +23,7 @@ from collections import deque
 
 from aiohttp import web
 
-__all__ = ["ServiceProcess", "free_port", "quick_exit_collection", "serve_app", "stop_on_stdin_eof"]
+__all__ = ["ServiceProcess", "free_port", "quick_exit_collection", "serve_app", "serve_asgi", "stop_on_stdin_eof"]
 
 
 def quick_exit_collection() -> None:
@@ -152,6 +152,31 @@ def stop_on_stdin_eof(stop: asyncio.Event) -> None:
     """Set ``stop`` (from a daemon thread) when this process's stdin closes."""
     loop = asyncio.get_running_loop()
     threading.Thread(target=lambda: (sys.stdin.read(), loop.call_soon_threadsafe(stop.set)), daemon=True).start()
+
+
+async def serve_asgi(
+    app, host: str, port: int, ready_prefix: str, path: str = "", exit_on_stdin_eof: bool = False
+) -> None:
+    """:func:`serve_app` for an ASGI application (uvicorn, the app's lifespan run): prints
+    ``<ready_prefix> http://host:port<path>`` once it accepts connections."""
+    import uvicorn
+
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, port))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    serving = asyncio.create_task(server.serve(sockets=[listener]))
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.02)
+    print(f"{ready_prefix} http://{host}:{listener.getsockname()[1]}{path}", flush=True)
+    if exit_on_stdin_eof:
+        stop = asyncio.Event()
+        stop_on_stdin_eof(stop)
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait([serving, stopper], return_when=asyncio.FIRST_COMPLETED)
+        server.should_exit = True
+        stopper.cancel()
+    await serving
 
 
 async def serve_app(app, host: str, port: int, ready_prefix: str, exit_on_stdin_eof: bool = False) -> None:

@@ -156,6 +156,21 @@ def test_a_served_searchqa_replays_the_solvers_episodes_exactly():
             searched += any(action.startswith("<search>") for action in actions)
             assert play(remote, seed, actions) == play(local, seed, actions), seed
         assert searched == 100
+        # the same search as a tool on the JSON-RPC /mcp route (OpenEnv's MCP endpoint)
+        listing = call(f"{url}/mcp", "POST", {"jsonrpc": "2.0", "id": 1, "method": "tools/list"})[1]
+        assert [tool["name"] for tool in listing["result"]["tools"]] == ["search"]
+        request = {"name": "search", "arguments": {"query": "Afghanistan"}}
+        status, reply = call(
+            f"{url}/mcp", "POST", {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": request}
+        )
+        observation, _ = local.reset(seed=0)
+        observation, *_ = local.step("<search>Afghanistan</search>")
+        assert status == 200 and reply["id"] == 2 and not reply["result"]["isError"]
+        assert f"<information>{reply['result']['content'][0]['text']}</information>" == observation
+        bad = {"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": {"name": "search", "arguments": {}}}
+        assert call(f"{url}/mcp", "POST", bad)[1]["result"]["isError"]
+        bad["params"] = ["search"]
+        assert call(f"{url}/mcp", "POST", bad)[1]["error"]["code"] == -32602
         remote.close()
         local.close()
 

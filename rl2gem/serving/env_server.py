@@ -20,7 +20,8 @@ it; the wire format of the observation and action is :mod:`rl2gem.env_protocol`.
 ``GET /health``        ``{"status": "healthy"}``
 ``GET /metadata``      ``{name, description, readme_content, version, author, documentation_url}``
 ``GET /schema``        :func:`rl2gem.env_protocol.env_schema`
-``POST /mcp``          JSON-RPC 2.0 (``tools/list``; OpenEnv's validator posts here)
+``POST /mcp``          JSON-RPC 2.0: ``tools/list`` and ``tools/call`` of the env's tools
+                       (:class:`rl2gem.serving.mcp_server.EnvToolbox`; OpenEnv's validator posts here)
 ``GET /openapi.json``  the routes, ``info.version`` 1.0.0 (what ``openenv validate`` reads)
 =====================  ====================================================================
 
@@ -53,6 +54,7 @@ import rl2gem
 from rl2gem.aio import read_json_object
 from rl2gem.env_protocol import ACTION_FIELD, env_schema, json_safe, reset_envelope, step_envelope
 from rl2gem.registry import make
+from rl2gem.serving.mcp_server import EnvToolbox
 
 __all__ = ["SESSIONS", "EnvRoutes", "EnvSessions", "make_env_app"]
 
@@ -216,10 +218,11 @@ class EnvRoutes:
         sessions: the server's :class:`EnvSessions`.
         schema: what ``/schema`` answers (:func:`rl2gem.env_protocol.env_schema`).
         description: ``/metadata``'s description.
+        toolbox: the env's tools (``/mcp``).
     """
 
-    def __init__(self, sessions: EnvSessions, schema: dict[str, Any], description: str):
-        self.sessions, self.schema, self.description = sessions, schema, description
+    def __init__(self, sessions: EnvSessions, schema: dict[str, Any], description: str, toolbox: EnvToolbox):
+        self.sessions, self.schema, self.description, self.toolbox = sessions, schema, description, toolbox
 
     def table(self) -> list[web.RouteDef]:
         return [
@@ -349,24 +352,29 @@ class EnvRoutes:
 
     async def mcp(self, request):
         """JSON-RPC 2.0, always HTTP 200 (OpenEnv's convention): ``tools/list`` answers the env's
-        tools (none yet); other methods -32601."""
+        tools, ``tools/call`` (``{name, arguments}``) runs one (``{content: [{type: text, text}],
+        isError}``); other methods -32601, params that are not an object -32602."""
         try:
             message = json.loads(await request.text())
         except ValueError:
-            return web.json_response(
-                {"jsonrpc": "2.0", "id": None, "error": {"code": -32700, "message": "Parse error"}}
-            )
+            return _rpc_error(None, -32700, "Parse error")
         if (
             not isinstance(message, dict)
             or message.get("jsonrpc") != "2.0"
             or not isinstance(message.get("method"), str)
         ):
-            error = {"code": -32600, "message": "Invalid request: needs jsonrpc '2.0' and a method"}
-            return web.json_response({"jsonrpc": "2.0", "id": None, "error": error})
-        if message["method"] == "tools/list":
-            return web.json_response({"jsonrpc": "2.0", "id": message.get("id"), "result": {"tools": []}})
-        error = {"code": -32601, "message": f"Method not found: {message['method']}"}
-        return web.json_response({"jsonrpc": "2.0", "id": message.get("id"), "error": error})
+            return _rpc_error(None, -32600, "Invalid request: needs jsonrpc '2.0' and a method")
+        method, params, rpc_id = message["method"], message.get("params") or {}, message.get("id")
+        if not isinstance(params, dict):
+            return _rpc_error(rpc_id, -32602, "params must be an object")
+        if method == "tools/list":
+            result: dict[str, Any] = {"tools": self.toolbox.listing()}
+        elif method == "tools/call":
+            text, is_error = await self.toolbox.call(str(params.get("name", "")), params.get("arguments"))
+            result = {"content": [{"type": "text", "text": text}], "isError": is_error}
+        else:
+            return _rpc_error(rpc_id, -32601, f"Method not found: {method}")
+        return web.json_response({"jsonrpc": "2.0", "id": rpc_id, "result": result})
 
     # ------------------------------------------------------------ WebSocket
     async def websocket(self, request):
@@ -436,6 +444,10 @@ async def _json_errors(request, handler):
         return web.json_response(json_safe(body), status=500)
 
 
+def _rpc_error(rpc_id: Any, code: int, message: str) -> web.Response:
+    return web.json_response({"jsonrpc": "2.0", "id": rpc_id, "error": {"code": code, "message": message}})
+
+
 def make_env_app(
     env_id: str,
     env_kwargs: Mapping[str, Any] | None = None,
@@ -453,16 +465,18 @@ def make_env_app(
         TypeError, ValueError: the env cannot be made with ``env_kwargs``.
     """
     env_kwargs = dict(env_kwargs or {})
-    probe = make(env_id, **env_kwargs)
+    probe = make(env_id, **env_kwargs)  # kept for its tools (/mcp), closed with the app
     try:
         schema = env_schema(env_id, probe, env_kwargs)
         description = (type(probe.unwrapped).__doc__ or env_id).strip().splitlines()[0]
-    finally:
+        toolbox = EnvToolbox(probe)
+    except BaseException:
         probe.close()
+        raise
     sessions = EnvSessions(env_id, env_kwargs, max_sessions, session_timeout)
     app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=[_json_errors])
     app[SESSIONS] = sessions
-    app.add_routes(EnvRoutes(sessions, schema, description).table())
+    app.add_routes(EnvRoutes(sessions, schema, description, toolbox).table())
 
     async def reaper(app):
         async def loop():
@@ -476,6 +490,7 @@ def make_env_app(
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await sessions.close_all()
+        await toolbox.aclose()
 
     app.cleanup_ctx.append(reaper)
     return app

@@ -8,7 +8,9 @@
 * Shipped tools: :class:`PythonTool` (a sandboxed Python process forked by a warm
   fork server, or a persistent :class:`PythonSession` per episode; see
   :mod:`rl2gem.tools.python`), :class:`SearchTool` (a retrieval service) and
-  :class:`FunctionTool` (any typed Python callable).
+  :class:`FunctionTool` (any typed Python callable), and the tools of any MCP server
+  (:class:`MCPServerTools`, :class:`MCPTool`).
+* :func:`env_tools`: the tools an env gives its agent (what ``envserver --mcp`` serves).
 """
 
 from rl2gem.tools.base import (
@@ -21,6 +23,7 @@ from rl2gem.tools.base import (
     validate_arguments,
 )
 from rl2gem.tools.function import FunctionTool, json_schema_of
+from rl2gem.tools.mcp import MCPServerTools, MCPTool
 from rl2gem.tools.python import (
     ForkServerError,
     PythonSession,
@@ -33,7 +36,7 @@ from rl2gem.tools.python import (
     warm_up,
 )
 from rl2gem.tools.search import SearchTool
-from rl2gem.tools.wrapper import ToolEnvWrapper, format_tool_results, run_tool_calls
+from rl2gem.tools.wrapper import ToolEnvWrapper, env_tools, format_tool_results, run_tool_calls
 
 __all__ = [
     "Tool",
@@ -55,7 +58,10 @@ __all__ = [
     "run_python",
     "sandbox_mode",
     "SearchTool",
+    "MCPServerTools",
+    "MCPTool",
     "ToolEnvWrapper",
+    "env_tools",
     "format_tool_results",
     "run_tool_calls",
 ]

@@ -19,7 +19,7 @@ from rl2gem.tools.base import (
     validate_arguments,
 )
 
-__all__ = ["ToolEnvWrapper", "run_tool_calls", "format_tool_results"]
+__all__ = ["ToolEnvWrapper", "env_tools", "run_tool_calls", "format_tool_results"]
 
 
 def _for_episode(tool: Tool) -> Tool:
@@ -59,6 +59,30 @@ async def run_tool_calls(tools: dict[str, Tool], calls: Sequence[ToolCall]) -> l
             continue
         out.append((text if isinstance(text, str) else str(text), None))
     return out
+
+
+def env_tools(env: gym.Env) -> list[Tool]:
+    """The tools an env gives its agent: those of every :class:`ToolEnvWrapper` in its wrapper
+    chain (outermost first), then the ``agent_tools()`` of the unwrapped env where it has that
+    method (an env whose actions call a service, e.g. ``rl2/SearchQA-v0``'s search). What
+    ``python -m rl2gem.envserver ENV_ID --mcp`` serves.
+
+    Raises:
+        ValueError: two tools with one name.
+    """
+    tools: list[Tool] = []
+    layer = env
+    while isinstance(layer, gym.Wrapper):
+        if isinstance(layer, ToolEnvWrapper):
+            tools.extend(layer.tools.values())
+        layer = layer.env
+    own = getattr(env.unwrapped, "agent_tools", None)
+    if callable(own):
+        tools.extend(own())
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise ValueError(f"the env's tools have repeated names: {names}")
+    return tools
 
 
 def format_tool_results(results: Sequence[str]) -> str:
