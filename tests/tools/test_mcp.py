@@ -3,7 +3,6 @@ tools served over MCP (python -m rl2gem.envserver ENV_ID --mcp), checked with th
 own client and server."""
 
 import asyncio
-import subprocess
 import sys
 import textwrap
 
@@ -13,6 +12,7 @@ import pytest
 import rl2gem.envs  # noqa: F401 - registers the built-in envs
 from mcp import Client, StdioServerParameters
 
+from rl2gem import envserver
 from rl2gem.procs import ServiceProcess
 from rl2gem.tools import MCPServerTools, SearchTool, ToolEnvWrapper
 
@@ -116,8 +116,8 @@ def test_envserver_mcp_serves_the_python_sandbox_over_streamable_http():
     assert set(listed) == {"python"}
     assert results[0] == ("1024", False)
     assert "ZeroDivisionError" in results[1][0]  # the program's error is the tool's text, not a protocol error
-    toolless = subprocess.run(
-        [sys.executable, "-m", "rl2gem.envserver", "rl2/GuessTheNumber-v0", "--mcp"],
-        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-    assert toolless.returncode == 2 and "has no tools to serve over MCP" in toolless.stderr
+
+
+def test_envserver_mcp_refuses_an_env_without_tools_in_one_line(capsys):
+    assert envserver.main(["rl2/GuessTheNumber-v0", "--mcp"]) == 2
+    assert capsys.readouterr().err == "config error: rl2/GuessTheNumber-v0 has no tools to serve over MCP\n"
