@@ -9,7 +9,10 @@
 * ``hf/``: the trained model as a Hugging Face folder (optional).
 
 ``output_dir/latest`` names the newest complete checkpoint and is written last, atomically: a
-run killed while saving resumes from the previous one.
+run killed while saving resumes from the previous one. With ``keep`` set, once ``latest`` has
+moved, the checkpoints older than the newest ``keep`` lose their ``dcp/`` folder (the model and
+optimizer shards: about 12 bytes per fp32 parameter, most of a checkpoint's size); their ``hf/``
+export and small files stay, so every saved model can still be evaluated.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
+import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -43,11 +48,18 @@ class Checkpointer:
     Args:
         output_dir: the run's folder.
         workers: ``{name: rl2gem.training.Worker}`` whose model (and optimizer, scheduler) is saved.
+        keep: resumable checkpoints kept (the newest); ``0`` keeps every one.
+
+    Raises:
+        ValueError: ``keep < 0``.
     """
 
-    def __init__(self, output_dir: str | Path, workers: Mapping[str, Any]):
+    def __init__(self, output_dir: str | Path, workers: Mapping[str, Any], keep: int = 0):
+        if keep < 0:
+            raise ValueError(f"keep must be >= 0, got {keep}")
         self.output_dir = Path(output_dir)
         self.workers = dict(workers)
+        self.keep = int(keep)
 
     def _sharded(self) -> dict[str, Any]:
         return {name: worker.sharded_state() for name, worker in self.workers.items()}
@@ -87,8 +99,24 @@ class Checkpointer:
         dist.barrier()
         if rank == 0:
             atomic_write(self.output_dir / "latest", path.name.encode())
+            self.prune()
         dist.barrier()
         return path
+
+    def prune(self) -> list[Path]:
+        """Remove ``dcp/`` from the checkpoints older than the newest :attr:`keep` (none when
+        ``keep`` is 0); returns the checkpoint folders pruned."""
+        if not self.keep:
+            return []
+        steps = sorted(
+            int(match.group(1))
+            for child in self.output_dir.iterdir()
+            if (match := re.fullmatch(r"checkpoint-(\d+)", child.name)) and (child / "dcp").exists()
+        )
+        pruned = [self.output_dir / f"checkpoint-{step}" for step in steps[: max(0, len(steps) - self.keep)]]
+        for folder in pruned:
+            shutil.rmtree(folder / "dcp")
+        return pruned
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint folder, or None."""

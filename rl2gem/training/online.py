@@ -76,7 +76,9 @@ class OnlineTrainer(Trainer):
                 total_steps=c.trainer.total_steps,
             )
         self.checkpointer = Checkpointer(
-            self.out, {"actor": self.actor, **({"critic": self.critic} if self.critic else {})}
+            self.out,
+            {"actor": self.actor, **({"critic": self.critic} if self.critic else {})},
+            c.trainer.keep_checkpoints,
         )
         self.peak_flops = peak_flops_from_config(c.trainer.peak_flops, self.device, self.actor.dtype)
         self.step, self.loop, self.reward_model = 0, asyncio.new_event_loop(), None

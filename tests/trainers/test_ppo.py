@@ -204,6 +204,7 @@ def test_resume_after_kill_9_matches_an_uninterrupted_run(tiny_dir, tmp_path):
         *MOVING_WEIGHTS,
         "trainer.total_steps=4",
         "trainer.save_every=2",
+        "trainer.keep_checkpoints=1",
         "trainer.eval_at_start=false",
         "trainer.eval_n=2",
         "trainer.progress=false",
@@ -273,6 +274,9 @@ def test_resume_after_kill_9_matches_an_uninterrupted_run(tiny_dir, tmp_path):
     assert multipliers["entropy"] > 0.3
     from safetensors.torch import load_file
 
+    for run in (full, cut):  # keep_checkpoints=1: the older checkpoint keeps its export, not its shards
+        assert not (run / "checkpoint-2" / "dcp").exists() and (run / "checkpoint-2" / "hf").exists()
+        assert (run / "checkpoint-4" / "dcp").exists()
     wa = load_file(full / "checkpoint-4" / "hf" / "model.safetensors")
     wb = load_file(cut / "checkpoint-4" / "hf" / "model.safetensors")
     for name, t in wa.items():

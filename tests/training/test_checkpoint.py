@@ -74,3 +74,17 @@ def test_a_missing_rank_file_names_the_world_size(group, tiny_dir, tmp_path):
     (path / "rank0.pkl").unlink()
     with pytest.raises(FileNotFoundError, match="world size"):
         checkpointer.load()
+
+
+def test_prune_keeps_the_newest_resumable_checkpoints_and_every_export(tmp_path):
+    for step in (5, 10, 15, 20):
+        for part in ("dcp", "hf"):
+            (tmp_path / f"checkpoint-{step}" / part).mkdir(parents=True)
+    (tmp_path / "checkpoint-notes").mkdir()  # not a checkpoint: left alone
+    assert Checkpointer(tmp_path, {}, keep=0).prune() == []
+    pruned = Checkpointer(tmp_path, {}, keep=2).prune()
+    assert pruned == [tmp_path / "checkpoint-5", tmp_path / "checkpoint-10"]  # by step, not by name
+    assert sorted(p.parent.name for p in tmp_path.glob("*/dcp")) == ["checkpoint-15", "checkpoint-20"]
+    assert len(list(tmp_path.glob("checkpoint-*/hf"))) == 4
+    with pytest.raises(ValueError, match="keep must be >= 0"):
+        Checkpointer(tmp_path, {}, keep=-1)
