@@ -154,7 +154,11 @@ def check_common_keys(cfg) -> None:
     for section in ("env_kwargs", "eval_env_kwargs", "data", "trainer.eval_env_kwargs"):
         for key, path in missing_data_files(OmegaConf.select(cfg, section, default=None), section):
             raise ConfigError(f"{key}: no such data file {path!r}")
-    minimums = {("rollout", "responses_per_prompt"): 1, ("trainer", "total_steps"): 0, ("trainer", "keep_checkpoints"): 0}
+    minimums = {
+        ("rollout", "responses_per_prompt"): 1,
+        ("trainer", "total_steps"): 0,
+        ("trainer", "keep_checkpoints"): 0,
+    }
     for (section, key), low in minimums.items():
         value = (cfg.get(section) or {}).get(key)
         if isinstance(value, int) and value < low:
