@@ -16,9 +16,11 @@ Stages (each a child process; ``--stages`` runs a subset):
 3. ``ppo``: ``trainers/ppo.py`` from the SFT model (the recipe ``trainers/config/<env>.yaml``):
    multi-turn token-in/token-out rollouts, env tokens masked, turns prefix-merged.
 4. ``eval``: ``python -m rl2gem.evaluate`` of each model on the same held-out items (greedy).
-5. ``table``: ``<out>/results.md`` (one row per model: reward, success, EM / F1 and searches where
-   the env reports them, turns, invalid actions, generated tokens, and the tokens prefix merging
-   saved against re-rendering each turn as a new prompt) and ``<out>/results.png``.
+5. ``table``: ``<out>/results.md`` (one row per model: reward, success, EM / F1, searches and the
+   share of episodes with two or more where the env reports them, turns, invalid actions,
+   generated tokens, and the tokens prefix merging saved against re-rendering each turn as a new
+   prompt; then each model against the previous one on the same items: items gained and lost and
+   the sign test's p, :func:`paired_comparison`) and ``<out>/results.png``.
 
 ``--sft-from DIR`` takes the SFT model of another pipeline's run folder (its ``sft`` stage must be
 done) and skips ``collect`` and ``sft``: the context-managed multihop runs start from the model of
@@ -33,7 +35,9 @@ same command, run again after a crash, picks up where it stopped.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -44,7 +48,7 @@ from pathlib import Path
 from rl2gem.evaluation import EpisodeRecord, record_sums
 from rl2gem.procs import quick_exit_collection
 
-__all__ = ["PIPELINES", "Pipeline", "main", "prefix_merging_tokens"]
+__all__ = ["PIPELINES", "Pipeline", "main", "paired_comparison", "prefix_merging_tokens"]
 
 ROOT = Path(__file__).resolve().parent
 
@@ -229,7 +233,34 @@ def _summary(records: list[EpisodeRecord]) -> dict[str, float]:
     names = {"success": "success", "reward": "reward", "em": "em", "f1": "f1", "searches": "searches"}
     names.update(turns="turns", invalid="invalid_actions", tokens="response_tokens")
     reported = {name for name in ("em", "f1", "searches") if sums.get(f"reported/{name}", 0.0) > 0}
-    return {"episodes": len(records), "reported": reported, **{name: sums[key] / n for name, key in names.items()}}
+    two = sum(float(r.final_info.get("num_searches") or 0) >= 2 for r in records) / n  # multi-hop behaviour
+    means = {name: sums[key] / n for name, key in names.items()}
+    return {"episodes": len(records), "reported": reported, **means, "two_searches": two}
+
+
+def _solved(record: EpisodeRecord) -> bool:
+    """Exact match where the env reports it, else success."""
+    em = record.final_info.get("em")
+    return bool(em) if isinstance(em, (int, float)) else bool(record.success)
+
+
+def paired_comparison(before: list[EpisodeRecord], after: list[EpisodeRecord]) -> tuple[int, int, float]:
+    """Two models on the same items (matched by ``(seed, index)``): the items only ``after`` solves,
+    those only ``before`` solves (:func:`_solved`), and the exact two-sided sign test's p-value on
+    those discordant items (binomial, p = 1/2; McNemar's exact test).
+
+    Raises:
+        ValueError: the two lists do not cover the same items.
+    """
+    first = {(r.seed, r.index): _solved(r) for r in before}
+    second = {(r.seed, r.index): _solved(r) for r in after}
+    if first.keys() != second.keys():
+        raise ValueError("the two evaluations are not on the same items")
+    gained = sum(second[key] and not first[key] for key in first)
+    lost = sum(first[key] and not second[key] for key in first)
+    changed = gained + lost
+    tail = sum(math.comb(changed, k) for k in range(min(gained, lost) + 1)) / 2**changed
+    return gained, lost, min(1.0, 2 * tail)
 
 
 #: The table's columns: (header, summary key, format); EM, F1 and searches only where the env reports them.
@@ -240,6 +271,7 @@ _COLUMNS = [
     ("success", "success", "{:.3f}"),
     ("reward", "reward", "{:.3f}"),
     ("searches / ep", "searches", "{:.2f}"),
+    ("2+ searches", "two_searches", "{:.3f}"),
     ("turns / ep", "turns", "{:.2f}"),
     ("invalid / ep", "invalid", "{:.2f}"),
     ("generated tokens / ep", "tokens", "{:.1f}"),
@@ -261,7 +293,9 @@ def table(out: Path, models: dict[str, str]) -> str:
         stats[label] = _summary(records)
         stats[label]["saved"] = 1.0 - merged / rerendered if rerendered else 0.0
     reported = set().union(*(s["reported"] for s in stats.values()))
-    columns = [c for c in _COLUMNS if c[1] not in ("em", "f1", "searches") or c[1] in reported]
+    columns = [
+        c for c in _COLUMNS if c[1] not in ("em", "f1", "searches", "two_searches") or c[1].split("_")[-1] in reported
+    ]
     rows = []
     for label, s in stats.items():
         merged, rerendered = merging[label]
@@ -269,6 +303,11 @@ def table(out: Path, models: dict[str, str]) -> str:
         rows.append(f"| {label} | {' | '.join(cells)} | {merged} / {rerendered} ({100 * s['saved']:.0f}% saved) |")
     header = ["model", *(name for name, _, _ in columns), "training tokens: prefix-merged / re-rendered"]
     text = "\n".join(["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|", *rows])
+    for before, after in itertools.pairwise(models):
+        gained, lost, p = paired_comparison(
+            _records(out / "eval" / f"{before}.jsonl"), _records(out / "eval" / f"{after}.jsonl")
+        )
+        text += f"\n\nPaired, {before} -> {after}: {gained} items gained, {lost} lost; sign test p = {p:.2g}"
     (out / "results.md").write_text(text + "\n")
     _plot(out, stats)
     return text
