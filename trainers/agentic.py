@@ -175,10 +175,17 @@ def prefix_merging_tokens(records: list[EpisodeRecord], tokenizer) -> tuple[int,
     return merged, rerendered
 
 
-def _run(cmd: list[str], log: Path) -> None:
+def _run(cmd: list[str], log: Path, threads: int = 1) -> None:
+    """Run one stage's command, its output appended to ``log``, with ``threads`` intra-op threads per
+    process (1 for torchrun's ranks, one per core; every core for a one-process stage).
+
+    Raises:
+        SystemExit: the stage failed (the log's last lines in the message).
+    """
     print(f"$ {' '.join(cmd)}  > {log}", flush=True)
     with open(log, "a") as sink:
-        r = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        environment = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        r = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, env=environment)
     if r.returncode:
         tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
         raise SystemExit(f"stage failed (exit {r.returncode}); the last lines of {log}:\n{tail}")
@@ -216,7 +223,7 @@ def _evaluate(pipe: Pipeline, label: str, model: str, out: Path, extra: list[str
             f"output={tmp}",
             "progress=false",
         ]
-        _run([sys.executable, "-m", "rl2gem.evaluate", *args], out / "eval" / f"{label}.log")
+        _run([sys.executable, "-m", "rl2gem.evaluate", *args], out / "eval" / f"{label}.log", os.cpu_count() or 1)
         tmp.rename(path)
     return path
 
