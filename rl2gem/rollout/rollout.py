@@ -611,16 +611,29 @@ SUMMED_METRICS = frozenset(
 
 def merge_rank_metrics(per_rank: list[Mapping[str, float]]) -> dict[str, float]:
     """One rollout's metrics from every rank's :attr:`RolloutBatch.metrics`: counts
-    (:data:`SUMMED_METRICS`) are summed, rates and means averaged over ranks. Keys are those of the
-    first rank.
+    (:data:`SUMMED_METRICS`) are summed; the others are averaged over the ranks that report them,
+    the episode statistics (``rollout/*``) weighted by each rank's ``rollout/episodes``, so that they
+    are the means over all episodes (a rank whose groups dynamic filtering all dropped has no
+    episodes and no per-component means: it does not count). Keys: those of any rank, in order of
+    first appearance.
 
     Raises:
         ValueError: ``per_rank`` is empty.
     """
     if not per_rank:
         raise ValueError("merge_rank_metrics needs the metrics of at least one rank")
+    keys = list(dict.fromkeys(key for metrics in per_rank for key in metrics))
     merged = {}
-    for key in per_rank[0]:
-        values = [metrics[key] for metrics in per_rank]
-        merged[key] = sum(values) if key in SUMMED_METRICS else sum(values) / len(values)
+    for key in keys:
+        present = [metrics for metrics in per_rank if key in metrics]
+        values = [metrics[key] for metrics in present]
+        if key in SUMMED_METRICS:
+            merged[key] = sum(values)
+            continue
+        weights = [
+            float(metrics.get("rollout/episodes", 1.0)) if key.startswith("rollout/") else 1.0 for metrics in present
+        ]
+        if sum(weights) <= 0:  # no rank played an episode: a plain mean of what they report
+            weights = [1.0] * len(values)
+        merged[key] = sum(w * v for w, v in zip(weights, values, strict=True)) / sum(weights)
     return merged

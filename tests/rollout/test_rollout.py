@@ -270,6 +270,14 @@ def test_merge_rank_metrics_sums_counts_and_averages_rates():
         {"rollout/episodes": 8.0, "rollout/reward": 0.25, "time/rollout": 2.0},
         {"rollout/episodes": 4.0, "rollout/reward": 0.75, "time/rollout": 4.0},
     ]
-    assert merge_rank_metrics(ranks) == {"rollout/episodes": 12.0, "rollout/reward": 0.5, "time/rollout": 3.0}
+    merged = merge_rank_metrics(ranks)  # per-episode means over all 12 episodes; wall times averaged
+    assert merged == {"rollout/episodes": 12.0, "rollout/reward": pytest.approx(5 / 12), "time/rollout": 3.0}
+    # a rank whose groups were all dropped (no episodes, no component means) does not count
+    empty = {"rollout/episodes": 0.0, "rollout/reward": 0.0, "time/rollout": 6.0}
+    ranks[0]["rollout/component/correctness"] = 1.0
+    merged = merge_rank_metrics([ranks[0], empty])
+    assert merged["rollout/reward"] == 0.25 and merged["rollout/component/correctness"] == 1.0
+    assert merged["rollout/episodes"] == 8.0 and merged["time/rollout"] == 4.0
+    assert merge_rank_metrics([empty, empty])["rollout/reward"] == 0.0
     with pytest.raises(ValueError, match="at least one rank"):
         merge_rank_metrics([])
