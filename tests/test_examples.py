@@ -290,8 +290,11 @@ def run_readme_command(cmd: str, tmp_path: pathlib.Path, background: list) -> No
         shutil.rmtree(run_dir)  # each checkpoint is about 2 GB; no later command reads it
     for pipeline_dir in re.findall(r"rl2gem\.trainers\.agentic .*--out (\S+)", cmd):
         run_dir = tmp_path / pipeline_dir
-        rows = [row.split(" | ")[0] for row in (run_dir / "results.md").read_text().splitlines()[2:]]
+        results = (run_dir / "results.md").read_text().splitlines()
+        rows = [row.split(" | ")[0] for row in results[2:] if row.startswith("|")]
         assert rows == ["| base", "| sft", "| sft+rl"], cmd  # every stage ran, every model evaluated
+        paired = [row.split(":")[0] for row in results if row.startswith("Paired")]
+        assert paired == ["Paired, base -> sft", "Paired, sft -> sft+rl"], cmd  # each model against the one before
         assert (run_dir / "sft" / "DONE").exists() and (run_dir / "ppo" / "DONE").exists(), cmd
         assert (run_dir / "results.png").stat().st_size > 1000, cmd
         if "multihop-summarize" in cmd:  # the PPO stage's rollouts summarised to stay in their context

@@ -136,13 +136,20 @@ def test_partial_rollouts_keep_every_token_across_pause_and_weight_update(tokeni
         await eng.close()
         return first, carried, paused, second, third, stats, left, ro
 
-    first, carried, paused, second, third, stats, left, ro = asyncio.run(main())
-    assert paused and carried > 0 and first.metrics["rollout/in_flight_after"] == carried
-    assert second.metrics["rollout/carried_over"] == carried
+    # Whether a pause finds requests mid-action is up to thread timing (on a loaded machine the
+    # engine can finish every in-flight turn before the event loop pauses it): up to 3 tries.
+    for _ in range(3):
+        first, carried, paused, second, third, stats, left, ro = asyncio.run(main())
+        assert paused and carried > 0 and first.metrics["rollout/in_flight_after"] == carried
+        assert second.metrics["rollout/carried_over"] == carried
+        # no request lost: every request the rollout sent came back (finished or aborted by the pause)
+        assert stats["requests"] == stats["finished"] == ro.stats["requests"]
+        assert ro.stats["aborted_requests"] == stats.get("finish_abort", 0)
+        if ro.stats["aborted_requests"] > 0:  # the pauses cut some actions
+            break
+    else:
+        pytest.fail("no pause in 3 runs cut an action")
     batches = [first, second, third]
-    # no request lost: every request the rollout sent came back (finished or aborted by the pause)
-    assert stats["requests"] == stats["finished"] == ro.stats["requests"]
-    assert ro.stats["aborted_requests"] == stats.get("finish_abort", 0) > 0  # the pauses cut some actions
     # no token lost or duplicated: every action of the never-stopping model has exactly max_new tokens
     for b in batches:
         for e in b.episodes:

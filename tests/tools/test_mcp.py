@@ -90,6 +90,14 @@ async def _list_and_call(server, calls):
         return listed, results
 
 
+async def _search_once(query):
+    tool = SearchTool(topk=2)
+    try:
+        return await tool.call({"query": query})
+    finally:
+        await tool.aclose()  # releases the embedded retrieval service this process started
+
+
 def test_envserver_mcp_serves_searchqa_search_over_stdio():
     command = StdioServerParameters(
         command=sys.executable, args=["-m", "rl2gem.envserver", "rl2/SearchQA-v0", "topk=2", "--mcp"]
@@ -97,7 +105,7 @@ def test_envserver_mcp_serves_searchqa_search_over_stdio():
     calls = [("search", {"query": "Afghanistan"}), ("search", {"q": "Afghanistan"}), ("no_such_tool", {})]
     listed, results = asyncio.run(_list_and_call(command, calls))
     assert set(listed) == {"search"} and listed["search"].input_schema["required"] == ["query"]
-    local = asyncio.run(SearchTool(topk=2).call({"query": "Afghanistan"}))  # what the env's own search returns
+    local = asyncio.run(_search_once("Afghanistan"))  # what the env's own search returns
     assert results[0] == (local, False) and "Afghanistan" in local and "Doc 2" in local and "Doc 3" not in local
     assert results[1][1] and "'query' is a required property" in results[1][0]
     assert results[2][1] and "unknown tool 'no_such_tool'" in results[2][0]

@@ -183,9 +183,10 @@ def test_resume_after_kill_9_matches_an_uninterrupted_run(tiny_dir, tmp_path):
     (rollout.context), so the resumed rollouts must also start the same segments and write the same
     summaries. The entropy bonus gives non-zero gradients even when the tiny random model earns no
     reward, so weights, Adam moments and therefore the sampled tokens change every step. The old
-    log-probs are recomputed: the engine's differ between two runs at the 1e-8 level (multi-turn
-    requests meet in different decode batches), which Adam amplifies to 5e-3 in the weights after
-    4 steps at this learning rate."""
+    log-probs are recomputed and the importance weights against the engine's log-probs are off: the
+    engine's log-probs differ between two runs at the 1e-8 level (multi-turn requests meet in
+    different decode batches, more so on a loaded machine), which Adam amplifies to ~1% in the KL
+    to the reference after 4 steps at this learning rate."""
     import signal
     import time
 
@@ -201,6 +202,7 @@ def test_resume_after_kill_9_matches_an_uninterrupted_run(tiny_dir, tmp_path):
         "rollout.context.policy=summarize",
         "rollout.context.summary_max_new_tokens=8",
         "actor.old_logprobs=recompute",
+        "actor.is_mode=none",
         *MOVING_WEIGHTS,
         "trainer.total_steps=4",
         "trainer.save_every=2",

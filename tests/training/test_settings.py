@@ -48,7 +48,7 @@ def test_a_section_takes_the_defaults_it_lacks_and_leaves_other_keys_to_the_trai
 #: CPU-sized actions and sequences (the library's defaults suit served models).
 ROLLOUT_OVERRIDES = {"max_new_tokens": 64, "max_length": 1024}
 #: RolloutConfig fields the trainer sets itself rather than from its YAML.
-ROLLOUT_NOT_OFFERED = {"top_k", "max_groups_factor", "seed", "progress"}
+ROLLOUT_NOT_OFFERED = {"top_k", "seed", "progress"}
 #: Where the eval CLI's defaults deliberately differ: greedy, one episode per task, room for long
 #: answers, a progress bar on the terminal.
 EVALUATE_OVERRIDES = {"temperature": 0.0, "responses_per_prompt": 1, "max_new_tokens": 512, "progress": True}
