@@ -40,6 +40,7 @@ unset, which local servers accept); failed requests are retried with exponential
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -52,6 +53,8 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 __all__ = [
+    "paired_comparison",
+    "solved",
     "DEFAULTS",
     "EpisodeRecord",
     "evaluate",
@@ -239,6 +242,31 @@ async def play_model(
         return await rollout.play(resets, on_episode)
     finally:
         await rollout.close()
+
+
+def solved(record: EpisodeRecord) -> bool:
+    """Exact match where the env reports it, else success."""
+    em = record.final_info.get("em")
+    return bool(em) if isinstance(em, (int, float)) else bool(record.success)
+
+
+def paired_comparison(before: list[EpisodeRecord], after: list[EpisodeRecord]) -> tuple[int, int, float]:
+    """Two models on the same items (matched by ``(seed, index)``): the items only ``after`` solves,
+    those only ``before`` solves (:func:`solved`), and the exact two-sided sign test's p-value on
+    those discordant items (binomial, p = 1/2; McNemar's exact test).
+
+    Raises:
+        ValueError: the two lists do not cover the same items.
+    """
+    first = {(r.seed, r.index): solved(r) for r in before}
+    second = {(r.seed, r.index): solved(r) for r in after}
+    if first.keys() != second.keys():
+        raise ValueError("the two evaluations are not on the same items")
+    gained = sum(second[key] and not first[key] for key in first)
+    lost = sum(first[key] and not second[key] for key in first)
+    changed = gained + lost
+    tail = sum(math.comb(changed, k) for k in range(min(gained, lost) + 1)) / 2**changed
+    return gained, lost, min(1.0, 2 * tail)
 
 
 def _evaluate_model(cfg, resets, emit) -> None:

@@ -20,7 +20,7 @@ Stages (each a child process; ``--stages`` runs a subset):
    share of episodes with two or more where the env reports them, turns, invalid actions,
    generated tokens, and the tokens prefix merging saved against re-rendering each turn as a new
    prompt; then each model against the previous one on the same items: items gained and lost and
-   the sign test's p, :func:`paired_comparison`) and ``<out>/results.png``.
+   the sign test's p, :func:`rl2gem.evaluation.paired_comparison`; ``agentic_report``) and ``<out>/results.png``.
 
 ``--sft-from DIR`` takes the SFT model of another pipeline's run folder (its ``sft`` stage must be
 done) and skips ``collect`` and ``sft``: the context-managed multihop runs start from the model of
@@ -35,9 +35,6 @@ same command, run again after a crash, picks up where it stopped.
 from __future__ import annotations
 
 import argparse
-import itertools
-import json
-import math
 import os
 import subprocess
 import sys
@@ -45,10 +42,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rl2gem.evaluation import EpisodeRecord, record_sums
+from rl2gem.trainers.agentic_report import table
+
 from rl2gem.procs import quick_exit_collection
 
-__all__ = ["PIPELINES", "Pipeline", "main", "paired_comparison", "prefix_merging_tokens"]
+__all__ = ["PIPELINES", "Pipeline", "main"]
 
 ROOT = Path(__file__).resolve().parent
 
@@ -152,29 +150,6 @@ PIPELINES: dict[str, Pipeline] = {
 }
 
 
-def prefix_merging_tokens(records: list[EpisodeRecord], tokenizer) -> tuple[int, int]:
-    """Training tokens of ``records`` as one prefix-merged sequence per episode, and as one sample
-    per turn that re-renders the whole conversation so far as its prompt (what trainers that
-    re-tokenise each turn process).
-
-    Returns:
-        ``(merged, rerendered)`` token counts summed over the episodes.
-    """
-    from rl2gem.rollout.tito import ChatRenderer
-
-    renderer = ChatRenderer(tokenizer)
-    merged = rerendered = 0
-    for r in records:
-        messages = r.messages
-        if not any(m["role"] == "assistant" for m in messages):
-            continue
-        merged += len(renderer.conversation(messages))
-        for i, m in enumerate(messages):
-            if m["role"] == "assistant":
-                rerendered += len(renderer.prompt_ids(messages[:i])) + len(renderer.encode(m["content"])) + 1
-    return merged, rerendered
-
-
 def _run(cmd: list[str], log: Path, threads: int = 1) -> None:
     """Run one stage's command, its output appended to ``log``, with ``threads`` intra-op threads per
     process (1 for torchrun's ranks, one per core; every core for a one-process stage).
@@ -226,137 +201,6 @@ def _evaluate(pipe: Pipeline, label: str, model: str, out: Path, extra: list[str
         _run([sys.executable, "-m", "rl2gem.evaluate", *args], out / "eval" / f"{label}.log", os.cpu_count() or 1)
         tmp.rename(path)
     return path
-
-
-def _records(path: Path) -> list[EpisodeRecord]:
-    return [EpisodeRecord(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _summary(records: list[EpisodeRecord]) -> dict[str, float]:
-    """Per-episode means of ``records``, and ``reported`` (the names among em, f1 and searches that
-    the env reports)."""
-    sums = record_sums(records)
-    n = max(sums["episodes"], 1.0)
-    names = {"success": "success", "reward": "reward", "em": "em", "f1": "f1", "searches": "searches"}
-    names.update(turns="turns", invalid="invalid_actions", tokens="response_tokens")
-    reported = {name for name in ("em", "f1", "searches") if sums.get(f"reported/{name}", 0.0) > 0}
-    two = sum(float(r.final_info.get("num_searches") or 0) >= 2 for r in records) / n  # multi-hop behaviour
-    means = {name: sums[key] / n for name, key in names.items()}
-    return {"episodes": len(records), "reported": reported, **means, "two_searches": two}
-
-
-def _solved(record: EpisodeRecord) -> bool:
-    """Exact match where the env reports it, else success."""
-    em = record.final_info.get("em")
-    return bool(em) if isinstance(em, (int, float)) else bool(record.success)
-
-
-def paired_comparison(before: list[EpisodeRecord], after: list[EpisodeRecord]) -> tuple[int, int, float]:
-    """Two models on the same items (matched by ``(seed, index)``): the items only ``after`` solves,
-    those only ``before`` solves (:func:`_solved`), and the exact two-sided sign test's p-value on
-    those discordant items (binomial, p = 1/2; McNemar's exact test).
-
-    Raises:
-        ValueError: the two lists do not cover the same items.
-    """
-    first = {(r.seed, r.index): _solved(r) for r in before}
-    second = {(r.seed, r.index): _solved(r) for r in after}
-    if first.keys() != second.keys():
-        raise ValueError("the two evaluations are not on the same items")
-    gained = sum(second[key] and not first[key] for key in first)
-    lost = sum(first[key] and not second[key] for key in first)
-    changed = gained + lost
-    tail = sum(math.comb(changed, k) for k in range(min(gained, lost) + 1)) / 2**changed
-    return gained, lost, min(1.0, 2 * tail)
-
-
-#: The table's columns: (header, summary key, format); EM, F1 and searches only where the env reports them.
-_COLUMNS = [
-    ("episodes", "episodes", "{:d}"),
-    ("EM", "em", "{:.3f}"),
-    ("F1", "f1", "{:.3f}"),
-    ("success", "success", "{:.3f}"),
-    ("reward", "reward", "{:.3f}"),
-    ("searches / ep", "searches", "{:.2f}"),
-    ("2+ searches", "two_searches", "{:.3f}"),
-    ("turns / ep", "turns", "{:.2f}"),
-    ("invalid / ep", "invalid", "{:.2f}"),
-    ("generated tokens / ep", "tokens", "{:.1f}"),
-]
-
-
-def table(out: Path, models: dict[str, str]) -> str:
-    """The results table of ``<out>/eval/<label>.jsonl`` (and ``results.png``)."""
-    from transformers import AutoTokenizer
-
-    from rl2gem.models import resolve_model
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(models["base"]))
-    stats, merging = {}, {}
-    for label in models:
-        records = _records(out / "eval" / f"{label}.jsonl")
-        merging[label] = prefix_merging_tokens(records, tokenizer)
-        merged, rerendered = merging[label]
-        stats[label] = _summary(records)
-        stats[label]["saved"] = 1.0 - merged / rerendered if rerendered else 0.0
-    reported = set().union(*(s["reported"] for s in stats.values()))
-    columns = [
-        c for c in _COLUMNS if c[1] not in ("em", "f1", "searches", "two_searches") or c[1].split("_")[-1] in reported
-    ]
-    rows = []
-    for label, s in stats.items():
-        merged, rerendered = merging[label]
-        cells = [fmt.format(s[key]) for _, key, fmt in columns]
-        rows.append(f"| {label} | {' | '.join(cells)} | {merged} / {rerendered} ({100 * s['saved']:.0f}% saved) |")
-    header = ["model", *(name for name, _, _ in columns), "training tokens: prefix-merged / re-rendered"]
-    text = "\n".join(["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|", *rows])
-    for before, after in itertools.pairwise(models):
-        gained, lost, p = paired_comparison(
-            _records(out / "eval" / f"{before}.jsonl"), _records(out / "eval" / f"{after}.jsonl")
-        )
-        text += f"\n\nPaired, {before} -> {after}: {gained} items gained, {lost} lost; sign test p = {p:.2g}"
-    (out / "results.md").write_text(text + "\n")
-    _plot(out, stats)
-    return text
-
-
-def _plot(out: Path, stats: dict[str, dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    names = [n for n in ("em", "f1", "success") if n == "success" or any(n in s["reported"] for s in stats.values())]
-    width = 0.8 / len(stats)
-    for i, (label, s) in enumerate(stats.items()):
-        axes[0].bar([j + i * width for j in range(len(names))], [s[n] for n in names], width, label=label)
-    axes[0].set_xticks(
-        [j + width * (len(stats) - 1) / 2 for j in range(len(names))],
-        [n.upper() if n != "success" else n for n in names],
-    )
-    axes[0].set_ylim(0, 1)
-    axes[0].set_title("held-out items, greedy")
-    axes[0].legend()
-    curve = out / "ppo" / "metrics.jsonl"
-    if curve.exists():
-        reward, held_out = {}, {}
-        for line in curve.read_text().splitlines():
-            row = json.loads(line)
-            if "rollout/reward" in row:
-                reward[row["step"]] = row["rollout/reward"]
-            if "eval/em" in row or "eval/success" in row:
-                held_out[row["step"]] = row.get("eval/em", row.get("eval/success"))
-        axes[1].plot(list(reward), list(reward.values()), marker=".", label="rollout reward (train questions)")
-        if held_out:
-            axes[1].plot(list(held_out), list(held_out.values()), marker="o", label="held-out EM (success where none)")
-        axes[1].set_xlabel("PPO step")
-        axes[1].set_ylim(0, 1)
-        axes[1].set_title("during RL")
-        axes[1].legend()
-    fig.tight_layout()
-    fig.savefig(out / "results.png", dpi=110)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,8 @@ from the README's command)."""
 from pathlib import Path
 
 import pytest
-from rl2gem.trainers.agentic import PIPELINES, main, paired_comparison, prefix_merging_tokens
+from rl2gem.trainers.agentic import PIPELINES, main
+from rl2gem.trainers.agentic_report import prefix_merging_tokens
 from transformers import AutoTokenizer
 
 from rl2gem.evaluation import EpisodeRecord
@@ -78,21 +79,3 @@ def test_sft_from_trains_ppo_from_another_runs_sft_model_and_skips_its_stages(tm
     assert f"actor.model={shared / 'sft' / 'checkpoint-40' / 'hf'}" in commands[0]
     assert "config=multihop_truncate" in commands[0]
     assert not (out / "oracle.jsonl").exists() and not (out / "sft").exists()
-
-
-def test_paired_comparison_counts_discordant_items_and_gives_the_exact_sign_test():
-    def evaluation(solved, em=True):
-        return [
-            EpisodeRecord(i, 7, i, float(s), 2, bool(s), True, False, 0, None, 0, [], {"em": float(s)} if em else {})
-            for i, s in enumerate(solved)
-        ]
-
-    # 34 gained, 5 lost, 61 unchanged: p = 2 * sum_{k<=5} C(39, k) / 2^39 (by hand: 2 * 667928 / 2^39)
-    before = evaluation([0] * 34 + [1] * 5 + [1] * 30 + [0] * 31)
-    after = evaluation([1] * 34 + [0] * 5 + [1] * 30 + [0] * 31)
-    gained, lost, p = paired_comparison(before, after)
-    assert (gained, lost) == (34, 5) and p == pytest.approx(2 * 667928 / 2**39)
-    assert paired_comparison(evaluation([0, 0, 0]), evaluation([1, 1, 1], em=False)) == (3, 0, 0.25)
-    assert paired_comparison(evaluation([1, 0]), evaluation([1, 0])) == (0, 0, 1.0)  # nothing changed
-    with pytest.raises(ValueError, match="not on the same items"):
-        paired_comparison(evaluation([1, 0]), evaluation([1]))
