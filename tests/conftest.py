@@ -24,3 +24,14 @@ def tiny_dir(tmp_path_factory):
     tiny_model().save_pretrained(folder)
     AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct")).save_pretrained(folder)
     return folder
+
+
+#: Tests that start training runs or README commands: tens of seconds each, a few over a minute.
+HEAVY = ("tests/test_examples.py::test_readme", "tests/trainers/", "tests/envs/test_math_env.py::test_builtin_sources")
+
+
+def pytest_collection_modifyitems(items):
+    """The heavy tests first (a stable sort): pytest-xdist's work stealing then hands the light
+    ones out last, so that the two workers finish together rather than one waiting on the other's
+    last minute-long run."""
+    items.sort(key=lambda item: not (item.nodeid.startswith(HEAVY) or "tiny_dir" in item.fixturenames))
