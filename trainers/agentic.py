@@ -152,7 +152,8 @@ PIPELINES: dict[str, Pipeline] = {
 
 def _run(cmd: list[str], log: Path, threads: int = 1) -> None:
     """Run one stage's command, its output appended to ``log``, with ``threads`` intra-op threads per
-    process (1 for torchrun's ranks, one per core; every core for a one-process stage).
+    process (1 for torchrun's ranks, one per core; :func:`_one_process_threads` for a one-process
+    stage).
 
     Raises:
         SystemExit: the stage failed (the log's last lines in the message).
@@ -164,6 +165,13 @@ def _run(cmd: list[str], log: Path, threads: int = 1) -> None:
     if r.returncode:
         tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
         raise SystemExit(f"stage failed (exit {r.returncode}); the last lines of {log}:\n{tail}")
+
+
+def _one_process_threads() -> int:
+    """Intra-op threads of a one-process stage: ``OMP_NUM_THREADS`` where it is set (the test suite's
+    workers set 1: more threads than free cores make OpenMP spin, an evaluation of 2 episodes took
+    76 s with 2 threads on 2 busy cores and 14 s with 1), else one per core."""
+    return int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
 
 
 def _torchrun(script: str, args: list[str], nproc: int) -> list[str]:
@@ -198,7 +206,7 @@ def _evaluate(pipe: Pipeline, label: str, model: str, out: Path, extra: list[str
             f"output={tmp}",
             "progress=false",
         ]
-        _run([sys.executable, "-m", "rl2gem.evaluate", *args], out / "eval" / f"{label}.log", os.cpu_count() or 1)
+        _run([sys.executable, "-m", "rl2gem.evaluate", *args], out / "eval" / f"{label}.log", _one_process_threads())
         tmp.rename(path)
     return path
 
