@@ -62,6 +62,10 @@ from rl2gem.training.samples import (
 from rl2gem.training.trainer import launch
 
 CONFIG = Path(__file__).with_name("config") / "ppo.yaml"
+#: Means over action tokens: a step's value weights each micro-batch by its tokens, so that it is the
+#: mean over the step's tokens however the sequences fell into micro-batches and ranks (an episode
+#: order that differs between two runs must not change the KL the controller reads).
+PER_TOKEN_METRICS = frozenset({"clip_ratio", "entropy", "is_weight", "mismatch_kl", "kl"})
 
 
 class PPOTrainer(OnlineTrainer):
@@ -175,7 +179,10 @@ class PPOTrainer(OnlineTrainer):
                 chunk = slice(first, first + per_minibatch)
                 for micro_batch, score in zip(micro_batches[chunk], scores[chunk], strict=True):
                     part = [samples[i] for i in micro_batch.indices]
-                    stats.add(self.micro_batch_loss(part, micro_batch.scale, score, totals), micro_batch.scale)
+                    row = self.micro_batch_loss(part, micro_batch.scale, score, totals)
+                    tokens = micro_batch.scale * row.pop("tokens")
+                    stats.add({k: v for k, v in row.items() if k in PER_TOKEN_METRICS}, tokens)
+                    stats.add({k: v for k, v in row.items() if k not in PER_TOKEN_METRICS}, micro_batch.scale)
                 norms["actor/grad_norm"] = self.actor.step()
                 if self.critic is not None:
                     norms["critic/grad_norm"] = self.critic.step()
@@ -184,7 +191,9 @@ class PPOTrainer(OnlineTrainer):
 
     def micro_batch_loss(self, part, scale: float, score: dict, totals: dict) -> dict[str, float]:
         """Backward of ``pg_loss + kl.coef * kl_loss - entropy_coef * entropy`` (and the critic's value
-        loss) on one packed micro-batch with global-batch token weights; returns its metrics."""
+        loss) on one packed micro-batch with global-batch token weights; returns its metrics and
+        ``tokens``, its action tokens (the weight of its :data:`PER_TOKEN_METRICS` in the step's
+        means)."""
         config, actor = self.cfg, self.cfg.actor
         entropy_weight = actor.entropy_coef + self.constraints.multiplier("entropy")
         entropy_mode = "grad" if entropy_weight > 0 or "entropy" in self.constraints else "metric"
@@ -215,6 +224,7 @@ class PPOTrainer(OnlineTrainer):
         (loss * self.mesh.dp_size).backward()  # FSDP averages gradients over data-parallel ranks
         tokens = mask.sum().clamp(min=1)
         row = {
+            "tokens": mask.sum(),  # a tensor: no wait for the device here
             "pg_loss": pg_metrics["pg_loss"],
             "clip_ratio": pg_metrics["clip_ratio"],
             "entropy": float((entropy.detach() * mask).sum() / tokens),

@@ -478,7 +478,8 @@ class Rollout:
 
         Returns:
             :class:`RolloutBatch` with ``num_groups`` groups (fewer only when
-            dynamic filtering hit ``max_groups_factor``) and its metrics.
+            dynamic filtering hit ``max_groups_factor``), in the order they were started (group
+            id: the same order in every run of the same seeds), and its metrics.
 
         Raises:
             ValueError: ``num_groups < 1``.
@@ -507,7 +508,7 @@ class Rollout:
         if not self._gate.is_set():
             await self.engine.resume()
             self._gate.set()
-        kept: list[list[Episode]] = []
+        kept: list[_Group] = []
         launched = 0
         ready, self._ready = self._ready, []
         if c.dynamic_filter:
@@ -551,7 +552,7 @@ class Rollout:
                     if c.dynamic_filter and len(rewards) == 1 and len(g.episodes) > 1:
                         m["filtered"] += 1
                         continue
-                    kept.append(g.episodes)
+                    kept.append(g)
                     if bar is not None:
                         bar.update(1)
         finally:
@@ -566,7 +567,10 @@ class Rollout:
                     g.task.cancel()
                 await asyncio.gather(*(g.task for g in self._inflight.values()), return_exceptions=True)
                 self._inflight.clear()
-        return RolloutBatch(kept, self._metrics(kept, m, before, launched, time.perf_counter() - t0))
+        # in group-id order, not completion order: the trainer's micro-batches and ranks then get the
+        # same sequences in every run of the same seeds, however the engine's threads were scheduled
+        groups = [g.episodes for g in sorted(kept, key=lambda g: g.gid)]
+        return RolloutBatch(groups, self._metrics(groups, m, before, launched, time.perf_counter() - t0))
 
     def _metrics(self, groups, m: Counter, before: Counter, launched: int, seconds: float) -> dict[str, float]:
         eps = [e for g in groups for e in g]

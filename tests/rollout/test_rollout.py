@@ -4,6 +4,7 @@ import asyncio
 
 import pytest
 from tiny import tiny_model
+from toy_envs import SlowSearchEnv
 
 from rl2gem.rollout import EmbeddedEngine, Rollout, RolloutConfig, merge_rank_metrics
 
@@ -217,6 +218,34 @@ def test_seeded_rollouts_do_not_depend_on_batching(tokenizer):
     a, b = asyncio.run(main(1, 0)), asyncio.run(main(6, 1))
     assert {g[0].group: _tokens(g) for g in a.groups} == {g[0].group: _tokens(g) for g in b.groups}
     assert len(set(_tokens(a.episodes))) == 6  # the samples of a group differ
+
+
+class FirstGroupLastEnv(SlowSearchEnv):
+    """Group 0's episodes (reset seed 0 with ``seed=0``) start half a second late, so that group
+    finishes last."""
+
+    async def _areset(self, options):
+        if self._episode_seed == 0:
+            await asyncio.sleep(0.5)
+        return await super()._areset(options)
+
+
+def test_groups_come_back_in_the_order_they_were_started(tokenizer):
+    """Not in completion order: the trainer then splits the same sequences over its micro-batches
+    and ranks in every run, so per-token metrics (the KL its controller reads) do not depend on
+    thread timing."""
+
+    async def main():
+        eng = EmbeddedEngine(tiny_model(), max_batch_size=8)
+        cfg = RolloutConfig(responses_per_prompt=2, max_new_tokens=4, concurrency=3, seed=0)
+        ro = Rollout(eng, tokenizer, lambda: FirstGroupLastEnv(latency=0.0, max_turns=2), cfg)
+        batch = await ro.collect(3)
+        await ro.close()
+        await eng.close()
+        return batch
+
+    batch = asyncio.run(main())
+    assert [group[0].group for group in batch.groups] == [0, 1, 2]
 
 
 def test_state_dict_restores_position_and_partial_buffer(tokenizer):
