@@ -183,10 +183,12 @@ def test_resume_after_kill_9_matches_an_uninterrupted_run(tiny_dir, tmp_path):
     (rollout.context), so the resumed rollouts must also start the same segments and write the same
     summaries. The entropy bonus gives non-zero gradients even when the tiny random model earns no
     reward, so weights, Adam moments and therefore the sampled tokens change every step. The old
-    log-probs are recomputed and the importance weights against the engine's log-probs are off: the
-    engine's log-probs differ between two runs at the 1e-8 level (multi-turn requests meet in
-    different decode batches, more so on a loaded machine), which Adam amplifies to ~1% in the KL
-    to the reference after 4 steps at this learning rate."""
+    log-probs are recomputed and the importance weights against the engine's log-probs are off, and
+    each rank's engine decodes one request at a time: the engine's logits depend at the 1e-8 level
+    on which requests share a decode batch (multi-turn requests meet in different batches from run
+    to run, more so on a loaded machine), which at this test's temperature of 20 can flip a sampled
+    token: with two requests per engine, a loaded machine gave weights 2.4e-3 apart after 4 steps
+    while every logged metric agreed."""
     import signal
     import time
 
@@ -195,7 +197,8 @@ def test_resume_after_kill_9_matches_an_uninterrupted_run(tiny_dir, tmp_path):
         "env=rl2/MultiHopQA-v0",
         f"actor.model={tiny_dir}",
         "rollout.prompts_per_rollout=2",
-        "rollout.responses_per_prompt=2",
+        "rollout.responses_per_prompt=1",  # one request in flight per rank: see the docstring
+        "rollout.concurrency=1",
         "rollout.dynamic_filter=false",
         "rollout.max_new_tokens=12",
         "rollout.context.max_tokens=160",
