@@ -18,8 +18,11 @@ total = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(total)
 names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
          "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "OMP_NUM_THREADS", "EXTRA")
-print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "sum": total.item(),
-                  "env": {name: os.environ.get(name) for name in names}}), flush=True)
+row = {"argv": sys.argv[1:], "cwd": os.getcwd(), "sum": total.item(),
+       "env": {name: os.environ.get(name) for name in names}}
+# one write(2) per line: under PYTHONUNBUFFERED, print() writes the text and its newline apart, and
+# torchrun's ranks share one stdout pipe, so two ranks' lines could interleave
+os.write(1, (json.dumps(row) + "\\n").encode())
 dist.destroy_process_group()
 """
 
