@@ -250,17 +250,22 @@ def fork_servers(parent: int | None = None) -> list[int]:
 def sandbox_pids() -> list[int]:
     """Live (not zombie) sandboxed processes: interpreters running the boot script, and every
     descendant of a fork server (its children and anything they started), but not the servers
-    nor their children still waiting for work."""
+    nor their children still waiting for work, and not those of another test worker (a process
+    descending from a sibling of this one: ``make test``'s other worker runs sandboxes of its own
+    meanwhile). A process that escaped its sandbox and was re-parented to init still counts."""
     table = _process_table()
     servers = _servers(table)
+    others = {pid for pid, (parent, _, _) in table.items() if parent == os.getppid() and pid != os.getpid()}
     found = []
     for pid, (parent, state, cmd) in table.items():
         if state in ("Z", "W") or pid in servers:
             continue
-        ancestor, hops = parent, 0
-        while ancestor not in servers and ancestor in table and hops < 64:
-            ancestor, hops = table[ancestor][0], hops + 1
-        if b"_sandbox_boot.py" in cmd or ancestor in servers:
+        lineage, hops = [pid], 0
+        while lineage[-1] in table and hops < 64:
+            lineage, hops = [*lineage, table[lineage[-1]][0]], hops + 1
+        if others.intersection(lineage):
+            continue
+        if b"_sandbox_boot.py" in cmd or servers.intersection(lineage[1:]):
             found.append(pid)
     return found
 
