@@ -96,16 +96,33 @@ class SavedBytes:
 
 
 def worker(model_dir: str, out: str, *options: str) -> None:
+    """A torchrun rank: measures each of ``layouts`` (names of :data:`LAYOUTS`, all of this world
+    size) in turn; rank 0 writes ``{name: {"rows", "longest"}}`` to ``out``."""
     import torch.distributed as dist
 
-    from rl2gem.parallel.fsdp import init_distributed, load_sharded
-    from rl2gem.parallel.mesh import build_mesh
-    from rl2gem.training import plan_micro_batches, token_logprobs
+    from rl2gem.parallel.fsdp import init_distributed
 
     opts = dict(o.split("=", 1) for o in options)
     rank, world, device = init_distributed()
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    results = {}
+    for name in opts["layouts"].split(","):  # one launch measures every layout of this world size
+        extra = next(extra for layout, _, extra in LAYOUTS if layout == name)
+        results[name] = measure_layout(model_dir, device, {**opts, **{k: str(v) for k, v in extra.items()}})
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def measure_layout(model_dir: str, device: torch.device, opts: dict[str, str]) -> dict:
+    """One layout's rows (tokens/s and activation MiB per length) and longest single sequence."""
+    import torch.distributed as dist
+
+    from rl2gem.parallel.fsdp import load_sharded
+    from rl2gem.parallel.mesh import build_mesh
+    from rl2gem.training import plan_micro_batches, token_logprobs
+
     mesh = build_mesh(1, int(opts.get("tp_size", 1)), int(opts.get("sp_size", 1)))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = load_sharded(
@@ -164,12 +181,11 @@ def worker(model_dir: str, out: str, *options: str) -> None:
         longest, length = length, max(length + 64, int(length * GROWTH) // 64 * 64)
         if float(peak) * GROWTH > cap:  # activations grow at least linearly: the next cannot fit
             break
-    if rank == 0:
-        Path(out).write_text(json.dumps({"rows": rows, "longest": longest}))
-    dist.destroy_process_group()
+    return {"rows": rows, "longest": longest}
 
 
-def run_layout(model_dir: Path, nproc: int, extra: dict, args, out: Path) -> dict:
+def run_layouts(model_dir: Path, nproc: int, names: list[str], args, out: Path) -> dict:
+    """Measure the layouts ``names`` (each of ``nproc`` ranks) in one torchrun launch."""
     options = {
         "batch": args.batch,
         "repeats": args.repeats,
@@ -177,7 +193,7 @@ def run_layout(model_dir: Path, nproc: int, extra: dict, args, out: Path) -> dic
         "cap_mib": args.cap_mib,
         "search_from": args.search_from,
         "search_to": args.search_to,
-        **extra,
+        "layouts": ",".join(names),
     }
     cmd = [
         sys.executable,
@@ -226,9 +242,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         make_model(model_dir, args.quick)
-        for name, nproc, extra in LAYOUTS:
-            if name in wanted:
-                results[name] = run_layout(model_dir, nproc, extra, args, Path(tmp) / f"{nproc}-{len(results)}.json")
+        for nproc in sorted({nproc for _, nproc, _ in LAYOUTS}):
+            names = [name for name, size, _ in LAYOUTS if size == nproc and name in wanted]
+            if names:
+                results |= run_layouts(model_dir, nproc, names, args, Path(tmp) / f"{nproc}.json")
     device = "CUDA" if torch.cuda.is_available() else "CPU (gloo, fp32)"
     memory = "max allocated" if torch.cuda.is_available() else "saved for backward"
     print(f"\n{device}, global batch {args.batch} sequences, forward + backward\n")
