@@ -87,7 +87,8 @@ class ServiceProcess:
                     self.url = line.split()[1]
                     found.set()
 
-        threading.Thread(target=pump, daemon=True).start()
+        self._pump = threading.Thread(target=pump, daemon=True)
+        self._pump.start()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -121,10 +122,15 @@ class ServiceProcess:
         self.kill()
 
     def kill(self) -> None:
-        """SIGKILL the whole process group (no orphans)."""
+        """SIGKILL the whole process group (no orphans), then close its pipes once the output is read."""
         self._signal(signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
+        self._pump.join(timeout=5)  # the group is gone: its output ends
+        if not self._pump.is_alive():
+            for stream in (self.proc.stdin, self.proc.stdout):
+                with contextlib.suppress(OSError):
+                    stream.close()
 
     def _signal(self, sig) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):

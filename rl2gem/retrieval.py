@@ -149,12 +149,14 @@ def make_app(index: BM25Index, default_topk: int = 3):
     """The aiohttp application serving ``index`` (see the module doc)."""
     from aiohttp import web
 
+    batcher_key, task_key = web.AppKey("batcher", _Batcher), web.AppKey("batcher_task", asyncio.Task)
+
     async def start_batcher(app: web.Application) -> None:
-        app["batcher"] = batcher = _Batcher(index)
-        app["batcher_task"] = asyncio.get_running_loop().create_task(batcher.run())
+        app[batcher_key] = batcher = _Batcher(index)
+        app[task_key] = asyncio.get_running_loop().create_task(batcher.run())
 
     async def stop_batcher(app: web.Application) -> None:
-        app["batcher_task"].cancel()
+        app[task_key].cancel()
 
     async def retrieve(request: web.Request) -> web.Response:
         try:
@@ -181,7 +183,7 @@ def make_app(index: BM25Index, default_topk: int = 3):
         if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk <= MAX_TOPK:
             return web.json_response({"error": f"'topk' must be an integer in 1..{MAX_TOPK}"}, status=400)
         with_scores = bool(body.get("return_scores", False))
-        hits = await request.app["batcher"].search(queries, topk)
+        hits = await request.app[batcher_key].search(queries, topk)
         result = [
             [{"document": index.document(i), "score": s} if with_scores else index.document(i) for i, s in row]
             for row in hits

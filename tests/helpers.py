@@ -257,7 +257,7 @@ def sandbox_pids() -> list[int]:
     servers = _servers(table)
     others = {pid for pid, (parent, _, _) in table.items() if parent == os.getppid() and pid != os.getpid()}
     found = []
-    for pid, (parent, state, cmd) in table.items():
+    for pid, (_, state, cmd) in table.items():
         if state in ("Z", "W") or pid in servers:
             continue
         lineage, hops = [pid], 0

@@ -39,6 +39,7 @@ def start_service(port: int) -> subprocess.Popen:
 def stop_service(proc: subprocess.Popen) -> None:
     proc.stdin.close()
     proc.wait(timeout=10)
+    proc.stdout.close()
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +82,7 @@ def test_search_limit_and_turn_limit_truncate(service):
     env.step("<search>a</search>")
     obs, r, term, trunc, info = env.step("<search>b</search>")
     assert trunc and not term and info["truncated_reason"] == "max_searches" and "limit" in obs
+    env.close()
     env = SearchQAEnv("test", retrieval_url=service, max_turns=2)
     env.reset(seed=0)
     env.step("hmm")
