@@ -252,7 +252,7 @@ def sandbox_pids() -> list[int]:
     descendant of a fork server (its children and anything they started), but not the servers
     nor their children still waiting for work, and not those of another test worker (a process
     descending from a sibling of this one: ``make test``'s other worker runs sandboxes of its own
-    meanwhile). A process that escaped its sandbox and was re-parented to init still counts."""
+    meanwhile). A boot interpreter re-parented to init (its parent gone) still counts."""
     table = _process_table()
     servers = _servers(table)
     others = {pid for pid, (parent, _, _) in table.items() if parent == os.getppid() and pid != os.getpid()}
@@ -260,9 +260,9 @@ def sandbox_pids() -> list[int]:
     for pid, (_, state, cmd) in table.items():
         if state in ("Z", "W") or pid in servers:
             continue
-        lineage, hops = [pid], 0
-        while lineage[-1] in table and hops < 64:
-            lineage, hops = [*lineage, table[lineage[-1]][0]], hops + 1
+        lineage = [pid]  # the process and its ancestors
+        while lineage[-1] in table and len(lineage) <= 64:
+            lineage.append(table[lineage[-1]][0])
         if others.intersection(lineage):
             continue
         if b"_sandbox_boot.py" in cmd or servers.intersection(lineage[1:]):
