@@ -79,3 +79,28 @@ def test_sft_from_trains_ppo_from_another_runs_sft_model_and_skips_its_stages(tm
     assert f"actor.model={shared / 'sft' / 'checkpoint-40' / 'hf'}" in commands[0]
     assert "config=multihop_truncate" in commands[0]
     assert not (out / "oracle.jsonl").exists() and not (out / "sft").exists()
+
+
+def test_eval_models_chooses_which_models_the_eval_stage_evaluates(tmp_path, monkeypatch):
+    import rl2gem.trainers.agentic as agentic
+
+    out = tmp_path / "run"
+    for stage in ("sft", "ppo"):  # finished stages, as the trainers leave them
+        (out / stage).mkdir(parents=True)
+        (out / stage / "latest").write_text("checkpoint-2\n")
+    evaluated = []
+
+    def fake_evaluate(pipe, label, model, out, extra):
+        evaluated.append((label, model))
+
+    monkeypatch.setattr(agentic, "_evaluate", fake_evaluate)
+    assert main(["multihop", "--out", str(out), "--stages", "eval", "--eval-models", "sft,sft+rl"]) == 0
+    assert evaluated == [
+        ("sft", str(out / "sft" / "checkpoint-2" / "hf")),
+        ("sft+rl", str(out / "ppo" / "checkpoint-2" / "hf")),
+    ]
+    evaluated.clear()
+    assert main(["multihop", "--out", str(out), "--stages", "eval"]) == 0  # the default: all three
+    assert [label for label, _ in evaluated] == ["base", "sft", "sft+rl"]
+    with pytest.raises(SystemExit, match="unknown model 'rl'"):
+        main(["multihop", "--out", str(out), "--stages", "eval", "--eval-models", "sft,rl"])
