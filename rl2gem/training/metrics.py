@@ -12,12 +12,20 @@ Memory (``memory/<phase>_peak_mib``, :class:`PeakMemory`): the highest memory of
 step, the maximum over ranks, in MiB: on CUDA ``torch.cuda.max_memory_allocated`` (tensors the
 caching allocator handed out), on CPU the process's resident set size (RSS) sampled every few
 milliseconds while the phase runs (everything the process holds, Python and libraries included).
+On CPU a phase also hands the heap that glibc keeps after ``free`` back to the system, once a second
+while it runs and when it ends (:func:`release_free_heap`): a rank that allocates and frees
+gigabytes of tensors per phase (rollout KV caches, scoring, the update) otherwise holds its highest
+phase's memory for the rest of the run, which on a 24 GiB host filled it with two ranks
+(``benchmarks/learning.md``, the two-hop run).
 :class:`SavedTensorBytes` counts the activations autograd keeps for backward (what
 ``actor.max_length_per_device=auto`` sizes on CPU, :mod:`rl2gem.training.autosize`).
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import os
 import re
 import threading
@@ -38,12 +46,40 @@ __all__ = [
     "measure_peak_flops",
     "peak_flops_from_config",
     "reduce_mean",
+    "release_free_heap",
     "simulated_memory_bytes",
     "throughput_metrics",
     "train_flops",
 ]
 
 MIB = 2**20
+
+
+@functools.cache
+def _glibc_malloc_trim():
+    """glibc's ``malloc_trim``, or None where the C library has none (musl, macOS, Windows)."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+    except OSError:
+        return None
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is not None:
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+def release_free_heap() -> bool:
+    """Return the pages of freed heap memory to the operating system (glibc ``malloc_trim(0)``).
+
+    glibc keeps memory that ``free`` gave back inside its arenas (and raises its mmap threshold
+    after large frees, so later large tensors come from the heap too); ``malloc_trim(0)`` releases
+    every whole free page of every arena (``madvise(MADV_DONTNEED)``), so the resident set size
+    falls to what is still allocated. Safe to call from any thread (it takes each arena's lock in
+    turn). Returns True when memory was released, False when none was or the C library is not glibc.
+    """
+    trim = _glibc_malloc_trim()
+    return bool(trim(0)) if trim is not None else False
 
 
 class Averager:
@@ -212,10 +248,12 @@ class PeakMemory:
     Args:
         device: the training device; CUDA devices report allocator peaks, others RSS.
         interval: seconds between RSS samples on CPU.
+        release_every: on CPU, seconds between :func:`release_free_heap` calls while a phase runs
+            (and once when it ends); None never releases.
     """
 
-    def __init__(self, device: torch.device, interval: float = 0.005):
-        self.device, self.interval = torch.device(device), interval
+    def __init__(self, device: torch.device, interval: float = 0.005, release_every: float | None = 1.0):
+        self.device, self.interval, self.release_every = torch.device(device), interval, release_every
         self.peaks: dict[str, float] = {}
         self._process = psutil.Process()
 
@@ -237,8 +275,13 @@ class _Phase:
         self.peak, self.done = 0, threading.Event()
 
     def _sample(self):
+        release_every = self.owner.release_every
+        last_release = time.monotonic()
         while not self.done.wait(self.owner.interval):
             self.peak = max(self.peak, self.owner._process.memory_info().rss)
+            if release_every is not None and time.monotonic() - last_release >= release_every:
+                release_free_heap()
+                last_release = time.monotonic()
 
     def __enter__(self):
         if self.owner.device.type == "cuda":
@@ -256,6 +299,8 @@ class _Phase:
             self.done.set()
             self.thread.join()
             peak = max(self.peak, self.owner._process.memory_info().rss)
+            if self.owner.release_every is not None:
+                release_free_heap()
         self.owner.peaks[self.name] = max(self.owner.peaks.get(self.name, 0), peak)
         return False
 

@@ -61,6 +61,40 @@ def test_peak_memory_sees_a_freed_allocation_inside_its_phase():
     assert memory.metrics() == {}  # each call starts over
 
 
+def _fragmented_heap(blocks: int = 8192) -> list[torch.Tensor]:
+    """512 MiB in 64 KiB tensors (below glibc's mmap threshold: heap memory), every other one freed:
+    256 MiB of free heap between live blocks, which glibc cannot give back by shrinking the heap's top."""
+    tensors = [torch.ones(16 * 1024) for _ in range(blocks)]
+    del tensors[::2]
+    return tensors
+
+
+def test_a_phase_returns_freed_heap_to_the_system():
+    import psutil
+
+    from rl2gem.training.metrics import PeakMemory, _glibc_malloc_trim, release_free_heap
+
+    if _glibc_malloc_trim() is None:
+        pytest.skip("the C library is not glibc: nothing to release")
+    process = psutil.Process()
+
+    def growth(memory: PeakMemory) -> tuple[float, list[torch.Tensor]]:
+        before = process.memory_info().rss
+        with memory.phase("fragment"):
+            kept = _fragmented_heap()
+        return (process.memory_info().rss - before) / 2**20, kept
+
+    release_free_heap()  # free heap left by earlier tests is not resident, so reusing it counts as growth
+    held, kept = growth(PeakMemory(torch.device("cpu"), release_every=None))
+    assert held > 450  # the freed half is still resident: glibc kept it
+    del kept
+    release_free_heap()
+    released, kept = growth(PeakMemory(torch.device("cpu")))
+    assert released < 350 and held - released > 150  # ~256 MiB live, the freed ~256 MiB given back
+    assert sum(t.numel() for t in kept) == 4096 * 16 * 1024  # the live tensors are untouched
+    assert all(bool((t == 1).all()) for t in kept[::512])
+
+
 @pytest.mark.parametrize(
     "name,dtype,tera,what",
     [
