@@ -478,15 +478,17 @@ def evaluate(cfg, on_record: Callable[[EpisodeRecord], None] | None = None) -> l
     resets = [reset for reset in resets for _ in range(group)]  # a task's episodes are consecutive
     n = len(resets)
     out_path = Path(cfg.output) if cfg.output else None
-    if out_path:
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-    sink = open(out_path, "a", encoding="utf-8") if out_path else None  # noqa: SIM115 (closed in the finally below)
+    sink = None  # opened at the first record: a run refused before any episode leaves no empty file
     records: list[EpisodeRecord] = []
     bar = tqdm(total=n, desc=cfg.env, disable=not cfg.progress, file=sys.stderr)
 
     def emit(rec: EpisodeRecord) -> None:
+        nonlocal sink
         records.append(rec)
-        if sink:
+        if out_path is not None:
+            if sink is None:
+                out_path.parent.mkdir(parents=True, exist_ok=True)
+                sink = open(out_path, "a", encoding="utf-8")  # noqa: SIM115 (closed in the finally below)
             sink.write(json.dumps(asdict(rec), ensure_ascii=False) + "\n")
             sink.flush()
         if on_record is not None:

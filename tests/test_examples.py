@@ -116,12 +116,14 @@ def test_evaluate_renders_tools_with_the_chat_template(tmp_path, tiny_dir):
             "n=1",
             "tools_in_template=true",
             "progress=false",
+            f"output={tmp_path / 'refused.jsonl'}",
         ],
         cwd=ROOT,
         capture_output=True,
         text=True,
     )
     assert r.returncode != 0 and "does not render tools" in r.stderr  # SmolLM2's own template has no tools
+    assert not (tmp_path / "refused.jsonl").exists()  # refused before any episode: no empty file left behind
 
 
 # slow: make bench runs the script in full
