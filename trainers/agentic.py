@@ -264,7 +264,10 @@ def main(argv: list[str] | None = None) -> int:
             if label in evaluated:
                 _evaluate(pipe, label, model, out, toy.get("eval", []))
     if "table" in stages:
-        print(table(out, {k: v for k, v in models.items() if (out / "eval" / f"{k}.jsonl").exists()}))
+        finished = {k: v for k, v in models.items() if (out / "eval" / f"{k}.jsonl").exists()}
+        if not finished:
+            raise SystemExit(f"table: no evaluation in {out / 'eval'} yet (run the eval stage)")
+        print(table(out, finished))
         print(f"table: {out / 'results.md'}  plot: {out / 'results.png'}")
     return 0
 

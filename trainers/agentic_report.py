@@ -70,12 +70,20 @@ _COLUMNS = [
 
 
 def table(out: Path, models: dict[str, str]) -> str:
-    """The results table of ``<out>/eval/<label>.jsonl`` (and ``results.png``)."""
+    """The results table of ``<out>/eval/<label>.jsonl`` (and ``results.png``), one row per model
+    in ``models`` (label -> model; the models share one tokenizer, the first's is used), and the
+    paired comparison of each model with the one before it.
+
+    Raises:
+        ValueError: ``models`` is empty (no evaluation has finished).
+    """
     from transformers import AutoTokenizer
 
     from rl2gem.models import resolve_model
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(models["base"]))
+    if not models:
+        raise ValueError("no evaluation to tabulate: the eval stage has not finished for any model")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(next(iter(models.values()))))
     stats, merging = {}, {}
     for label in models:
         records = records_of(out / "eval" / f"{label}.jsonl")

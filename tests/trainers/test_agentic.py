@@ -104,3 +104,44 @@ def test_eval_models_chooses_which_models_the_eval_stage_evaluates(tmp_path, mon
     assert [label for label, _ in evaluated] == ["base", "sft", "sft+rl"]
     with pytest.raises(SystemExit, match="unknown model 'rl'"):
         main(["multihop", "--out", str(out), "--stages", "eval", "--eval-models", "sft,rl"])
+
+
+def test_the_table_of_a_run_that_left_out_the_base_model(tmp_path, monkeypatch):
+    """``--eval-models sft,sft+rl``: the table has those two rows and their paired comparison (it
+    once read the tokenizer from the base model's entry and raised KeyError)."""
+    import dataclasses
+    import json
+
+    import rl2gem.trainers.agentic as agentic
+
+    out = tmp_path / "run"
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct"))
+    for stage in ("sft", "ppo"):
+        tokenizer.save_pretrained(out / stage / "checkpoint-2" / "hf")  # the table reads the tokenizer only
+        (out / stage / "latest").write_text("checkpoint-2\n")
+    right = {"sft": [1, 1, 0, 0], "sft+rl": [1, 1, 1, 0]}  # one item gained, none lost
+
+    def fake_evaluate(pipe, label, model, out, extra):
+        (out / "eval").mkdir(exist_ok=True)
+        messages = [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "<answer>A</answer>"}]
+        lines = []
+        for episode, em in enumerate(right[label]):
+            info = {"em": float(em), "f1": float(em), "num_searches": 2}
+            rec = EpisodeRecord(
+                episode, episode, episode, float(em), 1, bool(em), True, False, 0, None, 5, messages, info
+            )
+            lines.append(json.dumps(dataclasses.asdict(rec)))
+        (out / "eval" / f"{label}.jsonl").write_text("\n".join(lines) + "\n")
+
+    monkeypatch.setattr(agentic, "_evaluate", fake_evaluate)
+    with pytest.raises(SystemExit, match="no evaluation"):
+        main(["multihop", "--out", str(out), "--stages", "table"])
+    assert main(["multihop", "--out", str(out), "--stages", "eval,table", "--eval-models", "sft,sft+rl"]) == 0
+    text = (out / "results.md").read_text()
+    header, _, *rows = [
+        [cell.strip() for cell in line.strip("|").split("|")] for line in text.split("\n\n")[0].splitlines()
+    ]
+    em, two = header.index("EM"), header.index("2+ searches")
+    assert [(row[0], row[em], row[two]) for row in rows] == [("sft", "0.500", "1.000"), ("sft+rl", "0.750", "1.000")]
+    assert "Paired, sft -> sft+rl: 1 items gained, 0 lost" in text
+    assert (out / "results.png").stat().st_size > 0
