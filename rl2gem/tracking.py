@@ -202,17 +202,29 @@ class MlflowRun:
         self.client.set_terminated(self.run_id, "FINISHED")
 
 
+def metrics_by_step(jsonl: str | Path) -> dict[int, dict]:
+    """The rows of a ``metrics.jsonl`` merged per step: step -> {key: value}, where a key logged
+    again for a step (a resumed run repeats the steps after its checkpoint) keeps its last value."""
+    by_step: dict[int, dict] = {}
+    for line in Path(jsonl).read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            by_step.setdefault(int(row["step"]), {}).update(row)
+    return by_step
+
+
 def plot_metrics(jsonl: str | Path, out_png: str | Path, keys=("rollout/reward", "eval/success")) -> Path:
-    """Plot ``keys`` against step from a ``metrics.jsonl`` into a PNG (matplotlib, Agg backend)."""
+    """Plot ``keys`` against step from a ``metrics.jsonl`` into a PNG (matplotlib, Agg backend; the
+    last value logged for a step wins, so a resumed run's repeated steps plot once)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in Path(jsonl).read_text().splitlines() if line.strip()]
+    by_step = metrics_by_step(jsonl)
     fig, ax = plt.subplots(figsize=(6, 4))
     for key in keys:
-        pts = [(r["step"], r[key]) for r in rows if key in r]
+        pts = [(step, row[key]) for step, row in sorted(by_step.items()) if key in row]
         if pts:
             ax.plot(*zip(*pts, strict=True), marker="o", label=key)
     ax.set_xlabel("step")
@@ -231,11 +243,7 @@ def metrics_table(
     """A Markdown table of ``keys`` per step from a ``metrics.jsonl`` (the last value logged for a
     step wins, so a resumed run shows once). With more than ``max_rows`` steps, the steps with an
     evaluation are kept (and the first and last step), then others evenly spaced up to ``max_rows``."""
-    by_step: dict[int, dict] = {}
-    for line in Path(jsonl).read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            by_step.setdefault(int(row["step"]), {}).update(row)
+    by_step = metrics_by_step(jsonl)
     steps = sorted(s for s, r in by_step.items() if any(k in r for k in keys))
     if len(steps) > max_rows:
         keep = {s for s in steps if any(k.startswith("eval/") and k in by_step[s] for k in keys)} | {

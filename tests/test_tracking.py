@@ -1,8 +1,8 @@
-"""Metrics logging helpers: the end-of-run table."""
+"""Metrics logging helpers: the end-of-run table and plot."""
 
 import json
 
-from rl2gem.tracking import Tracker, metrics_table
+from rl2gem.tracking import Tracker, metrics_table, plot_metrics
 
 
 def test_metrics_table_keeps_eval_steps_and_the_last_value_of_a_step(tmp_path):
@@ -19,6 +19,26 @@ def test_metrics_table_keeps_eval_steps_and_the_last_value_of_a_step(tmp_path):
     assert body[0] == "| 0 |  | 0.250 |" and body[30] == "| 30 | 0.300 | 0.750 |"
     full = metrics_table(path, keys=("rollout/reward",), max_rows=100)
     assert "| 5 | 0.990 |" in full and full.count("\n| ") == 30
+
+
+def test_plot_draws_a_resumed_runs_repeated_steps_once(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "rollout/reward": s / 10} for s in (1, 2, 3, 4)]
+    rows += [{"step": 3, "rollout/reward": 0.9}, {"step": 4, "rollout/reward": 0.8, "eval/success": 0.5}]  # resumed
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    drawn = {}
+    original = matplotlib.axes.Axes.plot
+
+    def plot(self, *args, label=None, **kwargs):
+        drawn[label] = (list(args[0]), list(args[1]))
+        return original(self, *args, label=label, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", plot)
+    out = plot_metrics(path, tmp_path / "curves.png")
+    assert drawn == {"rollout/reward": ([1, 2, 3, 4], [0.1, 0.2, 0.9, 0.8]), "eval/success": ([4], [0.5])}
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_mlflow_and_tensorboard_record_what_was_logged_and_a_resumed_run_continues(tmp_path, monkeypatch):
