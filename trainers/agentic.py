@@ -264,10 +264,10 @@ def main(argv: list[str] | None = None) -> int:
             if label in evaluated:
                 _evaluate(pipe, label, model, out, toy.get("eval", []))
     if "table" in stages:
-        finished = {k: v for k, v in models.items() if (out / "eval" / f"{k}.jsonl").exists()}
-        if not finished:
-            raise SystemExit(f"table: no evaluation in {out / 'eval'} yet (run the eval stage)")
-        print(table(out, finished))
+        try:
+            print(table(out, {k: v for k, v in models.items() if (out / "eval" / f"{k}.jsonl").exists()}))
+        except ValueError as e:  # no evaluation has finished
+            raise SystemExit(f"table: {e} ({out / 'eval'})") from None
         print(f"table: {out / 'results.md'}  plot: {out / 'results.png'}")
     return 0
 
