@@ -51,6 +51,13 @@ TASK = dict(
 )
 
 
+def _mean(values) -> float:
+    """The mean of the values that are not None (a step whose groups dynamic filtering all dropped
+    logs no episode means); NaN when there are none."""
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else float("nan")
+
+
 def ours(
     steps: int,
     prompts: int,
@@ -101,8 +108,8 @@ def ours(
         "seconds_per_step": sec,
         "episodes_per_second": prompts * group / sec,
         "mfu": sum(x["perf/mfu"] for x in rows) / len(rows),
-        "reward": sum(x["rollout/reward"] for x in rows) / len(rows),
-        "response_tokens": sum(x["rollout/response_length"] for x in rows) / len(rows),
+        "reward": _mean(x.get("rollout/reward") for x in rows),
+        "response_tokens": _mean(x.get("rollout/response_length") for x in rows),
         "peak_mib": max(x.get(f"memory/{phase}_peak_mib", 0.0) for x in rows for phase in PHASES),
         "phases": {phase: sum(x.get(f"time/{phase}", 0.0) for x in rows) / len(rows) for phase in TIMED},
     }

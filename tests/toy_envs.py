@@ -83,6 +83,20 @@ class FlakyEnv(Env):
         return f"echo {action}", 0.0, action == "stop", False, {}
 
 
+class SeedParityEnv(Env):
+    """One turn; reward 1 when the episode seed is even, whatever the action (an invalid one too),
+    so the samples of a group (one seed) all score alike and dynamic filtering drops every group."""
+
+    def _reset(self, options):
+        return "Say anything.", {}
+
+    def _step(self, action):
+        return "Done.", float(self.np_random_seed % 2 == 0), True, False, {}
+
+    def _rejected(self, reason):  # a random model's empty action ends the episode the same way
+        return self._step("")
+
+
 class GlobalRandomEnv(CountEnv):
     """Broken on purpose: draws its task from the global RNG, ignoring the seed."""
 

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from rl2gem.evaluation import EpisodeRecord, paired_comparison, record_sums
+from rl2gem.tracking import metrics_by_step
 
 __all__ = ["prefix_merging_tokens", "records_of", "table"]
 
@@ -132,16 +133,17 @@ def _plot(out: Path, stats: dict[str, dict]) -> None:
     axes[0].legend()
     curve = out / "ppo" / "metrics.jsonl"
     if curve.exists():
-        reward, held_out = {}, {}
-        for line in curve.read_text().splitlines():
-            row = json.loads(line)
-            if "rollout/reward" in row:
-                reward[row["step"]] = row["rollout/reward"]
-            if "eval/em" in row or "eval/success" in row:
-                held_out[row["step"]] = row.get("eval/em", row.get("eval/success"))
-        axes[1].plot(list(reward), list(reward.values()), marker=".", label="rollout reward (train questions)")
-        if held_out:
-            axes[1].plot(list(held_out), list(held_out.values()), marker="o", label="held-out EM (success where none)")
+        by_step = sorted(metrics_by_step(curve).items())
+        lines = (  # a step whose groups dynamic filtering all dropped has no kept reward: no point
+            ("rollout/unfiltered_reward", "rollout reward, every group (train questions)", "."),
+            ("rollout/reward", "rollout reward, kept groups", "."),
+            ("eval/em", "held-out EM", "o"),
+            ("eval/success", "held-out success", "o"),
+        )
+        for key, label, marker in lines:
+            points = [(step, row[key]) for step, row in by_step if key in row]
+            if points and not (key == "eval/success" and any("eval/em" in row for _, row in by_step)):
+                axes[1].plot(*zip(*points, strict=True), marker=marker, label=label)
         axes[1].set_xlabel("PPO step")
         axes[1].set_ylim(0, 1)
         axes[1].set_title("during RL")

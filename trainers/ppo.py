@@ -71,7 +71,15 @@ PER_TOKEN_METRICS = frozenset({"clip_ratio", "entropy", "is_weight", "mismatch_k
 class PPOTrainer(OnlineTrainer):
     """See the module docstring; what runs around the loss is :class:`rl2gem.training.OnlineTrainer`."""
 
-    name, report_keys = "ppo", ("rollout/reward", "rollout/response_length", "eval/success")
+    name, report_keys = (
+        "ppo",
+        (
+            "rollout/reward",
+            "rollout/unfiltered_reward",
+            "rollout/response_length",
+            "eval/success",
+        ),
+    )
 
     def train_step(self) -> dict[str, float]:
         """collect -> plan -> score -> update (with out-of-memory back-off) -> KL and constraint

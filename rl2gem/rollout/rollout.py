@@ -139,16 +139,24 @@ def reward_metrics(groups: list[list[Episode]]) -> dict[str, float]:
     ``rollout/reward`` (mean), ``rollout/success`` (share > 0), ``rollout/zero_variance_groups``
     (share of groups of 2 or more whose samples all got the same reward: a group baseline gives
     them zero advantage) and ``rollout/group_reward_std`` (mean population std within a group).
-    Recompute them after anything that changes rewards (reward model, objectives, transform)."""
+    Recompute them after anything that changes rewards (reward model, objectives, transform).
+
+    A statistic without anything to average is left out, not reported as 0: no episodes (dynamic
+    filtering kept no group) gives ``{}``, and no group of 2 or more leaves out the group keys, so
+    that a plot or a mean over steps does not read a missing value as a zero reward.
+    """
     eps = [e for g in groups for e in g]
-    n = max(len(eps), 1)
+    if not eps:
+        return {}
     multi = [[e.reward for e in g] for g in groups if len(g) > 1]  # groups with a within-group baseline
-    return {
-        "rollout/reward": sum(e.reward for e in eps) / n,
-        "rollout/success": sum(e.reward > 0 for e in eps) / n,
-        "rollout/zero_variance_groups": sum(len(set(r)) == 1 for r in multi) / len(multi) if multi else 0.0,
-        "rollout/group_reward_std": sum(statistics.pstdev(r) for r in multi) / len(multi) if multi else 0.0,
+    out = {
+        "rollout/reward": sum(e.reward for e in eps) / len(eps),
+        "rollout/success": sum(e.reward > 0 for e in eps) / len(eps),
     }
+    if multi:
+        out["rollout/zero_variance_groups"] = sum(len(set(r)) == 1 for r in multi) / len(multi)
+        out["rollout/group_reward_std"] = sum(statistics.pstdev(r) for r in multi) / len(multi)
+    return out
 
 
 class _Group:
@@ -548,6 +556,8 @@ class Rollout:
                     if mv is not None and version - mv > c.max_staleness:
                         m["dropped_stale"] += 1
                         continue
+                    m["unfiltered_episodes"] += len(g.episodes)
+                    m["unfiltered_reward_sum"] += sum(e.reward for e in g.episodes)
                     rewards = {e.reward for e in g.episodes}
                     if c.dynamic_filter and len(rewards) == 1 and len(g.episodes) > 1:
                         m["filtered"] += 1
@@ -573,23 +583,34 @@ class Rollout:
         return RolloutBatch(groups, self._metrics(groups, m, before, launched, time.perf_counter() - t0))
 
     def _metrics(self, groups, m: Counter, before: Counter, launched: int, seconds: float) -> dict[str, float]:
+        """The metrics of one :meth:`collect`. Means over the kept episodes are left out when none
+        was kept; ``rollout/unfiltered_reward`` is the mean reward of every episode of the groups
+        that finished in time (kept and filtered, not the stale ones), before dynamic filtering: the
+        policy's own success rate, where the kept groups' mean is pulled towards the mixed groups."""
         eps = [e for g in groups for e in g]
-        n = max(len(eps), 1)
         done = len(groups) + m["filtered"] + m["dropped_stale"]
         delta = self.stats - before
-        out = {
+        means = {}
+        if eps:
+            means = {
+                "rollout/response_length": sum(e.num_action_tokens for e in eps) / len(eps),
+                "rollout/turns": sum(e.turns for e in eps) / len(eps),
+                "rollout/context_segments": sum(e.segments for e in eps) / len(eps),
+                "rollout/summaries": sum(e.summaries for e in eps) / len(eps),
+                "rollout/truncated": sum(e.truncated for e in eps) / len(eps),
+            }
+        if m["unfiltered_episodes"]:
+            means["rollout/unfiltered_reward"] = m["unfiltered_reward_sum"] / m["unfiltered_episodes"]
+        return {
             "rollout/groups": float(len(groups)),
             "rollout/episodes": float(len(eps)),
+            "rollout/unfiltered_episodes": float(m["unfiltered_episodes"]),
             **reward_metrics(groups),
-            "rollout/response_length": sum(e.num_action_tokens for e in eps) / n,
-            "rollout/turns": sum(e.turns for e in eps) / n,
+            **means,
             "rollout/tokens": float(sum(e.num_tokens for e in eps)),
             "rollout/action_tokens": float(sum(e.num_action_tokens for e in eps)),
             "rollout/sequences": float(sum(len(e.sequences) for e in eps)),
             "rollout/splits": float(sum(e.splits for e in eps)),
-            "rollout/context_segments": sum(e.segments for e in eps) / n,
-            "rollout/summaries": sum(e.summaries for e in eps) / n,
-            "rollout/truncated": sum(e.truncated for e in eps) / n,
             "rollout/filtered_ratio": m["filtered"] / done if done else 0.0,
             "rollout/dropped_stale": float(m["dropped_stale"]),
             "rollout/carried_over": float(m["carried_over"]),
@@ -600,14 +621,13 @@ class Rollout:
             "rollout/groups_started": float(launched),
             "time/rollout": seconds,
         }
-        return out
 
 
 #: the :meth:`Rollout.collect` metrics that are counts (summed over ranks); the others are rates or means
 SUMMED_METRICS = frozenset(
     f"rollout/{name}"
     for name in (
-        "groups", "episodes", "tokens", "action_tokens", "sequences", "splits", "requests",
+        "groups", "episodes", "unfiltered_episodes", "tokens", "action_tokens", "sequences", "splits", "requests",
         "aborted_requests", "groups_started", "dropped_stale", "carried_over", "in_flight_after", "ready_after",
     )
 )  # fmt: skip
@@ -616,9 +636,10 @@ SUMMED_METRICS = frozenset(
 def merge_rank_metrics(per_rank: list[Mapping[str, float]]) -> dict[str, float]:
     """One rollout's metrics from every rank's :attr:`RolloutBatch.metrics`: counts
     (:data:`SUMMED_METRICS`) are summed; the others are averaged over the ranks that report them,
-    the episode statistics (``rollout/*``) weighted by each rank's ``rollout/episodes``, so that they
-    are the means over all episodes (a rank whose groups dynamic filtering all dropped has no
-    episodes and no per-component means: it does not count). Keys: those of any rank, in order of
+    the episode statistics (``rollout/*``) weighted by each rank's ``rollout/episodes`` (the
+    ``rollout/unfiltered_*`` ones and ``rollout/filtered_ratio`` by ``rollout/unfiltered_episodes``), so that they are the means
+    over all episodes (a rank whose groups dynamic filtering all dropped has no episodes and reports
+    no episode means: it does not count). Keys: those of any rank, in order of
     first appearance.
 
     Raises:
@@ -634,9 +655,9 @@ def merge_rank_metrics(per_rank: list[Mapping[str, float]]) -> dict[str, float]:
         if key in SUMMED_METRICS:
             merged[key] = sum(values)
             continue
-        weights = [
-            float(metrics.get("rollout/episodes", 1.0)) if key.startswith("rollout/") else 1.0 for metrics in present
-        ]
+        before_filter = key.startswith("rollout/unfiltered_") or key == "rollout/filtered_ratio"
+        count = "rollout/unfiltered_episodes" if before_filter else "rollout/episodes"
+        weights = [float(metrics.get(count, 1.0)) if key.startswith("rollout/") else 1.0 for metrics in present]
         if sum(weights) <= 0:  # no rank played an episode: a plain mean of what they report
             weights = [1.0] * len(values)
         merged[key] = sum(w * v for w, v in zip(weights, values, strict=True)) / sum(weights)

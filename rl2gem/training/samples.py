@@ -89,7 +89,8 @@ def shape_rewards(
     metrics = reward_model.apply(batch, mode) if reward_model is not None else {}
     metrics.update(apply_objectives(batch, combine, weights, reference, transform))
     if reward_model is not None or combine is not None or transform is not None:
-        metrics["rollout/env_reward"] = batch.metrics["rollout/reward"]
+        if "rollout/reward" in batch.metrics:  # absent when no group was kept
+            metrics["rollout/env_reward"] = batch.metrics["rollout/reward"]
         metrics.update(reward_metrics(batch.groups))
     return metrics
 

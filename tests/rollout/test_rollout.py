@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 from tiny import tiny_model
-from toy_envs import SlowSearchEnv
+from toy_envs import SeedParityEnv, SlowSearchEnv
 
 from rl2gem.rollout import EmbeddedEngine, Rollout, RolloutConfig, merge_rank_metrics
 
@@ -87,6 +87,35 @@ def test_dynamic_filter_drops_equal_reward_groups(tokenizer):
     # the random model loses every game: every group has equal rewards and is filtered
     assert batch.groups == []
     assert batch.metrics["rollout/filtered_ratio"] == 1.0 and batch.metrics["rollout/groups_started"] == 4
+    # no kept episode: no episode means (a missing value, not a zero reward); the 8 episodes of
+    # the 4 filtered groups are the reward before filtering
+    assert not {"rollout/reward", "rollout/success", "rollout/response_length", "rollout/turns"} & set(batch.metrics)
+    assert batch.metrics["rollout/unfiltered_episodes"] == 8 and batch.metrics["rollout/unfiltered_reward"] == 0.0
+
+
+@pytest.mark.parametrize("dynamic_filter", [True, False])
+def test_unfiltered_reward_is_the_mean_before_dynamic_filtering(tokenizer, dynamic_filter):
+    """Group seeds 0, 1, 2, 3 (``seed=0``): SeedParityEnv pays 1 to the two even-seeded groups, so
+    the mean over the 8 episodes before filtering is 0.5 whether or not the filter keeps them."""
+
+    async def main():
+        eng = EmbeddedEngine(tiny_model())
+        cfg = RolloutConfig(
+            responses_per_prompt=2, max_new_tokens=4, dynamic_filter=dynamic_filter, max_groups_factor=2
+        )
+        ro = Rollout(eng, tokenizer, SeedParityEnv, cfg)
+        batch = await ro.collect(2 if dynamic_filter else 4)
+        await ro.close()
+        await eng.close()
+        return batch
+
+    metrics = asyncio.run(main()).metrics
+    assert metrics["rollout/groups_started"] == 4 and metrics["rollout/unfiltered_episodes"] == 8
+    assert metrics["rollout/unfiltered_reward"] == 0.5
+    if dynamic_filter:  # every group scored alike: none kept
+        assert metrics["rollout/groups"] == 0 and "rollout/reward" not in metrics
+    else:
+        assert metrics["rollout/groups"] == 4 and metrics["rollout/reward"] == 0.5
 
 
 def test_group_reward_variance_metrics_by_hand(tokenizer):
@@ -104,7 +133,8 @@ def test_group_reward_variance_metrics_by_hand(tokenizer):
     m = ro._metrics([group(1.0, 1.0), group(0.0, 1.0), group(0.0, 0.0)], Counter(), Counter(), 3, 0.0)
     assert m["rollout/zero_variance_groups"] == pytest.approx(2 / 3)
     assert m["rollout/group_reward_std"] == pytest.approx(0.5 / 3)  # population std of (0, 1) is 0.5
-    assert ro._metrics([group(1.0)], Counter(), Counter(), 1, 0.0)["rollout/zero_variance_groups"] == 0.0
+    alone = ro._metrics([group(1.0)], Counter(), Counter(), 1, 0.0)  # no group with a baseline
+    assert alone["rollout/reward"] == 1.0 and "rollout/zero_variance_groups" not in alone
 
 
 def test_partial_rollouts_keep_every_token_across_pause_and_weight_update(tokenizer):
@@ -315,5 +345,12 @@ def test_merge_rank_metrics_sums_counts_and_averages_rates():
     assert merged["rollout/reward"] == 0.25 and merged["rollout/component/correctness"] == 1.0
     assert merged["rollout/episodes"] == 8.0 and merged["time/rollout"] == 4.0
     assert merge_rank_metrics([empty, empty])["rollout/reward"] == 0.0
+    # a rank that kept nothing reports no episode means but its episodes before filtering count
+    kept_none = {"rollout/episodes": 0.0, "rollout/unfiltered_episodes": 6.0, "rollout/unfiltered_reward": 0.0}
+    kept_some = {"rollout/episodes": 2.0, "rollout/reward": 0.5, "rollout/unfiltered_episodes": 2.0}
+    kept_some["rollout/unfiltered_reward"] = 0.5
+    merged = merge_rank_metrics([kept_none, kept_some])
+    assert merged["rollout/reward"] == 0.5 and merged["rollout/unfiltered_reward"] == pytest.approx(1 / 8)
+    assert merged["rollout/unfiltered_episodes"] == 8.0
     with pytest.raises(ValueError, match="at least one rank"):
         merge_rank_metrics([])

@@ -112,6 +112,7 @@ def test_the_table_of_a_run_that_left_out_the_base_model(tmp_path, monkeypatch):
     import dataclasses
     import json
 
+    import matplotlib.axes
     import rl2gem.trainers.agentic as agentic
 
     out = tmp_path / "run"
@@ -134,6 +135,20 @@ def test_the_table_of_a_run_that_left_out_the_base_model(tmp_path, monkeypatch):
         (out / "eval" / f"{label}.jsonl").write_text("\n".join(lines) + "\n")
 
     monkeypatch.setattr(agentic, "_evaluate", fake_evaluate)
+    # the PPO curve: step 2 kept no group (no kept reward), step 1 logged again by a resume
+    curve = [{"step": 1, "rollout/reward": 0.1}, {"step": 2}, {"step": 3, "rollout/reward": 0.6, "eval/em": 0.75}]
+    curve += [{"step": 1, "rollout/reward": 0.5}]
+    for row, unfiltered in zip(curve, (0.1, 0.2, 0.3, 0.4), strict=True):
+        row["rollout/unfiltered_reward"] = unfiltered
+    (out / "ppo" / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in curve))
+    drawn = {}
+    original = matplotlib.axes.Axes.plot
+
+    def plot(self, *args, label=None, **kwargs):
+        drawn[label] = (list(args[0]), list(args[1]))
+        return original(self, *args, label=label, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", plot)
     with pytest.raises(SystemExit, match="no evaluation"):
         main(["multihop", "--out", str(out), "--stages", "table"])
     assert main(["multihop", "--out", str(out), "--stages", "eval,table", "--eval-models", "sft,sft+rl"]) == 0
@@ -145,3 +160,8 @@ def test_the_table_of_a_run_that_left_out_the_base_model(tmp_path, monkeypatch):
     assert [(row[0], row[em], row[two]) for row in rows] == [("sft", "0.500", "1.000"), ("sft+rl", "0.750", "1.000")]
     assert "Paired, sft -> sft+rl: 1 items gained, 0 lost" in text
     assert (out / "results.png").stat().st_size > 0
+    assert drawn == {
+        "rollout reward, every group (train questions)": ([1, 2, 3], [0.4, 0.2, 0.3]),
+        "rollout reward, kept groups": ([1, 3], [0.5, 0.6]),
+        "held-out EM": ([3], [0.75]),
+    }
