@@ -26,6 +26,23 @@ def tiny_dir(tmp_path_factory):
     return folder
 
 
+@pytest.fixture
+def drawn_lines(monkeypatch):
+    """What matplotlib's ``Axes.plot`` draws during the test: label -> (x values, y values); the
+    lines are still drawn."""
+    import matplotlib.axes
+
+    drawn = {}
+    original = matplotlib.axes.Axes.plot
+
+    def plot(self, *args, label=None, **kwargs):
+        drawn[label] = (list(args[0]), list(args[1]))
+        return original(self, *args, label=label, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", plot)
+    return drawn
+
+
 #: Tests that start training runs or README commands: tens of seconds each, a few over a minute.
 HEAVY = ("tests/test_examples.py::test_readme", "tests/trainers/", "tests/envs/test_math_env.py::test_builtin_sources")
 

@@ -21,23 +21,13 @@ def test_metrics_table_keeps_eval_steps_and_the_last_value_of_a_step(tmp_path):
     assert "| 5 | 0.990 |" in full and full.count("\n| ") == 30
 
 
-def test_plot_draws_a_resumed_runs_repeated_steps_once(tmp_path, monkeypatch):
-    import matplotlib.axes
-
+def test_plot_draws_a_resumed_runs_repeated_steps_once(tmp_path, drawn_lines):
     path = tmp_path / "metrics.jsonl"
     rows = [{"step": s, "rollout/reward": s / 10} for s in (1, 2, 3, 4)]
     rows += [{"step": 3, "rollout/reward": 0.9}, {"step": 4, "rollout/reward": 0.8, "eval/success": 0.5}]  # resumed
     path.write_text("\n".join(json.dumps(r) for r in rows))
-    drawn = {}
-    original = matplotlib.axes.Axes.plot
-
-    def plot(self, *args, label=None, **kwargs):
-        drawn[label] = (list(args[0]), list(args[1]))
-        return original(self, *args, label=label, **kwargs)
-
-    monkeypatch.setattr(matplotlib.axes.Axes, "plot", plot)
     out = plot_metrics(path, tmp_path / "curves.png")
-    assert drawn == {"rollout/reward": ([1, 2, 3, 4], [0.1, 0.2, 0.9, 0.8]), "eval/success": ([4], [0.5])}
+    assert drawn_lines == {"rollout/reward": ([1, 2, 3, 4], [0.1, 0.2, 0.9, 0.8]), "eval/success": ([4], [0.5])}
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -106,13 +106,12 @@ def test_eval_models_chooses_which_models_the_eval_stage_evaluates(tmp_path, mon
         main(["multihop", "--out", str(out), "--stages", "eval", "--eval-models", "sft,rl"])
 
 
-def test_the_table_of_a_run_that_left_out_the_base_model(tmp_path, monkeypatch):
+def test_the_table_of_a_run_that_left_out_the_base_model(tmp_path, monkeypatch, drawn_lines):
     """``--eval-models sft,sft+rl``: the table has those two rows and their paired comparison (it
     once read the tokenizer from the base model's entry and raised KeyError)."""
     import dataclasses
     import json
 
-    import matplotlib.axes
     import rl2gem.trainers.agentic as agentic
 
     out = tmp_path / "run"
@@ -141,14 +140,6 @@ def test_the_table_of_a_run_that_left_out_the_base_model(tmp_path, monkeypatch):
     for row, unfiltered in zip(curve, (0.1, 0.2, 0.3, 0.4), strict=True):
         row["rollout/unfiltered_reward"] = unfiltered
     (out / "ppo" / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in curve))
-    drawn = {}
-    original = matplotlib.axes.Axes.plot
-
-    def plot(self, *args, label=None, **kwargs):
-        drawn[label] = (list(args[0]), list(args[1]))
-        return original(self, *args, label=label, **kwargs)
-
-    monkeypatch.setattr(matplotlib.axes.Axes, "plot", plot)
     with pytest.raises(SystemExit, match="no evaluation"):
         main(["multihop", "--out", str(out), "--stages", "table"])
     assert main(["multihop", "--out", str(out), "--stages", "eval,table", "--eval-models", "sft,sft+rl"]) == 0
@@ -160,7 +151,7 @@ def test_the_table_of_a_run_that_left_out_the_base_model(tmp_path, monkeypatch):
     assert [(row[0], row[em], row[two]) for row in rows] == [("sft", "0.500", "1.000"), ("sft+rl", "0.750", "1.000")]
     assert "Paired, sft -> sft+rl: 1 items gained, 0 lost" in text
     assert (out / "results.png").stat().st_size > 0
-    assert drawn == {
+    assert drawn_lines == {
         "rollout reward, every group (train questions)": ([1, 2, 3], [0.4, 0.2, 0.3]),
         "rollout reward, kept groups": ([1, 3], [0.5, 0.6]),
         "held-out EM": ([3], [0.75]),
