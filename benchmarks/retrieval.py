@@ -21,7 +21,7 @@ import sys
 import time
 
 import numpy as np
-from rl2gem.envs.search_qa import bridge_recall, load_questions
+from rl2gem.envs.search_qa import answer_prior, bridge_recall, load_questions
 
 from rl2gem.procs import free_port
 from rl2gem.retrieval import BM25Index, RetrievalClient
@@ -116,6 +116,11 @@ def main(argv: list[str] | None = None) -> None:
     print("| query | " + " | ".join(f"@{k}" for k in ks) + " |")
     print("|---|" + "---:|" * len(ks))
     print("| the question | " + " | ".join(f"{bridge_recall(index, two_hop, k):.3f}" for k in ks) + " |")
+    train, test = load_questions("train", hops=2), load_questions("test", hops=2)
+    print(
+        f"\nWith no search at all: each outer relation's commonest train answer (`answer_prior`) gets "
+        f"{answer_prior(train, test):.3f} EM on the {len(test)} test questions"
+    )
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,7 +44,7 @@ from rl2gem.retrieval import BM25Index, LazyRetrieval, RetrievalError, format_pa
 from rl2gem.rewards.qa import exact_match, token_f1
 from rl2gem.tools.search import SearchTool
 
-__all__ = ["SearchQAEnv", "bridge_recall", "load_questions", "PROMPT"]
+__all__ = ["SearchQAEnv", "answer_prior", "bridge_recall", "load_questions", "PROMPT"]
 
 PROMPT = (
     "Answer the question below. You may search a Wikipedia index as often as you need: write "
@@ -220,6 +221,30 @@ def bridge_recall(index: BM25Index, questions: list[dict[str, Any]], k: int) -> 
         for q, row in zip(questions, hits, strict=True)
     ]
     return sum(found) / len(found)
+
+
+def _outer_relation(question: dict[str, Any]) -> str:
+    """R2 of a two-hop question "What is the R2 of the R1 of X?" (:func:`_two_hop`)."""
+    return question["question"].removeprefix("What is the ").split(" of the ", 1)[0]
+
+
+def answer_prior(train: list[dict[str, Any]], test: list[dict[str, Any]]) -> float:
+    """The share of two-hop ``test`` questions that a policy which never searches gets right by
+    answering, for each outer relation R2 ("What is the R2 of the R1 of X?"), the commonest gold
+    answer of the ``train`` questions with that relation (ties: the first seen; a relation absent
+    from ``train`` is answered wrong): the exact match (the env's, normalised) that the answer
+    distribution alone gives.
+
+    Raises:
+        ValueError: ``test`` is empty.
+    """
+    if not test:
+        raise ValueError("answer_prior needs at least one test question")
+    counts: dict[str, Counter] = {}
+    for q in train:
+        counts.setdefault(_outer_relation(q), Counter()).update(q["answers"][:1])
+    guess = {relation: c.most_common(1)[0][0] for relation, c in counts.items()}
+    return sum(exact_match(guess.get(_outer_relation(q), ""), q["answers"]) for q in test) / len(test)
 
 
 class SearchQAEnv(Env):

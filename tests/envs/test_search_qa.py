@@ -11,7 +11,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 from aiohttp import web
-from rl2gem.envs.search_qa import SearchQAEnv, bridge_recall, load_questions
+from rl2gem.envs.search_qa import SearchQAEnv, answer_prior, bridge_recall, load_questions
 
 import rl2gem
 from rl2gem.retrieval import BM25Index, RetrievalClient, RetrievalError, load_corpus, make_app
@@ -313,6 +313,28 @@ def test_one_search_of_a_two_hop_question_rarely_finds_the_bridge_article():
     index = BM25Index.load_or_build()
     test = load_questions("test", hops=2)
     assert bridge_recall(index, test, 3) == pytest.approx(25 / 227)
+
+
+def test_answer_prior_by_hand_and_on_the_two_hop_split():
+    """A policy that never searches and answers each outer relation's commonest train answer: by
+    hand on five questions, then on the real split, where it gets 107 of the 227 test questions
+    right (every "basic form of government" is "republic", every "currency" "euro")."""
+
+    def q(outer, inner, answer):
+        return {"question": f"What is the {outer} of the {inner} of X?", "answers": [answer]}
+
+    train = [
+        q("currency", "country", "euro"),
+        q("currency", "country of citizenship", "euro"),
+        q("capital", "country", "Rome"),
+    ]
+    train.append(q("basic form of government", "country", "republic"))
+    test = [q("currency", "country", "Euro"), q("capital", "country", "Paris"), q("continent", "country", "Asia")]
+    test.append(q("basic form of government", "country of origin", "republic"))
+    assert answer_prior(train, test) == 2 / 4  # euro (normalised) and republic; Rome is wrong, continent unseen
+    assert answer_prior(load_questions("train", hops=2), load_questions("test", hops=2)) == pytest.approx(107 / 227)
+    with pytest.raises(ValueError, match="at least one"):
+        answer_prior(train, [])
 
 
 def test_two_hop_oracle_searches_twice_and_answers_every_test_question(service):
