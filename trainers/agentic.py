@@ -265,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
                 _evaluate(pipe, label, model, out, toy.get("eval", []))
     if "table" in stages:
         try:
-            print(table(out, {k: v for k, v in models.items() if (out / "eval" / f"{k}.jsonl").exists()}))
+            finished = {k: v for k, v in models.items() if (out / "eval" / f"{k}.jsonl").exists()}
+            print(table(out, finished, segmented=any(arg.startswith("context.") for arg in pipe.eval)))
         except ValueError as e:  # no evaluation has finished
             raise SystemExit(f"table: {e} ({out / 'eval'})") from None
         print(f"table: {out / 'results.md'}  plot: {out / 'results.png'}")

@@ -70,10 +70,12 @@ _COLUMNS = [
 ]
 
 
-def table(out: Path, models: dict[str, str]) -> str:
+def table(out: Path, models: dict[str, str], segmented: bool = False) -> str:
     """The results table of ``<out>/eval/<label>.jsonl`` (and ``results.png``), one row per model
     in ``models`` (label -> model; the models share one tokenizer, the first's is used), and the
-    paired comparison of each model with the one before it.
+    paired comparison of each model with the one before it. With ``segmented`` (the evaluation
+    managed the context, ``context.max_tokens``) the prefix-merging column is left out: a record
+    then holds the last segment's messages only, not what the segments trained.
 
     Raises:
         ValueError: ``models`` is empty (no evaluation has finished).
@@ -88,20 +90,24 @@ def table(out: Path, models: dict[str, str]) -> str:
     stats, merging = {}, {}
     for label in models:
         records = records_of(out / "eval" / f"{label}.jsonl")
-        merging[label] = prefix_merging_tokens(records, tokenizer)
-        merged, rerendered = merging[label]
         stats[label] = _summary(records)
-        stats[label]["saved"] = 1.0 - merged / rerendered if rerendered else 0.0
+        if not segmented:
+            merging[label] = prefix_merging_tokens(records, tokenizer)
     reported = set().union(*(s["reported"] for s in stats.values()))
     columns = [
         c for c in _COLUMNS if c[1] not in ("em", "f1", "searches", "two_searches") or c[1].split("_")[-1] in reported
     ]
     rows = []
     for label, s in stats.items():
-        merged, rerendered = merging[label]
         cells = [fmt.format(s[key]) for _, key, fmt in columns]
-        rows.append(f"| {label} | {' | '.join(cells)} | {merged} / {rerendered} ({100 * s['saved']:.0f}% saved) |")
-    header = ["model", *(name for name, _, _ in columns), "training tokens: prefix-merged / re-rendered"]
+        if not segmented:
+            merged, rerendered = merging[label]
+            saved = 1.0 - merged / rerendered if rerendered else 0.0
+            cells.append(f"{merged} / {rerendered} ({100 * saved:.0f}% saved)")
+        rows.append(f"| {label} | {' | '.join(cells)} |")
+    header = ["model", *(name for name, _, _ in columns)]
+    if not segmented:
+        header.append("training tokens: prefix-merged / re-rendered")
     text = "\n".join(["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|", *rows])
     for before, after in itertools.pairwise(models):
         gained, lost, p = paired_comparison(

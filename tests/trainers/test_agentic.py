@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 from rl2gem.trainers.agentic import PIPELINES, main
-from rl2gem.trainers.agentic_report import prefix_merging_tokens
+from rl2gem.trainers.agentic_report import prefix_merging_tokens, table
 from transformers import AutoTokenizer
 
 from rl2gem.evaluation import EpisodeRecord
@@ -156,3 +156,8 @@ def test_the_table_of_a_run_that_left_out_the_base_model(tmp_path, monkeypatch, 
         "rollout reward, kept groups": ([1, 3], [0.5, 0.6]),
         "held-out EM": ([3], [0.75]),
     }
+    assert "prefix-merged" in text.splitlines()[0]
+    # a context-managed evaluation: the records hold the last segment only, so no merging column
+    models = {"sft": str(out / "sft" / "checkpoint-2" / "hf"), "sft+rl": str(out / "ppo" / "checkpoint-2" / "hf")}
+    segmented = table(out, models, segmented=True).splitlines()
+    assert "prefix-merged" not in segmented[0] and segmented[0].count("|") == segmented[2].count("|")
