@@ -8,7 +8,10 @@ rollout starts a new segment from a shorter conversation, chosen by the policy:
 
 * ``truncate``: the task (the system prompt and the env's first observation) and the most
   recent turns that fit (an assistant action and the env's replies to it are kept or dropped
-  together; the latest reply is always kept);
+  together; the latest turn is always kept). When the task and the latest turn alone do not fit,
+  the latest reply is cut from its end to fit, :data:`CUT_MARKER` appended (Search-R1 cuts each
+  retrieval to ``max_obs_length`` tokens the same way); only a task and action too long for an
+  empty reply end the episode;
 * ``summarize``: the model is asked (:data:`SUMMARY_PROMPT`, a user turn after the env's
   reply) to summarise its progress; the summary is an action of the old segment (trained with
   the episode's credit, like any action; the env never sees it) and the new segment starts from
@@ -28,7 +31,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["CONTEXT_POLICIES", "CONTINUE_PROMPT", "SUMMARY_PROMPT", "ContextConfig", "truncated_messages"]
+__all__ = ["CONTEXT_POLICIES", "CONTINUE_PROMPT", "CUT_MARKER", "SUMMARY_PROMPT", "ContextConfig", "truncated_messages"]
 
 CONTEXT_POLICIES = ("truncate", "summarize")
 
@@ -38,6 +41,7 @@ SUMMARY_PROMPT = (
     "conversation after the task. Do not answer yet."
 )
 CONTINUE_PROMPT = "Continue the task from your summary."
+CUT_MARKER = " [...]"  # ends a reply that ``truncate`` cut to fit
 
 
 @dataclasses.dataclass
@@ -91,8 +95,9 @@ def truncated_messages(
 ) -> list[dict[str, str]] | None:
     """The ``truncate`` policy: the first ``task_length`` messages (system prompt and task) and
     the most recent turns whose rendering, ``length(messages)`` tokens, is at most ``budget``; a
-    turn is an assistant message and the replies that follow it. None when even the task and
-    the last turn do not fit."""
+    turn is an assistant message and the replies that follow it. When even the task and the last
+    turn do not fit, the last turn with its last reply cut (:func:`_cut_last_reply`); None when
+    that does not fit either."""
     task, turns = messages[:task_length], []
     for message in messages[task_length:]:
         if message["role"] == "assistant" or not turns:
@@ -102,4 +107,30 @@ def truncated_messages(
         kept = task + [message for turn in turns[start:] for message in turn]
         if length(kept) <= budget:
             return kept
-    return None
+    return _cut_last_reply(task + turns[-1], length, budget) if turns else None
+
+
+def _cut_last_reply(
+    messages: list[dict[str, str]], length: Callable[[list[dict[str, str]]], int], budget: int
+) -> list[dict[str, str]] | None:
+    """``messages`` with the last one's content cut to its longest head that, with
+    :data:`CUT_MARKER` appended, keeps ``length(messages)`` within ``budget`` (a binary search over
+    the characters kept); None when the last message is the assistant's or an empty head does not
+    fit."""
+    last = messages[-1]
+    if last["role"] == "assistant":
+        return None
+
+    def cut(characters: int) -> list[dict[str, str]]:
+        return messages[:-1] + [{**last, "content": last["content"][:characters] + CUT_MARKER}]
+
+    if length(cut(0)) > budget:
+        return None
+    low, high = 0, len(last["content"])  # cut(low) fits
+    while low < high:
+        middle = (low + high + 1) // 2
+        if length(cut(middle)) <= budget:
+            low = middle
+        else:
+            high = middle - 1
+    return cut(low)

@@ -8,7 +8,7 @@ import torch
 from tiny import tiny_model
 
 from rl2gem.rollout import EmbeddedEngine, Rollout, RolloutConfig
-from rl2gem.rollout.context import CONTINUE_PROMPT, SUMMARY_PROMPT, ContextConfig, truncated_messages
+from rl2gem.rollout.context import CONTINUE_PROMPT, CUT_MARKER, SUMMARY_PROMPT, ContextConfig, truncated_messages
 from rl2gem.training.forward import token_logprobs
 
 ENV = "rl2/GuessTheNumber-Easy-v0"  # 4 turns; the random tiny model never answers validly
@@ -61,7 +61,19 @@ def test_truncation_keeps_the_task_and_the_latest_whole_turns():
     assert truncated_messages(task + turns, 2, length, 8) == task + turns[2:]  # a2 with both tool replies
     assert truncated_messages(task + turns, 2, length, 5) == task + turns[5:]
     assert truncated_messages(task + turns, 2, length, 4) == task + turns[5:]
-    assert truncated_messages(task + turns, 2, length, 3) is None  # not even the last turn
+    assert truncated_messages(task + turns, 2, length, 3) is None  # not even the last turn, its reply empty
+
+    # counted in characters: task 5, turn a1 r1 4, turn a2 + a 10-character reply 12
+    def characters(messages):
+        return sum(len(m["content"]) for m in messages)
+
+    reply = {"role": "tool", "content": "0123456789", "name": "search"}
+    long_turn = task + turns[:3] + [reply]
+    assert truncated_messages(long_turn, 2, characters, 21) == long_turn
+    assert truncated_messages(long_turn, 2, characters, 17) == task + long_turn[4:]
+    # 14: the last turn alone does not fit, so its reply keeps its head: 5 + 2 + 1 + len(" [...]") = 14
+    assert truncated_messages(long_turn, 2, characters, 14) == task + [turns[2], {**reply, "content": "0 [...]"}]
+    assert truncated_messages(long_turn, 2, characters, 12) is None  # not even an empty head: 13
     with pytest.raises(ValueError, match="policy"):
         ContextConfig(max_tokens=100, policy="forget")
     with pytest.raises(ValueError, match="not context settings"):
@@ -99,6 +111,21 @@ def test_truncate_starts_segments_from_the_task_and_the_latest_turns(tokenizer):
             assert tokenizer.decode(task_ids).split("<|im_start|>user")[1] in text  # the task is kept
             assert sequence.action_mask[: len(task_ids)] == [0] * len(task_ids)
     assert batch.metrics["rollout/context_segments"] >= 1
+
+
+def test_truncate_cuts_a_reply_that_does_not_fit_with_the_task_alone(tokenizer):
+    """110 tokens: the task (83), one action (8) and its 23-token reply leave no room for the next
+    action, so every new segment keeps the reply's head and :data:`CUT_MARKER`; the episode still
+    plays its 4 turns (it once ended at the first reply, truncated)."""
+    batch, inputs = play(tokenizer, ContextConfig(max_tokens=110, policy="truncate"))
+    _segments_are_what_the_engine_saw(batch, inputs)
+    for episode in batch.episodes:
+        assert episode.turns == 4 and episode.segments == 3 and episode.info["truncated_reason"] == "max_turns"
+        for sequence in episode.sequences:
+            assert len(sequence) <= 110
+        for sequence in episode.sequences[1:]:
+            prompt = sequence.input_ids[: sequence.action_mask.index(1)]
+            assert len(prompt) + 8 <= 110 and CUT_MARKER in tokenizer.decode(prompt)
 
 
 def test_summarize_trains_the_summary_and_continues_from_it(tokenizer):
