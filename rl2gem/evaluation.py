@@ -97,7 +97,9 @@ DEFAULTS: dict[str, Any] = {
 
 @dataclass
 class EpisodeRecord:
-    """One finished episode."""
+    """One finished episode. ``messages`` are those of its last context segment; ``context_segments``
+    counts the segments started after the first and ``summaries`` the summaries written
+    (``context.max_tokens``, :mod:`rl2gem.rollout.context`; 0 without)."""
 
     episode: int
     seed: int
@@ -112,6 +114,8 @@ class EpisodeRecord:
     generated_tokens: int
     messages: list[dict[str, str]] = field(default_factory=list)
     final_info: dict[str, Any] = field(default_factory=dict)
+    context_segments: int = 0
+    summaries: int = 0
 
 
 def env_kwargs(cfg) -> dict[str, Any]:
@@ -188,6 +192,8 @@ def episode_record(position: int, episode, reset_seed: int) -> EpisodeRecord:
         generated_tokens=episode.num_action_tokens,
         messages=episode.messages,
         final_info=_plain(info),
+        context_segments=episode.segments,
+        summaries=episode.summaries,
     )
 
 
@@ -526,6 +532,14 @@ def summarize(records: list[EpisodeRecord], seconds: float) -> str:
             (label, f"{np.mean([r.final_info.get(key) or 0.0 for r in records]):.3f}")  # absent: no answer given
             for key, label in (("em", "exact match"), ("f1", "token F1"), ("num_searches", "searches / episode"))
             if any(isinstance(r.final_info.get(key), (int, float)) for r in records)
+        ],
+        *[
+            (label, f"{np.mean([getattr(r, name) for r in records]):.2f}")
+            for name, label in (
+                ("context_segments", "new context segments / episode"),
+                ("summaries", "summaries / episode"),
+            )
+            if any(getattr(r, name) for r in records)
         ],
         ("generated tokens", f"{tokens}"),
         ("wall time (s)", f"{seconds:.1f}"),

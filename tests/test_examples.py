@@ -86,6 +86,29 @@ def test_evaluate_names_a_bad_device_or_dtype_before_loading_anything():
             parse_args(["model=/no/such/model", argument])
 
 
+def test_evaluate_records_each_episodes_context_segments_and_summaries(tmp_path, tiny_dir):
+    """GuessTheNumber-Easy in 140-token segments (an 83-token task, 4 turns of 8 + 23 tokens): every
+    episode needs a summary to go on, and the record and the summary count them."""
+    out = tmp_path / "summarized.jsonl"
+    stdout = run(
+        "-m",
+        "rl2gem.evaluate",
+        "env=rl2/GuessTheNumber-Easy-v0",
+        f"model={tiny_dir}",
+        "n=2",
+        "max_new_tokens=8",
+        "context.max_tokens=140",
+        "context.policy=summarize",
+        "context.summary_max_new_tokens=6",
+        f"output={out}",
+        "progress=false",
+    )
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 2 and all(r["summaries"] == r["context_segments"] >= 1 for r in records)
+    mean = sum(r["summaries"] for r in records) / 2
+    assert re.search(rf"summaries / episode\s+{mean:.2f}", stdout), stdout
+
+
 def test_evaluate_renders_tools_with_the_chat_template(tmp_path, tiny_dir):
     """The tiny random Llama has SmolLM2's tokenizer and chat template: the rendering is the real one."""
     out = tmp_path / "pymath.jsonl"

@@ -52,6 +52,8 @@ def _summary(records: list[EpisodeRecord]) -> dict[str, float]:
     reported = {name for name in ("em", "f1", "searches") if sums.get(f"reported/{name}", 0.0) > 0}
     two = sum(float(r.final_info.get("num_searches") or 0) >= 2 for r in records) / n  # multi-hop behaviour
     means = {name: sums[key] / n for name, key in names.items()}
+    means["segments"] = sum(r.context_segments for r in records) / n
+    means["summaries"] = sum(r.summaries for r in records) / n
     return {"episodes": len(records), "reported": reported, **means, "two_searches": two}
 
 
@@ -97,6 +99,8 @@ def table(out: Path, models: dict[str, str], segmented: bool = False) -> str:
     columns = [
         c for c in _COLUMNS if c[1] not in ("em", "f1", "searches", "two_searches") or c[1].split("_")[-1] in reported
     ]
+    if segmented:
+        columns += [("new segments / ep", "segments", "{:.2f}"), ("summaries / ep", "summaries", "{:.2f}")]
     rows = []
     for label, s in stats.items():
         cells = [fmt.format(s[key]) for _, key, fmt in columns]

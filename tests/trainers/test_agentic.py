@@ -130,6 +130,7 @@ def test_the_table_of_a_run_that_left_out_the_base_model(tmp_path, monkeypatch, 
             rec = EpisodeRecord(
                 episode, episode, episode, float(em), 1, bool(em), True, False, 0, None, 5, messages, info
             )
+            rec.summaries = rec.context_segments = episode % 2  # one summary in every other episode
             lines.append(json.dumps(dataclasses.asdict(rec)))
         (out / "eval" / f"{label}.jsonl").write_text("\n".join(lines) + "\n")
 
@@ -161,3 +162,8 @@ def test_the_table_of_a_run_that_left_out_the_base_model(tmp_path, monkeypatch, 
     models = {"sft": str(out / "sft" / "checkpoint-2" / "hf"), "sft+rl": str(out / "ppo" / "checkpoint-2" / "hf")}
     segmented = table(out, models, segmented=True).splitlines()
     assert "prefix-merged" not in segmented[0] and segmented[0].count("|") == segmented[2].count("|")
+    header = [cell.strip() for cell in segmented[0].strip("|").split("|")]
+    assert [
+        segmented[2].strip("|").split("|")[header.index(name)].strip()
+        for name in ("summaries / ep", "new segments / ep")
+    ] == ["0.50", "0.50"]
