@@ -637,10 +637,10 @@ def merge_rank_metrics(per_rank: list[Mapping[str, float]]) -> dict[str, float]:
     """One rollout's metrics from every rank's :attr:`RolloutBatch.metrics`: counts
     (:data:`SUMMED_METRICS`) are summed; the others are averaged over the ranks that report them,
     the episode statistics (``rollout/*``) weighted by each rank's ``rollout/episodes`` (the
-    ``rollout/unfiltered_*`` ones and ``rollout/filtered_ratio`` by ``rollout/unfiltered_episodes``), so that they are the means
-    over all episodes (a rank whose groups dynamic filtering all dropped has no episodes and reports
-    no episode means: it does not count). Keys: those of any rank, in order of
-    first appearance.
+    ``rollout/unfiltered_*`` ones and ``rollout/filtered_ratio`` by ``rollout/unfiltered_episodes``),
+    so that they are the means over all episodes (a rank whose groups dynamic filtering all dropped
+    has no episodes and reports no episode means: it does not count). Keys: those of any rank, in
+    order of first appearance.
 
     Raises:
         ValueError: ``per_rank`` is empty.
