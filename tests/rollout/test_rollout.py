@@ -349,8 +349,10 @@ def test_merge_rank_metrics_sums_counts_and_averages_rates():
     kept_none = {"rollout/episodes": 0.0, "rollout/unfiltered_episodes": 6.0, "rollout/unfiltered_reward": 0.0}
     kept_some = {"rollout/episodes": 2.0, "rollout/reward": 0.5, "rollout/unfiltered_episodes": 2.0}
     kept_some["rollout/unfiltered_reward"] = 0.5
+    kept_none["rollout/filtered_ratio"], kept_some["rollout/filtered_ratio"] = 1.0, 0.0
     merged = merge_rank_metrics([kept_none, kept_some])
     assert merged["rollout/reward"] == 0.5 and merged["rollout/unfiltered_reward"] == pytest.approx(1 / 8)
+    assert merged["rollout/filtered_ratio"] == pytest.approx(6 / 8)  # by episodes before filtering
     assert merged["rollout/unfiltered_episodes"] == 8.0
     with pytest.raises(ValueError, match="at least one rank"):
         merge_rank_metrics([])
