@@ -88,7 +88,7 @@ def table(out: Path, models: dict[str, str], segmented: bool = False) -> str:
 
     if not models:
         raise ValueError("no evaluation to tabulate: the eval stage has not finished for any model")
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(next(iter(models.values()))))
+    tokenizer = None if segmented else AutoTokenizer.from_pretrained(resolve_model(next(iter(models.values()))))
     stats, merging = {}, {}
     for label in models:
         records = records_of(out / "eval" / f"{label}.jsonl")
