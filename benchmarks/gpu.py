@@ -15,8 +15,11 @@ random-initialised Llamas with SmolLM2's tokenizer (``--models``, ``HIDDENxLAYER
    sync) on ``config=arithmetic`` and on ``rl2/GuessTheNumber-v0`` (16 x 4 episodes; ``--ppo-groups``,
    2 on CPU).
 3. **decode**: the embedded engine's decode tokens/s at 64 and 256 rows (``--rows``; 128 new tokens
-   each, ``--new-tokens``, EOS ignored) against a warm ``model.generate`` on the same prompts, and the share of the engine's
-   wall time the GPU runs kernels (``torch.profiler``; CUDA only).
+   each, ``--new-tokens``, EOS ignored) against a warm ``model.generate`` on the same prompts, and
+   the share of the engine's wall time the GPU runs kernels (``torch.profiler``; CUDA only). The
+   engine as trainers build it, then without its pieces one at a time: on CUDA with one decode
+   step per graph replay (``decode_steps=1``), then without graphs (``decode_graphs=False``); on
+   the CPU with the fixed-shape steps, four per round trip, run eagerly.
 
 MFU is ``6 P`` FLOPs per trained token over the peak that :func:`rl2gem.training.metrics.peak_flops_from_config`
 prints (the datasheet's for a known GPU; on CPU a matmul measured once in this process), the same
@@ -252,18 +255,30 @@ def static_generate(model, prompts: list[list[int]], pad: int, new: int) -> None
         )
 
 
-def engine_decode(model, tokenizer, prompts: list[list[int]], new: int, graphs: bool | None = None) -> dict:
-    """The embedded engine (as the rollout uses it; ``graphs``: its ``decode_graphs``) on
-    ``prompts``, ``new`` tokens each; its counters."""
+def engine_decode(model, tokenizer, prompts: list[list[int]], new: int, **options) -> dict:
+    """The embedded engine (as the rollout uses it; ``options``: its ``decode_graphs`` and
+    ``decode_steps``) on ``prompts``, ``new`` tokens each; its counters."""
 
     async def go():
-        engine = EmbeddedEngine(model, tokenizer, max_batch_size=len(prompts), decode_graphs=graphs)
+        engine = EmbeddedEngine(model, tokenizer, max_batch_size=len(prompts), **options)
         params = {"max_new_tokens": new, "temperature": 1.0, "ignore_eos": True}
         await asyncio.gather(*(engine.generate(p, params) for p in prompts))
         await engine.close()
         return engine.stats
 
     return asyncio.run(go())
+
+
+def engine_sides(device: torch.device) -> list[tuple[dict, str]]:
+    """The engine's variants in the decode table: as trainers build it first (on CUDA: graphs,
+    four steps per replay), then the pieces taken away one at a time."""
+    if device.type == "cuda":
+        return [
+            ({}, "EmbeddedEngine"),
+            ({"decode_steps": 1}, "EmbeddedEngine decode_steps=1"),
+            ({"decode_graphs": False}, "EmbeddedEngine decode_graphs=False"),
+        ]
+    return [({}, "EmbeddedEngine"), ({"decode_graphs": True, "decode_steps": 4}, "EmbeddedEngine decode_steps=4")]
 
 
 def decode_section(model_dir: Path, row_counts: list[int], new_tokens: int) -> None:
@@ -283,12 +298,11 @@ def decode_section(model_dir: Path, row_counts: list[int], new_tokens: int) -> N
         seconds -= timed(lambda p=prompts: static_generate(model, p, pad, 1), device)  # its prefill
         baseline = rows * new_tokens / max(seconds, 1e-9)
         print(f"| {rows} | model.generate (warm, static batch) | {baseline:.0f} | 1.00x | - |")
-        # the engine as trainers build it (CUDA graphs on CUDA), then with the windowed decode
-        for graphs, name in ((None, "EmbeddedEngine"), (False, "EmbeddedEngine decode_graphs=False")):
-            engine_decode(model, tokenizer, prompts, new_tokens, graphs)  # warm
-            stats = engine_decode(model, tokenizer, prompts, new_tokens, graphs)
+        for options, name in engine_sides(device):
+            engine_decode(model, tokenizer, prompts, new_tokens, **options)  # warm
+            stats = engine_decode(model, tokenizer, prompts, new_tokens, **options)
             rate = stats["decode_tokens"] / max(stats["time_decode_ms"] / 1000, 1e-9)
-            busy = busy_fraction(lambda p=prompts, g=graphs: engine_decode(model, tokenizer, p, new_tokens, g))
+            busy = busy_fraction(lambda p=prompts, o=options: engine_decode(model, tokenizer, p, new_tokens, **o))
             busy_text = f"{busy:.0%}" if busy is not None else "-"
             if stats["decode_graphs_failed"]:
                 name += " (graphs failed: windowed)"

@@ -430,4 +430,5 @@ def test_gpu_benchmark_smoke(tiny_dir):
         plain, ours = float(rows[0][6]), float(rows[1][6])  # the last step's loss, before its update
         assert abs(plain - ours) <= 1e-3 * abs(plain), stdout
     decode = [line for line in stdout.splitlines() if line.startswith("| 4 |")]
-    assert len(decode) == 2 and float(decode[1].split("|")[3]) > 0, stdout
+    assert len(decode) == 3 and all(float(line.split("|")[3]) > 0 for line in decode[1:]), stdout
+    assert "decode_steps=4" in decode[2], stdout

@@ -118,9 +118,12 @@ def test_engine_greedy_equals_model_generate():
     assert asyncio.run(run()) == expected
 
 
-def test_engine_decode_graphs_equal_the_windowed_decode():
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_engine_decode_graphs_equal_the_windowed_decode(decode_steps):
     """Captured decode steps (several row buckets, the store re-allocated, a weight update in
-    place) give the tokens and log-probabilities of the windowed decode, greedy and seeded."""
+    place), sampled on the device one or four steps per replay, give the tokens and
+    log-probabilities of the windowed decode, greedy and seeded, and stop at a stop token met
+    within a replay."""
     from rl2gem.rollout.engines.embedded import EmbeddedEngine
 
     model = tiny_model().float().to(CUDA)
@@ -129,11 +132,15 @@ def test_engine_decode_graphs_equal_the_windowed_decode():
 
     async def run(decode_graphs: bool):
         local = copy.deepcopy(model)
-        engine = EmbeddedEngine(local, None, max_batch_size=6, decode_graphs=decode_graphs)
+        engine = EmbeddedEngine(local, None, max_batch_size=6, decode_graphs=decode_graphs, decode_steps=decode_steps)
         greedy = {"temperature": 0.0, "ignore_eos": True}
         first = await asyncio.gather(
-            *(engine.generate(p, {**greedy, "max_new_tokens": 8 + 6 * i}) for i, p in enumerate(prompts))
+            *(engine.generate(p, {**greedy, "max_new_tokens": 9 + 6 * i}) for i, p in enumerate(prompts))
         )
+        stop = first[2].output_ids[6]
+        stopped = await engine.generate(prompts[2], {**greedy, "max_new_tokens": 40, "stop_token_ids": [stop]})
+        assert stopped.finish_reason == {"type": "stop", "matched": stop}
+        first.append(stopped)
         await engine.update_weights(update)
         seeded = await asyncio.gather(
             *(

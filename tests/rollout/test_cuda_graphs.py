@@ -61,53 +61,75 @@ def test_all_column_step_equals_the_windowed_decode(kind):
             assert torch.isfinite(fixed.keys[layer][5:8, :, fixed.hi]).all()
         for store in (windowed, fixed):
             store.hi += 1
-    assert list(graphs._steps) == [8] and graphs.captures == 0
+    assert list(graphs._steps) == [(8, 0)] and graphs.captures == 0
 
 
-def test_engine_with_the_fixed_shape_step_gives_the_same_tokens(tokenizer, monkeypatch):
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_engine_with_the_fixed_shape_step_gives_the_same_tokens(tokenizer, monkeypatch, decode_steps):
     """Staggered requests over 1, 3, 5 and 6 running rows (several buckets), a GRPO group, a second
-    turn through the prefix cache, a store that re-allocates as generations grow, and a weight
-    update copied in place: the engine with ``decode_graphs=True`` (eager on the CPU) gives the
-    greedy tokens and log-probabilities of the windowed engine, sampled tokens with the same
-    seeds too."""
+    turn through the prefix cache, a store that re-allocates as generations grow, a weight update
+    copied in place, a request that meets its stop token within a chunk of steps, a streamed
+    request and a top-k request: the engine with ``decode_graphs=True`` (eager on the CPU),
+    sampling on the device one or four steps per round trip, gives the greedy tokens and
+    log-probabilities of the windowed engine, sampled tokens with the same seeds too, and the
+    same cached prefixes."""
     model = build("llama", vocab_size=tokenizer.vocab_size)
     update = {name: p.detach() * 1.01 for name, p in model.named_parameters() if name.endswith("mlp.up_proj.weight")}
 
     async def run(decode_graphs: bool):
         local = build("llama", vocab_size=tokenizer.vocab_size)
-        engine = EmbeddedEngine(local, max_batch_size=6, decode_graphs=decode_graphs)
+        engine = EmbeddedEngine(local, max_batch_size=6, decode_graphs=decode_graphs, decode_steps=decode_steps)
         greedy = {"temperature": 0.0, "max_new_tokens": 40, "ignore_eos": True}
         prompts = [list(range(10, 10 + n)) for n in (7, 19, 3, 30, 11, 11)]
         first = await asyncio.gather(
-            *[engine.generate(p, {**greedy, "max_new_tokens": 8 + 6 * i}) for i, p in enumerate(prompts)]
+            *[engine.generate(p, {**greedy, "max_new_tokens": 9 + 6 * i}) for i, p in enumerate(prompts)]
         )
         second = await engine.generate(prompts[3] + first[3].output_ids + [40, 41], greedy)
+        stop = first[2].output_ids[6]  # met within the second chunk of four steps, or earlier
+        stopped = await engine.generate(prompts[2], {**greedy, "stop_token_ids": [stop]})
+        resumed = await engine.generate(prompts[2] + stopped.output_ids + [50], {**greedy, "max_new_tokens": 5})
+        streamed = [item async for item in engine.generate_stream(prompts[1], {**greedy, "max_new_tokens": 7})]
         await engine.update_weights(update)
         sampled = await asyncio.gather(
             *[
                 engine.generate(p, {"temperature": 0.8, "max_new_tokens": 12, "sampling_seed": 5 + i})
                 for i, p in enumerate(prompts[:3])
-            ]
+            ],
+            engine.generate(prompts[4], {"temperature": 0.8, "top_k": 5, "max_new_tokens": 6, "sampling_seed": 1}),
         )
         await engine.close()
-        outs = [*first, second, *sampled]
-        return [o.output_ids for o in outs], [o.output_logprobs for o in outs], engine
+        assert stopped.finish_reason == {"type": "stop", "matched": stop}
+        assert [token for token, _ in streamed[:-1]] == streamed[-1].output_ids
+        outs = [*first, second, stopped, resumed, streamed[-1], *sampled]
+        cached = [o.meta["cached_tokens"] for o in (second, resumed)]
+        return [o.output_ids for o in outs], [o.output_logprobs for o in outs], cached, engine
 
     built, resets = [], []
     original_build, original_reset = DecodeGraphs._build, DecodeGraphs.reset
     monkeypatch.setattr(
-        DecodeGraphs, "_build", lambda self, store, b: built.append(b) or original_build(self, store, b)
+        DecodeGraphs,
+        "_build",
+        lambda self, store, bucket, steps: built.append(bucket) or original_build(self, store, bucket, steps),
     )
     monkeypatch.setattr(DecodeGraphs, "reset", lambda self: resets.append(1) or original_reset(self))
-    fixed_tokens, fixed_logprobs, fixed_engine = asyncio.run(run(True))
-    window_tokens, window_logprobs, window_engine = asyncio.run(run(False))
+    fixed_tokens, fixed_logprobs, fixed_cached, fixed_engine = asyncio.run(run(True))
+    window_tokens, window_logprobs, window_cached, window_engine = asyncio.run(run(False))
     assert fixed_engine._graphs is not None and window_engine._graphs is None
     assert fixed_tokens == window_tokens
     for a, b in zip(fixed_logprobs, window_logprobs, strict=True):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=1e-4)
+    assert fixed_cached == window_cached and min(fixed_cached) > 0  # the stopped turn's prefix is exact
     assert {1, 4, 6} <= set(built) <= {1, 2, 4, 6}  # buckets of the store's 6 rows
     assert len(resets) >= 3  # the store grew or was freed (weight update) and the steps were built again
     assert fixed_engine.stats["decode_graph_captures"] == 0  # nothing is captured off CUDA
+    # host round trips (how many steps each ran depends on when the engine thread admitted the
+    # requests, so it is not compared between the two engines)
+    fixed, window = fixed_engine.stats, window_engine.stats
+    assert window["decode_rounds"] == window["decode_steps"]
+    if decode_steps == 1:
+        assert fixed["decode_rounds"] == fixed["decode_steps"]
+    else:
+        assert fixed["decode_rounds"] < 0.4 * fixed["decode_steps"]
 
 
 def test_decode_graphs_need_the_lean_decoder():
@@ -123,7 +145,7 @@ def test_a_step_that_cannot_be_captured_falls_back_to_the_windowed_decode(tokeni
     engine's tokens."""
     model = build("llama", vocab_size=tokenizer.vocab_size)
 
-    def fail(self, store, tokens, positions):
+    def fail(self, *args):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     async def run(decode_graphs: bool):
@@ -134,6 +156,7 @@ def test_a_step_that_cannot_be_captured_falls_back_to_the_windowed_decode(tokeni
 
     expected, _ = asyncio.run(run(False))
     monkeypatch.setattr(DecodeGraphs, "decode", fail)
+    monkeypatch.setattr(DecodeGraphs, "decode_and_sample", fail)
     with pytest.warns(UserWarning, match="decode_graphs turned off"):
         got, engine = asyncio.run(run(True))
     assert got == expected

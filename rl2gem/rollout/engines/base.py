@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from rl2gem.config import closest_hint
 
-__all__ = ["SamplingParams", "GenerateOutput", "Engine", "EngineError", "seeded_uniform", "mix_seed"]
+__all__ = ["SamplingParams", "GenerateOutput", "Engine", "EngineError", "seeded_uniform", "seeded_uniforms", "mix_seed"]
 
 
 class EngineError(RuntimeError):
@@ -42,6 +44,19 @@ def seeded_uniform(seed: int, k: int) -> float:
     seeded request samples the same tokens in any batch.
     """
     return (_splitmix(int(seed) * 0x9E3779B97F4A7C15 + (int(k) + 1) * 0xBF58476D1CE4E5B9) >> 11) / float(1 << 53)
+
+
+def seeded_uniforms(seeds: Sequence[int], counts: np.ndarray) -> np.ndarray:
+    """:func:`seeded_uniform` of many ``(seed, k)`` pairs at once: ``seeds`` ``[n]`` (any Python
+    ints), ``counts`` int64 ``[..., n]`` -> float64 ``[..., n]``, equal element by element (uint64
+    arithmetic wraps modulo 2**64 as the scalar version masks)."""
+    z = np.asarray([int(s) & _MASK64 for s in seeds], dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    z = z + (np.asarray(counts).astype(np.uint64) + np.uint64(1)) * np.uint64(0xBF58476D1CE4E5B9)
+    z = z + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
 def mix_seed(*parts: int) -> int:

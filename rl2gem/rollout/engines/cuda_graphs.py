@@ -17,6 +17,15 @@ shape that changes between steps:
 * the tokens, positions and the column written are one device buffer, copied in from pinned
   host memory before each replay.
 
+A decode step is one launch, but reading its tokens back is a host round trip in which the GPU
+waits for Python (sampling, the scheduler). So the step the engine replays is ``steps`` decode
+steps (``EmbeddedEngine(decode_steps=4)`` on CUDA), each followed by the sampling
+(:func:`~rl2gem.rollout.engines.sampling.sample_rows`: temperatures, greedy flags and uniforms
+staged with the tokens) whose token the next step reads from device memory, and writing its
+column's mask entry itself; the host reads ``[steps, rows]`` tokens and log-probabilities once
+and drops those past a row's stop token (vLLM's multi-step scheduling, with the same cost: up to
+``steps - 1`` wasted steps of a row that stops).
+
 A graph is tied to the store's buffers and to the weights: the store re-allocating (it grows by
 half at a time, and is freed between rollouts) or a parameter replaced by another tensor drops
 every graph, and the next step captures again. Weight updates copy in place
@@ -33,9 +42,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from rl2gem.rollout.engines.lean_decoder import LeanDecoder
+from rl2gem.rollout.engines.sampling import sample_rows
 
 __all__ = ["DecodeGraphs", "row_bucket"]
 
@@ -53,13 +64,18 @@ def row_bucket(rows: int, capacity: int) -> int:
 
 @dataclass
 class _Step:
-    """One bucket's fixed-shape step: its device inputs (``[2b + 1]`` int64: tokens, positions,
-    the column), their pinned host staging, the logits it writes and its graph (None: eager)."""
+    """One fixed-shape step of a bucket: its device inputs (``ints`` ``[2b + 1]`` int64: tokens,
+    positions, the column; ``floats`` ``[(2 + steps) b]`` float32 for a sampling step: divisors,
+    greedy flags, uniforms), their pinned host staging, what it writes (logits, or the tokens and
+    log-probabilities of its steps with their pinned host copies) and its graph (None: eager)."""
 
-    inputs: torch.Tensor
-    staging: torch.Tensor
+    ints: torch.Tensor
+    int_staging: torch.Tensor
+    floats: torch.Tensor | None
+    float_staging: torch.Tensor | None
     run: Any
-    logits: torch.Tensor | None = None
+    outputs: tuple[torch.Tensor, ...] = ()
+    host_outputs: tuple[torch.Tensor, ...] = ()
     graph: Any = None
 
 
@@ -67,9 +83,15 @@ class DecodeGraphs:
     """Decode steps of the embedded engine's KV store through captured CUDA graphs (module
     docstring).
 
+    Two kinds of step are captured, each per row bucket: :meth:`decode` (one step, logits out:
+    rows with top-k or top-p are sampled eagerly after it) and :meth:`decode_and_sample` (``steps``
+    decode steps, each followed by :func:`~rl2gem.rollout.engines.sampling.sample_rows` and fed
+    the token it sampled, tokens and log-probabilities out: one launch and one host round trip
+    for ``steps`` tokens per row).
+
     Args:
         decoder: the engine's :class:`~rl2gem.rollout.engines.lean_decoder.LeanDecoder`.
-        capture: capture CUDA graphs (the store on CUDA); ``False`` runs the fixed-shape step
+        capture: capture CUDA graphs (the store on CUDA); ``False`` runs the fixed-shape steps
             eagerly.
     """
 
@@ -77,7 +99,7 @@ class DecodeGraphs:
         self.decoder = decoder
         self.capture = capture
         self.captures = 0  # graphs captured so far (the engine's ``decode_graph_captures``)
-        self._steps: dict[int, _Step] = {}
+        self._steps: dict[tuple[int, int], _Step] = {}
         self._key: tuple | None = None
         self._pool = None
 
@@ -91,6 +113,24 @@ class DecodeGraphs:
         parameters = tuple(p.data_ptr() for p in self.decoder.model.parameters())
         buffers = tuple(t.data_ptr() for t in (*store.keys, *store.values, store.mask))
         return (store.capacity, buffers, parameters)
+
+    def _step(self, store, rows: int, steps: int) -> tuple[_Step, int]:
+        """The step of ``rows`` rows (``steps`` 0: logits out), built on first use -> (it, bucket)."""
+        bucket = row_bucket(rows, store.capacity[0])
+        key = self._addresses(store)
+        if key != self._key:
+            self.reset()
+            self._key = key
+        step = self._steps.get((bucket, steps)) or self._build(store, bucket, steps)
+        return step, bucket
+
+    def _stage_ints(self, step: _Step, bucket: int, store, tokens: list[int], positions: list[int]) -> None:
+        rows = len(tokens)
+        staging = step.int_staging.numpy()
+        staging[:rows] = tokens
+        staging[bucket : bucket + rows] = positions
+        staging[2 * bucket] = store.hi
+        step.ints.copy_(step.int_staging, non_blocking=True)
 
     @torch.no_grad()
     def decode(self, store, tokens: list[int], positions: list[int]) -> torch.Tensor:
@@ -107,53 +147,117 @@ class DecodeGraphs:
             output: read it before the next step).
         """
         rows = store.slots
-        bucket = row_bucket(rows, store.capacity[0])
+        step, bucket = self._step(store, rows, 0)
         store.mask[rows:bucket, store.hi] = True  # padding rows read their own new column only
-        key = self._addresses(store)
-        if key != self._key:
-            self.reset()
-            self._key = key
-        step = self._steps.get(bucket) or self._build(store, bucket)
-        staging = step.staging
-        staging[:rows] = torch.as_tensor(tokens, dtype=torch.long)
-        staging[bucket : bucket + rows] = torch.as_tensor(positions, dtype=torch.long)
-        staging[2 * bucket] = store.hi
-        step.inputs.copy_(staging, non_blocking=True)
+        self._stage_ints(step, bucket, store, tokens, positions)
         if step.graph is None:
-            logits = step.run()
+            (logits,) = step.run()
         else:
             step.graph.replay()
-            logits = step.logits
+            (logits,) = step.outputs
         return logits[:rows]
 
-    def _build(self, store, bucket: int) -> _Step:
+    @torch.no_grad()
+    def decode_and_sample(
+        self,
+        store,
+        tokens: list[int],
+        positions: list[int],
+        divisors: list[float],
+        greedy: list[bool],
+        uniforms: np.ndarray,
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """``steps = len(uniforms)`` decode steps of the store's ``n = store.slots`` running rows,
+        each sampling the token the next one reads.
+
+        Args:
+            store: the engine's KV store; step ``k`` writes column ``store.hi + k`` and masks it in
+                for every row of the bucket (the caller makes room for ``steps`` columns).
+            tokens, positions: the last sampled token of each running row and its position id.
+            divisors, greedy: each row's temperature (1 for greedy rows) and whether it is greedy
+                (:func:`~rl2gem.rollout.engines.sampling.row_settings`).
+            uniforms: ``[steps, n]`` float32, row ``i``'s draw at step ``k``
+                (:func:`~rl2gem.rollout.engines.sampling.draw_uniforms`).
+
+        Returns:
+            tokens and log-probabilities ``[steps][n]`` as host lists (one synchronisation).
+        """
+        rows, steps = store.slots, len(uniforms)
+        step, bucket = self._step(store, rows, steps)
+        self._stage_ints(step, bucket, store, tokens, positions)
+        staging = step.float_staging.numpy()
+        staging[: 2 * bucket] = 1.0  # padding rows: greedy at temperature 1 (finite, never read)
+        staging[:rows] = divisors
+        staging[bucket : bucket + rows] = greedy
+        staging[2 * bucket :].reshape(steps, bucket)[:, :rows] = uniforms
+        step.floats.copy_(step.float_staging, non_blocking=True)
+        if step.graph is None:
+            sampled, logprobs = step.run()
+        else:
+            step.graph.replay()
+            for host, device in zip(step.host_outputs, step.outputs, strict=True):
+                host.copy_(device, non_blocking=True)
+            torch.cuda.current_stream(store.mask.device).synchronize()
+            sampled, logprobs = step.host_outputs
+        return sampled[:, :rows].tolist(), logprobs[:, :rows].tolist()
+
+    def _build(self, store, bucket: int, steps: int) -> _Step:
         device = store.mask.device
-        inputs = torch.zeros(2 * bucket + 1, dtype=torch.long, device=device)
-        staging = torch.zeros(2 * bucket + 1, dtype=torch.long, pin_memory=self.capture)
+        ints = torch.zeros(2 * bucket + 1, dtype=torch.long, device=device)
+        int_staging = torch.zeros(2 * bucket + 1, dtype=torch.long, pin_memory=self.capture)
         keys = [k[:bucket] for k in store.keys]
         values = [v[:bucket] for v in store.values]
         mask = store.mask[:bucket]
+        floats = float_staging = None
 
-        def run() -> torch.Tensor:
-            return self.decoder.decode_all_columns(
-                keys, values, mask, inputs[:bucket], inputs[bucket : 2 * bucket], inputs[2 * bucket :]
+        def logits_only() -> tuple[torch.Tensor]:
+            decoded = self.decoder.decode_all_columns(
+                keys, values, mask, ints[:bucket], ints[bucket : 2 * bucket], ints[2 * bucket :]
             )
+            return (decoded,)
 
-        step = _Step(inputs, staging, run)
+        run = logits_only
+        if steps:
+            floats = torch.zeros((2 + steps) * bucket, dtype=torch.float32, device=device)
+            float_staging = torch.zeros((2 + steps) * bucket, dtype=torch.float32, pin_memory=self.capture)
+            sampled = torch.zeros(steps, bucket, dtype=torch.long, device=device)
+            logprobs = torch.zeros(steps, bucket, dtype=torch.float32, device=device)
+
+            def run() -> tuple[torch.Tensor, torch.Tensor]:
+                token, position, column = ints[:bucket], ints[bucket : 2 * bucket], ints[2 * bucket :]
+                divisors, greedy = floats[:bucket], floats[bucket : 2 * bucket] > 0.5
+                uniforms = floats[2 * bucket :].view(steps, bucket)
+                for k in range(steps):
+                    mask.index_fill_(1, column, True)
+                    logits = self.decoder.decode_all_columns(keys, values, mask, token, position, column)
+                    token, logprob = sample_rows(logits, divisors, greedy, uniforms[k])
+                    sampled[k].copy_(token)
+                    logprobs[k].copy_(logprob)
+                    position, column = position + 1, column + 1
+                return sampled, logprobs
+
+        step = _Step(ints, int_staging, floats, float_staging, run)
         if self.capture:
-            # warm-up and capture write column store.hi, which this very step writes again
-            inputs[2 * bucket :].fill_(store.hi)
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    run()
-            torch.cuda.current_stream(device).wait_stream(side)
-            step.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(step.graph, pool=self._pool, capture_error_mode="thread_local"):
-                step.logits = run()
-            if self._pool is None:
-                self._pool = step.graph.pool()
-            self.captures += 1
-        self._steps[bucket] = step
+            self._capture(step, device, ints[2 * bucket :], store.hi)
+            if steps:
+                step.host_outputs = tuple(torch.empty_like(t, device="cpu").pin_memory() for t in step.outputs)
+        self._steps[(bucket, steps)] = step
         return step
+
+    def _capture(self, step: _Step, device, column: torch.Tensor, hi: int) -> None:
+        """Warm ``step`` up on a side stream and capture it into a graph (PyTorch's CUDA graphs
+        notes): the warm-up and the capture write the columns from ``hi`` on, which the step
+        itself writes again."""
+        column.fill_(hi)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step.run()
+        torch.cuda.current_stream(device).wait_stream(side)
+        step.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(step.graph, pool=self._pool, capture_error_mode="thread_local"):
+            step.outputs = step.run()
+        if self._pool is None:
+            self._pool = step.graph.pool()
+        self.captures += 1

@@ -52,9 +52,10 @@ import numpy as np
 import torch
 
 from rl2gem.openmp import release_thread_team
-from rl2gem.rollout.engines.base import Engine, EngineError, GenerateOutput, SamplingParams, seeded_uniform
+from rl2gem.rollout.engines.base import Engine, EngineError, GenerateOutput, SamplingParams
 from rl2gem.rollout.engines.cuda_graphs import DecodeGraphs
 from rl2gem.rollout.engines.lean_decoder import LeanDecoder, unsupported_reason
+from rl2gem.rollout.engines.sampling import draw_uniforms, row_settings, sample
 from rl2gem.rollout.tito import common_prefix_length
 
 __all__ = ["EmbeddedEngine"]
@@ -234,62 +235,6 @@ class _Request:
         self.on_token = None  # called on the requester's loop with (token, logprob) as each is sampled
 
 
-def _sample(
-    logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator, counts: list[int] | None = None
-):
-    """Sample one token per row. ``logits`` [n, V] float32 (overwritten) -> (tokens [n] int64, logprobs [n] float32).
-
-    The log-probability is that of ``log_softmax(logits / T)`` (``T = 1`` for greedy rows);
-    ``counts[i]``: tokens row i's request has generated so far (the index of a seeded request's
-    uniform, see :func:`seeded_uniform`). Each row is sampled by inverse CDF: one uniform against
-    the cumulative sum of its unnormalised probabilities (``torch.multinomial`` costs ~40x more
-    over a 49k vocabulary on CPU), top-k / top-p rows after zeroing what they exclude.
-    """
-    n = len(params)
-    # which rows are greedy is host data: no device round trip to find them
-    divisors = [p.temperature if p.temperature != 0 else 1.0 for p in params]
-    greedy_rows = [i for i, p in enumerate(params) if p.temperature == 0]
-    sample_rows = [i for i, p in enumerate(params) if p.temperature != 0]
-    if len(set(divisors)) == 1:  # one temperature for the batch (the rollout's case): a scalar
-        scaled = logits.div_(divisors[0])
-    else:
-        scaled = logits.div_(torch.tensor(divisors, dtype=logits.dtype).to(logits.device, non_blocking=True)[:, None])
-    peak = scaled.amax(-1, keepdim=True)
-    weights = (scaled - peak).exp_()  # unnormalised probabilities
-    log_total = weights.sum(-1, keepdim=True).log_().add_(peak)  # logsumexp per row
-    tokens = scaled.argmax(-1) if greedy_rows else torch.empty(n, dtype=torch.long, device=logits.device)
-    if sample_rows:
-        every = len(sample_rows) == n
-        probs = weights if every else weights[sample_rows]
-        filtered = [i for i, r in enumerate(sample_rows) if params[r].top_p < 1.0 or params[r].top_k > 0]
-        if filtered:
-            sub = probs[filtered] / probs[filtered].sum(-1, keepdim=True)
-            sp, si = sub.sort(dim=-1, descending=True)
-            keep = torch.ones_like(sp, dtype=torch.bool)
-            for j, i in enumerate(filtered):
-                p = params[sample_rows[i]]
-                if p.top_k > 0:
-                    keep[j, p.top_k :] = False
-                if p.top_p < 1.0:
-                    cum = sp[j].cumsum(0)
-                    keep[j] &= (cum - sp[j]) < p.top_p
-            sp = torch.where(keep, sp, torch.zeros_like(sp))
-            probs[filtered] = torch.zeros_like(sub).scatter_(1, si, sp)
-        cum = probs.cumsum_(-1) if every else probs.cumsum(-1)  # weights are not read after this
-        u = torch.rand(len(sample_rows), 1, generator=generator, dtype=cum.dtype)
-        for j, r in enumerate(sample_rows):
-            if params[r].sampling_seed is not None:
-                u[j, 0] = seeded_uniform(params[r].sampling_seed, counts[r] if counts else 0)
-        u = u.to(cum.device) * cum[:, -1:]
-        index = torch.searchsorted(cum, u, right=True).clamp_(max=cum.shape[-1] - 1).flatten()
-        if every:
-            tokens = index
-        else:
-            tokens[sample_rows] = index
-    lps = scaled.gather(1, tokens[:, None]).sub_(log_total).flatten()
-    return tokens, lps
-
-
 # --------------------------------------------------------------------------- engine
 class EmbeddedEngine(Engine):
     """Continuous-batching transformers engine in this process (see module docstring).
@@ -318,6 +263,11 @@ class EmbeddedEngine(Engine):
             (:class:`~rl2gem.rollout.engines.cuda_graphs.DecodeGraphs`); ``None`` (the default)
             turns them on for a model on CUDA that takes the lean path. ``True`` off CUDA runs the
             same fixed-shape step eagerly (a test of it on the CPU).
+        decode_steps: with decode graphs, decode steps run per host round trip: each step samples
+            on the device and feeds the next, the host reads the tokens once per ``decode_steps``
+            and drops those after a row stopped (a stop token costs up to ``decode_steps - 1``
+            wasted steps of that row; a length limit costs none). ``None``: 4 with graphs on CUDA,
+            else 1. Rows with top-k or top-p run one step at a time, sampled on the host side.
 
     Raises:
         ValueError: ``decode_graphs=True`` for a model the lean path cannot run.
@@ -337,6 +287,7 @@ class EmbeddedEngine(Engine):
         prefix_cache_tokens: int = 1 << 15,
         lean: bool = True,
         decode_graphs: bool | None = None,
+        decode_steps: int | None = None,
     ):
         if isinstance(model, (str, Path)):
             from rl2gem.models import load_model
@@ -354,7 +305,10 @@ class EmbeddedEngine(Engine):
             eos = tokenizer.eos_token_id
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.lean_reason = unsupported_reason(model, self.context_length) if lean else "lean=False"
-        self._lean = LeanDecoder(model) if self.lean_reason is None else None
+        p = next(model.parameters())
+        # on CUDA the LM head is one matmul (its slices save host memory on the CPU)
+        vocab_chunk = self.vocab_size if p.device.type == "cuda" else 2048
+        self._lean = LeanDecoder(model, vocab_chunk=vocab_chunk) if self.lean_reason is None else None
         self.max_batch_size = int(max_batch_size)
         self.max_prefill_tokens = int(max_prefill_tokens)
         self.max_cached_tokens = int(max_cached_tokens)
@@ -362,7 +316,6 @@ class EmbeddedEngine(Engine):
         self.min_prefix_match = 8  # shorter shared prefixes are not worth the copy
         self._prefix: collections.OrderedDict[tuple[int, ...], list] = collections.OrderedDict()
         self._prefix_size = 0
-        p = next(model.parameters())
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
         self._store = _KVStore(cfg.num_hidden_layers, kv_heads, head_dim, p.dtype, p.device, int(max_batch_size))
@@ -375,6 +328,11 @@ class EmbeddedEngine(Engine):
                 f"decode_graphs=True needs the lean decoder, which cannot run this model: {self.lean_reason}"
             )
         self._graphs = DecodeGraphs(self._lean, capture=p.device.type == "cuda") if decode_graphs else None
+        if decode_steps is None:
+            decode_steps = 4 if decode_graphs and p.device.type == "cuda" else 1
+        if int(decode_steps) < 1:
+            raise ValueError(f"decode_steps must be at least 1, got {decode_steps}")
+        self.decode_steps = int(decode_steps)
         self._gen = torch.Generator().manual_seed(seed)
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Request] = []
@@ -788,7 +746,7 @@ class EmbeddedEngine(Engine):
             len(request.input_ids) for index, request in enumerate(requests) if original[index] != index
         )
         logits = logits[[row_of[original[index]] for index in range(len(requests))]]
-        tokens, logprobs = _sample(logits, [r.params for r in requests], self._gen, [len(r.out_ids) for r in requests])
+        tokens, logprobs = sample(logits, [r.params for r in requests], self._gen, [len(r.out_ids) for r in requests])
         # join the running batch: rows right-aligned at the window's end
         store = self._store
         if not self._running:
@@ -816,7 +774,7 @@ class EmbeddedEngine(Engine):
             request.length = len(request.input_ids)
             request.span = spans[index]
             request.cached = cached[row] if original[index] == index else len(request.input_ids)
-        self._append_tokens(list(requests), tokens.tolist(), logprobs.tolist())
+        self._append_tokens(list(requests), [tokens.tolist()], [logprobs.tolist()])
 
     def _prefill_rows(self, prompts: list[list[int]], hits: list) -> tuple[int, torch.Tensor]:
         """One forward over ``prompts`` into the prefill store, row ``j`` = its cached prefix
@@ -875,16 +833,37 @@ class EmbeddedEngine(Engine):
         self.stats["prefill_forwards"] += 1
         return width, logits
 
-    def _append_tokens(self, reqs: list[_Request], tokens: list[int], lps: list[float]):
-        for r, t, lp in zip(reqs, tokens, lps, strict=True):
-            r.out_ids.append(t)
-            r.out_lp.append(lp)
-            if r.on_token is not None:
-                r.loop.call_soon_threadsafe(r.on_token, (t, lp))
-            if t in r.stop_ids:
-                self._finish(r, {"type": "stop", "matched": t})
-            elif len(r.out_ids) >= r.params.max_new_tokens or r.length + 1 >= self.context_length:
-                self._finish(r, {"type": "length", "length": len(r.out_ids)})
+    def _append_tokens(self, reqs: list[_Request], tokens: list[list[int]], logprobs: list[list[float]]):
+        """Give each request its sampled tokens, ``tokens[k][i]`` the ``k``-th of ``reqs[i]``, step
+        by step, and finish those that stop (a stop token, their length limit or the context's).
+
+        Every request's ``length`` and the store already count all ``len(tokens)`` steps; a request
+        that stops at step ``k`` gives back the ``overrun = len(tokens) - 1 - k`` columns after it
+        (their tokens are dropped and their mask cleared), so its cached prefix is exact."""
+        steps = len(tokens)
+        alive = list(range(len(reqs)))
+        for k in range(steps):
+            overrun = steps - 1 - k
+            still = []
+            for i in alive:
+                r, t, lp = reqs[i], tokens[k][i], logprobs[k][i]
+                r.out_ids.append(t)
+                r.out_lp.append(lp)
+                if r.on_token is not None:
+                    r.loop.call_soon_threadsafe(r.on_token, (t, lp))
+                if t in r.stop_ids:
+                    reason = {"type": "stop", "matched": t}
+                elif len(r.out_ids) >= r.params.max_new_tokens or r.length - overrun + 1 >= self.context_length:
+                    reason = {"type": "length", "length": len(r.out_ids)}
+                else:
+                    still.append(i)
+                    continue
+                if overrun:
+                    r.length -= overrun
+                    store = self._store
+                    store.mask[self._running.index(r), store.hi - overrun : store.hi] = False
+                self._finish(r, reason)
+            alive = still
 
     def _growth(self, reqs: list[_Request]) -> int:
         """Columns the longest of ``reqs`` may still add to the KV store."""
@@ -903,10 +882,7 @@ class EmbeddedEngine(Engine):
             try:
                 logits = self._graphs.decode(st, [r.out_ids[-1] for r in reqs], [r.length for r in reqs])
             except RuntimeError as error:
-                warnings.warn(f"decode_graphs turned off, the decode runs windowed: {error}", stacklevel=2)
-                self._graphs.reset()
-                self._graphs = None
-                self.stats["decode_graphs_failed"] += 1
+                self._graphs_failed(error)
             else:
                 self.stats["decode_graph_captures"] += self._graphs.captures - captures
                 return logits
@@ -924,23 +900,63 @@ class EmbeddedEngine(Engine):
         )
         return out.logits[:, -1].float()
 
+    def _chunk_steps(self, reqs: list[_Request]) -> int:
+        """Decode steps of the next host round trip, each sampled on the device: ``decode_steps``,
+        fewer when every row's length limit or one row's context ends sooner; 0 when the step
+        runs without graphs or a row has top-k or top-p (one step, sampled after it)."""
+        if self._graphs is None:
+            return 0
+        if any(r.params.temperature != 0 and (r.params.top_k > 0 or r.params.top_p < 1.0) for r in reqs):
+            return 0
+        budget = max(r.params.max_new_tokens - len(r.out_ids) for r in reqs)
+        context = min(self.context_length - 1 - r.length for r in reqs)
+        return max(1, min(self.decode_steps, budget, context))
+
+    def _sample_on_device(self, st: _KVStore, reqs: list[_Request], steps: int):
+        """``steps`` decode steps sampled in the captured graph -> tokens and log-probs
+        ``[steps][n]``, or None when the graphs failed (they are off from then on)."""
+        divisors, greedy = row_settings([r.params for r in reqs])
+        uniforms = draw_uniforms([r.params for r in reqs], [len(r.out_ids) for r in reqs], self._gen, steps)
+        captures = self._graphs.captures
+        try:
+            tokens, logprobs = self._graphs.decode_and_sample(
+                st, [r.out_ids[-1] for r in reqs], [r.length for r in reqs], divisors, greedy, uniforms
+            )
+        except RuntimeError as error:
+            self._graphs_failed(error)
+            return None
+        self.stats["decode_graph_captures"] += self._graphs.captures - captures
+        return tokens, logprobs
+
+    def _graphs_failed(self, error: Exception) -> None:
+        warnings.warn(f"decode_graphs turned off, the decode runs windowed: {error}", stacklevel=3)
+        self._graphs.reset()
+        self._graphs = None
+        self.stats["decode_graphs_failed"] += 1
+
     def _decode(self):
         st = self._store
-        st.reserve(st.slots, 0, 1, self._growth(self._running))
-        n = st.slots
         reqs = list(self._running)
+        steps = self._chunk_steps(reqs)
+        st.reserve(st.slots, 0, max(steps, 1), self._growth(reqs))
+        n = st.slots
         st.mask[:n, st.hi] = True
         t0 = time.perf_counter()
-        logits = self._decode_logits(st, reqs)
+        sampled = self._sample_on_device(st, reqs, steps) if steps else None
+        if sampled is None:
+            steps = 1
+            logits = self._decode_logits(st, reqs)
+            tokens, logprobs = sample(logits, [r.params for r in reqs], self._gen, [len(r.out_ids) for r in reqs])
+            sampled = [tokens.tolist()], [logprobs.tolist()]
         self.stats["time_decode_forward_ms"] += int(1000 * (time.perf_counter() - t0))
-        st.hi += 1
+        st.hi += steps
         for r in reqs:
-            r.length += 1
-            r.span += 1
-        self.stats["decode_steps"] += 1
-        self.stats["decode_tokens"] += n
-        tokens, lps = _sample(logits, [r.params for r in reqs], self._gen, [len(r.out_ids) for r in reqs])
-        self._append_tokens(reqs, tokens.tolist(), lps.tolist())
+            r.length += steps
+            r.span += steps
+        self.stats["decode_steps"] += steps
+        self.stats["decode_rounds"] += 1  # host round trips
+        self.stats["decode_tokens"] += n * steps
+        self._append_tokens(reqs, *sampled)
 
 
 def _settle(fut: asyncio.Future, res, err):

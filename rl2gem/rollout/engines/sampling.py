@@ -1,0 +1,145 @@
+"""Token sampling of the embedded engine: one token per row from float32 logits, by inverse CDF.
+
+Each sampled row draws one uniform ``u`` and takes the first token whose cumulative unnormalised
+probability exceeds ``u`` times the row's total (``torch.multinomial`` costs ~40x more over a 49k
+vocabulary on CPU). A greedy row (temperature 0) takes the argmax. The log-probability returned is
+that of ``log_softmax(logits / T)`` (``T = 1`` for greedy rows), as
+:class:`~rl2gem.rollout.engines.base.GenerateOutput` documents.
+
+:func:`sample_rows` has no host data and no data-dependent shape, so a CUDA graph captures it
+after a decode step (:mod:`rl2gem.rollout.engines.cuda_graphs`); :func:`sample` is the general
+entry point (top-k / top-p rows too) that the engine calls eagerly, and :func:`draw_uniforms` the
+one place uniforms come from: a request with a ``sampling_seed`` uses
+:func:`~rl2gem.rollout.engines.base.seeded_uniforms` of its token count (the same tokens in any
+batch), the others the engine's generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from rl2gem.rollout.engines.base import SamplingParams, seeded_uniforms
+
+__all__ = ["draw_uniforms", "sample", "sample_rows", "row_settings"]
+
+
+def row_settings(params: Sequence[SamplingParams]) -> tuple[list[float], list[bool]]:
+    """Per row: the divisor of the logits (its temperature, 1 for a greedy row) and whether it is
+    greedy (temperature 0)."""
+    greedy = [p.temperature == 0 for p in params]
+    return [1.0 if g else float(p.temperature) for p, g in zip(params, greedy, strict=True)], greedy
+
+
+def draw_uniforms(
+    params: Sequence[SamplingParams], counts: Sequence[int], generator: torch.Generator, steps: int = 1
+) -> np.ndarray:
+    """Uniforms ``[steps, n]`` float32 in [0, 1) for ``steps`` successive tokens of ``n`` rows.
+
+    ``counts[i]``: tokens row ``i``'s request has generated so far, so step ``k`` of a seeded row
+    is its uniform number ``counts[i] + k``. Each step draws one uniform from ``generator`` per
+    sampled row (seeded ones included, then overwritten), in row order, so ``steps`` steps at once
+    consume the generator exactly as ``steps`` calls of one step do. Greedy rows get 0.
+    """
+    n = len(params)
+    out = np.zeros((steps, n), dtype=np.float32)
+    sampled = [i for i, p in enumerate(params) if p.temperature != 0]
+    seeded = [i for i in sampled if params[i].sampling_seed is not None]
+    for k in range(steps):
+        if sampled:
+            out[k, sampled] = torch.rand(len(sampled), generator=generator, dtype=torch.float32).numpy()
+    if seeded:
+        seeds = [params[i].sampling_seed for i in seeded]
+        numbers = np.asarray([counts[i] for i in seeded], dtype=np.int64)[None] + np.arange(steps)[:, None]
+        out[:, seeded] = seeded_uniforms(seeds, numbers)
+    return out
+
+
+def _scale(logits: torch.Tensor, divisors: torch.Tensor):
+    """-> ``logits / divisors`` (in place), its unnormalised probabilities and log-normaliser."""
+    scaled = logits.div_(divisors[:, None])
+    peak = scaled.amax(-1, keepdim=True)
+    weights = (scaled - peak).exp_()  # unnormalised probabilities
+    log_total = weights.sum(-1, keepdim=True).log_().add_(peak)  # logsumexp per row
+    return scaled, weights, log_total
+
+
+def _pick(scaled, weights, log_total, greedy, uniforms, any_greedy: bool, any_sampled: bool):
+    """Argmax rows and inverse-CDF rows -> (tokens [n] int64, log-probabilities [n] float32)."""
+    tokens = scaled.argmax(-1) if any_greedy else None
+    if any_sampled:
+        cumulative = weights.cumsum_(-1)  # weights are not read after this
+        index = torch.searchsorted(cumulative, uniforms[:, None] * cumulative[:, -1:], right=True)
+        index = index.clamp_(max=cumulative.shape[-1] - 1).flatten()
+        tokens = index if tokens is None else torch.where(greedy, tokens, index)
+    logprobs = scaled.gather(1, tokens[:, None]).sub_(log_total).flatten()
+    return tokens, logprobs
+
+
+def _filter(weights: torch.Tensor, params: Sequence[SamplingParams], rows: list[int]) -> None:
+    """Zero, in place, the probabilities that top-k / top-p exclude in ``rows`` of ``weights``."""
+    kept = weights[rows] / weights[rows].sum(-1, keepdim=True)
+    sorted_probs, order = kept.sort(dim=-1, descending=True)
+    keep = torch.ones_like(sorted_probs, dtype=torch.bool)
+    for j, i in enumerate(rows):
+        if params[i].top_k > 0:
+            keep[j, params[i].top_k :] = False
+        if params[i].top_p < 1.0:
+            mass_before = sorted_probs[j].cumsum(0) - sorted_probs[j]
+            keep[j] &= mass_before < params[i].top_p
+    sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+    weights[rows] = torch.zeros_like(kept).scatter_(1, order, sorted_probs)
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    divisors: torch.Tensor,
+    greedy: torch.Tensor,
+    uniforms: torch.Tensor,
+    *,
+    any_greedy: bool = True,
+    any_sampled: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row with no host data (what a CUDA graph captures).
+
+    Args:
+        logits: ``[n, V]`` float32 (overwritten).
+        divisors: ``[n]`` float32, each row's temperature (1 for greedy rows).
+        greedy: ``[n]`` bool, rows that take the argmax.
+        uniforms: ``[n]`` float32 in [0, 1), each sampled row's draw.
+        any_greedy, any_sampled: host knowledge that lets an eager caller skip the argmax or the
+            cumulative sum (a captured step keeps both).
+
+    Returns:
+        tokens ``[n]`` int64 and their log-probabilities ``[n]`` float32, on the logits' device.
+    """
+    return _pick(*_scale(logits, divisors), greedy, uniforms, any_greedy, any_sampled)
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generator: torch.Generator,
+    counts: Sequence[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row. ``logits`` ``[n, V]`` float32 (overwritten) -> (tokens ``[n]``
+    int64, log-probabilities ``[n]`` float32), on the logits' device.
+
+    ``params[i]``: row ``i``'s sampling parameters; ``counts[i]``: tokens its request has generated
+    so far (see :func:`draw_uniforms`). Rows with top-k or top-p are sampled after zeroing the
+    probabilities they exclude; the rest is :func:`sample_rows`.
+    """
+    counts = counts if counts is not None else [0] * len(params)
+    divisors, greedy = row_settings(params)
+    device = logits.device
+    uniforms = torch.from_numpy(draw_uniforms(params, counts, generator)[0]).to(device, non_blocking=True)
+    scaled, weights, log_total = _scale(
+        logits, torch.tensor(divisors, dtype=logits.dtype).to(device, non_blocking=True)
+    )
+    filtered = [i for i, p in enumerate(params) if p.temperature != 0 and (p.top_p < 1.0 or p.top_k > 0)]
+    if filtered:
+        _filter(weights, params, filtered)
+    greedy_rows = torch.tensor(greedy).to(device, non_blocking=True)
+    return _pick(scaled, weights, log_total, greedy_rows, uniforms, any(greedy), not all(greedy))
