@@ -13,7 +13,8 @@ random-initialised Llamas with SmolLM2's tokenizer (``--models``, ``HIDDENxLAYER
    The first two steps of each side are warm-up (compilation included) and are not counted.
 2. **ppo**: ``trainers/ppo.py`` seconds per step by phase (rollout, old log-probs, update, weight
    sync) on ``config=arithmetic`` and on ``rl2/GuessTheNumber-v0`` (16 x 4 episodes; ``--ppo-groups``,
-   2 on CPU).
+   2 on CPU), and what ``actor.old_logprobs=auto`` measured in its first step (the engine's
+   log-probs against the trainer's: mismatch KL and largest difference) and chose after it.
 3. **decode**: the embedded engine's decode tokens/s at 64 and 256 rows (``--rows``; 128 new tokens
    each, ``--new-tokens``, EOS ignored) against a warm ``model.generate`` on the same prompts, and
    the share of the engine's wall time the GPU runs kernels (``torch.profiler``; CUDA only). The
@@ -200,8 +201,11 @@ def ppo_section(model_dir: Path, tmp: Path, steps: int, groups: int) -> None:
         ],
     }
     phases = ("time/rollout", "time/old_logprobs", "time/update", "time/weight_sync", "time/step")
-    print("| run | " + " | ".join(p.removeprefix("time/") + " s" for p in phases) + " |")
-    print("|---|" + "---:|" * len(phases))
+    print(
+        "| run | " + " | ".join(p.removeprefix("time/") + " s" for p in phases)
+        + " | step-1 mismatch KL | largest difference | steps on the engine's log-probs |"
+    )  # fmt: skip
+    print("|---|" + "---:|" * (len(phases) + 3))
     for name, extra in jobs.items():
         out = tmp / f"ppo-{len(name)}"
         args = ["trainers/ppo.py", f"actor.model={model_dir}", f"trainer.total_steps={steps}", "trainer.eval_n=8"]
@@ -210,8 +214,16 @@ def ppo_section(model_dir: Path, tmp: Path, steps: int, groups: int) -> None:
             FAILED.append(f"ppo {name}")
             print(f"| {name} | failed: {result['error'][-200:]!r} |")
             continue
-        rows = [r for r in map(json.loads, (out / "metrics.jsonl").open()) if "time/step" in r][1:]
+        logged = [r for r in map(json.loads, (out / "metrics.jsonl").open()) if "time/step" in r]
+        rows = logged[1:]
         cells = [f"{statistics.median(r.get(p, 0.0) for r in rows):.2f}" if rows else "-" for p in phases]
+        # actor.old_logprobs=auto: the first step's check, and the steps that skipped the forward
+        check = next((r for r in logged if "actor/old_logprob_mismatch_kl" in r), {})
+        cells += [
+            f"{check[k]:.2e}" if k in check else "-"
+            for k in ("actor/old_logprob_mismatch_kl", "actor/old_logprob_max_diff")
+        ]
+        cells.append(f"{sum(r.get('actor/old_logprobs_from_rollout', 0.0) for r in logged):.0f} of {len(logged)}")
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -52,6 +52,7 @@ from rl2gem.parallel.packing import MicroBatch, plan_micro_batches, regroup_scor
 from rl2gem.procs import quick_exit_collection
 from rl2gem.training.forward import token_logprobs, token_values
 from rl2gem.training.metrics import Averager, reduce_mean, throughput_metrics, train_flops
+from rl2gem.training.old_logprobs import OldLogprobs
 from rl2gem.training.online import OnlineTrainer
 from rl2gem.training.rl_config import check_config, estimator_options
 from rl2gem.training.samples import (
@@ -142,7 +143,7 @@ class PPOTrainer(OnlineTrainer):
         config = self.cfg
         temperature, tree = config.rollout.temperature or 1.0, config.actor.packing == "tree"
         scores, values = [], Averager()
-        source, max_diff = self.old_logprobs.source(samples, self.step), torch.zeros((), device=self.device)
+        source, measured = self.old_logprobs.source(samples, self.step), torch.zeros(3, device=self.device)
         for micro_batch in micro_batches:
             part = [samples[i] for i in micro_batch.indices]
             ids, needed = [s.ids for s in part], [s.mask for s in part]  # log-probs of action tokens only
@@ -152,8 +153,11 @@ class PPOTrainer(OnlineTrainer):
             else:
                 score = {"old": token_logprobs(self.actor.model, ids, self.device, **forward)[0]}
                 if source == "check" and not micro_batch.placeholder:
-                    difference = (score["old"] - packed_field(part, "rollout_logprobs", self.device)).abs()
-                    max_diff = torch.maximum(max_diff, (difference * packed_field(part, "mask", self.device)).max())
+                    engine, mask = (
+                        packed_field(part, "rollout_logprobs", self.device),
+                        packed_field(part, "mask", self.device),
+                    )
+                    measured = OldLogprobs.combine(measured, OldLogprobs.compare(score["old"], engine, mask))
             if self.ref is not None:
                 score["ref"] = token_logprobs(self.ref.model, ids, self.device, **forward)[0]
             if self.critic is not None:
@@ -169,8 +173,8 @@ class PPOTrainer(OnlineTrainer):
                 values.add({"values": mean_value}, weight=micro_batch.scale * float(mask.sum()))
             scores.append(score)
         metrics = values.means("critic/") if self.critic is not None else {}
-        if source == "check":  # every rank decides alike: the largest difference over all ranks
-            metrics.update(self.old_logprobs.decide(max_diff, self.rank))
+        if source == "check":  # every rank decides alike: on the mismatch KL over all ranks
+            metrics.update(self.old_logprobs.decide(measured, self.rank))
         self.old_from_rollout = source == "rollout"
         metrics["actor/old_logprobs_from_rollout"] = float(self.old_from_rollout)
         return scores, metrics

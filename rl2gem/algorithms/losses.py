@@ -123,7 +123,7 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = 
     if kind == "k2":
         return 0.5 * d * d
     if kind == "k3":
-        return torch.exp(-d) - 1 + d
+        return torch.expm1(-d) + d  # exp(-d) - 1 without the cancellation at small d
     raise ValueError(f"unknown KL estimator {kind!r}; choose from {KL_ESTIMATORS}")
 
 

@@ -4,12 +4,23 @@ The denominator is the log-prob of each action token under the policy that sampl
 update is exactly on-policy (one pass, one minibatch, every action token sampled by the weights
 being trained) that policy is the trainer's current one, whose log-probs the engine already
 returned: recomputing them is a forward pass for nothing (the ``recompute_logprob`` choice of
-verl). That holds only where the engine and the trainer compute the same numbers (same precision
-and kernels), so ``auto`` recomputes in its first step, compares, and uses the rollout's from the
-next step on only if the largest difference over action tokens is within
-``actor.old_logprobs_tolerance`` (logged as ``actor/old_logprob_max_diff``); ``rollout`` trusts
-the engine without the check; ``recompute`` always recomputes. Steps with tokens from an older
-policy version (partial rollouts) always recompute.
+verl). That holds only where the engine and the trainer compute nearly the same numbers, so
+``auto`` recomputes in its first step, compares, and uses the rollout's from the next step on
+only if the mismatch KL over action tokens (the mean of Schulman's k3 estimator with ``d = engine
+- trainer``, the ``actor/mismatch_kl`` the update logs) is within ``actor.old_logprobs_max_kl``;
+``rollout`` trusts the engine without the check; ``recompute`` always recomputes. Steps with
+tokens from an older policy version (partial rollouts) always recompute.
+
+The rule is on the mean, not on the largest difference (also logged, as
+``actor/old_logprob_max_diff``): in bf16 two kernels for one model differ by a few 1e-2 nats on
+some token of a batch (3.1e-2 between the engine and the trainer on an H100, issue 36), a maximum
+that grows with the batch, while a mean KL of ``1e-3`` is a mismatch far inside PPO's clip range
+(a ratio of ``exp(d)`` with ``|d|`` about ``sqrt(2e-3) = 0.045`` on a typical token, against a clip
+of 0.2). With the engine's log-probs as the denominator the ratio is the trainer's policy over the
+one that sampled the tokens, the importance ratio that corrects for the mismatch (decoupled PPO,
+Hilton et al. 2022; AReaL, Fu et al. 2025); recomputing would set it to 1 and leave the mismatch
+uncorrected. A mismatch beyond the bound (wrong weights, a broken kernel) keeps ``auto``
+recomputing.
 """
 
 from __future__ import annotations
@@ -17,16 +28,25 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from rl2gem.algorithms.losses import kl_estimate
+
 __all__ = ["OldLogprobs"]
 
 
 class OldLogprobs:
     """The choice of ``actor.old_logprobs`` (``auto``, ``recompute`` or ``rollout``) and, for
     ``auto``, the outcome of its one check (None until it ran; kept in checkpoints by
-    :meth:`state_dict`, so a resumed run makes the same choice as an uninterrupted one)."""
+    :meth:`state_dict`, so a resumed run makes the same choice as an uninterrupted one).
 
-    def __init__(self, option: str, tolerance: float, update_per_rollout: int = 1, minibatches_per_update: int = 1):
-        self.option, self.tolerance = option, float(tolerance)
+    Args:
+        option: ``auto``, ``recompute`` or ``rollout``.
+        max_kl: ``auto``'s bound on the mismatch KL in nats (``actor.old_logprobs_max_kl``).
+        update_per_rollout, minibatches_per_update: the update's passes and minibatches (on-policy
+            only when both are 1).
+    """
+
+    def __init__(self, option: str, max_kl: float, update_per_rollout: int = 1, minibatches_per_update: int = 1):
+        self.option, self.max_kl = option, float(max_kl)
         self.single_pass = int(update_per_rollout) == 1 and int(minibatches_per_update) == 1
         self.match: bool | None = None
 
@@ -49,20 +69,37 @@ class OldLogprobs:
             return "rollout"
         return {None: "check", True: "rollout", False: "recompute"}[self.match]
 
-    def decide(self, max_diff: torch.Tensor, rank: int = 0) -> dict[str, float]:
-        """After a ``"check"`` step: ``max_diff`` (0-d float tensor, this rank's largest
-        ``|trainer - engine|`` over action tokens, in nats) is reduced to the largest over ranks (a
-        collective when a process group is up, so every rank decides alike), compared with the
-        tolerance, and printed on rank 0. Returns ``{"actor/old_logprob_max_diff": value}``."""
+    @staticmethod
+    def compare(trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """One micro-batch of a ``"check"`` step: ``trainer``, ``engine`` log-probs and the action
+        ``mask``, ``[T]`` packed -> ``[3]`` float32 on their device: the k3 sum, the action tokens
+        and the largest ``|trainer - engine|`` (combine micro-batches with :meth:`combine`)."""
+        mask = mask.float()
+        k3 = kl_estimate(engine, trainer, "k3") * mask
+        largest = ((trainer.float() - engine.float()).abs() * mask).max() if mask.numel() else mask.sum()
+        return torch.stack([k3.sum(), mask.sum(), largest])
+
+    @staticmethod
+    def combine(total: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+        """Two :meth:`compare` results as one (sums added, the largest kept)."""
+        return torch.cat([total[:2] + part[:2], torch.maximum(total[2:], part[2:])])
+
+    def decide(self, measured: torch.Tensor, rank: int = 0) -> dict[str, float]:
+        """After a ``"check"`` step: ``measured``, this rank's :meth:`compare` totals, reduced over
+        ranks (collectives when a process group is up, so every rank decides alike); the mismatch KL
+        against ``max_kl`` decides; printed on rank 0. Returns ``{"actor/old_logprob_mismatch_kl",
+        "actor/old_logprob_max_diff"}``."""
+        sums, largest = measured[:2].clone(), measured[2:].clone()
         if dist.is_initialized():
-            dist.all_reduce(max_diff, op=dist.ReduceOp.MAX)
-        value = float(max_diff)
-        self.match = value <= self.tolerance
+            dist.all_reduce(sums)
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        kl = float(sums[0] / sums[1].clamp(min=1))
+        self.match = kl <= self.max_kl
         if rank == 0:
             verdict = "uses them from now on" if self.match else "keeps recomputing"
             print(
-                f"actor.old_logprobs=auto: the engine's log-probs differ from the trainer's by at most "
-                f"{value:.2e} (tolerance {self.tolerance:g}): the trainer {verdict}",
+                f"actor.old_logprobs=auto: the engine's log-probs are within a mismatch KL of {kl:.2e} of the "
+                f"trainer's (largest difference {float(largest):.2e}; bound {self.max_kl:g}): the trainer {verdict}",
                 flush=True,
             )
-        return {"actor/old_logprob_max_diff": value}
+        return {"actor/old_logprob_mismatch_kl": kl, "actor/old_logprob_max_diff": float(largest)}

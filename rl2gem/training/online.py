@@ -84,7 +84,7 @@ class OnlineTrainer(Trainer):
         self.step, self.loop, self.reward_model = 0, asyncio.new_event_loop(), None
         a = c.actor
         self.old_logprobs = OldLogprobs(
-            a.old_logprobs, a.old_logprobs_tolerance, a.update_per_rollout, a.minibatches_per_update
+            a.old_logprobs, a.old_logprobs_max_kl, a.update_per_rollout, a.minibatches_per_update
         )
         self.old_from_rollout = False  # this step's old log-probs are the engine's
         if c.reward.model:  # every rank scores its own episodes with a full copy

@@ -400,9 +400,9 @@ def test_gae_critic_run_with_kl_in_reward(tiny_dir, tmp_path, capsys):
 
 
 def test_on_policy_steps_use_the_rollout_logprobs_and_equal_recomputing_them(tiny_dir, tmp_path, capsys):
-    """actor.old_logprobs=auto recomputes in step 1, finds the engine's log-probs within tolerance
-    of the trainer's, and from step 2 on skips the forward: its steps equal a run that always
-    recomputes (a tolerance nothing meets, which keeps auto recomputing, is
+    """actor.old_logprobs=auto recomputes in step 1, finds the engine's log-probs within the
+    mismatch-KL bound of the trainer's, and from step 2 on skips the forward: its steps equal a run that always
+    recomputes (a bound nothing meets, which keeps auto recomputing, is
     tests/training/test_online_parts.py's). The rollout choice is refused where the update is not
     exactly on-policy."""
     runs = {}
@@ -426,8 +426,9 @@ def test_on_policy_steps_use_the_rollout_logprobs_and_equal_recomputing_them(tin
     auto, recompute = runs["auto"], runs["recompute"]
     assert [auto[s]["actor/old_logprobs_from_rollout"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
     assert 0.0 <= auto[1]["actor/old_logprob_max_diff"] <= 1e-3  # the engine's log-probs are the trainer's
+    assert 0.0 <= auto[1]["actor/old_logprob_mismatch_kl"] <= 1e-6
     assert all(recompute[s]["actor/old_logprobs_from_rollout"] == 0.0 for s in (1, 2, 3))
-    assert "actor/old_logprob_max_diff" not in recompute[1]
+    assert "actor/old_logprob_max_diff" not in recompute[1] and "actor/old_logprob_mismatch_kl" not in recompute[1]
     # rollout/reward is the transformed reward trained on; the random model's env reward is kept apart
     assert auto[1]["rollout/env_reward"] == 0.0 < auto[1]["rollout/reward"]
     for step in (1, 2):  # same samples (same weights after step 1), the same update

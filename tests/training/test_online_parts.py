@@ -1,6 +1,7 @@
 """The pieces of the online trainer base: the old log-probs' source step by step, rewards shaped
 into the ones trained on (and their statistics recomputed), the PPO config's checks."""
 
+import math
 import statistics
 from types import SimpleNamespace
 
@@ -27,17 +28,32 @@ def sample(versions, mask):
 def test_the_old_logprobs_come_from_the_engine_only_when_exactly_on_policy_and_checked():
     on_policy = [sample([0, 0, 3, 3], [0, 0, 1, 1])]  # prompt tokens carry any version
     stale = [sample([0, 0, 2, 3], [0, 0, 1, 1])]  # one action token of version 2 (partial rollout)
-    auto = OldLogprobs("auto", tolerance=1e-3)
+    auto = OldLogprobs("auto", max_kl=1e-3)
     assert auto.source(on_policy, step=3) == "check" and auto.source(stale, step=3) == "recompute"
-    assert auto.decide(torch.tensor(5e-4)) == {"actor/old_logprob_max_diff": pytest.approx(5e-4)}
+    # bf16-like noise: one token 0.03 nats off, the rest 0.005: the largest difference is far past
+    # 1e-3, the mismatch KL (mean k3 = exp(-d) - 1 + d, about d^2 / 2) is not
+    trainer = torch.zeros(1000)
+    engine = torch.full((1000,), 0.005)
+    engine[7] = -0.03
+    mask = torch.ones(1000)
+    mask[500:] = 0  # prompt tokens are not compared
+    first = OldLogprobs.compare(trainer[:300], engine[:300], mask[:300])
+    rest = OldLogprobs.compare(trainer[300:], engine[300:], mask[300:])
+    measured = OldLogprobs.combine(first, rest)
+    expected_kl = (499 * (math.exp(-0.005) - 1 + 0.005) + (math.exp(0.03) - 1 - 0.03)) / 500
+    assert measured.tolist() == pytest.approx([expected_kl * 500, 500.0, 0.03], rel=1e-4)
+    assert auto.decide(measured) == {
+        "actor/old_logprob_mismatch_kl": pytest.approx(expected_kl, rel=1e-4),
+        "actor/old_logprob_max_diff": pytest.approx(0.03, rel=1e-4),
+    }
     assert auto.match is True and auto.source(on_policy, step=3) == "rollout"
     assert auto.source(stale, step=3) == "recompute"  # never the engine's for older tokens
-    strict = OldLogprobs("auto", tolerance=1e-3)
-    strict.decide(torch.tensor(2e-3))
+    strict = OldLogprobs("auto", max_kl=1e-3)
+    strict.decide(OldLogprobs.compare(trainer[:10], trainer[:10] + 0.1, mask[:10]))  # KL about 5e-3
     assert strict.match is False and strict.source(on_policy, step=3) == "recompute"
     assert OldLogprobs("rollout", 0.0).source(on_policy, step=3) == "rollout"
     assert OldLogprobs("recompute", 1.0).source(on_policy, step=3) == "recompute"
-    resumed = OldLogprobs("auto", tolerance=1e-3)  # a checkpoint keeps the check's outcome
+    resumed = OldLogprobs("auto", max_kl=1e-3)  # a checkpoint keeps the check's outcome
     resumed.load_state_dict(auto.state_dict())
     assert resumed.source(on_policy, step=3) == "rollout"
     resumed.load_state_dict(strict.state_dict())
