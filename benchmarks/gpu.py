@@ -11,6 +11,11 @@ random-initialised Llamas with SmolLM2's tokenizer (``--models``, ``HIDDENxLAYER
    ``mixed`` rows (lengths spread over 200-2000 tokens) and ``long`` rows (all about 1,500 tokens;
    both times ``--scale``, a quarter on CPU).
    The first two steps of each side are warm-up (compilation included) and are not counted.
+   **dpo** and **rm**: the same for ``trainers/dpo.py`` and ``trainers/rm.py`` on preference
+   pairs (each side half a row's length, so a pair is about a row), against plain loops with
+   their losses: DPO's sigmoid loss at beta 0.1 against the frozen initial model (its sequence
+   log-probs computed the first time a pair is seen, as the trainer does), and the
+   Bradley-Terry loss of a zero-initialised scalar head at each sequence's last token.
 2. **ppo**: ``trainers/ppo.py`` seconds per step by phase (rollout, old log-probs, update, weight
    sync) on ``config=arithmetic`` and on ``rl2/GuessTheNumber-v0`` (16 x 4 episodes; ``--ppo-groups``,
    2 on CPU), and what ``actor.old_logprobs=auto`` measured in its first step (the engine's
@@ -22,12 +27,13 @@ random-initialised Llamas with SmolLM2's tokenizer (``--models``, ``HIDDENxLAYER
    step per graph replay (``decode_steps=1``), then without graphs (``decode_graphs=False``); on
    the CPU with the fixed-shape steps, four per round trip, run eagerly.
 
-MFU is ``6 P`` FLOPs per trained token over the peak that :func:`rl2gem.training.metrics.peak_flops_from_config`
+MFU is ``6 P`` FLOPs per trained token (``P``: the parameters a token multiplies, the LM head's
+included and the input embedding's not) over the peak that :func:`rl2gem.training.metrics.peak_flops_from_config`
 prints (the datasheet's for a known GPU; on CPU a matmul measured once in this process), the same
 ``P`` and peak for both sides. Prints Markdown tables with the device, torch and
 transformers versions. Nothing is downloaded; ``--tokenizer`` defaults to the built-in SmolLM2's.
 
-Usage: ``python benchmarks/gpu.py [--models 1024x8,2048x16] [--sections sft,ppo,decode] [--steps 6]``
+Usage: ``python benchmarks/gpu.py [--models 1024x8,2048x16] [--sections sft,dpo,rm,ppo,decode] [--steps 6]``
 """
 
 from __future__ import annotations
@@ -47,12 +53,13 @@ import transformers
 from rl2gem.trainers.sft import tokenize
 from trainers_world1 import make_model, run
 
-from rl2gem.data import load_conversations
+from rl2gem.data import load_conversations, load_preferences
 from rl2gem.models import resolve_model
 from rl2gem.rollout.engines.embedded import EmbeddedEngine
 from rl2gem.rollout.tito import ChatRenderer
 from rl2gem.training.metrics import peak_flops_from_config
 from rl2gem.training.offline import epoch_batch
+from rl2gem.training.pairs import tokenize_pairs
 
 WORDS = [
     "the",
@@ -93,68 +100,163 @@ BATCH = 16  # rows per optimizer step
 FAILED: list[str] = []  # the runs that failed (main exits non-zero)
 
 
-def make_rows(folder: Path, kind: str, scale: float = 1.0, count: int = 64) -> Path:
+def make_rows(folder: Path, kind: str, scale: float = 1.0, count: int = 64, pairs: bool = False) -> Path:
     """``count`` conversations whose rendered length is about ``200..2000`` tokens (``mixed``) or
-    about 1,500 (``long``), times ``scale``, as JSONL."""
+    about 1,500 (``long``), times ``scale``, as JSONL; ``pairs``: preference pairs instead, each
+    side (chosen, rejected: two different texts) half that long, so a pair is about a row."""
     rng = random.Random(0)
     rows = []
+
+    def text(target: float) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(max(8, int(target / 1.05) - 30)))
+
     for _ in range(count):
         target = scale * (rng.randint(200, 2000) if kind == "mixed" else rng.randint(1450, 1550))
-        words = max(8, int(target / 1.05) - 30)
-        text = " ".join(rng.choice(WORDS) for _ in range(words))
-        rows.append({"prompt": "Continue the text.", "response": text})
-    path = folder / f"{kind}.jsonl"
+        if pairs:
+            rows.append({"prompt": "Continue the text.", "chosen": text(target / 2), "rejected": text(target / 2)})
+        else:
+            rows.append({"prompt": "Continue the text.", "response": text(target)})
+    path = folder / f"{kind}{'-pairs' if pairs else ''}.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
-def plain_loop(model_dir: Path, data: Path, steps: int, peak: float) -> dict:
-    """The padded baseline: the trainer's rows (same tokens, same order), one padded batch per
-    step, SDPA, AdamW, the masked token-mean NLL. Returns tokens/s, MFU and the last loss."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def padded(samples, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``samples`` right-padded into one batch: token ids, attention mask and labels (``-100`` off
+    each sample's mask), ``[B, W]`` on ``device``."""
+    width = max(len(s) for s in samples)
+    ids = torch.tensor([s.ids + [0] * (width - len(s)) for s in samples], device=device)
+    labels = [[t if m else -100 for t, m in zip(s.ids, s.mask, strict=True)] for s in samples]
+    labels = torch.tensor([row + [-100] * (width - len(row)) for row in labels], device=device)
+    attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in samples], device=device)
+    return ids, attention, labels
+
+
+def token_nll(model, samples, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token NLL ``[B, W - 1]`` float32 of the masked tokens (0 elsewhere) and the mask."""
+    ids, attention, labels = padded(samples, device)
+    logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits.float()
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:], reduction="none")
+    return nll, labels[:, 1:] != -100
+
+
+def plain_sft(model, batch, device, state) -> torch.Tensor:
+    """The masked token-mean NLL (as ``trainers/sft.py``)."""
+    nll, mask = token_nll(model, batch, device)
+    return nll.sum() / mask.sum()
+
+
+def plain_dpo(model, batch, device, state) -> torch.Tensor:
+    """DPO's sigmoid loss at beta 0.1 against the frozen initial model, whose sequence log-probs
+    are computed the first time a pair is in a batch (as ``trainers/dpo.py``)."""
+    sides = [sample for pair in batch for sample in (pair.chosen, pair.rejected)]
+    missing = [i for i, pair in enumerate(batch) if id(pair) not in state["reference"]]
+    if missing:
+        with torch.no_grad():
+            nll, _ = token_nll(state["frozen"], [sides[j] for i in missing for j in (2 * i, 2 * i + 1)], device)
+        for i, value in zip(missing, (-nll.sum(-1)).view(-1, 2), strict=True):
+            state["reference"][id(batch[i])] = value
+    reference = torch.stack([state["reference"][id(pair)] for pair in batch])  # [P, 2]
+    logps = (-token_nll(model, sides, device)[0].sum(-1)).view(-1, 2)
+    margin = (logps[:, 0] - reference[:, 0]) - (logps[:, 1] - reference[:, 1])
+    return -torch.nn.functional.logsigmoid(0.1 * margin).mean()
+
+
+def plain_rm(model, batch, device, state) -> torch.Tensor:
+    """The Bradley-Terry loss of a bias-free scalar head (zero at start) on the backbone's last
+    hidden state at each sequence's last token that is not the pad token (transformers' sequence
+    classifier pooling, as ``trainers/rm.py``)."""
+    sides = [sample for pair in batch for sample in (pair.chosen, pair.rejected)]
+    ids, attention, _ = padded(sides, device)
+    hidden = model.model(input_ids=ids, attention_mask=attention, use_cache=False).last_hidden_state
+    pad = model.config.pad_token_id
+    last = [max(i for i, token in enumerate(s.ids) if token != pad) for s in sides]
+    last = torch.tensor(last, device=device)
+    scores = model.score(hidden[torch.arange(len(sides), device=device), last]).float().view(-1, 2)
+    return -torch.nn.functional.logsigmoid(scores[:, 0] - scores[:, 1]).mean()
+
+
+PLAIN = {"sft": plain_sft, "dpo": plain_dpo, "rm": plain_rm}
+LOSS_KEY = {"sft": "train/loss", "dpo": "train/loss", "rm": "rm/loss"}
+
+
+def plain_items(trainer: str, tokenizer, data: Path) -> list:
+    """The trainer's items from ``data`` through its own tokenisation."""
+    renderer = ChatRenderer(tokenizer)
+    if trainer == "sft":
+        return tokenize(renderer, load_conversations(str(data), "train"), 2048)
+    return tokenize_pairs(renderer, load_preferences(str(data), "train"), 2048)
+
+
+def plain_model(trainer: str, model_dir: Path, device: torch.device, dtype: torch.dtype):
+    """The model a plain loop trains (and its frozen reference for DPO): SDPA attention."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    options = {"dtype": dtype, "attn_implementation": "sdpa"}
+    if trainer == "rm":
+        model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, **options).to(device)
+        torch.nn.init.zeros_(model.score.weight)
+        return model, {}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **options).to(device)
+    if trainer == "dpo":
+        frozen = AutoModelForCausalLM.from_pretrained(model_dir, **options).to(device).eval().requires_grad_(False)
+        return model, {"frozen": frozen, "reference": {}}
+    return model, {}
+
+
+def matmul_parameters(model) -> int:
+    """The parameters a token multiplies: all but the input embedding (a lookup), the LM head
+    counted even when tied to it (a reward model has none)."""
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight.data_ptr() == embedding.data_ptr()
+    return sum(p.numel() for p in model.parameters()) - embedding.numel() + (head.weight.numel() if tied else 0)
+
+
+def plain_loop(trainer: str, model_dir: Path, data: Path, steps: int, peak: float) -> dict:
+    """The padded baseline of ``trainer`` (sft, dpo or rm): the trainer's items (same tokens, same
+    order), one padded batch per step, SDPA, AdamW, the trainer's loss. Returns trained tokens/s,
+    MFU and the last loss."""
+    from transformers import AutoTokenizer
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    samples = tokenize(ChatRenderer(tokenizer), load_conversations(str(data), "train"), 2048)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(device)
+    items = plain_items(trainer, AutoTokenizer.from_pretrained(model_dir), data)
+    model, state = plain_model(trainer, model_dir, device, dtype)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)  # as actor.weight_decay
-    parameters = sum(p.numel() for p in model.parameters())
+    parameters = matmul_parameters(model)
     times, tokens, loss = [], [], None
     for step in range(steps):
-        batch = [samples[i] for i in epoch_batch(len(samples), BATCH, 0, step)]
-        width = max(len(s) for s in batch)
-        ids = torch.tensor([s.ids + [0] * (width - len(s)) for s in batch], device=device)
-        labels = [[t if m else -100 for t, m in zip(s.ids, s.mask, strict=True)] for s in batch]
-        labels = torch.tensor([row + [-100] * (width - len(row)) for row in labels], device=device)
-        attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in batch], device=device)
+        batch = [items[i] for i in epoch_batch(len(items), BATCH, 0, step)]
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits.float()
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        loss = PLAIN[trainer](model, batch, device, state)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss = float(loss.detach())  # synchronises
         times.append(time.perf_counter() - start)
-        tokens.append(sum(len(s) for s in batch))
+        tokens.append(sum(len(item) for item in batch))
     counted = slice(2, None) if steps > 2 else slice(None)
     rate = sum(tokens[counted]) / sum(times[counted])
-    del model, optimizer
+    del model, optimizer, state
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"tokens_per_s": rate, "mfu": 6 * parameters * rate / peak, "loss": loss, "parameters": parameters}
 
 
-def sft_section(model_dir: Path, tmp: Path, steps: int, ours: list[str], peak: float, scale: float) -> None:
-    print("| rows | side | tokens/s | MFU | vs plain loop | last loss |")
+def offline_section(
+    trainer: str, model_dir: Path, tmp: Path, steps: int, ours: list[str], peak: float, scale: float
+) -> None:
+    """``trainers/<trainer>.py`` (sft, dpo or rm) against its plain padded loop on mixed and long rows."""
+    print(f"| {trainer} rows | side | tokens/s | MFU | vs plain loop | last loss |")
     print("|---|---|---:|---:|---:|---:|")
     for kind in ("mixed", "long"):
-        data = make_rows(tmp, kind, scale)
-        baseline = plain_loop(model_dir, data, steps, peak)
+        data = make_rows(tmp, kind, scale, pairs=trainer != "sft")
+        baseline = plain_loop(trainer, model_dir, data, steps, peak)
         print(
             f"| {kind} | plain padded loop | {baseline['tokens_per_s']:.0f} | {baseline['mfu']:.1%} | 1.00x |"
             f" {baseline['loss']:.6g} |",
@@ -162,7 +264,7 @@ def sft_section(model_dir: Path, tmp: Path, steps: int, ours: list[str], peak: f
         )
         for index, variant in enumerate(ours):
             args = [
-                "trainers/sft.py",
+                f"trainers/{trainer}.py",
                 f"actor.model={model_dir}",
                 f"data.train={data}",
                 f"data.batch_size={BATCH}",
@@ -172,19 +274,21 @@ def sft_section(model_dir: Path, tmp: Path, steps: int, ours: list[str], peak: f
                 f"trainer.total_steps={steps}",
                 *variant.split(),
             ]
-            out = tmp / f"sft-{kind}-{index}"
-            result = run("sft", args, out)
+            out = tmp / f"{trainer}-{kind}-{index}"
+            result = run(trainer, args, out)
             if "error" in result:
-                FAILED.append(f"sft {kind} {variant}")
-                print(f"| {kind} | rl2gem {variant or 'defaults'} | failed: {result['error'][-200:]!r} | | | |")
+                FAILED.append(f"{trainer} {kind} {variant}")
+                print(
+                    f"| {kind} | rl2gem {trainer} {variant or 'defaults'} | failed: {result['error'][-200:]!r} | | | |"
+                )
                 continue
             rows = [json.loads(line) for line in (out / "metrics.jsonl").open()]
             counted = [r for r in rows if "perf/tokens_per_second" in r][2:] or rows
             rate = statistics.median(r["perf/tokens_per_second"] for r in counted)
             mfu = 6 * baseline["parameters"] * rate / peak  # the same model and peak as the plain loop's
-            loss = counted[-1].get("train/loss", float("nan"))
+            loss = counted[-1].get(LOSS_KEY[trainer], float("nan"))
             print(
-                f"| {kind} | rl2gem sft {variant or 'defaults'} | {rate:.0f} | {mfu:.1%} |"
+                f"| {kind} | rl2gem {trainer} {variant or 'defaults'} | {rate:.0f} | {mfu:.1%} |"
                 f" {rate / baseline['tokens_per_s']:.2f}x | {loss:.6g} |",
                 flush=True,
             )
@@ -328,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--models", default="1024x8,2048x16" if cuda else "256x2", help="HIDDENxLAYERS, comma-separated"
     )
-    parser.add_argument("--sections", default="sft,ppo,decode")
+    parser.add_argument("--sections", default="sft,dpo,rm,ppo,decode")
     parser.add_argument("--steps", type=int, default=6 if cuda else 4)
     parser.add_argument(
         "--ours",
@@ -357,13 +461,14 @@ def main(argv: list[str] | None = None) -> int:
             make_model(model_dir, tokenizer, hidden, layers)
             size = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_pretrained(model_dir).parameters())
             print(f"\n## Llama {hidden} x {layers} ({size / 1e6:.1f}M parameters)\n", flush=True)
-            if "sft" in sections:
-                sft_section(model_dir, tmp, args.steps, args.ours.split(";"), peak, args.scale)
+            for trainer in ("sft", "dpo", "rm"):
+                if trainer in sections:
+                    offline_section(trainer, model_dir, tmp, args.steps, args.ours.split(";"), peak, args.scale)
+                    print()
             if "ppo" in sections:
-                print()
                 ppo_section(model_dir, tmp, max(3, args.steps // 2), args.ppo_groups)
-            if "decode" in sections:
                 print()
+            if "decode" in sections:
                 decode_section(model_dir, [int(n) for n in args.rows.split(",")], args.new_tokens)
     if FAILED:
         print(f"\nfailed: {'; '.join(FAILED)}")

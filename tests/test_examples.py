@@ -414,21 +414,25 @@ def test_proof_tables_read_runs(tmp_path):
 # slow: make bench runs the script in full
 @pytest.mark.slow
 def test_gpu_benchmark_smoke(tiny_dir):
-    """benchmarks/gpu.py end to end on the CPU fallback (a tiny model, short rows): the trainer's SFT
-    data path and the plain padded loop train the same rows to the same loss, and the decode table
-    is printed (the GPU's numbers are in RESULTS.md)."""
+    """benchmarks/gpu.py end to end on the CPU fallback (a tiny model, short rows): the SFT, DPO and
+    RM trainers' data paths and their plain padded loops train the same rows to the same loss,
+    and the decode table is printed (the GPU's numbers are in RESULTS.md)."""
     stdout = run(
         "benchmarks/gpu.py",
-        "--models", "64x2", "--sections", "sft,decode", "--steps", "3", "--scale", "0.05",
+        "--models", "64x2", "--sections", "sft,dpo,rm,decode", "--steps", "3", "--scale", "0.05",
         "--rows", "4", "--new-tokens", "4", "--tokenizer", str(tiny_dir),
-        timeout=600,
+        timeout=900,
     )  # fmt: skip
     assert "MFU peak:" in stdout and "Llama 64 x 2" in stdout, stdout
-    for kind in ("mixed", "long"):
-        rows = [line.split("|") for line in stdout.splitlines() if line.startswith(f"| {kind} |")]
-        assert len(rows) == 2 and "plain padded loop" in rows[0][2] and "rl2gem sft" in rows[1][2], stdout
-        plain, ours = float(rows[0][6]), float(rows[1][6])  # the last step's loss, before its update
-        assert abs(plain - ours) <= 1e-3 * abs(plain), stdout
-    decode = [line for line in stdout.splitlines() if line.startswith("| 4 |")]
+    lines = stdout.splitlines()
+    for trainer in ("sft", "dpo", "rm"):
+        start = lines.index(f"| {trainer} rows | side | tokens/s | MFU | vs plain loop | last loss |")
+        table = [line.split("|") for line in lines[start + 2 : start + 6]]
+        for kind, plain, ours in ((table[0][1], table[0], table[1]), (table[2][1], table[2], table[3])):
+            assert kind.strip() in ("mixed", "long") and ours[1] == kind, stdout
+            assert "plain padded loop" in plain[2] and f"rl2gem {trainer}" in ours[2], stdout
+            plain_loss, our_loss = float(plain[6]), float(ours[6])  # the last step's loss, before its update
+            assert abs(plain_loss - our_loss) <= 1e-3 * abs(plain_loss), stdout
+    decode = [line for line in lines if line.startswith("| 4 |")]
     assert len(decode) == 3 and all(float(line.split("|")[3]) > 0 for line in decode[1:]), stdout
     assert "decode_steps=4" in decode[2], stdout
