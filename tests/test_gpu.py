@@ -94,6 +94,27 @@ def test_compiled_layers_give_the_eager_logprobs():
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
+def test_weights_sync_device_to_device():
+    """One rank's weight sync on CUDA: the full state dict stays on the GPU, holds the model's
+    values in memory of its own (the next optimizer step does not change it), and an engine on
+    another copy of the model takes them in place."""
+    from rl2gem.parallel.fsdp import full_state_dict
+    from rl2gem.rollout.engines.embedded import EmbeddedEngine
+
+    model = tiny_model().to(CUDA)
+    state = full_state_dict(model, CUDA)
+    for name, tensor in model.state_dict().items():
+        assert state[name].device.type == "cuda" and torch.equal(state[name], tensor)
+        assert state[name].untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()
+    other = tiny_model()
+    torch.nn.init.normal_(other.model.embed_tokens.weight)
+    engine = EmbeddedEngine(other.to(CUDA), None)
+    asyncio.run(engine.update_weights(state, version=1))
+    asyncio.run(engine.close())
+    for name, tensor in engine.model.state_dict().items():
+        assert torch.equal(tensor, state[name]), name
+
+
 def test_engine_greedy_equals_model_generate():
     """The embedded engine's greedy tokens on CUDA (fp32) equal ``model.generate``'s."""
     from rl2gem.rollout.engines.embedded import EmbeddedEngine

@@ -158,11 +158,12 @@ class Worker:
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
-    def full_state_dict(self, merged: bool = True) -> dict[str, torch.Tensor]:
-        """Full CPU tensors on every rank (a collective: call on all ranks). With LoRA and
-        ``merged``, the base model's names with the adapters merged in (what a rollout engine and
-        the Hugging Face export take); ``merged=False``: the adapted model's own names."""
-        state = full_state_dict(self.model)
+    def full_state_dict(self, merged: bool = True, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """Full tensors on ``device`` (default the CPU) on every rank (a collective: call on all
+        ranks). With LoRA and ``merged``, the base model's names with the adapters merged in (what
+        a rollout engine and the Hugging Face export take); ``merged=False``: the adapted model's
+        own names."""
+        state = full_state_dict(self.model, device)
         return lora.merged_state_dict(state, self.lora) if merged and self.lora is not None else state
 
     # ------------------------------------------------------------------ checkpoints
