@@ -12,6 +12,7 @@ from test_lean_decoder import build, new_store
 
 from rl2gem.rollout import EmbeddedEngine
 from rl2gem.rollout.engines.cuda_graphs import DecodeGraphs, row_bucket
+from rl2gem.rollout.engines.embedded import _KVStore
 from rl2gem.rollout.engines.lean_decoder import LeanDecoder
 
 
@@ -161,3 +162,26 @@ def test_a_step_that_cannot_be_captured_falls_back_to_the_windowed_decode(tokeni
         got, engine = asyncio.run(run(True))
     assert got == expected
     assert engine._graphs is None and engine.stats["decode_graphs_failed"] == 1
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("steps", [0, 3])
+def test_the_captured_steps_read_no_host_data(kind, steps):
+    """What a CUDA graph captures must not read device data on the host (a synchronisation, which
+    capture refuses) nor take a shape from it: on the meta device, which has no data, any such read
+    raises. Both steps run there: the logits step (0) and three decode steps with their sampling."""
+    model = build(kind).to("meta")
+    decoder = LeanDecoder(model)
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    store = _KVStore(config.num_hidden_layers, config.num_key_value_heads, head_dim, torch.float32, "meta")
+    store.reserve(8, 0, 32)
+    store.slots, store.lo, store.hi = 5, 0, 10
+    step = DecodeGraphs(decoder, capture=False)._build(store, 8, steps)
+    outputs = step.run()
+    assert all(t.device.type == "meta" for t in outputs)
+    if steps:
+        tokens, logprobs = outputs
+        assert tokens.shape == logprobs.shape == (steps, 8) and tokens.dtype == torch.long
+    else:
+        assert outputs[0].shape == (8, config.vocab_size)
