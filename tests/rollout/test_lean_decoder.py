@@ -106,6 +106,58 @@ def test_prefill_and_decode_logits_equal_the_full_forward(kind):
     torch.testing.assert_close(logits[0], reference[row][width - 1], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("scores", [1, 1 << 26])  # one request per group; groups as planned
+@torch.no_grad()
+def test_one_prefill_of_requests_with_and_without_cached_prefixes_equals_the_full_forward(scores):
+    """Six requests in one prefill call, three extending a cached prefix (one with a masked hole
+    between its prefix and its new tokens), of 1 to 19 new tokens: each request's logits after its
+    last token, and the keys it wrote, equal the full forward of its whole sequence."""
+    model = build("llama")
+    decoder = LeanDecoder(model, prefill_scores=scores, prefill_padding=2.0)
+    generator = torch.Generator().manual_seed(4)
+    lengths = [12, 25, 7, 19, 30, 9]
+    cached = [0, 10, 0, 18, 11, 0]  # tokens already in the store
+    sequences = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in lengths]
+    end, store = 40, new_store(model, 6, 64)
+    for row, (sequence, n, c) in enumerate(zip(sequences, lengths, cached, strict=True)):
+        new = n - c
+        if c:  # the prefix's keys and values from a forward of the prefix alone, one column of hole for row 4
+            hole = 1 if row == 4 else 0
+            start = end - new - hole - c
+            prefix = new_store(model, 1, 64)
+            prefix.mask[0, :c] = True
+            decoder.prefill(prefix, [(0, sequence[:c], 0)], c)
+            for layer in range(model.config.num_hidden_layers):
+                store.keys[layer][row, :, start : start + c] = prefix.keys[layer][0, :, :c]
+                store.values[layer][row, :, start : start + c] = prefix.values[layer][0, :, :c]
+            store.mask[row, start : start + c] = True
+        store.mask[row, end - new : end] = True
+    requests = [(row, s[c:], c) for row, (s, c) in enumerate(zip(sequences, cached, strict=True))]
+    logits = decoder.prefill(store, requests, end)
+    for row, sequence in enumerate(sequences):
+        reference = model(input_ids=torch.tensor([sequence]), use_cache=True)
+        torch.testing.assert_close(logits[row], reference.logits[0, -1], atol=1e-4, rtol=1e-4)
+        new = lengths[row] - cached[row]
+        keys = reference.past_key_values.layers[0].keys[0, :, -new:]  # [kv_heads, new, d]
+        torch.testing.assert_close(store.keys[0][row, :, end - new : end], keys, atol=1e-4, rtol=1e-4)
+    queries = [n - c for n, c in zip(lengths, cached, strict=True)]
+    widths = [n + (row == 4) for row, n in enumerate(lengths)]  # row 4 also reads its hole
+    expected = [[i] for i in (4, 1, 0, 5, 2, 3)] if scores == 1 else [[4, 1, 0, 5], [2], [3]]
+    assert decoder.plan_prefill_groups(queries, widths) == expected
+
+
+def test_plan_prefill_groups_by_hand():
+    assert LeanDecoder(build("llama")).prefill_padding == 1.0  # on the CPU: equal lengths only
+    decoder = LeanDecoder(build("llama"), prefill_padding=2.0)  # 4 heads
+    # longest first; a request joins while the padded scores stay within twice the group's own
+    assert decoder.plan_prefill_groups([3, 4, 20, 22], [3, 4, 20, 22]) == [[3, 2, 1], [0]]
+    assert decoder.plan_prefill_groups([5, 5, 5], [50, 48, 60]) == [[2, 0, 1]]
+    exact = LeanDecoder(build("llama"), prefill_padding=1.0)
+    assert exact.plan_prefill_groups([5, 5, 3, 5], [9, 9, 3, 8]) == [[0, 1], [3], [2]]  # no padding at all
+    decoder.prefill_scores = 4 * 2 * 5 * 60  # room for two of them
+    assert decoder.plan_prefill_groups([5, 5, 5], [50, 48, 60]) == [[2, 0], [1]]
+
+
 def test_plan_chunks_by_hand():
     decoder = LeanDecoder(build("llama"), chunk_rows=2)
     assert decoder.plan_chunks([30, 29, 5, 4]) == [(0, 2, 30), (2, 4, 5)]  # 70 columns read instead of 120

@@ -739,6 +739,12 @@ class EmbeddedEngine(Engine):
             for row, stem in enumerate(stems):
                 self._keep_kv(tuple(stem), self._prefill_store, row)
             hits = [self._lookup_prefix(request.input_ids) for request in take]
+        # rows in the order the lean prefill groups them (most new tokens first), so each group's
+        # rows are consecutive and its attention reads a view of the store
+        order = sorted(range(len(take)), key=lambda j: (hits[j][0] - len(take[j].input_ids), -len(take[j].input_ids)))
+        take, hits = [take[j] for j in order], [hits[j] for j in order]
+        position = {old: new for new, old in enumerate(order)}
+        row_of = {index: position[row] for index, row in row_of.items()}
         cached = [hit[0] for hit in hits]
         width, logits = self._prefill_rows([request.input_ids for request in take], hits)
         prefilled = self._prefill_store

@@ -19,7 +19,10 @@ embedding, so weight updates in place and biases are picked up) with three chang
 * **LM head in vocabulary slices** of ``vocab_chunk`` rows.
 
 Packed prefill is also lean: one ``[tokens, hidden]`` matrix without padding goes through the
-linear layers; attention runs per request over its cached prefix and its new tokens.
+linear layers; attention runs per group of requests (similar lengths, padded to the group's
+longest: one batched call per group and layer instead of one per request, which on a GPU was a
+few thousand Python-launched kernels for a 64-row turn), each request over its cached prefix and
+its new tokens.
 
 Supported: ``model_type`` in :data:`SUPPORTED_MODEL_TYPES` with full (not sliding-window)
 attention; :func:`unsupported_reason` says why another model takes the transformers path.
@@ -80,9 +83,22 @@ class LeanDecoder:
         model: a transformers ``LlamaForCausalLM``-shaped model (see :func:`unsupported_reason`).
         chunk_rows: rows per attention chunk in a decode step.
         vocab_chunk: rows of the LM head multiplied at once.
+        prefill_scores: most attention scores (elements) of one batched prefill group.
+        prefill_padding: how many times its requests' own attention scores a prefill group may
+            compute once padded; ``None``: 2 on CUDA (a launch costs more than the padding), 1 on
+            the CPU (only requests of equal lengths share a call: padding's large temporaries
+            cost more there than the calls they save, measured on the 2-core machine).
     """
 
-    def __init__(self, model, *, chunk_rows: int = 16, vocab_chunk: int = 2048):
+    def __init__(
+        self,
+        model,
+        *,
+        chunk_rows: int = 16,
+        vocab_chunk: int = 2048,
+        prefill_scores: int = 1 << 26,
+        prefill_padding: float | None = None,
+    ):
         self.model = model
         config = model.config
         self.num_heads = int(config.num_attention_heads)
@@ -91,6 +107,10 @@ class LeanDecoder:
         self.group = self.num_heads // self.kv_heads
         self.chunk_rows = int(chunk_rows)
         self.vocab_chunk = int(vocab_chunk)
+        self.prefill_scores = int(prefill_scores)
+        if prefill_padding is None:
+            prefill_padding = 2.0 if next(model.parameters()).device.type == "cuda" else 1.0
+        self.prefill_padding = float(prefill_padding)
 
     # ------------------------------------------------------------------ shared pieces
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -240,9 +260,32 @@ class LeanDecoder:
         return self._logits(inner.norm(hidden))
 
     # ------------------------------------------------------------------ prefill
+    def plan_prefill_groups(self, queries: list[int], widths: list[int]) -> list[list[int]]:
+        """Requests attended together in a prefill: ``queries[i]`` new tokens of request ``i``
+        reading ``widths[i]`` columns (its cached prefix and its new tokens) -> groups of request
+        indices. A group is padded to its most queries and widest columns, so requests join one
+        (longest first) only while the padded scores stay within ``prefill_padding`` times the
+        group's own and within ``prefill_scores`` elements (2**26: 256 MB in float32)."""
+        order = sorted(range(len(queries)), key=lambda i: (-queries[i], -widths[i]))
+        groups: list[list[int]] = []
+        for index in order:
+            if groups:
+                group = groups[-1] + [index]
+                most_queries = max(queries[i] for i in group)
+                widest = max(widths[i] for i in group)
+                padded = len(group) * most_queries * widest
+                own = sum(queries[i] * widths[i] for i in group)
+                if padded <= self.prefill_padding * own and padded * self.num_heads <= self.prefill_scores:
+                    groups[-1] = group
+                    continue
+            groups.append([index])
+        return groups
+
     @torch.no_grad()
     def prefill(self, store, rows: list[tuple[int, list[int], int]], end: int) -> torch.Tensor:
-        """Extend rows of ``store`` with new tokens in one packed forward (no padding).
+        """Extend rows of ``store`` with new tokens in one packed forward (no padding through the
+        linear layers); attention per group of requests (:meth:`plan_prefill_groups`), each a
+        batched call over the group's queries padded to its longest.
 
         Args:
             store: a KV store; row ``r`` of a request with ``q`` new tokens gets them at columns
@@ -256,39 +299,65 @@ class LeanDecoder:
         """
         inner = self.model.model
         device = store.mask.device
+        queries = [len(ids) for _, ids, _ in rows]
+        offsets = [0]
+        for count in queries:
+            offsets.append(offsets[-1] + count)
         tokens = torch.tensor([t for _, ids, _ in rows for t in ids], dtype=torch.long, device=device)
         positions = torch.cat([torch.arange(p, p + len(ids)) for _, ids, p in rows]).to(device)
+        store_rows = torch.tensor([row for row, _, _ in rows], device=device)
+        # each request's first column: its cached prefix's first, else its first new one
+        masked = store.mask[store_rows, :end]
+        firsts = torch.where(masked.any(-1), masked.float().argmax(-1), end).tolist()
+        firsts = [min(first, end - q) for first, q in zip(firsts, queries, strict=True)]
+        # the new keys and values of every token go to (row, column) in one write per layer
+        token_rows = torch.repeat_interleave(store_rows, torch.tensor(queries, device=device))
+        token_columns = torch.cat([torch.arange(end - q, end) for q in queries]).to(device)
+        groups = [
+            self._prefill_group(store, [rows[i][0] for i in group], [queries[i] for i in group],
+                                [offsets[i] for i in group], min(firsts[i] for i in group), end)
+            for group in self.plan_prefill_groups(queries, [end - first for first in firsts])
+        ]  # fmt: skip
         hidden, cos, sin = self._embed(tokens, positions)  # [T, H], [T, 1, d]
-        # per request: the columns it reads and its additive mask [1, q, w], built once for all layers
-        segments = []
-        offset = 0
-        for row, ids, _ in rows:
-            q = len(ids)
-            new = end - q
-            cached = store.mask[row, :new]
-            first = int(cached.float().argmax()) if bool(cached.any()) else new
-            bias = torch.zeros(1, q, end - first, dtype=torch.float32, device=device)
-            bias[0, :, : new - first].masked_fill_(~store.mask[row, first:new], float("-inf"))
-            causal = torch.ones(q, q, dtype=torch.bool, device=device).triu_(1)
-            bias[0, :, new - first :].masked_fill_(causal, float("-inf"))
-            segments.append((row, offset, q, first, bias))
-            offset += q
         for index, layer in enumerate(inner.layers):
             attention = layer.self_attn
             query, key, value = self._project(attention, layer.input_layernorm(hidden), cos, sin)
             keys, values = store.keys[index], store.values[index]
-            parts = []
-            for row, start, q, first, bias in segments:
-                keys[row, :, end - q : end] = key[start : start + q].transpose(0, 1)
-                values[row, :, end - q : end] = value[start : start + q].transpose(0, 1)
-                attended = self._attend(
-                    query[None, start : start + q],
-                    keys[row : row + 1, :, first:end],
-                    values[row : row + 1, :, first:end],
+            keys[token_rows, :, token_columns] = key
+            values[token_rows, :, token_columns] = value
+            attended = torch.empty(hidden.shape[0], self.num_heads * self.head_dim, dtype=query.dtype, device=device)
+            for group_rows, gather, scatter, first, bias in groups:
+                out = self._attend(
+                    query[gather],  # [g, q, heads, d]: padding slots read token 0, their output is dropped
+                    keys[group_rows, :, first:end],  # a view when the group's rows are consecutive
+                    values[group_rows, :, first:end],
                     bias,
                     attention.scaling,
                 )
-                parts.append(attended[0])
-            hidden = self._residual(layer, hidden, torch.cat(parts))
-        last = torch.tensor([start + q - 1 for _, start, q, _, _ in segments], device=device)
+                attended[scatter[1]] = out.flatten(0, 1)[scatter[0]]
+            hidden = self._residual(layer, hidden, attended)
+        last = torch.tensor([offset - 1 for offset in offsets[1:]], device=device)
         return self._logits(inner.norm(hidden[last]))
+
+    @staticmethod
+    def _prefill_group(store, group_rows: list[int], queries: list[int], offsets: list[int], first: int, end: int):
+        """One group's index tensors and additive mask, built once for all layers: its store rows
+        (a slice when consecutive: the engine orders its prefill rows as groups are planned), where each padded query slot reads its token (``[g, most]``), which slots hold real tokens
+        and where they go in the packed output, and ``bias`` ``[g, most, end - first]``. Queries
+        are right-aligned at ``end``: slot ``j`` is column ``end - most + j``."""
+        device = store.mask.device
+        most = max(queries)
+        slots = torch.arange(most, device=device)
+        count = torch.tensor(queries, device=device)[:, None]
+        real = slots[None] >= most - count  # [g, most]
+        gather = torch.tensor(offsets, device=device)[:, None] + slots[None] - (most - count)
+        gather = torch.where(real, gather, 0)
+        consecutive = group_rows == list(range(group_rows[0], group_rows[0] + len(group_rows)))
+        rows = slice(group_rows[0], group_rows[-1] + 1) if consecutive else torch.tensor(group_rows, device=device)
+        columns = torch.arange(first, end, device=device)
+        causal = columns[None] <= (end - most + slots)[:, None]  # [most, width]
+        allowed = store.mask[rows, first:end][:, None] & causal[None]  # [g, most, width]
+        allowed |= ~real[..., None]  # a padding slot reads every column: finite, dropped
+        bias = torch.zeros(allowed.shape, dtype=torch.float32, device=device).masked_fill_(~allowed, float("-inf"))
+        flat = real.flatten().nonzero().flatten()
+        return rows, gather, (flat, gather.flatten()[flat]), first, bias
