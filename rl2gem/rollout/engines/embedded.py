@@ -763,23 +763,27 @@ class EmbeddedEngine(Engine):
         store.reserve(needed_slots, max(0, width - store.window), 1, growth, expected)
         store.lo = min(store.lo, store.hi - width)
         # longest rows first: running rows are older (longer), so slots stay roughly sorted by span
-        # and a decode chunk of neighbouring rows reads few columns its rows do not need
-        spans = [
-            width - int(prefilled.mask[row_of[original[index]], :width].nonzero()[0]) for index in range(len(requests))
-        ]
-        columns = slice(store.hi - width, store.hi)
-        for index in sorted(range(len(requests)), key=lambda index: -spans[index]):
-            request, row, slot = requests[index], row_of[original[index]], store.slots
-            store.slots += 1
+        # and a decode chunk of neighbouring rows reads few columns its rows do not need. The new
+        # rows are consecutive slots, copied in with one indexed copy per layer (not one per row)
+        source_rows = [row_of[original[index]] for index in range(len(requests))]
+        sources = torch.tensor(source_rows, device=self._device)
+        starts = prefilled.mask[sources, :width].float().argmax(-1).tolist()  # each row's first column
+        spans = [width - start for start in starts]
+        order = sorted(range(len(requests)), key=lambda index: -spans[index])
+        sources = sources[torch.tensor(order, device=self._device)]
+        new_slots, columns = slice(store.slots, store.slots + len(requests)), slice(store.hi - width, store.hi)
+        for layer in range(store.num_layers):
+            store.keys[layer][new_slots, :, columns] = prefilled.keys[layer][sources, :, :width]
+            store.values[layer][new_slots, :, columns] = prefilled.values[layer][sources, :, :width]
+        store.mask[new_slots] = False
+        store.mask[new_slots, columns] = prefilled.mask[sources, :width]
+        store.slots += len(requests)
+        for index in order:
+            request = requests[index]
             self._running.append(request)
-            for layer in range(store.num_layers):
-                store.keys[layer][slot, :, columns] = prefilled.keys[layer][row, :, :width]
-                store.values[layer][slot, :, columns] = prefilled.values[layer][row, :, :width]
-            store.mask[slot] = False
-            store.mask[slot, columns] = prefilled.mask[row, :width]
             request.length = len(request.input_ids)
             request.span = spans[index]
-            request.cached = cached[row] if original[index] == index else len(request.input_ids)
+            request.cached = cached[source_rows[index]] if original[index] == index else len(request.input_ids)
         self._append_tokens(list(requests), [tokens.tolist()], [logprobs.tolist()])
 
     def _prefill_rows(self, prompts: list[list[int]], hits: list) -> tuple[int, torch.Tensor]:
