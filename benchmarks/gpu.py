@@ -16,8 +16,8 @@ random-initialised Llamas with SmolLM2's tokenizer (``--models``, ``HIDDENxLAYER
    their losses: DPO's sigmoid loss at beta 0.1 against the frozen initial model (its sequence
    log-probs computed the first time a pair is seen, as the trainer does), and the
    Bradley-Terry loss of a zero-initialised scalar head at each sequence's last token.
-2. **ppo**: ``trainers/ppo.py`` seconds per step by phase (rollout, old log-probs, update, weight
-   sync) on ``config=arithmetic`` and on ``rl2/GuessTheNumber-v0`` (16 x 4 episodes; ``--ppo-groups``,
+2. **ppo**: ``trainers/ppo.py`` seconds per step by phase (rollout, and of it the engine's
+   prefills, decode and graph captures; old log-probs, update, weight sync) on ``config=arithmetic`` and on ``rl2/GuessTheNumber-v0`` (16 x 4 episodes; ``--ppo-groups``,
    2 on CPU), and what ``actor.old_logprobs=auto`` measured in its first step (the engine's
    log-probs against the trainer's: mismatch KL and largest difference) and chose after it.
 3. **decode**: the embedded engine's decode tokens/s at 64 and 256 rows (``--rows``; 128 new tokens
@@ -304,9 +304,13 @@ def ppo_section(model_dir: Path, tmp: Path, steps: int, groups: int) -> None:
             "rollout.max_new_tokens=64",
         ],
     }
-    phases = ("time/rollout", "time/old_logprobs", "time/update", "time/weight_sync", "time/step")
+    phases = (
+        "time/rollout", "engine/time_admit_s", "engine/time_decode_s", "engine/time_capture_s",
+        "time/old_logprobs", "time/update", "time/weight_sync", "time/step",
+    )  # fmt: skip
     print(
-        "| run | " + " | ".join(p.removeprefix("time/") + " s" for p in phases)
+        "| run | rollout s | engine prefill s | engine decode s | graph capture s | old_logprobs s | update s"
+        " | weight_sync s | step s"
         + " | step-1 mismatch KL | largest difference | steps on the engine's log-probs |"
     )  # fmt: skip
     print("|---|" + "---:|" * (len(phases) + 3))
@@ -371,18 +375,24 @@ def static_generate(model, prompts: list[list[int]], pad: int, new: int) -> None
         )
 
 
-def engine_decode(model, tokenizer, prompts: list[list[int]], new: int, **options) -> dict:
+def engine_decode(model, tokenizer, prompts: list[list[int]], new: int, **options) -> tuple[dict, dict, float | None]:
     """The embedded engine (as the rollout uses it; ``options``: its ``decode_graphs`` and
-    ``decode_steps``) on ``prompts``, ``new`` tokens each; its counters."""
+    ``decode_steps``) on ``prompts``, ``new`` tokens each, three times on one engine: a warm-up
+    (its graphs captured), a measured run and a profiled one. Returns the warm-up's and the
+    measured run's counters and the profiled run's GPU-busy share (None off CUDA)."""
+    engine = EmbeddedEngine(model, tokenizer, max_batch_size=len(prompts), **options)
+    params = {"max_new_tokens": new, "temperature": 1.0, "ignore_eos": True}
 
-    async def go():
-        engine = EmbeddedEngine(model, tokenizer, max_batch_size=len(prompts), **options)
-        params = {"max_new_tokens": new, "temperature": 1.0, "ignore_eos": True}
+    async def batch():
         await asyncio.gather(*(engine.generate(p, params) for p in prompts))
-        await engine.close()
-        return engine.stats
 
-    return asyncio.run(go())
+    asyncio.run(batch())
+    warm = dict(engine.stats)
+    asyncio.run(batch())
+    measured = {key: value - warm.get(key, 0) for key, value in engine.stats.items()}
+    busy = busy_fraction(lambda: asyncio.run(batch()))
+    asyncio.run(engine.close())
+    return warm, measured, busy
 
 
 def engine_sides(device: torch.device) -> list[tuple[dict, str]]:
@@ -405,25 +415,28 @@ def decode_section(model_dir: Path, row_counts: list[int], new_tokens: int) -> N
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     pad, rng = tokenizer.pad_token_id, random.Random(0)
-    print("| rows | side | decode tokens/s | vs model.generate | GPU busy |")
-    print("|---:|---|---:|---:|---:|")
+    # the engine's second batch on the same engine (graphs captured by the first: "graphs captured")
+    print("| rows | side | decode tokens/s | vs model.generate | GPU busy | graphs captured |")
+    print("|---:|---|---:|---:|---:|---:|")
     for rows in row_counts:
         prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(32, 96))] for _ in range(rows)]
         static_generate(model, prompts, pad, new_tokens)  # warm
         seconds = timed(lambda p=prompts: static_generate(model, p, pad, new_tokens + 1), device)
         seconds -= timed(lambda p=prompts: static_generate(model, p, pad, 1), device)  # its prefill
         baseline = rows * new_tokens / max(seconds, 1e-9)
-        print(f"| {rows} | model.generate (warm, static batch) | {baseline:.0f} | 1.00x | - |")
+        print(f"| {rows} | model.generate (warm, static batch) | {baseline:.0f} | 1.00x | - | - |")
         for options, name in engine_sides(device):
-            engine_decode(model, tokenizer, prompts, new_tokens, **options)  # warm
-            stats = engine_decode(model, tokenizer, prompts, new_tokens, **options)
+            warm, stats, busy = engine_decode(model, tokenizer, prompts, new_tokens, **options)
             rate = stats["decode_tokens"] / max(stats["time_decode_ms"] / 1000, 1e-9)
-            busy = busy_fraction(lambda p=prompts, o=options: engine_decode(model, tokenizer, p, new_tokens, **o))
+            captured = f"{warm.get('decode_graph_captures', 0)} in {warm.get('time_capture_ms', 0) / 1000:.2f} s"
             busy_text = f"{busy:.0%}" if busy is not None else "-"
-            if stats["decode_graphs_failed"]:
+            if warm.get("decode_graphs_failed") or stats.get("decode_graphs_failed"):
                 name += " (graphs failed: windowed)"
                 FAILED.append(f"decode graphs at {rows} rows")
-            print(f"| {rows} | rl2gem {name} | {rate:.0f} | {rate / baseline:.2f}x | {busy_text} |", flush=True)
+            print(
+                f"| {rows} | rl2gem {name} | {rate:.0f} | {rate / baseline:.2f}x | {busy_text} | {captured} |",
+                flush=True,
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

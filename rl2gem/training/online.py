@@ -16,7 +16,9 @@ leaves SFT, RM and DPO their batch loss.
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch.distributed as dist
@@ -42,6 +44,29 @@ __all__ = ["OnlineTrainer", "TRAINER_ROLLOUT_KEYS"]
 
 #: The keys of a trainer's ``rollout:`` section that are not :class:`rl2gem.rollout.RolloutConfig` fields.
 TRAINER_ROLLOUT_KEYS = ("prompts_per_rollout", "chat_template")
+
+
+#: The embedded engine's counters logged per rollout (``engine/<name>``; times in seconds).
+ENGINE_COUNTERS = (
+    "prefill_forwards", "prefill_tokens", "decode_steps", "decode_rounds", "decode_graph_captures",
+    "time_admit_ms", "time_decode_ms", "time_capture_ms",
+)  # fmt: skip
+
+
+def engine_metrics(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, float]:
+    """What an engine's :attr:`~rl2gem.rollout.engines.embedded.EmbeddedEngine.stats` counted
+    between two snapshots, as ``engine/*`` metrics (``time_*_ms`` become ``engine/time_*_s``);
+    empty for an engine without counters (an HTTP engine)."""
+    if not after:
+        return {}
+    metrics = {}
+    for name in ENGINE_COUNTERS:
+        value = after.get(name, 0) - before.get(name, 0)
+        if name.endswith("_ms"):
+            metrics[f"engine/{name.removesuffix('_ms')}_s"] = value / 1000
+        else:
+            metrics[f"engine/{name}"] = float(value)
+    return metrics
 
 
 class OnlineTrainer(Trainer):
@@ -119,7 +144,9 @@ class OnlineTrainer(Trainer):
         filled in), and the rollout metrics over ranks. A collective."""
         c = self.cfg
         start = time.perf_counter()
+        engine_before = collections.Counter(getattr(self.engine, "stats", {}))
         batch = self.loop.run_until_complete(self.rollout.collect(c.rollout.prompts_per_rollout // self.world))
+        batch.metrics.update(engine_metrics(engine_before, getattr(self.engine, "stats", {})))
         self.loop.run_until_complete(self.engine.release_memory())  # the KV cache's memory goes to the update
         o = c.reward.objectives  # reward model, objectives, transform: the rewards trained on
         shaping = (dict(o.weights), dict(o.reference), self.transform)

@@ -425,6 +425,11 @@ def test_on_policy_steps_use_the_rollout_logprobs_and_equal_recomputing_them(tin
         runs[name] = logged_steps(out / "metrics.jsonl", "actor/pg_loss")
     auto, recompute = runs["auto"], runs["recompute"]
     assert [auto[s]["actor/old_logprobs_from_rollout"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    # the engine's counters of each step's rollout (on the CPU one decode step per host round trip)
+    for step in (1, 2, 3):
+        engine = {k.removeprefix("engine/"): v for k, v in auto[step].items() if k.startswith("engine/")}
+        assert engine["decode_steps"] == engine["decode_rounds"] >= 1 and engine["prefill_forwards"] >= 1
+        assert engine["decode_graph_captures"] == 0 and engine["time_decode_s"] >= 0  # no graphs on the CPU
     assert 0.0 <= auto[1]["actor/old_logprob_max_diff"] <= 1e-3  # the engine's log-probs are the trainer's
     assert 0.0 <= auto[1]["actor/old_logprob_mismatch_kl"] <= 1e-6
     assert all(recompute[s]["actor/old_logprobs_from_rollout"] == 0.0 for s in (1, 2, 3))

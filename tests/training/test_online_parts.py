@@ -16,6 +16,7 @@ from rl2gem.parallel.packing import MicroBatch
 from rl2gem.rollout.rollout import RolloutBatch, reward_metrics
 from rl2gem.rollout.tito import Episode, Sequence
 from rl2gem.training.old_logprobs import OldLogprobs
+from rl2gem.training.online import engine_metrics
 from rl2gem.training.rl_config import check_config
 from rl2gem.training.samples import Sample, packed_field, samples_from_batch, shape_rewards
 from tests.rewards.test_objectives import episode
@@ -137,3 +138,13 @@ def test_turn_rloo_samples_number_the_turns_across_an_episodes_sequences():
         assert advantages == pytest.approx([want[0]] * 2 + [want[1]] * 3 + [want[2]])
         assert samples[-1].advantages[1:3] == pytest.approx([0.5] * 2)  # 1.2 - 0.7
         assert all(a == 0 for s in samples for a, m in zip(s.advantages, s.mask, strict=True) if not m)
+
+
+def test_engine_metrics_are_the_counts_between_two_snapshots():
+    before = {"decode_steps": 10, "decode_rounds": 10, "time_decode_ms": 500, "requests": 3}
+    after = {"decode_steps": 50, "decode_rounds": 20, "time_decode_ms": 2500, "prefill_forwards": 4, "requests": 9}
+    metrics = engine_metrics(before, after)
+    assert metrics["engine/decode_steps"] == 40.0 and metrics["engine/decode_rounds"] == 10.0
+    assert metrics["engine/time_decode_s"] == 2.0 and metrics["engine/prefill_forwards"] == 4.0
+    assert metrics["engine/decode_graph_captures"] == 0.0 and "engine/requests" not in metrics
+    assert engine_metrics({}, {}) == {}  # an engine without counters (HTTP)

@@ -39,6 +39,7 @@ stream, a memory pool shared by the graphs).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +100,7 @@ class DecodeGraphs:
         self.decoder = decoder
         self.capture = capture
         self.captures = 0  # graphs captured so far (the engine's ``decode_graph_captures``)
+        self.capture_seconds = 0.0  # their warm-up and capture, device synchronised (``time_capture_ms``)
         self._steps: dict[tuple[int, int], _Step] = {}
         self._key: tuple | None = None
         self._pool = None
@@ -248,6 +250,7 @@ class DecodeGraphs:
         """Warm ``step`` up on a side stream and capture it into a graph (PyTorch's CUDA graphs
         notes): the warm-up and the capture write the columns from ``hi`` on, which the step
         itself writes again."""
+        start = time.perf_counter()
         column.fill_(hi)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -261,3 +264,5 @@ class DecodeGraphs:
         if self._pool is None:
             self._pool = step.graph.pool()
         self.captures += 1
+        torch.cuda.synchronize(device)
+        self.capture_seconds += time.perf_counter() - start

@@ -269,6 +269,15 @@ class EmbeddedEngine(Engine):
             wasted steps of that row; a length limit costs none). ``None``: 4 with graphs on CUDA,
             else 1. Rows with top-k or top-p run one step at a time, sampled on the host side.
 
+    Attributes:
+        stats: counters since the engine started (a ``collections.Counter``): ``requests``,
+            ``finished``, ``prefill_forwards``, ``prefill_tokens``, ``cached_tokens``,
+            ``decode_steps``, ``decode_rounds`` (host round trips), ``decode_tokens`` (rows x steps,
+            dropped tokens included), ``decode_graph_captures``, ``decode_graphs_failed``, and
+            times in ms: ``time_admit_ms`` (prefills), ``time_decode_ms``,
+            ``time_decode_forward_ms``, ``time_capture_ms`` (graph warm-ups and captures).
+            PPO logs them per step under ``engine/`` (:class:`rl2gem.training.online.OnlineTrainer`).
+
     Raises:
         ValueError: ``decode_graphs=True`` for a model the lean path cannot run.
     """
@@ -888,13 +897,13 @@ class EmbeddedEngine(Engine):
         decode, or ``model(...)``. A step that CUDA cannot capture turns the graphs off for the
         engine's life (a warning, ``stats["decode_graphs_failed"]``) and runs windowed."""
         if self._graphs is not None:
-            captures = self._graphs.captures
+            before = self._graphs.captures, self._graphs.capture_seconds
             try:
                 logits = self._graphs.decode(st, [r.out_ids[-1] for r in reqs], [r.length for r in reqs])
             except RuntimeError as error:
                 self._graphs_failed(error)
             else:
-                self.stats["decode_graph_captures"] += self._graphs.captures - captures
+                self._count_captures(*before)
                 return logits
         if self._lean is not None:
             tokens = torch.tensor([r.out_ids[-1] for r in reqs], dtype=torch.long, device=self._device)
@@ -927,7 +936,7 @@ class EmbeddedEngine(Engine):
         ``[steps][n]``, or None when the graphs failed (they are off from then on)."""
         divisors, greedy = row_settings([r.params for r in reqs])
         uniforms = draw_uniforms([r.params for r in reqs], [len(r.out_ids) for r in reqs], self._gen, steps)
-        captures = self._graphs.captures
+        before = self._graphs.captures, self._graphs.capture_seconds
         try:
             tokens, logprobs = self._graphs.decode_and_sample(
                 st, [r.out_ids[-1] for r in reqs], [r.length for r in reqs], divisors, greedy, uniforms
@@ -935,8 +944,13 @@ class EmbeddedEngine(Engine):
         except RuntimeError as error:
             self._graphs_failed(error)
             return None
-        self.stats["decode_graph_captures"] += self._graphs.captures - captures
+        self._count_captures(*before)
         return tokens, logprobs
+
+    def _count_captures(self, captures: int, seconds: float) -> None:
+        """Add the graphs captured since ``(captures, seconds)`` to the stats."""
+        self.stats["decode_graph_captures"] += self._graphs.captures - captures
+        self.stats["time_capture_ms"] += int(1000 * (self._graphs.capture_seconds - seconds))
 
     def _graphs_failed(self, error: Exception) -> None:
         warnings.warn(f"decode_graphs turned off, the decode runs windowed: {error}", stacklevel=3)
