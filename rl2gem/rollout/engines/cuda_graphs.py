@@ -220,7 +220,8 @@ class DecodeGraphs:
 
         run = logits_only
         if steps:
-            floats = torch.zeros((2 + steps) * bucket, dtype=torch.float32, device=device)
+            # ones until staged: the warm-up before a capture samples greedily at temperature 1
+            floats = torch.ones((2 + steps) * bucket, dtype=torch.float32, device=device)
             float_staging = torch.zeros((2 + steps) * bucket, dtype=torch.float32, pin_memory=self.capture)
             sampled = torch.zeros(steps, bucket, dtype=torch.long, device=device)
             logprobs = torch.zeros(steps, bucket, dtype=torch.float32, device=device)
