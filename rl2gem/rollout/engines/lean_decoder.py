@@ -341,10 +341,12 @@ class LeanDecoder:
 
     @staticmethod
     def _prefill_group(store, group_rows: list[int], queries: list[int], offsets: list[int], first: int, end: int):
-        """One group's index tensors and additive mask, built once for all layers: its store rows
-        (a slice when consecutive: the engine orders its prefill rows as groups are planned), where each padded query slot reads its token (``[g, most]``), which slots hold real tokens
-        and where they go in the packed output, and ``bias`` ``[g, most, end - first]``. Queries
-        are right-aligned at ``end``: slot ``j`` is column ``end - most + j``."""
+        """One group's index tensors and additive mask, built once for all layers, with no host
+        read: its store rows (a slice when consecutive: the engine orders its prefill rows as
+        groups are planned), where each padded query slot reads its token (``[g, most]``), which
+        slots hold real tokens and where they go in the packed output, and ``bias``
+        ``[g, most, end - first]``. Queries are right-aligned at ``end``: slot ``j`` is column
+        ``end - most + j``."""
         device = store.mask.device
         most = max(queries)
         slots = torch.arange(most, device=device)
@@ -359,5 +361,6 @@ class LeanDecoder:
         allowed = store.mask[rows, first:end][:, None] & causal[None]  # [g, most, width]
         allowed |= ~real[..., None]  # a padding slot reads every column: finite, dropped
         bias = torch.zeros(allowed.shape, dtype=torch.float32, device=device).masked_fill_(~allowed, float("-inf"))
-        flat = real.flatten().nonzero().flatten()
+        flat = [g * most + j for g, q in enumerate(queries) for j in range(most - q, most)]
+        flat = torch.tensor(flat, device=device)  # the real slots, in packed order
         return rows, gather, (flat, gather.flatten()[flat]), first, bias
