@@ -185,3 +185,30 @@ def test_the_captured_steps_read_no_host_data(kind, steps):
         assert tokens.shape == logprobs.shape == (steps, 8) and tokens.dtype == torch.long
     else:
         assert outputs[0].shape == (8, config.vocab_size)
+
+
+def test_four_steps_per_round_stop_at_the_context_and_length_limits(tokenizer):
+    """Requests whose context or token budget ends inside a chunk of four steps: the chunk is cut
+    to the context's end (no position past it), length limits drop the extra tokens; tokens,
+    log-probs and finish reasons equal the windowed engine's."""
+    model = build("llama", vocab_size=tokenizer.vocab_size)
+
+    async def run(decode_graphs: bool):
+        engine = EmbeddedEngine(model, context_length=48, decode_graphs=decode_graphs, decode_steps=4)
+        greedy = {"temperature": 0.0, "ignore_eos": True}
+        outs = await asyncio.gather(
+            engine.generate(list(range(10, 41)), {**greedy, "max_new_tokens": 100}),  # the context ends first
+            engine.generate(list(range(20, 26)), {**greedy, "max_new_tokens": 7}),  # 7 = one chunk and 3 of the next
+            engine.generate(list(range(30, 33)), {**greedy, "max_new_tokens": 2}),
+        )
+        await engine.close()
+        return outs, engine.stats
+
+    fixed, fixed_stats = asyncio.run(run(True))
+    window, _ = asyncio.run(run(False))
+    for got, expected in zip(fixed, window, strict=True):
+        assert got.output_ids == expected.output_ids and got.finish_reason == expected.finish_reason
+        torch.testing.assert_close(torch.tensor(got.output_logprobs), torch.tensor(expected.output_logprobs))
+    assert len(fixed[0].output_ids) == 48 - 31 and fixed[0].finish_reason["type"] == "length"
+    assert [len(o.output_ids) for o in fixed[1:]] == [7, 2]
+    assert fixed_stats["decode_rounds"] < fixed_stats["decode_steps"]
