@@ -201,10 +201,10 @@ class PPOTrainer(OnlineTrainer):
         means = {(k if k.startswith("critic/") else f"actor/{k}"): v for k, v in stats.means().items()}
         return {**means, **norms, "actor/lr": self.actor.lr}
 
-    def micro_batch_loss(self, part, scale: float, score: dict, totals: dict) -> dict[str, float]:
+    def micro_batch_loss(self, part, scale: float, score: dict, totals: dict) -> dict[str, torch.Tensor]:
         """Backward of ``pg_loss + kl.coef * kl_loss - entropy_coef * entropy`` (and the critic's value
-        loss) on one packed micro-batch with global-batch token weights; returns its metrics and
-        ``tokens``, its action tokens (the weight of its :data:`PER_TOKEN_METRICS` in the step's
+        loss) on one packed micro-batch with global-batch token weights; returns its metrics (0-d
+        tensors on the device) and ``tokens``, its action tokens (the weight of its :data:`PER_TOKEN_METRICS` in the step's
         means)."""
         config, actor = self.cfg, self.cfg.actor
         entropy_weight = actor.entropy_coef + self.constraints.multiplier("entropy")
@@ -235,16 +235,16 @@ class PPOTrainer(OnlineTrainer):
         loss = pg_loss + kl_weight * (kl * weights * mask).sum() - entropy_weight * (entropy * weights * mask).sum()
         (loss * self.mesh.dp_size).backward()  # FSDP averages gradients over data-parallel ranks
         tokens = mask.sum().clamp(min=1)
-        row = {
-            "tokens": mask.sum(),  # a tensor: no wait for the device here
+        row = {  # 0-d tensors, summed on the device by the step's Averager: no wait per micro-batch
+            "tokens": mask.sum(),
             "pg_loss": pg_metrics["pg_loss"],
             "clip_ratio": pg_metrics["clip_ratio"],
-            "entropy": float((entropy.detach() * mask).sum() / tokens),
-            "is_weight": float((is_weights * mask).sum() / tokens),
+            "entropy": (entropy.detach() * mask).sum() / tokens,
+            "is_weight": (is_weights * mask).sum() / tokens,
             # the trainer's log-probs before this update against the engine's (measured even when the
             # old log-probs are the engine's: on-policy, this pass's forward is the one it skipped)
-            "mismatch_kl": float((kl_estimate(rollout_logprobs, trainer_logprobs, "k3") * mask).sum() / tokens),
-            **({"kl": float((kl.detach() * mask).sum() / tokens)} if with_ref else {}),
+            "mismatch_kl": (kl_estimate(rollout_logprobs, trainer_logprobs, "k3") * mask).sum() / tokens,
+            **({"kl": (kl.detach() * mask).sum() / tokens} if with_ref else {}),
         }
         if self.critic is not None:
             values = token_values(self.critic.model, ids, self.device, tree=tree)

@@ -190,8 +190,10 @@ def policy_loss(
             splits a batch into micro-batches passes weights normalised over the whole batch).
 
     Returns:
-        ``(loss, {"pg_loss", "clip_ratio", "dual_clip_ratio", "approx_kl"})``; ``approx_kl`` is the
-        k3 estimate of KL(old || new) over action tokens.
+        ``(loss, {"pg_loss", "clip_ratio", "dual_clip_ratio", "approx_kl"})``; the metrics are
+        detached 0-d tensors on the loss's device (reading them is left to the caller: a read per
+        micro-batch would wait for the device each time); ``approx_kl`` is the k3 estimate of
+        KL(old || new) over action tokens.
     """
     if dual_clip is not None and dual_clip <= 1:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
@@ -216,13 +218,12 @@ def policy_loss(
         loss = aggregate(pg, m, loss_agg, norm)
     n = m.sum().clamp(min=1)
     with torch.no_grad():
-        approx_kl = ((torch.exp(-log_ratio) - 1 + log_ratio) * m).sum() / n
-    metrics = {
-        "pg_loss": float(loss.detach()),
-        "clip_ratio": float(clipped.sum() / n),
-        "dual_clip_ratio": float(dual.sum() / n),
-        "approx_kl": float(approx_kl),
-    }
+        metrics = {
+            "pg_loss": loss.detach(),
+            "clip_ratio": clipped.sum() / n,
+            "dual_clip_ratio": dual.sum() / n,
+            "approx_kl": (kl_estimate(logprobs, old_logprobs, "k3") * m).sum() / n,
+        }
     return loss, metrics
 
 
@@ -246,7 +247,8 @@ def value_loss(
         token_weights: optional ``[B, T]`` per-token weights (global-batch aggregation of a trainer).
 
     Returns:
-        ``(loss scalar, {"vf_loss", "vf_clip_ratio"})``.
+        ``(loss scalar, {"vf_loss", "vf_clip_ratio"})``, the metrics detached 0-d tensors on the
+        loss's device (as :func:`policy_loss`'s).
     """
     err = (values - returns) ** 2
     if clip is not None:
@@ -258,10 +260,9 @@ def value_loss(
     else:
         loss = 0.5 * aggregate(err, m, loss_agg)
     n = m.sum().clamp(min=1)
-    return loss, {
-        "vf_loss": float(loss.detach()),
-        "vf_clip_ratio": float((((values - old_values).abs() > (clip or float("inf"))) & m).sum() / n),
-    }
+    with torch.no_grad():
+        clipped = ((values - old_values).abs() > (clip or float("inf"))) & m
+        return loss, {"vf_loss": loss.detach(), "vf_clip_ratio": clipped.sum() / n}
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
