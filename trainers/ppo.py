@@ -170,7 +170,7 @@ class PPOTrainer(OnlineTrainer):
                 )  # fmt: skip
                 mask = packed_field(part, "mask", self.device, torch.bool)
                 mean_value = (score["values"] * mask).sum() / mask.sum().clamp(min=1)
-                values.add({"values": mean_value}, weight=micro_batch.scale * float(mask.sum()))
+                values.add({"values": mean_value}, weight=micro_batch.scale * mask.sum())
             scores.append(score)
         metrics = values.means("critic/") if self.critic is not None else {}
         if source == "check":  # every rank decides alike: on the mismatch KL over all ranks
