@@ -55,7 +55,7 @@ from rl2gem.openmp import release_thread_team
 from rl2gem.rollout.engines.base import Engine, EngineError, GenerateOutput, SamplingParams
 from rl2gem.rollout.engines.cuda_graphs import DecodeGraphs
 from rl2gem.rollout.engines.lean_decoder import LeanDecoder, unsupported_reason
-from rl2gem.rollout.engines.sampling import draw_uniforms, row_settings, sample
+from rl2gem.rollout.engines.sampling import draw_uniforms, filtered, row_settings, sample
 from rl2gem.rollout.tito import common_prefix_length
 
 __all__ = ["EmbeddedEngine"]
@@ -925,7 +925,7 @@ class EmbeddedEngine(Engine):
         runs without graphs or a row has top-k or top-p (one step, sampled after it)."""
         if self._graphs is None:
             return 0
-        if any(r.params.temperature != 0 and (r.params.top_k > 0 or r.params.top_p < 1.0) for r in reqs):
+        if any(filtered(r.params) for r in reqs):
             return 0
         budget = max(r.params.max_new_tokens - len(r.out_ids) for r in reqs)
         context = min(self.context_length - 1 - r.length for r in reqs)
@@ -934,8 +934,9 @@ class EmbeddedEngine(Engine):
     def _sample_on_device(self, st: _KVStore, reqs: list[_Request], steps: int):
         """``steps`` decode steps sampled in the captured graph -> tokens and log-probs
         ``[steps][n]``, or None when the graphs failed (they are off from then on)."""
-        divisors, greedy = row_settings([r.params for r in reqs])
-        uniforms = draw_uniforms([r.params for r in reqs], [len(r.out_ids) for r in reqs], self._gen, steps)
+        params = [r.params for r in reqs]
+        divisors, greedy = row_settings(params)
+        uniforms = draw_uniforms(params, [len(r.out_ids) for r in reqs], self._gen, steps)
         before = self._graphs.captures, self._graphs.capture_seconds
         try:
             tokens, logprobs = self._graphs.decode_and_sample(

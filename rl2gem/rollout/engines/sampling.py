@@ -23,7 +23,13 @@ import torch
 
 from rl2gem.rollout.engines.base import SamplingParams, seeded_uniforms
 
-__all__ = ["draw_uniforms", "sample", "sample_rows", "row_settings"]
+__all__ = ["draw_uniforms", "filtered", "sample", "sample_rows", "row_settings"]
+
+
+def filtered(params: SamplingParams) -> bool:
+    """Whether a row samples from a top-k or top-p cut of the distribution (the host path of
+    :func:`sample`; :func:`sample_rows` has none)."""
+    return params.temperature != 0 and (params.top_k > 0 or params.top_p < 1.0)
 
 
 def row_settings(params: Sequence[SamplingParams]) -> tuple[list[float], list[bool]]:
@@ -138,8 +144,8 @@ def sample(
     scaled, weights, log_total = _scale(
         logits, torch.tensor(divisors, dtype=logits.dtype).to(device, non_blocking=True)
     )
-    filtered = [i for i, p in enumerate(params) if p.temperature != 0 and (p.top_p < 1.0 or p.top_k > 0)]
-    if filtered:
-        _filter(weights, params, filtered)
+    cut = [i for i, p in enumerate(params) if filtered(p)]
+    if cut:
+        _filter(weights, params, cut)
     greedy_rows = torch.tensor(greedy).to(device, non_blocking=True)
     return _pick(scaled, weights, log_total, greedy_rows, uniforms, any(greedy), not all(greedy))
