@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from rl2gem.procs import quick_exit_collection
+from rl2gem.procs import run_main
 
 ROOT = Path(__file__).resolve().parents[1]
 GROWTH = 1.25  # the longest-sequence search multiplies the length by this
@@ -229,9 +229,7 @@ def main() -> None:
     parser.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        quick_exit_collection()  # a torchrun rank: skip the interpreter's final walk over torch's objects
-        worker(*args.worker)
-        return
+        run_main(lambda: worker(*args.worker))  # a torchrun rank
     args.lengths = args.lengths or ("64,128" if args.quick else "256,512,1024")
     args.repeats = args.repeats or (1 if args.quick else 3)
     args.cap_mib = args.cap_mib or (40 if args.quick else 256)

@@ -48,7 +48,7 @@ from omegaconf import DictConfig, OmegaConf
 from rl2gem.config import ConfigError, load_config
 from rl2gem.evaluation import DEFAULTS as EVALUATE_DEFAULTS
 from rl2gem.evaluation import EpisodeRecord, evaluate
-from rl2gem.procs import quick_exit_collection
+from rl2gem.procs import run_main
 
 __all__ = ["DEFAULTS", "POLICIES", "collect", "episode_row", "pair_rows", "main", "parse_args"]
 
@@ -235,5 +235,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    quick_exit_collection()
-    raise SystemExit(main())
+    run_main(main)

@@ -27,7 +27,7 @@ import sys
 import gymnasium as gym
 from omegaconf import OmegaConf
 
-from rl2gem.procs import quick_exit_collection, serve_app, serve_asgi
+from rl2gem.procs import run_main, serve_app, serve_asgi
 from rl2gem.registry import load_plugins
 from rl2gem.serving.env_server import make_env_app
 from rl2gem.serving.mcp_server import EnvToolbox, mcp_http_app, mcp_server, serve_mcp_stdio
@@ -109,5 +109,4 @@ def serve_tools(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    quick_exit_collection()
-    raise SystemExit(main())
+    run_main(main)

@@ -17,7 +17,7 @@ import time
 from rl2gem.config import ConfigError, load_config
 from rl2gem.evaluation import DEFAULTS, evaluate, summarize
 from rl2gem.models import resolve_device, resolve_dtype
-from rl2gem.procs import quick_exit_collection
+from rl2gem.procs import run_main
 
 __all__ = ["parse_args", "main"]
 
@@ -55,5 +55,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    quick_exit_collection()
-    raise SystemExit(main())
+    run_main(main)

@@ -36,7 +36,7 @@ from typing import Any
 
 from rl2gem.aio import LoopSessions
 from rl2gem.assets import ASSETS, asset_path, build_dir, cache_dir, locked
-from rl2gem.procs import ServiceProcess, quick_exit_collection, serve_app
+from rl2gem.procs import ServiceProcess, run_main, serve_app
 
 __all__ = [
     "LazyRetrieval",
@@ -375,5 +375,4 @@ class LazyRetrieval:
 
 
 if __name__ == "__main__":
-    quick_exit_collection()
-    raise SystemExit(main())
+    run_main(main)

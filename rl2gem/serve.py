@@ -18,7 +18,7 @@ import torch
 from transformers import AutoTokenizer
 
 from rl2gem.models import DTYPES, load_model, resolve_device, resolve_model
-from rl2gem.procs import quick_exit_collection, serve_app
+from rl2gem.procs import run_main, serve_app
 from rl2gem.rollout.engines.embedded import EmbeddedEngine
 from rl2gem.rollout.engines.http import HTTPEngine
 from rl2gem.rollout.tito import load_chat_template
@@ -84,5 +84,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    quick_exit_collection()
-    raise SystemExit(main())
+    run_main(main)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from rl2gem.assets import cache_dir, missing_files
 from rl2gem.models import MODEL_FILES, load_model, resolve_model
+from rl2gem.procs import run_main
 
 NAME = "smollm2-135m-instruct"
 
@@ -49,4 +50,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

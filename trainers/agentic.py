@@ -46,7 +46,7 @@ from pathlib import Path
 
 from rl2gem.trainers.agentic_report import table
 
-from rl2gem.procs import quick_exit_collection
+from rl2gem.procs import run_main
 
 __all__ = ["PIPELINES", "Pipeline", "main"]
 
@@ -274,5 +274,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    quick_exit_collection()
-    raise SystemExit(main())
+    run_main(main)

@@ -32,7 +32,7 @@ from rl2gem.algorithms import DPO_LOSS_TYPES, dpo_loss
 from rl2gem.config import ConfigError
 from rl2gem.data import load_preferences
 from rl2gem.parallel.packing import plan_pair_micro_batches
-from rl2gem.procs import quick_exit_collection
+from rl2gem.procs import run_main
 from rl2gem.training.forward import check_attention, check_packing, sequence_sums, token_logprobs
 from rl2gem.training.metrics import Averager
 from rl2gem.training.offline import PAIRS_HELP, OfflineTrainer, check_data_config
@@ -157,5 +157,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    quick_exit_collection()
-    raise SystemExit(main())
+    run_main(main)

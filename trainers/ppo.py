@@ -49,7 +49,7 @@ from rl2gem.algorithms import (
     value_loss,
 )
 from rl2gem.parallel.packing import MicroBatch, plan_micro_batches, regroup_scores, tree_size
-from rl2gem.procs import quick_exit_collection
+from rl2gem.procs import run_main
 from rl2gem.training.forward import token_logprobs, token_values
 from rl2gem.training.metrics import Averager, reduce_mean, throughput_metrics, train_flops
 from rl2gem.training.old_logprobs import OldLogprobs
@@ -272,5 +272,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    quick_exit_collection()
-    raise SystemExit(main())
+    run_main(main)

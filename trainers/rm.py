@@ -32,7 +32,7 @@ import torch
 from rl2gem.algorithms import bradley_terry_loss
 from rl2gem.data import load_preferences
 from rl2gem.parallel.packing import plan_pair_micro_batches
-from rl2gem.procs import quick_exit_collection
+from rl2gem.procs import run_main
 from rl2gem.training.forward import check_attention, sequence_scores
 from rl2gem.training.metrics import Averager
 from rl2gem.training.offline import PAIRS_HELP, OfflineTrainer, check_data_config
@@ -91,5 +91,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    quick_exit_collection()
-    raise SystemExit(main())
+    run_main(main)

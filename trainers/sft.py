@@ -30,7 +30,7 @@ from rl2gem.algorithms import LOSS_AGGREGATIONS, packed_loss_weights
 from rl2gem.config import ConfigError
 from rl2gem.data import load_conversations
 from rl2gem.parallel.packing import plan_micro_batches
-from rl2gem.procs import quick_exit_collection
+from rl2gem.procs import run_main
 from rl2gem.rollout.tito import ChatRenderer
 from rl2gem.training.forward import check_attention, token_logprobs
 from rl2gem.training.offline import OfflineTrainer, check_data_config
@@ -105,5 +105,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    quick_exit_collection()
-    raise SystemExit(main())
+    run_main(main)

@@ -41,7 +41,7 @@ import psutil
 from omegaconf import OmegaConf
 
 from rl2gem.config import ConfigError, command_line_config
-from rl2gem.procs import quick_exit_collection
+from rl2gem.procs import run_main
 
 CONFIG = Path(__file__).with_name("config") / "tune.yaml"
 TRAINERS = ("ppo", "sft", "rm", "dpo")
@@ -389,5 +389,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    quick_exit_collection()
-    raise SystemExit(main())
+    run_main(main)

@@ -15,6 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 from rl2gem.algorithms import packed_loss_weights, policy_loss
 from rl2gem.parallel.fsdp import full_state_dict, init_distributed, load_sharded
 from rl2gem.parallel.mesh import build_mesh
+from rl2gem.procs import run_main
 from rl2gem.training import plan_micro_batches, token_logprobs
 from rl2gem.training.lora import inject, lora_config
 
@@ -101,4 +102,4 @@ def main(model_dir: str, out: str, *options: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    run_main(lambda: main(*sys.argv[1:]))

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from rl2gem.parallel.ring_attention import gather_sequence_parallel, ring_attention, zigzag_layout
 from rl2gem.parallel.tensor_parallel import vocab_parallel_logprobs
+from rl2gem.procs import run_main
 
 PACKINGS = [[3, 17, 9, 1, 40], [2], [64], [1, 1, 1, 5, 33, 7]]
 
@@ -103,4 +104,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    run_main(lambda: main(*sys.argv[1:]))
