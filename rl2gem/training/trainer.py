@@ -3,7 +3,9 @@
 A trainer subclasses :class:`Trainer` and writes its own step (``train_step``: for PPO collect ->
 score -> advantages -> update -> weight sync) and evaluation; :meth:`Trainer.fit` runs the steps
 with resume, evaluation at the start / every ``trainer.eval_every`` steps / at the end,
-checkpoints every ``trainer.save_every`` steps and at the end, logging, and the end-of-run report.
+checkpoints every ``trainer.save_every`` steps and at the end, logging (a step's metrics are
+written before its checkpoint, so a run killed at any point and resumed has every step's row),
+and the end-of-run report.
 Peak memory per phase (:class:`~rl2gem.training.metrics.PeakMemory`: ``memory/eval_peak_mib`` and
 the phases a ``train_step`` marks with ``self.memory.phase(name)``) is logged with each step.
 :func:`launch` is the ``main`` of a torchrun entry point.
@@ -116,15 +118,15 @@ class Trainer:
             if t.eval_every and self.step % t.eval_every == 0 and self.step < self.total_steps:
                 last.update(self._evaluate())
             last.update(self.memory.metrics())
+            self.log(last)  # before the checkpoint: a run killed after it resumes past this step
             if t.save_every and self.step % t.save_every == 0:
                 self.save()
-            self.log(last)
             bar.update(1)
         bar.close()
         final = self._evaluate()
         final.update(self.memory.metrics())
-        checkpoint = self.save()
         self.log(final)
+        checkpoint = self.save()
         if self.tracker is not None:
             self.tracker.report(final, checkpoint, keys=self.report_keys)
         return {**last, **final}
