@@ -40,8 +40,9 @@ __all__ = [
 def quick_exit_collection() -> None:
     """Make this process's interpreter shutdown skip the cyclic garbage collector's walk over every
     live object: at exit (after the ``atexit`` handlers registered later, such as the loggers'),
-    :func:`gc.freeze` moves all objects to the permanent generation. Called by each command line's
-    ``main``, never at import, so a user's own program keeps Python's usual shutdown.
+    :func:`gc.freeze` moves all objects to the permanent generation. Called by :func:`run_main` (for
+    a command line that ends in an exception), never at import, so a user's own program keeps
+    Python's usual shutdown.
 
     A process that imported torch and transformers spends 1.8-2.5 s of CPU in its final
     collections (a PPO rank on this project's 2-core host; 0.27 s with this), every trainer rank,
@@ -55,8 +56,8 @@ def exit_without_finalization(code: int | None = 0) -> NoReturn:
     """End this process with exit status ``code`` (None: 0) the way Python's own exit does, minus
     the interpreter's finalization: the non-daemon threads are joined, the ``atexit`` handlers run
     (loggers, trackers, :func:`quick_exit_collection`), stdout and stderr are flushed, then
-    :func:`os._exit`. Never returns. Data buffered in file objects nobody closed is lost, as the
-    rest of the interpreter's state (every writer of this project closes its files).
+    :func:`os._exit`. Never returns. Data left in the buffer of a file object nobody closed is
+    lost (every writer of this project closes its files).
 
     Why: the worker threads of a gloo process group destroy each finished collective's work
     object, which may hold the last reference to a tensor whose Python object must be released,
