@@ -141,6 +141,7 @@ bench: setup
 	$(BIN)/python benchmarks/tree_packing.py
 	$(BIN)/python benchmarks/parallel.py
 	$(BIN)/python benchmarks/sandbox.py
+	$(BIN)/python benchmarks/logprob_mismatch.py
 	$(MAKE) test-slow
 	$(MAKE) test-soak
 

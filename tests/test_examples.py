@@ -371,6 +371,25 @@ def test_tree_packing_benchmark_smoke(tiny_dir):
         assert whole == flat and tree < flat and action_head == tree, stdout
 
 
+def test_logprob_mismatch_benchmark_smoke(tiny_dir):
+    """The four rows of the table; the fp32 control (eager against SDPA) agrees to float rounding
+    while bf16 moves the log-probs (SmolLM2's numbers are in RESULTS.md)."""
+    stdout = run("benchmarks/logprob_mismatch.py", "--quick", "--model", str(tiny_dir))
+    rows = {
+        tuple(cell.strip() for cell in line.split("|")[1:3]): [float(x) for x in line.split("|")[3:6]]
+        for line in stdout.splitlines()
+        if line.startswith(("| bf16", "| fp32"))
+    }
+    assert list(rows) == [
+        ("bf16 eager", "fp32 sdpa"),
+        ("bf16 sdpa", "fp32 sdpa"),
+        ("bf16 eager", "bf16 sdpa"),
+        ("fp32 eager", "fp32 sdpa"),
+    ], stdout
+    assert rows["fp32 eager", "fp32 sdpa"][2] < 1e-4, stdout
+    assert all(rows[pair][1] > 1e-4 for pair in list(rows)[:2]), stdout
+
+
 # slow: make bench runs the script in full
 @pytest.mark.slow
 def test_trainer_benchmark_smoke(tiny_dir):

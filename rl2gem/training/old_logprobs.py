@@ -21,6 +21,13 @@ one that sampled the tokens, the importance ratio that corrects for the mismatch
 Hilton et al. 2022; AReaL, Fu et al. 2025); recomputing would set it to 1 and leave the mismatch
 uncorrected. A mismatch beyond the bound (wrong weights, a broken kernel) keeps ``auto``
 recomputing.
+
+In bf16, expect ``auto`` to keep recomputing unless the engine and the trainer share their
+kernels: bf16 alone puts two implementations of one model about 3e-3 apart. Measured on the CPU
+(``benchmarks/logprob_mismatch.py``, SmolLM2-135M-Instruct, 1,665 tokens of GSM8K text): bf16
+with the scores rounded to bf16 (the engine's lean decoder) against bf16 SDPA (fp32 scores) 3.0e-3,
+each 2.6-3.3e-3 from fp32; the fp32 pair 1e-11. In fp32 (this project's CPU runs) the engine's
+log-probs are within about 1e-11 and ``auto`` engages.
 """
 
 from __future__ import annotations
