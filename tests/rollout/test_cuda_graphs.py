@@ -1,6 +1,6 @@
 """The fixed-shape decode step that CUDA graphs capture (rl2gem.rollout.engines.cuda_graphs), run
-eagerly on the CPU: equal to the windowed decode and to the engine without it. The capture itself
-runs under ``pytest -m gpu`` (tests/test_gpu.py)."""
+eagerly on the CPU, warm-up included: equal to the windowed decode and to the engine without it.
+The capture itself runs under ``pytest -m gpu`` (tests/test_gpu.py)."""
 
 from __future__ import annotations
 
@@ -185,6 +185,26 @@ def test_the_captured_steps_read_no_host_data(kind, steps):
         assert tokens.shape == logprobs.shape == (steps, 8) and tokens.dtype == torch.long
     else:
         assert outputs[0].shape == (8, config.vocab_size)
+
+
+@torch.no_grad()
+def test_building_a_step_leaves_the_mask_as_it_was():
+    """Building a step warms it up (two runs, what precedes a capture on CUDA), which writes and
+    masks in the columns its steps use; the mask must come back as it was, or the first replay
+    attends to the warm-up's keys in the columns after its own (the engine tests at four steps
+    fail without the restore). Keys and values outside those columns are untouched."""
+    model = build("llama")
+    store = new_store(model, 8, 64)
+    store.slots, store.lo, store.hi = 5, 0, 10
+    store.mask[:5, :10] = torch.rand(5, 10, generator=torch.Generator().manual_seed(0)) < 0.7
+    mask, keys = store.mask.clone(), [k.clone() for k in store.keys]
+    graphs = DecodeGraphs(LeanDecoder(model), capture=False)
+    for steps in (0, 3):
+        graphs._build(store, 8, steps)
+        assert torch.equal(store.mask, mask)
+        for before, after in zip(keys, store.keys, strict=True):
+            assert torch.equal(before[:, :, :10], after[:, :, :10]) and torch.equal(before[:, :, 13:], after[:, :, 13:])
+    assert graphs.capture_seconds > 0 and graphs.captures == 0
 
 
 def test_four_steps_per_round_stop_at_the_context_and_length_limits(tokenizer):

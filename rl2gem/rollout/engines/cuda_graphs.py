@@ -31,14 +31,15 @@ half at a time, and is freed between rollouts) or a parameter replaced by anothe
 every graph, and the next step captures again. Weight updates copy in place
 (:meth:`~rl2gem.rollout.engines.embedded.EmbeddedEngine.update_weights`), so graphs survive them.
 
-Without CUDA (``capture=False``, the CPU) the same fixed-shape step runs eagerly: that is how its
-equality with the windowed decode is tested on the CPU; the capture itself is tested under
-``pytest -m gpu``. Source: PyTorch's CUDA graphs notes (``torch.cuda.graph``, warm-up on a side
+Without CUDA (``capture=False``, the CPU) the same fixed-shape step runs eagerly, after the same
+warm-up a capture has: that is how its equality with the windowed decode is tested on the CPU;
+the capture itself is tested under ``pytest -m gpu``. Source: PyTorch's CUDA graphs notes (``torch.cuda.graph``, warm-up on a side
 stream, a memory pool shared by the graphs).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -240,30 +241,40 @@ class DecodeGraphs:
                 return sampled, logprobs
 
         step = _Step(ints, int_staging, floats, float_staging, run)
-        if self.capture:
-            self._capture(step, device, ints[2 * bucket :], store.hi)
-            if steps:
-                step.host_outputs = tuple(torch.empty_like(t, device="cpu").pin_memory() for t in step.outputs)
+        self._warm_up_and_capture(step, store, bucket, steps)
+        if step.graph is not None and steps:
+            step.host_outputs = tuple(torch.empty_like(t, device="cpu").pin_memory() for t in step.outputs)
         self._steps[(bucket, steps)] = step
         return step
 
-    def _capture(self, step: _Step, device, column: torch.Tensor, hi: int) -> None:
-        """Warm ``step`` up on a side stream and capture it into a graph (PyTorch's CUDA graphs
-        notes): the warm-up and the capture write the columns from ``hi`` on, which the step
-        itself writes again."""
+    def _warm_up_and_capture(self, step: _Step, store, bucket: int, steps: int) -> None:
+        """Run ``step`` twice, on a side stream when capturing, then capture it into a graph
+        (PyTorch's CUDA graphs notes; the warm-up runs on the CPU too, where nothing is captured,
+        so the CPU tests run what a capture runs).
+
+        The warm-up writes the keys and values of columns ``store.hi`` to ``store.hi + steps - 1``
+        (which the step writes again before reading them) and, in a sampling step, masks them in
+        for the bucket's rows: their mask entries are restored, or the first replay's step ``k``
+        would attend to the warm-up's keys at the columns after its own."""
         start = time.perf_counter()
-        column.fill_(hi)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
+        device = store.mask.device
+        columns = slice(store.hi, store.hi + steps)
+        saved = store.mask[:bucket, columns].clone()
+        step.ints[2 * bucket :].fill_(store.hi)
+        side = torch.cuda.Stream(device) if self.capture else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             for _ in range(2):
                 step.run()
-        torch.cuda.current_stream(device).wait_stream(side)
-        step.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(step.graph, pool=self._pool, capture_error_mode="thread_local"):
-            step.outputs = step.run()
-        if self._pool is None:
-            self._pool = step.graph.pool()
-        self.captures += 1
-        torch.cuda.synchronize(device)
+            store.mask[:bucket, columns] = saved
+        if side is not None:
+            torch.cuda.current_stream(device).wait_stream(side)
+            step.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(step.graph, pool=self._pool, capture_error_mode="thread_local"):
+                step.outputs = step.run()
+            if self._pool is None:
+                self._pool = step.graph.pool()
+            self.captures += 1
+            torch.cuda.synchronize(device)
         self.capture_seconds += time.perf_counter() - start
