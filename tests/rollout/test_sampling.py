@@ -87,3 +87,19 @@ def test_uniforms_of_several_steps_equal_one_step_at_a_time():
     np.testing.assert_array_equal(together, np.stack(one_at_a_time))
     assert (together[:, 1] == 0).all()
     np.testing.assert_array_equal(together[:, 2], np.float32([seeded_uniform(3, 10 + k) for k in range(4)]))
+
+
+def test_a_seeded_uniform_that_rounds_to_one_stays_below_one():
+    """Seed 12345's uniform number 23,310,158 is 0.99999998 in float64, 1.0 in float32; the
+    inverse CDF at 1.0 runs past the last token, which the index clamp turned into the last
+    vocabulary id whatever its probability. The drawn uniform is the largest float32 below 1 and
+    the token sampled is the last one with any probability."""
+    seed, count = 12345, 23_310_158
+    assert np.float32(seeded_uniforms([seed], np.array([count]))[0]) == 1.0  # the case is real
+    params = [SamplingParams(temperature=1.0, sampling_seed=seed)]
+    uniforms = draw_uniforms(params, [count], torch.Generator().manual_seed(0))
+    assert uniforms.dtype == np.float32 and uniforms[0, 0] == np.nextafter(np.float32(1), np.float32(0))
+    logits = torch.zeros(1, 8)
+    logits[0, 5:] = float("-inf")  # tokens 5-7 have no probability
+    tokens, logprobs = sample(logits, params, torch.Generator().manual_seed(0), [count])
+    assert tokens.tolist() == [4] and logprobs.item() == pytest.approx(np.log(1 / 5))

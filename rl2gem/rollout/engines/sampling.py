@@ -25,6 +25,8 @@ from rl2gem.rollout.engines.base import SamplingParams, seeded_uniforms
 
 __all__ = ["draw_uniforms", "filtered", "sample", "sample_rows", "row_settings"]
 
+_BELOW_ONE = np.nextafter(np.float32(1), np.float32(0))  # the largest float32 uniform
+
 
 def filtered(params: SamplingParams) -> bool:
     """Whether a row samples from a top-k or top-p cut of the distribution (the host path of
@@ -60,7 +62,9 @@ def draw_uniforms(
         seeds = [params[i].sampling_seed for i in seeded]
         numbers = np.asarray([counts[i] for i in seeded], dtype=np.int64)[None] + np.arange(steps)[:, None]
         out[:, seeded] = seeded_uniforms(seeds, numbers)
-    return out
+    # a float64 uniform above 1 - 2**-25 rounds to 1.0 in float32 (1 in ~33M seeded draws): the
+    # inverse CDF would then run past the last token; the largest float32 below 1 keeps [0, 1)
+    return np.minimum(out, _BELOW_ONE, out=out)
 
 
 def _scale(logits: torch.Tensor, divisors: torch.Tensor):
