@@ -5,6 +5,8 @@ The capture itself runs under ``pytest -m gpu`` (tests/test_gpu.py)."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 
 import pytest
 import torch
@@ -205,6 +207,26 @@ def test_building_a_step_leaves_the_mask_as_it_was():
         for before, after in zip(keys, store.keys, strict=True):
             assert torch.equal(before[:, :, :10], after[:, :, :10]) and torch.equal(before[:, :, 13:], after[:, :, 13:])
     assert graphs.capture_seconds > 0 and graphs.captures == 0
+
+
+def test_a_store_reallocation_frees_the_old_buffers_the_steps_read():
+    """The built steps hold views of the store's buffers; when the store grows they are dropped
+    first, so the old buffers are freed before the new ones are allocated (otherwise the engine
+    briefly holds both stores: out of memory on a GPU where either fits)."""
+    model = build("llama")
+
+    async def main():
+        engine = EmbeddedEngine(model, decode_graphs=True, decode_steps=4)
+        await engine.generate([5, 6, 7], {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True})
+        store, steps = engine._store, len(engine._graphs._steps)
+        old = weakref.ref(store.keys[0])
+        store.reserve(store.slots, 0, store.capacity[1] + 64)  # engine idle: grows the columns
+        gc.collect()
+        await engine.close()
+        return steps, old, engine._graphs._steps
+
+    built, old, after = asyncio.run(main())
+    assert built > 0 and old() is None and after == {}
 
 
 def test_four_steps_per_round_stop_at_the_context_and_length_limits(tokenizer):

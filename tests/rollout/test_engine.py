@@ -426,6 +426,39 @@ def test_release_memory_frees_the_kv_buffers_and_the_engine_serves_the_same_afte
     assert kept[0] > 0 and len(c.output_ids) == 200
 
 
+def test_an_error_in_the_prompt_logprobs_fails_the_admitted_requests(model):
+    """Out of memory while computing a prompt's log-probs (the whole prompt's logits at once), after
+    the request left the queue: it and the request admitted with it end with the engine error
+    (before, neither was answered, ever); the next request decodes as on an engine that never
+    failed."""
+    greedy = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+    async def main():
+        eng = EmbeddedEngine(model)
+        reference = await eng.generate(PROMPTS[2], greedy)
+        original = eng._input_logprobs
+
+        def failing(request):
+            raise RuntimeError("out of memory")
+
+        eng._input_logprobs = failing
+        await eng.pause()
+        both = asyncio.gather(eng.generate(PROMPTS[3], greedy, logprob_start_len=0), eng.generate(PROMPTS[4], greedy))
+        while len(eng._waiting) < 2:
+            await asyncio.sleep(0.01)
+        await eng.resume()  # both are admitted in one wave
+        failed = await asyncio.wait_for(both, 60)
+        eng._input_logprobs = original
+        after = await eng.generate(PROMPTS[2], greedy)
+        await eng.close()
+        return reference, failed, after
+
+    reference, failed, after = run(main())
+    for output in failed:
+        assert output.aborted and "engine error: RuntimeError: out of memory" in output.finish_reason["message"]
+    assert after.output_ids == reference.output_ids and after.output_logprobs == reference.output_logprobs
+
+
 @pytest.mark.parametrize("failing_call", [1, 3], ids=["prefill", "decode"])
 def test_an_allocation_failure_fails_the_requests_and_the_next_ones_decode_as_before(model, failing_call):
     """Out of memory half-way through growing the KV buffers (one layer already re-allocated, the

@@ -27,9 +27,12 @@ and drops those past a row's stop token (vLLM's multi-step scheduling, with the 
 ``steps - 1`` wasted steps of a row that stops).
 
 A graph is tied to the store's buffers and to the weights: the store re-allocating (it grows by
-half at a time, and is freed between rollouts) or a parameter replaced by another tensor drops
-every graph, and the next step captures again. Weight updates copy in place
-(:meth:`~rl2gem.rollout.engines.embedded.EmbeddedEngine.update_weights`), so graphs survive them.
+half at a time) or being freed drops every graph first (``_KVStore.on_reallocate``: the graphs
+hold views of its buffers, which would otherwise outlive it), and so does a parameter replaced by
+another tensor; the next step captures again. Weight updates copy in place, but the engine frees
+its store with them and between rollouts
+(:meth:`~rl2gem.rollout.engines.embedded.EmbeddedEngine.release_memory`, the memory goes to the
+trainer's update), so each rollout captures its buckets again (``time_capture_ms``).
 
 Without CUDA (``capture=False``, the CPU) the same fixed-shape step runs eagerly, after the same
 warm-up a capture has: that is how its equality with the windowed decode is tested on the CPU;
@@ -271,7 +274,7 @@ class DecodeGraphs:
         if side is not None:
             torch.cuda.current_stream(device).wait_stream(side)
             step.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(step.graph, pool=self._pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(step.graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
                 step.outputs = step.run()
             if self._pool is None:
                 self._pool = step.graph.pool()

@@ -44,7 +44,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -69,10 +69,15 @@ class _KVStore:
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.max_slots = max_slots  # rows never exceed it (the engine's max_batch_size)
         self.dtype, self.device = dtype, device
+        # called before the buffers are freed or replaced: what holds views of them (the decode
+        # graphs) drops them, so the old buffers are freed before the new ones are allocated
+        self.on_reallocate: Callable[[], None] | None = None
         self.release()
 
     def release(self) -> None:
         """Free the buffers (the next :meth:`reserve` allocates again); the store is empty."""
+        if self.on_reallocate is not None:
+            self.on_reallocate()
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.mask = torch.zeros(0, 0, dtype=torch.bool, device=self.device)
@@ -126,6 +131,8 @@ class _KVStore:
                 new_s = min(new_s, self.max_slots)
         new_c = max(need + need // 2, cap_c) if need > cap_c else cap_c
         lo = max(left, min(margin, new_c - w - want_right))
+        if self.on_reallocate is not None:
+            self.on_reallocate()
         if not self.keys:
             self.keys, self.values = [None] * self.num_layers, [None] * self.num_layers
         for i in range(self.num_layers):  # layer by layer: the old layer is freed before the next is allocated
@@ -337,6 +344,8 @@ class EmbeddedEngine(Engine):
                 f"decode_graphs=True needs the lean decoder, which cannot run this model: {self.lean_reason}"
             )
         self._graphs = DecodeGraphs(self._lean, capture=p.device.type == "cuda") if decode_graphs else None
+        if self._graphs is not None:
+            self._store.on_reallocate = self._graphs.reset  # the graphs read the store's buffers
         if decode_steps is None:
             decode_steps = 4 if decode_graphs and p.device.type == "cuda" else 1
         if int(decode_steps) < 1:
@@ -562,6 +571,8 @@ class EmbeddedEngine(Engine):
 
     def _loop(self):
         torch.set_grad_enabled(False)
+        if self._device.type == "cuda":  # a new thread's current device is 0, not the model's
+            torch.cuda.set_device(self._device)
         while True:
             with self._cv:
                 idle = False
@@ -587,9 +598,10 @@ class EmbeddedEngine(Engine):
                 self.stats["time_decode_ms"] += int(1000 * (time.perf_counter() - t1))
             except Exception as e:  # a model error fails the requests, not the engine
                 failed = self._running + [r for r in self._admitting if r not in self._running]
-                # the store may be half re-allocated (out of memory): drop it before the requests end
+                # the store may be half re-allocated (out of memory): drop it, the graphs that read it
+                # and the cached prefixes before the requests end
                 self._running, self._admitting = [], []
-                self._store.release()
+                self._release_memory()
                 for r in failed:
                     self._finish(r, {"type": "abort", "message": f"engine error: {type(e).__name__}: {e}"})
 
@@ -614,16 +626,16 @@ class EmbeddedEngine(Engine):
             return
         for r in take:
             r.version = self.weight_version
+        self._admitting = take  # out of the queue: an error from here on fails them
         zero = [r for r in take if r.params.max_new_tokens == 0]
         for r in take:
             if r.logprob_start_len >= 0:
                 self._input_logprobs(r)
         for r in zero:
             self._finish(r, {"type": "length", "length": 0})
-        take = [r for r in take if r.params.max_new_tokens > 0]
+        take = self._admitting = [r for r in take if r.params.max_new_tokens > 0]
         if not take:
             return
-        self._admitting = take
         self._prefill(take)
         self._admitting = []
 
@@ -957,6 +969,7 @@ class EmbeddedEngine(Engine):
         warnings.warn(f"decode_graphs turned off, the decode runs windowed: {error}", stacklevel=3)
         self._graphs.reset()
         self._graphs = None
+        self._store.on_reallocate = None
         self.stats["decode_graphs_failed"] += 1
 
     def _decode(self):
