@@ -26,6 +26,10 @@ WHEELS=(
 )  # pytest, pytest-xdist and pytest-timeout: the image's own
 SOURCE_ONLY=(cellpylib==2.4.0 zss==1.2.0 pycosat==0.6.6)  # no wheels on PyPI: built here with Python 3.12
 
+# what a stage cut off at its limit left running: torchrun jobs, and the test ranks forked from
+# tests/rank_zygote.py (each in its own session, so `timeout` does not reach them)
+stop_leftovers() { pkill -f torch.distributed.run; pkill -f rank_zygote.py; }
+
 case "${1:-}" in
   prepare)
     for folder in /.whl/ /.tok/; do
@@ -64,12 +68,12 @@ AutoTokenizer.from_pretrained(resolve_model('smollm2-135m-instruct')).save_pretr
       timeout "${TEST_SECONDS:-300}" "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider -n "${TEST_WORKERS:-10}" \
         -rfE tests/test_gpu.py 2>&1 | tee "$out/pytest-gpu.log"
       tests=${PIPESTATUS[0]}
-      pkill -f torch.distributed.run  # what a stage cut off at its limit left running
+      stop_leftovers
     fi
     timeout "${BENCH_SECONDS:-3000}" "$PYTHON" benchmarks/gpu.py --tokenizer "$PWD/.tok" "$@" 2>&1 \
       | tee -a "$out/gpu-benchmark.log"
     bench=${PIPESTATUS[0]}
-    pkill -f torch.distributed.run
+    stop_leftovers
     echo "pytest -m gpu exit $tests, benchmarks/gpu.py exit $bench"
     { [ "$tests" = 0 ] || [ "$tests" = skipped ]; } && [ "$bench" = 0 ]
     ;;

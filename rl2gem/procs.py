@@ -54,7 +54,8 @@ def quick_exit_collection() -> None:
 
 def exit_without_finalization(code: int | None = 0) -> NoReturn:
     """End this process with exit status ``code`` (None: 0) the way Python's own exit does, minus
-    the interpreter's finalization: the non-daemon threads are joined, the ``atexit`` handlers run
+    the interpreter's finalization: the threading module's exit hooks run (thread pools stop) and
+    the non-daemon threads are joined, the ``atexit`` handlers run
     (loggers, trackers, :func:`quick_exit_collection`), stdout and stderr are flushed, then
     :func:`os._exit`. Never returns. Data left in the buffer of a file object nobody closed is
     lost (every writer of this project closes its files).
@@ -68,10 +69,10 @@ def exit_without_finalization(code: int | None = 0) -> NoReturn:
     exception", after the run's work was done and written (pytorch/pytorch#179291). A two-rank
     FSDP job on this project's loaded 2-core CI host ended so about once in 300 runs.
     """
-    current = threading.current_thread()
-    for thread in threading.enumerate():
-        if thread is not current and thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    # what Python's exit runs first: the threading module's exit hooks (they stop idle thread-pool
+    # workers, such as torch.compile's, which would otherwise wait forever) then the non-daemon
+    # threads joined
+    threading._shutdown()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):

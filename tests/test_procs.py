@@ -94,6 +94,22 @@ def test_exit_without_finalization_runs_what_an_exit_runs_but_not_the_module_tea
     assert (run.returncode, run.stdout) == (0, "buffered, not flushed + module teardown")  # the program's control
 
 
+def test_exit_without_finalization_stops_an_idle_thread_pool():
+    """A ``ThreadPoolExecutor`` never shut down (torch.compile's C++ compile pool is one) has idle
+    workers waiting for work: Python's exit wakes them through the threading module's exit hooks
+    before joining threads. Joining them without those hooks hung forever (a compiled trainer
+    never exited)."""
+    program = (
+        "from concurrent.futures import ThreadPoolExecutor\n"
+        "from rl2gem.procs import exit_without_finalization\n"
+        "POOL = ThreadPoolExecutor(2)\n"
+        "print(POOL.submit(lambda: 6 * 7).result(), end='')\n"
+        "exit_without_finalization(4)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+    assert (run.returncode, run.stdout) == (4, "42"), run.stderr
+
+
 GLOO_AT_EXIT = """
 import os, sys
 import torch
