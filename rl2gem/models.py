@@ -37,6 +37,7 @@ __all__ = [
     "model_problem",
     "resolve_device",
     "resolve_dtype",
+    "resolve_master_dtype",
     "resolve_model",
 ]
 
@@ -210,6 +211,31 @@ def resolve_dtype(name: str, device):
     if name not in table:
         raise ValueError(f"dtype must be auto or one of {sorted(table)}, got {name!r}")
     return table[name]
+
+
+def resolve_master_dtype(name: str, compute_dtype, trainable: bool):
+    """The dtype of a worker's parameters, gradients and optimizer state (its master weights) when
+    it computes in ``compute_dtype`` (:func:`resolve_dtype`).
+
+    ``auto``: float32 for a trainable worker that computes in bfloat16, else ``compute_dtype``.
+    AdamW's update of a weight is about the learning rate; bfloat16 holds a weight of 0.02 to
+    about 1.2e-4, so PPO's 1e-6 updates of bfloat16 weights round away and the policy barely
+    moves (mixed precision with float32 master weights: Micikevicius et al. 2018, as FSDP's
+    ``MixedPrecisionPolicy`` does it). Else the named dtype (:data:`DTYPES`).
+
+    Raises:
+        ValueError: an unknown name, or a master dtype less precise than ``compute_dtype``.
+    """
+    import torch
+
+    if name == "auto":
+        return torch.float32 if trainable and compute_dtype == torch.bfloat16 else compute_dtype
+    if name not in DTYPES:
+        raise ValueError(f"master_dtype must be auto or one of {sorted(DTYPES[1:])}, got {name!r}")
+    master = resolve_dtype(name, "cpu")
+    if torch.finfo(master).eps > torch.finfo(compute_dtype).eps:
+        raise ValueError(f"master_dtype={name} is less precise than the compute dtype {compute_dtype}")
+    return master
 
 
 def load_model(name_or_path: str, *, dtype=None, device="auto"):

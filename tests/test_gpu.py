@@ -198,6 +198,7 @@ def write_data(folder):
     [
         ("sft", ["data.train={data}/sft.jsonl"]),
         ("sft", ["data.train={data}/sft.jsonl", "actor.compile=true"]),
+        ("sft", ["data.train={data}/sft.jsonl", "actor.master_dtype=bfloat16"]),  # pure bf16: no FSDP at one rank
         ("rm", ["data.train={data}/pairs.jsonl"]),
         ("dpo", ["data.train={data}/pairs.jsonl", "actor.packing=tree"]),
         (

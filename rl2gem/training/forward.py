@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from rl2gem.algorithms import entropy_from_logits
+from rl2gem.models import resolve_dtype, resolve_master_dtype
 from rl2gem.parallel.attention import IMPLEMENTATIONS, attention_mask, resolve_attention
 from rl2gem.parallel.packing import packed_batch, tree_batch
 from rl2gem.parallel.ring_attention import gather_sequence_parallel, ring_context, zigzag_layout
@@ -87,6 +88,23 @@ def check_attention(actor) -> str:
     if attention != "auto" and int(settings.sp_size) > 1:
         raise ConfigError(f"actor.attention={attention} with actor.sp_size > 1: ring attention is used; leave it auto")
     return attention
+
+
+def check_dtypes(actor) -> None:
+    """``actor.dtype`` and ``actor.master_dtype`` checked (before anything loads;
+    :func:`rl2gem.models.resolve_master_dtype`).
+
+    Raises:
+        rl2gem.config.ConfigError: an unknown name, or a master dtype less precise than the compute dtype.
+    """
+    from rl2gem.config import ConfigError
+
+    settings = WorkerSettings.from_section(actor)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        resolve_master_dtype(settings.master_dtype, resolve_dtype(settings.dtype, device), trainable=True)
+    except ValueError as error:  # its message starts with the key
+        raise ConfigError(f"actor.{error}") from None
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -57,7 +57,10 @@ class WorkerSettings:
 
     Attributes:
         model: built-in name, folder or hub id (no download at run time).
-        dtype: ``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32`` or ``bfloat16``.
+        dtype: the compute dtype: ``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32`` or ``bfloat16``.
+        master_dtype: the parameters' and optimizer state's: ``auto`` (float32 for a trainable
+            worker computing in bfloat16: FSDP2 mixed precision; :func:`rl2gem.models.resolve_master_dtype`)
+            or a dtype name (``bfloat16`` with ``dtype=bfloat16``: pure bfloat16, half the memory).
         lr, weight_decay: AdamW's.
         warmup_steps: linear warm-up of the learning rate, in optimizer steps.
         scheduler: after warm-up: ``constant``, ``linear`` or ``cosine`` (decay to 0 at the run's end).
@@ -79,6 +82,7 @@ class WorkerSettings:
 
     model: str | None = "smollm2-135m-instruct"
     dtype: str = "auto"
+    master_dtype: str = "auto"
     lr: float = 1e-6
     weight_decay: float = 0.0
     warmup_steps: int = 0

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from rl2gem.models import resolve_dtype
+from rl2gem.models import resolve_dtype, resolve_master_dtype
 from rl2gem.parallel.attention import resolve_attention
 from rl2gem.parallel.fsdp import clip_grad_norm, full_state_dict, head_class, init_distributed, load_sharded
 from rl2gem.parallel.mesh import ParallelMesh, build_mesh
@@ -72,7 +72,8 @@ class Worker:
 
     Args:
         section: the worker's config (a trainer's ``actor:`` / ``critic:``): ``model``, ``dtype``,
-            ``lr``, ``weight_decay``, ``warmup_steps``, ``max_grad_norm``, ``cpu_offload``,
+            ``master_dtype`` (float32 master weights under bfloat16 compute by default), ``lr``,
+            ``weight_decay``, ``warmup_steps``, ``max_grad_norm``, ``cpu_offload``,
             ``gradient_checkpointing``, ``reshard_after_forward``, ``compile``, ``attention``
             (:func:`rl2gem.parallel.attention.resolve_attention`, with ``packing``), optional ``scheduler``
             (:data:`SCHEDULES`) and ``lora`` (:func:`rl2gem.training.lora.lora_config`; applied to
@@ -106,7 +107,8 @@ class Worker:
         settings = self.settings = WorkerSettings.from_section(section)
         self.name_or_path = model or settings.model
         self.head, self.mesh, self.device = head, mesh, device
-        self.dtype = resolve_dtype(settings.dtype, device)
+        self.dtype = resolve_dtype(settings.dtype, device)  # the forward's and backward's
+        self.master_dtype = resolve_master_dtype(settings.master_dtype, self.dtype, trainable)  # the parameters'
         tree = settings.packing == "tree"
         self.attention = resolve_attention(settings.attention, device, tree=tree, dtype=self.dtype)
         self.max_grad_norm = float(settings.max_grad_norm)
@@ -117,7 +119,8 @@ class Worker:
             self.name_or_path,
             mesh.data_mesh,
             device=device,
-            dtype=self.dtype,
+            dtype=self.master_dtype,
+            param_dtype=self.dtype if self.master_dtype != self.dtype else None,  # FSDP2 mixed precision
             head=head,
             cpu_offload=bool(settings.cpu_offload),
             reshard_after_forward=bool(settings.reshard_after_forward),
@@ -200,6 +203,7 @@ class Worker:
         if self.head == "reward":  # trained as a token classifier with a bias frozen at 0
             full = {k: v for k, v in full.items() if k != "score.bias"}
         config = self.model.config
+        full = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in full.items()}  # float32 masters
         with torch.device("meta"):
             skeleton = cls.from_config(config, dtype=self.dtype)
         skeleton.load_state_dict(dict(full), strict=False, assign=True)

@@ -88,3 +88,51 @@ def test_prune_keeps_the_newest_resumable_checkpoints_and_every_export(tmp_path)
     assert len(list(tmp_path.glob("checkpoint-*/hf"))) == 4
     with pytest.raises(ValueError, match="keep must be >= 0"):
         Checkpointer(tmp_path, {}, keep=-1)
+
+
+def _full_float32(tensor: torch.Tensor) -> torch.Tensor:
+    """A float32 copy of a parameter or gradient (the whole tensor of an FSDP DTensor)."""
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().float().clone()
+
+
+def _one_update(worker, device):
+    """The worker's parameters before and after one AdamW step, and the gradients, as float32."""
+    before = {n: _full_float32(p) for n, p in worker.model.named_parameters()}
+    logprobs, _ = token_logprobs(worker.model, [[5, 6, 7, 8, 9, 10], [9, 10, 11, 12]], device)
+    (-logprobs.sum()).backward()
+    grads = {n: _full_float32(p.grad) for n, p in worker.model.named_parameters()}
+    worker.optimizer.step()
+    worker.optimizer.zero_grad(set_to_none=True)
+    return before, {n: _full_float32(p) for n, p in worker.model.named_parameters()}, grads
+
+
+def test_bfloat16_training_keeps_float32_master_weights(group, tiny_dir, tmp_path):
+    """AdamW's first step moves each weight by ``lr`` (``m / sqrt(v)`` is the gradient's sign). At
+    lr 1e-5 that is below bfloat16's resolution at the tiny model's weights (std 0.02: about 1e-4),
+    so pure bfloat16 weights (``master_dtype=bfloat16``) mostly keep their values; the default keeps
+    float32 master weights (FSDP2 mixed precision, also at one rank): every weight with a gradient
+    moves by ``lr``. A frozen worker stays in bfloat16; the export is in the compute dtype."""
+    device, mesh = group
+    section = {"model": str(tiny_dir), "dtype": "bfloat16", "lr": 1e-5, "max_grad_norm": 0.0}
+    mixed = Worker(section, mesh, device)
+    pure = Worker({**section, "master_dtype": "bfloat16"}, mesh, device)
+    frozen = Worker(section, mesh, device, trainable=False)
+    assert (mixed.dtype, mixed.master_dtype, pure.master_dtype) == (torch.bfloat16, torch.float32, torch.bfloat16)
+    assert {p.dtype for p in mixed.model.parameters()} == {torch.float32}
+    assert (
+        {p.dtype for p in pure.model.parameters()} == {p.dtype for p in frozen.model.parameters()} == {torch.bfloat16}
+    )
+    for worker, moved_share in ((mixed, (0.99, 1.0)), (pure, (0.0, 0.5))):
+        before, after, grads = _one_update(worker, device)
+        with_gradient = moved = 0
+        for name, grad in grads.items():
+            live = grad.abs() > 1e-5  # Adam's eps (1e-8) shrinks smaller ones' steps
+            step = (before[name] - after[name])[live]
+            with_gradient += int(live.sum())
+            moved += int((step != 0).sum())
+            if worker is mixed:
+                torch.testing.assert_close(step, 1e-5 * grad[live].sign(), rtol=5e-3, atol=0)
+        assert moved_share[0] <= moved / with_gradient <= moved_share[1], (worker.master_dtype, moved / with_gradient)
+    folder = mixed.export_hf(tmp_path / "export")
+    exported = AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
+    assert {p.dtype for p in exported.parameters()} == {torch.bfloat16}

@@ -29,6 +29,12 @@ CASES = [
     ("env=rl2/NoSuchEnv-v0", "config error: env: Environment `NoSuchEnv` doesn't exist in namespace rl2"),
     ("actor.model=/no/such/model", "config error: actor.model: no such model folder '/no/such/model'"),
     ("rollout.is_mode=masked", "config error: rollout.is_mode: moved to actor.is_mode"),
+    ("actor.dtype=half", "config error: actor.dtype must be auto or one of"),
+    ("actor.master_dtype=half", "config error: actor.master_dtype must be auto or one of"),
+    (
+        "actor.dtype=float32 actor.master_dtype=bfloat16",
+        "config error: actor.master_dtype=bfloat16 is less precise than the compute dtype torch.float32",
+    ),
     (
         "env=rl2/Math-v0 env_kwargs.dataset=/no/such/data.jsonl",
         "config error: env_kwargs.dataset: no such data file '/no/such/data.jsonl'",
