@@ -33,7 +33,14 @@ from rl2gem.config import ConfigError
 from rl2gem.data import load_preferences
 from rl2gem.parallel.packing import plan_pair_micro_batches
 from rl2gem.procs import run_main
-from rl2gem.training.forward import check_attention, check_dtypes, check_packing, sequence_sums, token_logprobs
+from rl2gem.training.forward import (
+    check_attention,
+    check_dtypes,
+    check_packing,
+    sequence_sums,
+    to_device,
+    token_logprobs,
+)
 from rl2gem.training.metrics import Averager
 from rl2gem.training.offline import PAIRS_HELP, OfflineTrainer, check_data_config
 from rl2gem.training.pairs import PairSample, pair_sequences, tokenize_pairs
@@ -62,7 +69,7 @@ def response_logps(model, samples, device, tree: bool = False) -> tuple[torch.Te
     """Sequence log-probs ``[S]`` (summed over each sample's mask) of packed ``samples`` and their
     response token counts ``[S]``; ``tree``: packed as a prefix tree (each pair's prompt once)."""
     logprobs, _ = token_logprobs(model, [s.ids for s in samples], device, tree=tree)
-    counts = torch.tensor([float(sum(s.mask)) for s in samples], device=logprobs.device)
+    counts = to_device(torch.tensor([float(sum(s.mask)) for s in samples]), logprobs.device)
     return sequence_sums(logprobs, [len(s) for s in samples], [s.mask for s in samples]), counts
 
 

@@ -50,7 +50,7 @@ from rl2gem.algorithms import (
 )
 from rl2gem.parallel.packing import MicroBatch, plan_micro_batches, regroup_scores, tree_size
 from rl2gem.procs import run_main
-from rl2gem.training.forward import token_logprobs, token_values
+from rl2gem.training.forward import to_device, token_logprobs, token_values
 from rl2gem.training.metrics import Averager, reduce_mean, throughput_metrics, train_flops
 from rl2gem.training.old_logprobs import OldLogprobs
 from rl2gem.training.online import OnlineTrainer
@@ -217,9 +217,11 @@ class PPOTrainer(OnlineTrainer):
         mask = packed_field(part, "mask", self.device, torch.bool)
         rollout_logprobs = packed_field(part, "rollout_logprobs", self.device)
         trainer_logprobs = logprobs.detach() if self.old_from_rollout else score["old"]
-        weights = scale * packed_loss_weights(
-            [s.mask for s in part], actor.loss_agg, float(config.rollout.max_length), **totals
-        ).to(self.device)
+        weights = to_device(
+            scale
+            * packed_loss_weights([s.mask for s in part], actor.loss_agg, float(config.rollout.max_length), **totals),
+            self.device,
+        )
         is_weights, is_mask = importance_weights(score["old"], rollout_logprobs, mask, actor.is_mode, actor.is_cap)
         if config.adv.estimator in WEIGHTED_ESTIMATORS:  # the advantage already carries the token's own weight
             is_weights = torch.ones_like(is_weights)

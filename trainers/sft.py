@@ -32,9 +32,9 @@ from rl2gem.data import load_conversations
 from rl2gem.parallel.packing import plan_micro_batches
 from rl2gem.procs import run_main
 from rl2gem.rollout.tito import ChatRenderer
-from rl2gem.training.forward import check_attention, check_dtypes, token_logprobs
+from rl2gem.training.forward import check_attention, check_dtypes, to_device, token_logprobs
 from rl2gem.training.offline import OfflineTrainer, check_data_config
-from rl2gem.training.samples import Sample
+from rl2gem.training.samples import Sample, packed_field
 from rl2gem.training.trainer import launch
 
 CONFIG = Path(__file__).with_name("config") / "sft.yaml"
@@ -87,10 +87,14 @@ class SFTTrainer(OfflineTrainer):
             part = [samples[i] for i in mb.indices]
             with torch.set_grad_enabled(train):
                 logprobs, _ = token_logprobs(self.actor.model, [s.ids for s in part], self.device)
-                mask = torch.tensor([m for s in part for m in s.mask], dtype=torch.bool, device=self.device)
-                weights = mb.scale * packed_loss_weights(
-                    [s.mask for s in part], a.loss_agg, float(self.cfg.data.max_length), **totals
-                ).to(self.device)
+                mask = packed_field(part, "mask", self.device, torch.bool)
+                weights = to_device(
+                    mb.scale
+                    * packed_loss_weights(
+                        [s.mask for s in part], a.loss_agg, float(self.cfg.data.max_length), **totals
+                    ),
+                    self.device,
+                )
                 loss = -(logprobs * weights * mask).sum()
                 if train:
                     (loss * self.mesh.dp_size).backward()  # FSDP averages gradients over data-parallel ranks

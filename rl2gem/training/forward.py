@@ -109,7 +109,9 @@ def check_dtypes(actor) -> None:
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``tensor`` (on the host) on ``device``: through pinned memory and without waiting on CUDA,
-    a plain copy elsewhere."""
+    a plain copy elsewhere. A copy from pageable memory (``torch.tensor(values, device="cuda")``,
+    ``.to("cuda")``) first waits for the stream's queued work, so one made after a forward stops
+    the host from queueing the backward until the GPU is done."""
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
@@ -207,9 +209,9 @@ def _packed_forward(
     layout = zigzag_layout([len(s) for s in sequences], dist.get_world_size(group))
     rank = dist.get_rank(group)
     padded_ids = layout.pad(ids)
-    local_ids = layout.local(padded_ids, rank).to(device)
-    local_positions = layout.local(layout.positions, rank).to(device)
-    local_next = layout.local(_next_tokens(padded_ids, layout.positions), rank).to(device)
+    local_ids = to_device(layout.local(padded_ids, rank), device)
+    local_positions = to_device(layout.local(layout.positions, rank), device)
+    local_next = to_device(layout.local(_next_tokens(padded_ids, layout.positions), rank), device)
     with ring_context(layout, group):
         output = model(input_ids=local_ids[None], position_ids=local_positions[None], use_cache=False)
     local = per_token(output, local_next, None)
@@ -394,17 +396,15 @@ def sequence_scores(model, sequences: Sequence[Sequence[int]], device: torch.dev
         )
     finally:
         handle.remove()
-    positions = torch.tensor(score_positions(sequences, model.config.pad_token_id), device=per_token.device)
+    positions = to_device(torch.tensor(score_positions(sequences, model.config.pad_token_id)), per_token.device)
     return per_token[positions]
 
 
 def sequence_sums(values: torch.Tensor, lengths: Sequence[int], masks: Sequence[Sequence[int]]) -> torch.Tensor:
     """Per-sequence sums of packed per-token ``values`` ``[N]`` over each sequence's ``mask``:
     ``[S]`` in ``values``' dtype, differentiable (e.g. sequence log-probs of the response tokens)."""
-    mask = torch.tensor([m for ms in masks for m in ms], dtype=values.dtype, device=values.device)
-    owner = torch.repeat_interleave(
-        torch.arange(len(lengths), device=values.device), torch.tensor(list(lengths), device=values.device)
-    )
+    mask = to_device(torch.tensor([m for ms in masks for m in ms], dtype=values.dtype), values.device)
+    owner = to_device(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(list(lengths))), values.device)
     return torch.zeros(len(lengths), dtype=values.dtype, device=values.device).index_add(0, owner, values * mask)
 
 

@@ -22,6 +22,7 @@ from rl2gem.algorithms import (
 )
 from rl2gem.rewards.objectives import apply_objectives
 from rl2gem.rollout.rollout import reward_metrics
+from rl2gem.training.forward import to_device
 
 __all__ = [
     "OUTCOME_ESTIMATORS",
@@ -64,8 +65,9 @@ class Sample:
 
 def packed_field(samples: Sequence[Sample], field: str, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The per-token lists ``field`` of ``samples`` concatenated: the packed row, shape
-    ``(sum of lengths,)``, ``dtype`` on ``device``."""
-    return torch.tensor([x for s in samples for x in getattr(s, field)], dtype=dtype, device=device)
+    ``(sum of lengths,)``, ``dtype`` on ``device`` (copied from pinned memory: a step's host data
+    never waits for the device, :func:`rl2gem.training.forward.to_device`)."""
+    return to_device(torch.tensor([x for s in samples for x in getattr(s, field)], dtype=dtype), torch.device(device))
 
 
 def shape_rewards(
