@@ -43,6 +43,7 @@ __all__ = [
 
 #: Model heads :func:`load_sharded` builds: a causal LM, a per-token value (critic), a sequence reward.
 HEADS = ("lm", "value", "reward")
+COMPILED_VARIANTS = 32  # dynamo's recompile limit with compiled layers (``load_sharded``)
 
 
 def head_class(head: str):
@@ -201,6 +202,10 @@ def load_sharded(
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if compile_layers:
+        # the layers share one code object, whose compiled variants (train / no-grad / eval, static
+        # then dynamic shapes, one-block rows) of an actor and its reference reach dynamo's default
+        # limit of 8, past which new variants run eagerly without a word
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_VARIANTS)
         for layer in decoder_layers(model):
             layer.forward = torch.compile(layer.forward)
     sharded = mesh.size() > 1 or tp_mesh is not None or cpu_offload or param_dtype is not None

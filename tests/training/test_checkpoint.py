@@ -136,3 +136,19 @@ def test_bfloat16_training_keeps_float32_master_weights(group, tiny_dir, tmp_pat
     folder = mixed.export_hf(tmp_path / "export")
     exported = AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
     assert {p.dtype for p in exported.parameters()} == {torch.bfloat16}
+
+
+def test_compiled_layers_raise_dynamo_s_recompile_limit(group, tiny_dir, monkeypatch):
+    """``actor.compile=true``: every decoder layer's forward goes through ``torch.compile``, and
+    dynamo's per-code recompile limit (8 by default, shared by all layers of a class) is raised to
+    :data:`~rl2gem.parallel.fsdp.COMPILED_VARIANTS`, so an actor's and its reference's variants
+    all stay compiled (past the limit dynamo runs new variants eagerly, silently)."""
+    from rl2gem.models import decoder_layers
+    from rl2gem.parallel.fsdp import COMPILED_VARIANTS
+
+    device, mesh = group
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    worker = Worker({"model": str(tiny_dir), "compile": True}, mesh, device, trainable=False)
+    assert torch._dynamo.config.recompile_limit == COMPILED_VARIANTS >= 32
+    layers = decoder_layers(worker.model)
+    assert layers and all(hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in layers)
