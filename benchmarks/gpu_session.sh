@@ -48,6 +48,9 @@ from transformers import AutoTokenizer
 from rl2gem.models import resolve_model
 AutoTokenizer.from_pretrained(resolve_model('smollm2-135m-instruct')).save_pretrained('.tok')" || exit 1
     du -sh .whl .tok
+    # what the session imports is on the image or in .whl (benchmarks/gpu_image.py; --bench runs
+    # benchmarks/gpu.py on the CPU in that environment too, about 3 minutes)
+    .venv/bin/python benchmarks/gpu_image.py || exit 1
     ;;
   run)
     shift

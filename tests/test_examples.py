@@ -430,6 +430,23 @@ def test_proof_tables_read_runs(tmp_path):
     assert (tmp_path / "kl" / "curves.png").stat().st_size > 1000
 
 
+def test_the_gpu_session_imports_only_what_the_device_image_has():
+    """benchmarks/gpu_image.py: in an environment holding only the device image's distributions
+    and the session's wheels, the trainers, evaluation and envs import, pytest collects the GPU
+    tests and benchmarks/gpu.py starts; the control leaves omegaconf out and the check fails,
+    naming it."""
+    stdout = run("benchmarks/gpu_image.py", timeout=300)
+    assert stdout.splitlines()[:3] == [
+        "imports: ok", "pytest collects tests/test_gpu.py: ok", "benchmarks/gpu.py --help: ok"
+    ], stdout  # fmt: skip
+    control = subprocess.run(
+        [sys.executable, "benchmarks/gpu_image.py", "--without", "omegaconf"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert control.returncode == 1 and "imports: FAILED" in control.stdout, control.stdout
+    assert "No module named 'omegaconf'" in control.stdout, control.stdout
+
+
 # slow: make bench runs the script in full
 @pytest.mark.slow
 def test_gpu_benchmark_smoke(tiny_dir):
