@@ -19,7 +19,7 @@ from rl2gem.rollout.engines.lean_decoder import LeanDecoder
 
 
 def test_row_bucket_by_hand():
-    assert [row_bucket(n, 64) for n in (1, 2, 3, 5, 8, 9, 33, 64)] == [1, 2, 4, 8, 8, 16, 64, 64]
+    assert [row_bucket(n, 64) for n in (1, 2, 3, 5, 8, 9, 33, 64)] == [8, 8, 8, 8, 8, 16, 64, 64]
     assert row_bucket(5, 6) == 6  # never past the store's rows
     with pytest.raises(ValueError, match="do not fit"):
         row_bucket(7, 6)
@@ -69,7 +69,7 @@ def test_all_column_step_equals_the_windowed_decode(kind):
 
 @pytest.mark.parametrize("decode_steps", [1, 4])
 def test_engine_with_the_fixed_shape_step_gives_the_same_tokens(tokenizer, monkeypatch, decode_steps):
-    """Staggered requests over 1, 3, 5 and 6 running rows (several buckets), a GRPO group, a second
+    """Staggered requests over 1, 3, 5 and 6 running rows, a GRPO group, a second
     turn through the prefix cache, a store that re-allocates as generations grow, a weight update
     copied in place, a request that meets its stop token within a chunk of steps, a streamed
     request and a top-k request: the engine with ``decode_graphs=True`` (eager on the CPU),
@@ -112,7 +112,7 @@ def test_engine_with_the_fixed_shape_step_gives_the_same_tokens(tokenizer, monke
     monkeypatch.setattr(
         DecodeGraphs,
         "_build",
-        lambda self, store, bucket, steps: built.append(bucket) or original_build(self, store, bucket, steps),
+        lambda self, store, bucket, steps: built.append((bucket, steps)) or original_build(self, store, bucket, steps),
     )
     monkeypatch.setattr(DecodeGraphs, "reset", lambda self: resets.append(1) or original_reset(self))
     fixed_tokens, fixed_logprobs, fixed_cached, fixed_engine = asyncio.run(run(True))
@@ -122,7 +122,11 @@ def test_engine_with_the_fixed_shape_step_gives_the_same_tokens(tokenizer, monke
     for a, b in zip(fixed_logprobs, window_logprobs, strict=True):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=1e-4)
     assert fixed_cached == window_cached and min(fixed_cached) > 0  # the stopped turn's prefix is exact
-    assert {1, 4, 6} <= set(built) <= {1, 2, 4, 6}  # buckets of the store's 6 rows
+    # 1 to 6 rows pad to the smallest bucket (8) cut to the store's rows (4, then 6); budgets that
+    # end inside a chunk (9, 15, 21... tokens) build no shorter chunk: one step per bucket (and the
+    # logits-only step of the top-k request), each a capture per rollout on CUDA
+    assert 6 in {bucket for bucket, _ in built} and {bucket for bucket, _ in built} <= {4, 6}
+    assert {steps for _, steps in built} == {0, decode_steps}
     assert len(resets) >= 3  # the store grew or was freed (weight update) and the steps were built again
     assert fixed_engine.stats["decode_graph_captures"] == 0  # nothing is captured off CUDA
     # host round trips (how many steps each ran depends on when the engine thread admitted the

@@ -9,7 +9,7 @@ and replays it, one launch per step, as vLLM and SGLang do for their decode batc
 A graph replays fixed shapes and addresses, so the captured step has neither host data nor a
 shape that changes between steps:
 
-* rows are padded to a bucket (powers of two, at most the store's rows); a padding row reads only
+* rows are padded to a bucket (powers of two from 8, at most the store's rows); a padding row reads only
   its own new column, so its output is finite and never used;
 * every column of the store's buffers is read under the mask, not the window the windowed
   :meth:`~rl2gem.rollout.engines.lean_decoder.LeanDecoder.decode` slices (masked columns weigh
@@ -53,15 +53,21 @@ import torch
 from rl2gem.rollout.engines.lean_decoder import LeanDecoder
 from rl2gem.rollout.engines.sampling import sample_rows
 
-__all__ = ["DecodeGraphs", "row_bucket"]
+__all__ = ["DecodeGraphs", "SMALLEST_BUCKET", "row_bucket"]
+
+
+SMALLEST_BUCKET = 8  # fewer rows pad to 8: a decode step of so few rows is launch-bound anyway
 
 
 def row_bucket(rows: int, capacity: int) -> int:
-    """The padded row count of a step of ``rows`` rows: the next power of two, at most ``capacity``
-    (the store's rows). Raises ``ValueError`` when ``rows`` exceeds ``capacity``."""
+    """The padded row count of a step of ``rows`` rows: the next power of two from
+    :data:`SMALLEST_BUCKET` on, at most ``capacity`` (the store's rows). Each bucket is a graph
+    captured again every rollout, so fewer buckets are fewer captures (a rollout whose rows finish
+    one by one passes through every bucket). Raises ``ValueError`` when ``rows`` exceeds
+    ``capacity``."""
     if not 0 < rows <= capacity:
         raise ValueError(f"{rows} rows do not fit a store of {capacity} rows")
-    bucket = 1
+    bucket = SMALLEST_BUCKET
     while bucket < rows:
         bucket *= 2
     return min(bucket, capacity)

@@ -933,15 +933,16 @@ class EmbeddedEngine(Engine):
 
     def _chunk_steps(self, reqs: list[_Request]) -> int:
         """Decode steps of the next host round trip, each sampled on the device: ``decode_steps``,
-        fewer when every row's length limit or one row's context ends sooner; 0 when the step
-        runs without graphs or a row has top-k or top-p (one step, sampled after it)."""
+        fewer only when a row's context ends sooner (no position past it); 0 when the step runs
+        without graphs or a row has top-k or top-p (one step, sampled after it). Rows whose token
+        budget ends inside the chunk drop the tokens past it, as after a stop token: each chunk
+        length is a graph captured every rollout, so one length for the budget's tail too."""
         if self._graphs is None:
             return 0
         if any(filtered(r.params) for r in reqs):
             return 0
-        budget = max(r.params.max_new_tokens - len(r.out_ids) for r in reqs)
         context = min(self.context_length - 1 - r.length for r in reqs)
-        return max(1, min(self.decode_steps, budget, context))
+        return max(1, min(self.decode_steps, context))
 
     def _sample_on_device(self, st: _KVStore, reqs: list[_Request], steps: int):
         """``steps`` decode steps sampled in the captured graph -> tokens and log-probs
