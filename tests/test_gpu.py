@@ -20,8 +20,10 @@ import torch
 from helpers import ROOT, grouped, logged_steps, one_at_a_time, torchrun
 from tiny import tiny_model
 
+from rl2gem.algorithms.losses import importance_weights, packed_loss_weights, policy_loss
 from rl2gem.parallel.attention import enable_attention, flash_attn_available
 from rl2gem.training import token_logprobs
+from rl2gem.training.forward import to_device
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 CUDA = torch.device("cuda")
@@ -92,6 +94,42 @@ def test_compiled_layers_give_the_eager_logprobs():
             expected = token_logprobs(eager, seqs, CUDA)[0]
             got = token_logprobs(compiled, seqs, CUDA)[0]
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def ppo_micro_batch(model, device, tree: bool) -> None:
+    """What PPO's update does with one packed micro-batch (``trainers/ppo.py``): log-probs where an
+    action token is predicted, the action mask and loss weights moved from the host, importance
+    weights, the clipped policy loss with its metrics, the backward."""
+    seqs = grouped(system=6 if tree else 0)
+    masks = [[0] * 4 + [1] * (len(s) - 4) for s in seqs]
+    logprobs, _ = token_logprobs(model, seqs, device, entropy="metric", tree=tree, needed=masks)
+    mask = to_device(torch.tensor([m for ms in masks for m in ms], dtype=torch.bool), device)
+    old = logprobs.detach()
+    totals = {"num_tokens": float(mask.numel()), "num_sequences": float(len(seqs))}
+    weights = to_device(packed_loss_weights(masks, "token_mean", **totals), device)
+    is_weights, is_mask = importance_weights(old, old + 0.01, mask, "truncated", 2.0)
+    loss, _ = policy_loss(
+        logprobs[None], old[None], torch.ones_like(old)[None], is_mask[None],
+        clip_low=0.2, clip_high=0.28, is_weights=is_weights[None], token_weights=weights[None],
+    )  # fmt: skip
+    loss.backward()
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_a_ppo_micro_batch_never_waits_for_the_gpu(tree):
+    """A training micro-batch queues its work without waiting for the GPU: under
+    ``torch.cuda.set_sync_debug_mode("error")`` any synchronising call (a host read, a copy from
+    pageable memory, a data-dependent shape) raises, and the traceback names it. A first run
+    outside the mode does the lazy initialisations."""
+    model = tiny_model().to(CUDA, torch.bfloat16)
+    enable_attention(model, "flex")
+    ppo_micro_batch(model, CUDA, tree)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ppo_micro_batch(model, CUDA, tree)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def test_weights_sync_device_to_device():

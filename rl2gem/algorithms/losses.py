@@ -175,7 +175,7 @@ def policy_loss(
     norm: float | None = None,
     is_weights: torch.Tensor | None = None,
     token_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate (Schulman et al. 2017) with asymmetric clipping (DAPO's clip-higher,
     Yu et al. 2025: ``ratio`` clipped to ``[1 - clip_low, 1 + clip_high]``) and dual clip (Ye et
     al. 2020: for negative advantages the loss is capped at ``-A * dual_clip``, ``dual_clip > 1``).
