@@ -235,7 +235,7 @@ def value_loss(
     clip: float | None = 0.2,
     loss_agg: str = "token_mean",
     token_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss of PPO (Schulman et al. 2017; the clipping as in OpenAI baselines):
     ``0.5 * max((V - R)^2, (V_old + clip(V - V_old, -clip, +clip) - R)^2)`` per action token.
 
