@@ -9,8 +9,8 @@ and replays it, one launch per step, as vLLM and SGLang do for their decode batc
 A graph replays fixed shapes and addresses, so the captured step has neither host data nor a
 shape that changes between steps:
 
-* rows are padded to a bucket (powers of two from 8, at most the store's rows); a padding row reads only
-  its own new column, so its output is finite and never used;
+* rows are padded to a bucket (powers of two from 8, at most the store's rows); a padding row
+  reads only its own new column, so its output is finite and never used;
 * every column of the store's buffers is read under the mask, not the window the windowed
   :meth:`~rl2gem.rollout.engines.lean_decoder.LeanDecoder.decode` slices (masked columns weigh
   exactly 0);
@@ -36,8 +36,8 @@ trainer's update), so each rollout captures its buckets again (``time_capture_ms
 
 Without CUDA (``capture=False``, the CPU) the same fixed-shape step runs eagerly, after the same
 warm-up a capture has: that is how its equality with the windowed decode is tested on the CPU;
-the capture itself is tested under ``pytest -m gpu``. Source: PyTorch's CUDA graphs notes (``torch.cuda.graph``, warm-up on a side
-stream, a memory pool shared by the graphs).
+the capture itself is tested under ``pytest -m gpu``. Source: PyTorch's CUDA graphs notes
+(``torch.cuda.graph``, warm-up on a side stream, a memory pool shared by the graphs).
 """
 
 from __future__ import annotations
