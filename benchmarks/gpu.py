@@ -311,9 +311,10 @@ def ppo_section(model_dir: Path, tmp: Path, steps: int, groups: int) -> None:
     print(
         "| run | rollout s | engine prefill s | engine decode s | graph capture s | old_logprobs s | update s"
         " | weight_sync s | step s"
-        + " | step-1 mismatch KL | largest difference | steps on the engine's log-probs |"
+        + " | step-1 mismatch KL | largest difference | steps on the engine's log-probs"
+        + " | steps on the update's forward |"
     )  # fmt: skip
-    print("|---|" + "---:|" * (len(phases) + 3))
+    print("|---|" + "---:|" * (len(phases) + 4))
     for name, extra in jobs.items():
         out = tmp / f"ppo-{len(name)}"
         args = ["trainers/ppo.py", f"actor.model={model_dir}", f"trainer.total_steps={steps}", "trainer.eval_n=8"]
@@ -331,7 +332,8 @@ def ppo_section(model_dir: Path, tmp: Path, steps: int, groups: int) -> None:
             f"{check[k]:.2e}" if k in check else "-"
             for k in ("actor/old_logprob_mismatch_kl", "actor/old_logprob_max_diff")
         ]
-        cells.append(f"{sum(r.get('actor/old_logprobs_from_rollout', 0.0) for r in logged):.0f} of {len(logged)}")
+        for source in ("actor/old_logprobs_from_rollout", "actor/old_logprobs_from_update"):
+            cells.append(f"{sum(r.get(source, 0.0) for r in logged):.0f} of {len(logged)}")
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -124,10 +124,13 @@ class PPOTrainer(OnlineTrainer):
             metrics["time/weight_sync"] = self.sync_weights()
         models = 1 + (self.critic is not None)  # the critic has the actor's backbone
         computed_tokens = sum(lengths) * metrics["perf/computed_token_fraction"]  # tree: shared prefixes once
+        # forwards before the update: the old log-probs' own pass (not when the engine's or the update's
+        # are used), the reference's, the critic's values
+        recomputed = not (self.old_from_rollout or self.old_in_update)
         flops = train_flops(
             self.actor.num_parameters,
             generated_tokens=int(metrics.get("rollout/action_tokens", 0)),
-            forward_tokens=computed_tokens * (models + (self.ref is not None)),
+            forward_tokens=computed_tokens * (recomputed + (self.ref is not None) + (self.critic is not None)),
             train_tokens=computed_tokens * int(self.cfg.actor.update_per_rollout) * models,
         )
         metrics.update(
@@ -144,12 +147,23 @@ class PPOTrainer(OnlineTrainer):
         temperature, tree = config.rollout.temperature or 1.0, config.actor.packing == "tree"
         scores, values = [], Averager()
         source, measured = self.old_logprobs.source(samples, self.step), torch.zeros(3, device=self.device)
+        # auto recomputing an on-policy step that nothing before the update reads them for: the
+        # update's forward before its one optimizer step gives them (and measures the check)
+        self.old_in_update = (
+            self.cfg.actor.old_logprobs == "auto"
+            and source in ("recompute", "check")
+            and self.critic is None
+            and self.old_logprobs.on_policy(samples, self.step)
+        )
+        self.check_in_update = source == "check" and self.old_in_update
         for micro_batch in micro_batches:
             part = [samples[i] for i in micro_batch.indices]
             ids, needed = [s.ids for s in part], [s.mask for s in part]  # log-probs of action tokens only
             forward = {"temperature": temperature, "tree": tree, "needed": needed}
             if source == "rollout":
                 score = {"old": packed_field(part, "rollout_logprobs", self.device)}
+            elif self.old_in_update:
+                score = {}
             else:
                 score = {"old": token_logprobs(self.actor.model, ids, self.device, **forward)[0]}
                 if source == "check" and not micro_batch.placeholder:
@@ -173,10 +187,11 @@ class PPOTrainer(OnlineTrainer):
                 values.add({"values": mean_value}, weight=micro_batch.scale * mask.sum())
             scores.append(score)
         metrics = values.means("critic/") if self.critic is not None else {}
-        if source == "check":  # every rank decides alike: on the mismatch KL over all ranks
+        if source == "check" and not self.check_in_update:  # every rank decides alike: on the KL over all ranks
             metrics.update(self.old_logprobs.decide(measured, self.rank))
         self.old_from_rollout = source == "rollout"
         metrics["actor/old_logprobs_from_rollout"] = float(self.old_from_rollout)
+        metrics["actor/old_logprobs_from_update"] = float(self.old_in_update)
         return scores, metrics
 
     def update(self, samples, micro_batches, scores) -> dict:
@@ -185,13 +200,16 @@ class PPOTrainer(OnlineTrainer):
         actor = self.cfg.actor
         totals = {"num_tokens": float(sum(sum(s.mask) for s in samples)), "num_sequences": float(len(samples))}
         per_minibatch = math.ceil(len(micro_batches) / max(1, int(actor.minibatches_per_update)))
-        stats, norms = Averager(), {}
+        stats, norms, measured = Averager(), {}, torch.zeros(3, device=self.device)
         for _ in range(int(actor.update_per_rollout)):
             for first in range(0, len(micro_batches), per_minibatch):
                 chunk = slice(first, first + per_minibatch)
                 for micro_batch, score in zip(micro_batches[chunk], scores[chunk], strict=True):
                     part = [samples[i] for i in micro_batch.indices]
                     row = self.micro_batch_loss(part, micro_batch.scale, score, totals)
+                    check = row.pop("check", None)
+                    if check is not None and not micro_batch.placeholder:
+                        measured = OldLogprobs.combine(measured, check)
                     tokens = micro_batch.scale * row.pop("tokens")
                     stats.add({k: v for k, v in row.items() if k in PER_TOKEN_METRICS}, tokens)
                     stats.add({k: v for k, v in row.items() if k not in PER_TOKEN_METRICS}, micro_batch.scale)
@@ -199,6 +217,8 @@ class PPOTrainer(OnlineTrainer):
                 if self.critic is not None:
                     norms["critic/grad_norm"] = self.critic.step()
         means = {(k if k.startswith("critic/") else f"actor/{k}"): v for k, v in stats.means().items()}
+        if self.check_in_update:  # auto's check, measured by this update's forwards (every rank alike)
+            means.update(self.old_logprobs.decide(measured, self.rank))
         return {**means, **norms, "actor/lr": self.actor.lr}
 
     def micro_batch_loss(self, part, scale: float, score: dict, totals: dict) -> dict[str, torch.Tensor]:
@@ -216,18 +236,21 @@ class PPOTrainer(OnlineTrainer):
         )  # fmt: skip
         mask = packed_field(part, "mask", self.device, torch.bool)
         rollout_logprobs = packed_field(part, "rollout_logprobs", self.device)
-        trainer_logprobs = logprobs.detach() if self.old_from_rollout else score["old"]
+        # on-policy with the old log-probs from this forward (score() left them out): before the one
+        # optimizer step these are the weights a recompute pass would have used
+        old = score["old"] if "old" in score else logprobs.detach()
+        trainer_logprobs = logprobs.detach() if self.old_from_rollout else old
         weights = to_device(
             scale
             * packed_loss_weights([s.mask for s in part], actor.loss_agg, float(config.rollout.max_length), **totals),
             self.device,
         )
-        is_weights, is_mask = importance_weights(score["old"], rollout_logprobs, mask, actor.is_mode, actor.is_cap)
+        is_weights, is_mask = importance_weights(old, rollout_logprobs, mask, actor.is_mode, actor.is_cap)
         if config.adv.estimator in WEIGHTED_ESTIMATORS:  # the advantage already carries the token's own weight
             is_weights = torch.ones_like(is_weights)
         advantages = packed_field(part, "advantages", self.device)
         pg_loss, pg_metrics = policy_loss(
-            logprobs[None], score["old"][None], advantages[None], is_mask[None],
+            logprobs[None], old[None], advantages[None], is_mask[None],
             clip_low=actor.clip_low, clip_high=actor.clip_high, dual_clip=actor.dual_clip,
             is_weights=is_weights[None], token_weights=weights[None],
         )  # fmt: skip
@@ -248,6 +271,8 @@ class PPOTrainer(OnlineTrainer):
             "mismatch_kl": (kl_estimate(rollout_logprobs, trainer_logprobs, "k3") * mask).sum() / tokens,
             **({"kl": (kl.detach() * mask).sum() / tokens} if with_ref else {}),
         }
+        if self.check_in_update:
+            row["check"] = OldLogprobs.compare(trainer_logprobs, rollout_logprobs, mask)
         if self.critic is not None:
             values = token_values(self.critic.model, ids, self.device, tree=tree)
             vf_loss, vf_metrics = value_loss(

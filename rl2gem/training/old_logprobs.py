@@ -22,6 +22,12 @@ Hilton et al. 2022; AReaL, Fu et al. 2025); recomputing would set it to 1 and le
 uncorrected. A mismatch beyond the bound (wrong weights, a broken kernel) keeps ``auto``
 recomputing.
 
+Where ``auto`` recomputes an exactly on-policy step with nothing before the update needing the
+old log-probs (no critic: its returns and a KL in the reward read them), the trainer takes them
+from the update's own forward, detached: before the update's one optimizer step the weights are
+the ones a recompute pass would use, so that pass is skipped (``actor/old_logprobs_from_update``;
+its check is measured there too). ``recompute`` keeps the separate pass.
+
 In bf16, expect ``auto`` to keep recomputing unless the engine and the trainer share their
 kernels: bf16 alone puts two implementations of one model about 3e-3 apart. Measured on the CPU
 (``benchmarks/logprob_mismatch.py``, SmolLM2-135M-Instruct, 1,665 tokens of GSM8K text): bf16
@@ -63,13 +69,18 @@ class OldLogprobs:
     def load_state_dict(self, state: dict[str, bool | None]) -> None:
         self.match = state["match"]
 
-    def source(self, samples, step: int) -> str:
-        """``"rollout"``, ``"recompute"`` or ``"check"`` (recompute, and compare with the rollout's)
-        for the samples of policy version ``step`` (``samples[i].versions``: the version that
-        sampled each token; ``.mask``: action tokens)."""
-        on_policy = self.single_pass and all(
+    def on_policy(self, samples, step: int) -> bool:
+        """Whether the update of policy version ``step`` is exactly on-policy: one pass, one
+        minibatch, every action token sampled by version ``step`` (``samples[i].versions``: the
+        version that sampled each token; ``.mask``: action tokens)."""
+        return self.single_pass and all(
             version == step for s in samples for version, m in zip(s.versions, s.mask, strict=True) if m
         )
+
+    def source(self, samples, step: int) -> str:
+        """``"rollout"``, ``"recompute"`` or ``"check"`` (recompute, and compare with the rollout's)
+        for the samples of policy version ``step`` (see :meth:`on_policy`)."""
+        on_policy = self.on_policy(samples, step)
         if self.option == "recompute" or not on_policy:
             return "recompute"
         if self.option == "rollout":

@@ -112,6 +112,7 @@ class OnlineTrainer(Trainer):
             a.old_logprobs, a.old_logprobs_max_kl, a.update_per_rollout, a.minibatches_per_update
         )
         self.old_from_rollout = False  # this step's old log-probs are the engine's
+        self.old_in_update = self.check_in_update = False  # ... the update's own forward's (and its check)
         if c.reward.model:  # every rank scores its own episodes with a full copy
             self.reward_model = RewardModel(
                 c.reward.model, device=self.device, dtype=self.actor.dtype, chat_template=c.rollout.chat_template

@@ -400,9 +400,9 @@ def test_gae_critic_run_with_kl_in_reward(tiny_dir, tmp_path, capsys):
 
 
 def test_on_policy_steps_use_the_rollout_logprobs_and_equal_recomputing_them(tiny_dir, tmp_path, capsys):
-    """actor.old_logprobs=auto recomputes in step 1, finds the engine's log-probs within the
-    mismatch-KL bound of the trainer's, and from step 2 on skips the forward: its steps equal a run that always
-    recomputes (a bound nothing meets, which keeps auto recomputing, is
+    """actor.old_logprobs=auto takes the trainer's log-probs in step 1 from the update's own forward,
+    finds the engine's log-probs within the mismatch-KL bound of the trainer's, and from step 2 on
+    uses the engine's: its steps equal a run that always recomputes in a pass of its own (a bound nothing meets, which keeps auto recomputing, is
     tests/training/test_online_parts.py's). The rollout choice is refused where the update is not
     exactly on-policy."""
     runs = {}
@@ -425,6 +425,10 @@ def test_on_policy_steps_use_the_rollout_logprobs_and_equal_recomputing_them(tin
         runs[name] = logged_steps(out / "metrics.jsonl", "actor/pg_loss")
     auto, recompute = runs["auto"], runs["recompute"]
     assert [auto[s]["actor/old_logprobs_from_rollout"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    # auto's check step takes the trainer's log-probs from the update's own forward (no separate
+    # pass; its metrics below equal the separate pass's); recompute keeps the pass
+    assert [auto[s]["actor/old_logprobs_from_update"] for s in (1, 2, 3)] == [1.0, 0.0, 0.0]
+    assert all(recompute[s]["actor/old_logprobs_from_update"] == 0.0 for s in (1, 2, 3))
     # the engine's counters of each step's rollout (on the CPU one decode step per host round trip)
     for step in (1, 2, 3):
         engine = {k.removeprefix("engine/"): v for k, v in auto[step].items() if k.startswith("engine/")}
