@@ -426,6 +426,23 @@ def test_release_memory_frees_the_kv_buffers_and_the_engine_serves_the_same_afte
     assert kept[0] > 0 and len(c.output_ids) == 200
 
 
+def test_prompt_logprobs_of_a_prompt_longer_than_one_chunk(model):
+    """A 1,500-token prompt's log-probs (log-softmax in chunks of 1,024 positions) at temperature
+    0.7 from position 3 on: the teacher-forced reference's, the first ones ``None``-free."""
+    prompt = [(17 * i) % 900 + 3 for i in range(1500)]
+
+    async def main():
+        eng = EmbeddedEngine(model)
+        out = await eng.generate(prompt, {"max_new_tokens": 0, "temperature": 0.7}, logprob_start_len=3)
+        await eng.close()
+        return out
+
+    out = run(main())
+    expected = teacher_logprobs(model, prompt[:3], prompt[3:], temperature=0.7)
+    assert len(out.input_logprobs) == 1497
+    torch.testing.assert_close(torch.tensor(out.input_logprobs), expected, atol=1e-5, rtol=1e-5)
+
+
 def test_an_error_in_the_prompt_logprobs_fails_the_admitted_requests(model):
     """Out of memory while computing a prompt's log-probs (the whole prompt's logits at once), after
     the request left the queue: it and the request admitted with it end with the engine error

@@ -642,13 +642,20 @@ class EmbeddedEngine(Engine):
     def _forward(self, **kw):
         return self.model(**kw, use_cache=True)
 
-    def _input_logprobs(self, r: _Request):
+    def _input_logprobs(self, r: _Request, rows: int = 1024):
+        """The prompt's log-probs from ``logprob_start_len`` on: one forward, then float32
+        log-softmax ``rows`` positions at a time (the whole prompt's ``[L, V]`` in float32, three
+        times over, is gigabytes at a long prompt)."""
         ids = torch.tensor([r.input_ids], device=self._device)
-        logits = self.model(input_ids=ids, use_cache=False).logits[0].float()
+        logits = self.model(input_ids=ids, use_cache=False).logits[0]  # [L, V] in the model's dtype
         t = r.params.temperature or 1.0
-        lp = torch.log_softmax(logits[:-1] / t, -1).gather(1, ids[0, 1:, None]).flatten().tolist()
-        full = [None] + lp
-        r.input_lp = full[r.logprob_start_len :]
+        targets = ids[0, 1:, None]
+        parts = [
+            torch.log_softmax(logits[a : min(a + rows, len(targets))].float() / t, -1).gather(1, targets[a : a + rows])
+            for a in range(0, len(targets), rows)
+        ]
+        lp = torch.cat(parts).flatten().tolist() if parts else []
+        r.input_lp = ([None] + lp)[r.logprob_start_len :]
 
     # ------------------------------------------------------------------ prefix cache
     def _save_prefix(self, req: _Request, slot: int) -> None:
