@@ -259,8 +259,10 @@ def _tree_forward(model, sequences, device, per_token, group, needed=None):
     next_ids, node_of = _next_tokens(flat_ids, flat_positions), to_device(tree["node_of"], device)
     if needed is None:
         return per_token(model(**inputs), next_ids, node_of), batch
-    kept = to_device(_predicting(needed, batch["position_ids"][0]), device)
-    nodes, rows = torch.unique(node_of[kept], return_inverse=True)  # the tree nodes whose logits are read
+    kept_host = _predicting(needed, batch["position_ids"][0])
+    # the tree nodes whose logits are read, found on the host (on CUDA ``unique`` reads its size back)
+    nodes, rows = (to_device(t, device) for t in torch.unique(tree["node_of"][kept_host], return_inverse=True))
+    kept = to_device(kept_host, device)
     output = model(**inputs, logits_to_keep=nodes)
     return _scatter(per_token(output, next_ids[kept], rows), kept, next_ids.numel()), batch
 
