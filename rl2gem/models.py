@@ -214,8 +214,9 @@ def resolve_dtype(name: str, device):
 
 
 def resolve_master_dtype(name: str, compute_dtype, trainable: bool):
-    """The dtype of a worker's parameters, gradients and optimizer state (its master weights) when
-    it computes in ``compute_dtype`` (:func:`resolve_dtype`).
+    """The dtype of a worker's trainable parameters, their gradients and optimizer state (its
+    master weights) when it computes in ``compute_dtype`` (:func:`resolve_dtype`); frozen
+    parameters (a LoRA base) stay in ``compute_dtype``.
 
     ``auto``: float32 for a trainable worker that computes in bfloat16, else ``compute_dtype``.
     AdamW's update of a weight is about the learning rate; bfloat16 holds a weight of 0.02 to

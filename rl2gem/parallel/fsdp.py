@@ -121,7 +121,7 @@ def load_sharded(
     dtype=torch.float32,
     cpu_offload: bool = False,
     reshard_after_forward: bool = True,
-    param_dtype=None,
+    master_dtype=None,
     gradient_checkpointing: bool = False,
     head: str = "lm",
     tp_mesh=None,
@@ -145,14 +145,19 @@ def load_sharded(
         attention: the kernel of packed rows, resolved (``flex``, ``flash``, ``sdpa`` or
             ``block``; :func:`rl2gem.parallel.attention.resolve_attention`); ignored with
             ``sp_group`` (ring attention).
+        master_dtype: mixed precision (FSDP2's ``MixedPrecisionPolicy``, also at one rank): the
+            trainable parameters (and so their gradients and optimizer state) are kept in this dtype
+            (float32), the frozen ones (a LoRA base) in ``dtype``, and every forward and backward
+            computes in ``dtype`` with gradients reduced in float32. None: everything in ``dtype``.
         compile_layers: compile each decoder layer's ``forward`` with ``torch.compile`` (Inductor:
             fused kernels, far fewer launches on CUDA; each layer stays its own FSDP unit, whose
             hooks run outside the compiled code; shapes go dynamic after the first recompile).
             The first steps pay the compilation (tens of seconds).
 
-    Returns the model (train mode) with ``dtype`` parameters: FSDP-wrapped, or, on a data mesh
-    of one rank without tensor parallelism, CPU offload or mixed precision, the plain module
-    (FSDP there only copies parameters and gradients through its buffers).
+    Returns the model (train mode) with ``dtype`` parameters (the trainable ones ``master_dtype``):
+    FSDP-wrapped, or, on a data mesh of one rank without tensor parallelism, CPU offload or mixed
+    precision, the plain module (FSDP there only copies parameters and gradients through its
+    buffers).
 
     Raises:
         ValueError: unknown ``head``, or a model that ``tp_mesh`` cannot split
@@ -191,6 +196,12 @@ def load_sharded(
         adapt(model)
     if head == "reward":  # Bradley-Terry is blind to a shared offset: keep it exactly 0 for the export
         model.score.bias.requires_grad_(False)
+    param_dtype = None
+    if master_dtype is not None and master_dtype != dtype:  # rank 0's values are cast as they load
+        param_dtype = dtype
+        for parameter in model.parameters():
+            if parameter.requires_grad:
+                parameter.data = parameter.data.to(master_dtype)
     model.rl2_tp_group = model.rl2_sp_group = None
     if tp_mesh is not None:
         parallelize(model, tp_mesh)

@@ -58,7 +58,8 @@ class WorkerSettings:
     Attributes:
         model: built-in name, folder or hub id (no download at run time).
         dtype: the compute dtype: ``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32`` or ``bfloat16``.
-        master_dtype: the parameters' and optimizer state's: ``auto`` (float32 for a trainable
+        master_dtype: the trainable parameters' and optimizer state's (a LoRA base stays in
+            ``dtype``): ``auto`` (float32 for a trainable
             worker computing in bfloat16: FSDP2 mixed precision; :func:`rl2gem.models.resolve_master_dtype`)
             or a dtype name (``bfloat16`` with ``dtype=bfloat16``: pure bfloat16, half the memory).
         lr, weight_decay: AdamW's.

@@ -119,8 +119,8 @@ class Worker:
             self.name_or_path,
             mesh.data_mesh,
             device=device,
-            dtype=self.master_dtype,
-            param_dtype=self.dtype if self.master_dtype != self.dtype else None,  # FSDP2 mixed precision
+            dtype=self.dtype,
+            master_dtype=self.master_dtype,  # the trainable parameters' (FSDP2 mixed precision when not dtype)
             head=head,
             cpu_offload=bool(settings.cpu_offload),
             reshard_after_forward=bool(settings.reshard_after_forward),

@@ -100,7 +100,7 @@ def _one_update(worker, device):
     before = {n: _full_float32(p) for n, p in worker.model.named_parameters()}
     logprobs, _ = token_logprobs(worker.model, [[5, 6, 7, 8, 9, 10], [9, 10, 11, 12]], device)
     (-logprobs.sum()).backward()
-    grads = {n: _full_float32(p.grad) for n, p in worker.model.named_parameters()}
+    grads = {n: _full_float32(p.grad) for n, p in worker.model.named_parameters() if p.grad is not None}
     worker.optimizer.step()
     worker.optimizer.zero_grad(set_to_none=True)
     return before, {n: _full_float32(p) for n, p in worker.model.named_parameters()}, grads
@@ -136,6 +136,19 @@ def test_bfloat16_training_keeps_float32_master_weights(group, tiny_dir, tmp_pat
     folder = mixed.export_hf(tmp_path / "export")
     exported = AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
     assert {p.dtype for p in exported.parameters()} == {torch.bfloat16}
+    # LoRA: the trained adapters are the float32 masters, the frozen base stays bfloat16 (no copy of
+    # the base in float32), and a step moves every adapter weight with a gradient by lr (at the
+    # start only the B matrices have one: B = 0)
+    lora = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear", "rslora": False}
+    adapted = Worker({**section, "lora": lora}, mesh, device)
+    dtypes = {(".lora_" in n, p.dtype) for n, p in adapted.model.named_parameters()}
+    assert dtypes == {(True, torch.float32), (False, torch.bfloat16)}
+    before, after, grads = _one_update(adapted, device)
+    assert all(".lora_" in name for name in grads) and any(".lora_B." in name for name in grads)
+    for name, grad in grads.items():
+        live = grad.abs() > 1e-5
+        assert live.any() or ".lora_A." in name, name
+        torch.testing.assert_close((before[name] - after[name])[live], 1e-5 * grad[live].sign(), rtol=5e-3, atol=0)
 
 
 def test_compiled_layers_raise_dynamo_s_recompile_limit(group, tiny_dir, monkeypatch):
