@@ -170,7 +170,7 @@ def attention_mask(model, until: torch.Tensor):
         None for flash-attn (it reads ``position_ids``); a FlexAttention ``BlockMask`` over
         ``[1, 1, P, P]`` for ``flex``, ``P`` the row's length rounded up to a multiple of
         :data:`FLEX_BLOCK` (each padding position sees itself only); else an additive
-        ``[1, 1, N, N]`` mask in the model's dtype. All on ``until``'s device, with no copy from
+        ``[1, 1, N, N]`` mask in the model's compute dtype. All on ``until``'s device, with no copy from
         the host.
     """
     implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
@@ -187,5 +187,5 @@ def attention_mask(model, until: torch.Tensor):
             return (key <= query) & (query <= reach[key])
 
         return create_block_mask(visible, None, None, padded, padded, device=until.device)
-    dtype = next(model.parameters()).dtype
+    dtype = getattr(model, "rl2_compute_dtype", None) or next(model.parameters()).dtype  # load_sharded's
     return visibility_mask(until, dtype if dtype.is_floating_point else torch.float32)

@@ -203,6 +203,7 @@ def load_sharded(
             if parameter.requires_grad:
                 parameter.data = parameter.data.to(master_dtype)
     model.rl2_tp_group = model.rl2_sp_group = None
+    model.rl2_compute_dtype = dtype  # under mixed precision the parameters' own may be float32
     if tp_mesh is not None:
         parallelize(model, tp_mesh)
     if sp_group is not None:

@@ -151,7 +151,7 @@ def test_bfloat16_training_keeps_float32_master_weights(group, tiny_dir, tmp_pat
         torch.testing.assert_close((before[name] - after[name])[live], 1e-5 * grad[live].sign(), rtol=5e-3, atol=0)
 
 
-def test_compiled_layers_raise_dynamo_s_recompile_limit(group, tiny_dir, monkeypatch):
+def test_compiled_layers_raise_dynamo_s_recompile_limit(group, tiny_dir):
     """``actor.compile=true``: every decoder layer's forward goes through ``torch.compile``, and
     dynamo's per-code recompile limit (8 by default, shared by all layers of a class) is raised to
     :data:`~rl2gem.parallel.fsdp.COMPILED_VARIANTS`, so an actor's and its reference's variants
@@ -160,8 +160,8 @@ def test_compiled_layers_raise_dynamo_s_recompile_limit(group, tiny_dir, monkeyp
     from rl2gem.parallel.fsdp import COMPILED_VARIANTS
 
     device, mesh = group
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
-    worker = Worker({"model": str(tiny_dir), "compile": True}, mesh, device, trainable=False)
-    assert torch._dynamo.config.recompile_limit == COMPILED_VARIANTS >= 32
+    with torch._dynamo.config.patch(recompile_limit=8):  # dynamo's default, restored after
+        worker = Worker({"model": str(tiny_dir), "compile": True}, mesh, device, trainable=False)
+        assert torch._dynamo.config.recompile_limit == COMPILED_VARIANTS >= 32
     layers = decoder_layers(worker.model)
     assert layers and all(hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in layers)
