@@ -26,7 +26,9 @@ Where ``auto`` recomputes an exactly on-policy step with nothing before the upda
 old log-probs (no critic: its returns and a KL in the reward read them), the trainer takes them
 from the update's own forward, detached: before the update's one optimizer step the weights are
 the ones a recompute pass would use, so that pass is skipped (``actor/old_logprobs_from_update``;
-its check is measured there too). ``recompute`` keeps the separate pass.
+its check is measured there too). With dropout (``actor.lora.dropout``, a model's own) a separate
+pass would draw other masks and a ratio a little off 1; here it is exactly 1, the on-policy value.
+``recompute`` keeps the separate pass.
 
 In bf16, expect ``auto`` to keep recomputing unless the engine and the trainer share their
 kernels: bf16 alone puts two implementations of one model about 3e-3 apart. Measured on the CPU
