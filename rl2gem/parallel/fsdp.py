@@ -249,18 +249,19 @@ def _init_buffers(model, config, device) -> None:
             module.attention_scaling = fresh.attention_scaling
 
 
-def full_state_dict(model, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+def full_state_dict(model, device: str | torch.device = "cpu", dtype=None) -> dict[str, torch.Tensor]:
     """Full (unsharded) tensors of every parameter and persistent buffer on ``device`` (default
-    the CPU), on every rank (a collective). They never share memory with the model (on one rank
-    an unsharded tensor would otherwise alias the live parameter and change with the next
-    optimizer step)."""
+    the CPU), the floating ones cast to ``dtype`` when given (float32 master weights sent to a
+    bfloat16 engine: each cast as it is gathered, so no full float32 copy is held), on every rank
+    (a collective). They never share memory with the model (on one rank an unsharded tensor would
+    otherwise alias the live parameter and change with the next optimizer step)."""
     from torch.distributed.tensor import DTensor
 
     out = {}
     for name, t in model.state_dict().items():
         local = t.to_local() if isinstance(t, DTensor) else t
         full = t.full_tensor() if isinstance(t, DTensor) else t
-        full = full.detach().to(device)
+        full = full.detach().to(device, dtype=dtype if dtype is not None and full.is_floating_point() else None)
         if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
             full = full.clone()
         out[name] = full

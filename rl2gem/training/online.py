@@ -170,7 +170,7 @@ class OnlineTrainer(Trainer):
         each full tensor to the CPU (a second full copy of a large model may not fit the device)."""
         start = time.perf_counter()
         device = self.device if self.world == 1 else "cpu"
-        weights = self.actor.full_state_dict(device=device)
+        weights = self.actor.full_state_dict(device=device, dtype=self.actor.dtype)  # the engine's dtype
         self.loop.run_until_complete(self.engine.update_weights(weights, version=self.step))
         return time.perf_counter() - start
 

@@ -161,13 +161,18 @@ class Worker:
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
-    def full_state_dict(self, merged: bool = True, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    def full_state_dict(
+        self, merged: bool = True, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    ) -> dict[str, torch.Tensor]:
         """Full tensors on ``device`` (default the CPU) on every rank (a collective: call on all
-        ranks). With LoRA and ``merged``, the base model's names with the adapters merged in (what
-        a rollout engine and the Hugging Face export take); ``merged=False``: the adapted model's
-        own names."""
-        state = full_state_dict(self.model, device)
-        return lora.merged_state_dict(state, self.lora) if merged and self.lora is not None else state
+        ranks), the floating ones in ``dtype`` when given (an engine's, under float32 masters).
+        With LoRA and ``merged``, the base model's names with the adapters merged in (in the
+        masters' precision, then cast; what a rollout engine and the Hugging Face export take);
+        ``merged=False``: the adapted model's own names."""
+        if not (merged and self.lora is not None):
+            return full_state_dict(self.model, device, dtype)
+        state = lora.merged_state_dict(full_state_dict(self.model, device), self.lora)
+        return {k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in state.items()}
 
     # ------------------------------------------------------------------ checkpoints
     def sharded_state(self) -> dict[str, Any]:
