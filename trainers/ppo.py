@@ -146,15 +146,9 @@ class PPOTrainer(OnlineTrainer):
         config = self.cfg
         temperature, tree = config.rollout.temperature or 1.0, config.actor.packing == "tree"
         scores, values = [], Averager()
-        source, measured = self.old_logprobs.source(samples, self.step), torch.zeros(3, device=self.device)
-        # auto recomputing an on-policy step that nothing before the update reads them for: the
-        # update's forward before its one optimizer step gives them (and measures the check)
-        self.old_in_update = (
-            self.cfg.actor.old_logprobs == "auto"
-            and source in ("recompute", "check")
-            and self.critic is None
-            and self.old_logprobs.on_policy(samples, self.step)
-        )
+        measured = torch.zeros(3, device=self.device)
+        # a critic's returns (and a KL in the reward) read the old log-probs before the update
+        source, self.old_in_update = self.old_logprobs.plan(samples, self.step, self.critic is not None)
         self.check_in_update = source == "check" and self.old_in_update
         for micro_batch in micro_batches:
             part = [samples[i] for i in micro_batch.indices]

@@ -82,7 +82,17 @@ class OldLogprobs:
     def source(self, samples, step: int) -> str:
         """``"rollout"``, ``"recompute"`` or ``"check"`` (recompute, and compare with the rollout's)
         for the samples of policy version ``step`` (see :meth:`on_policy`)."""
+        return self._source(self.on_policy(samples, step))
+
+    def plan(self, samples, step: int, read_before_update: bool) -> tuple[str, bool]:
+        """:meth:`source`, and whether the trainer takes the log-probs (and the check) from the
+        update's own forward instead of a pass of their own (module docstring): ``auto``, not the
+        rollout's, on-policy, and ``read_before_update`` false (no critic reads them first)."""
         on_policy = self.on_policy(samples, step)
+        source = self._source(on_policy)
+        return source, self.option == "auto" and source != "rollout" and on_policy and not read_before_update
+
+    def _source(self, on_policy: bool) -> str:
         if self.option == "recompute" or not on_policy:
             return "recompute"
         if self.option == "rollout":

@@ -50,6 +50,11 @@ def setup_distributed(seed: int, section: Mapping[str, Any]) -> tuple[int, int, 
     return rank, world, device, mesh
 
 
+def cast_floating(state: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """``state`` with its floating tensors in ``dtype`` (None: as they are); others kept."""
+    return {k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in state.items()}
+
+
 def _schedule(kind: str, warmup: int, total: int):
     """Multiplier of the learning rate at optimizer step ``s``: linear warm-up over ``warmup``
     steps, then constant, linear decay to 0 or cosine decay to 0 at ``total``."""
@@ -172,7 +177,7 @@ class Worker:
         if not (merged and self.lora is not None):
             return full_state_dict(self.model, device, dtype)
         state = lora.merged_state_dict(full_state_dict(self.model, device), self.lora)
-        return {k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in state.items()}
+        return cast_floating(state, dtype)
 
     # ------------------------------------------------------------------ checkpoints
     def sharded_state(self) -> dict[str, Any]:
@@ -208,7 +213,7 @@ class Worker:
         if self.head == "reward":  # trained as a token classifier with a bias frozen at 0
             full = {k: v for k, v in full.items() if k != "score.bias"}
         config = self.model.config
-        full = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in full.items()}  # float32 masters
+        full = cast_floating(full, self.dtype)  # float32 masters
         with torch.device("meta"):
             skeleton = cls.from_config(config, dtype=self.dtype)
         skeleton.load_state_dict(dict(full), strict=False, assign=True)

@@ -62,6 +62,15 @@ def test_the_old_logprobs_come_from_the_engine_only_when_exactly_on_policy_and_c
     two_passes = OldLogprobs("rollout", 1.0, update_per_rollout=2)
     two_minibatches = OldLogprobs("auto", 1.0, minibatches_per_update=2)
     assert two_passes.source(on_policy, 3) == two_minibatches.source(on_policy, 3) == "recompute"
+    # from the update's own forward: auto, not the engine's, on-policy, nothing reading them first
+    fresh = OldLogprobs("auto", max_kl=1e-3)
+    assert fresh.plan(on_policy, 3, read_before_update=False) == ("check", True)
+    assert fresh.plan(on_policy, 3, read_before_update=True) == ("check", False)  # a critic
+    assert strict.plan(on_policy, 3, read_before_update=False) == ("recompute", True)
+    assert auto.plan(on_policy, 3, read_before_update=False) == ("rollout", False)
+    assert strict.plan(stale, 3, read_before_update=False) == ("recompute", False)
+    assert two_minibatches.plan(on_policy, 3, read_before_update=False) == ("recompute", False)
+    assert OldLogprobs("recompute", 1.0).plan(on_policy, 3, read_before_update=False) == ("recompute", False)
 
 
 def test_shaped_rewards_are_the_ones_logged_and_the_env_mean_is_kept():
