@@ -177,29 +177,40 @@ def test_engine_greedy_equals_model_generate():
     assert asyncio.run(run()) == expected
 
 
-@pytest.mark.parametrize("decode_steps", [1, 4])
-def test_engine_decode_graphs_equal_the_windowed_decode(decode_steps):
-    """Captured decode steps (several row buckets, the store re-allocated, a weight update in
-    place), sampled on the device one or four steps per replay, give the tokens and
-    log-probabilities of the windowed decode, greedy and seeded, and stop at a stop token met
-    within a replay."""
+@pytest.mark.parametrize("decode_steps,kept_kv_bytes", [(1, None), (4, None), (4, 0)])
+def test_engine_decode_graphs_equal_the_windowed_decode(decode_steps, kept_kv_bytes):
+    """Captured decode steps, sampled on the device one or four steps per replay, give the tokens
+    and log-probabilities of the windowed decode, greedy and seeded: twelve rows finishing one by
+    one (buckets of 12 and 8 rows), a stop token met within a replay, a long request that
+    re-allocates the store (captured again), then a weight update in place. The update keeps the
+    small store and the graphs captured before it (``kept_kv_bytes`` by default, 5% of the GPU),
+    whose replays then read the updated weights; with ``kept_kv_bytes=0`` the store is freed and
+    the graphs are captured again."""
     from rl2gem.rollout.engines.embedded import EmbeddedEngine
 
     model = tiny_model().float().to(CUDA)
     update = {n: p.detach() * 1.01 for n, p in model.named_parameters() if n.endswith("mlp.up_proj.weight")}
-    prompts = [list(range(10, 10 + n)) for n in (7, 19, 3, 30, 11, 11)]
+    prompts = [list(range(10, 10 + n)) for n in (7, 19, 3, 30, 11, 11, 5, 23, 9, 14, 2, 17)]
 
     async def run(decode_graphs: bool):
         local = copy.deepcopy(model)
-        engine = EmbeddedEngine(local, None, max_batch_size=6, decode_graphs=decode_graphs, decode_steps=decode_steps)
+        engine = EmbeddedEngine(
+            local,
+            None,
+            max_batch_size=12,
+            decode_graphs=decode_graphs,
+            decode_steps=decode_steps,
+            kept_kv_bytes=kept_kv_bytes,
+        )
         greedy = {"temperature": 0.0, "ignore_eos": True}
         first = await asyncio.gather(
-            *(engine.generate(p, {**greedy, "max_new_tokens": 9 + 6 * i}) for i, p in enumerate(prompts))
+            *(engine.generate(p, {**greedy, "max_new_tokens": 9 + 3 * i}) for i, p in enumerate(prompts))
         )
         stop = first[2].output_ids[6]
         stopped = await engine.generate(prompts[2], {**greedy, "max_new_tokens": 40, "stop_token_ids": [stop]})
         assert stopped.finish_reason == {"type": "stop", "matched": stop}
-        first.append(stopped)
+        long = await engine.generate(list(range(100, 190)), {**greedy, "max_new_tokens": 90})
+        captured = dict(engine._graphs._steps) if decode_graphs else {}
         await engine.update_weights(update)
         seeded = await asyncio.gather(
             *(
@@ -207,13 +218,16 @@ def test_engine_decode_graphs_equal_the_windowed_decode(decode_steps):
                 for i, p in enumerate(prompts)
             )
         )
+        if decode_graphs:  # a step captured before the update replays after it, or not
+            reused = any(engine._graphs._steps.get(key) is step for key, step in captured.items())
+            assert reused == (kept_kv_bytes is None)
         await engine.close()
-        outs = [*first, *seeded]
+        outs = [*first, stopped, long, *seeded]
         return [o.output_ids for o in outs], [o.output_logprobs for o in outs], engine.stats["decode_graph_captures"]
 
     graph_tokens, graph_logprobs, captures = asyncio.run(run(True))
     window_tokens, window_logprobs, none = asyncio.run(run(False))
-    assert captures >= 3 and none == 0
+    assert captures >= 4 and none == 0  # buckets 12 and 8, both again after the long request
     assert graph_tokens == window_tokens
     for a, b in zip(graph_logprobs, window_logprobs, strict=True):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=1e-4)

@@ -49,7 +49,7 @@ TRAINER_ROLLOUT_KEYS = ("prompts_per_rollout", "chat_template")
 #: The embedded engine's counters logged per rollout (``engine/<name>``; times in seconds).
 ENGINE_COUNTERS = (
     "prefill_forwards", "prefill_tokens", "decode_steps", "decode_rounds", "decode_graph_captures",
-    "time_admit_ms", "time_decode_ms", "time_capture_ms",
+    "kv_allocations", "time_admit_ms", "time_decode_ms", "time_capture_ms",
 )  # fmt: skip
 
 

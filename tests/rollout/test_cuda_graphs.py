@@ -258,3 +258,74 @@ def test_four_steps_per_round_stop_at_the_context_and_length_limits(tokenizer):
     assert len(fixed[0].output_ids) == 48 - 31 and fixed[0].finish_reason["type"] == "length"
     assert [len(o.output_ids) for o in fixed[1:]] == [7, 2]
     assert fixed_stats["decode_rounds"] < fixed_stats["decode_steps"]
+
+
+@pytest.mark.parametrize("kept_kv_bytes", [0, 1 << 30])
+def test_rollouts_after_the_first_reuse_the_store_and_its_steps(tokenizer, monkeypatch, kept_kv_bytes):
+    """Three rollouts of two-turn episodes, each followed by what a trainer does (release the
+    memory, update the weights in place): with a store under ``kept_kv_bytes`` the buffers and the
+    built steps survive, so the later rollouts allocate and build (capture, on CUDA) nothing; freed,
+    each later rollout allocates once, at the size the previous one needed. Tokens and
+    log-probabilities equal those of a windowed engine built afresh with each rollout's weights."""
+    model = build("llama", vocab_size=tokenizer.vocab_size)
+    updates = [
+        {name: p.detach() * scale for name, p in model.named_parameters() if name.endswith("mlp.up_proj.weight")}
+        for scale in (1.0, 1.02, 0.97)
+    ]
+    prompts = [list(range(10, 10 + n)) for n in (7, 19, 3, 30, 11)]
+    params = {"temperature": 0.8, "max_new_tokens": 10, "ignore_eos": True}
+
+    async def rollout(engine, seed: int):
+        first = await asyncio.gather(
+            *[engine.generate(p, {**params, "sampling_seed": seed + i}) for i, p in enumerate(prompts)]
+        )
+        turns = [p + o.output_ids + list(range(40, 65)) for p, o in zip(prompts, first, strict=True)]
+        second = await asyncio.gather(
+            *[engine.generate(t, {**params, "sampling_seed": seed + 10 + i}) for i, t in enumerate(turns)]
+        )
+        return [(o.output_ids, o.output_logprobs) for o in (*first, *second)]
+
+    built = []
+    original_build = DecodeGraphs._build
+    monkeypatch.setattr(
+        DecodeGraphs,
+        "_build",
+        lambda self, store, bucket, steps: built.append(bucket) or original_build(self, store, bucket, steps),
+    )
+
+    async def kept_engine():
+        engine = EmbeddedEngine(
+            build("llama", vocab_size=tokenizer.vocab_size),
+            decode_graphs=True,
+            decode_steps=4,
+            kept_kv_bytes=kept_kv_bytes,
+        )
+        outs, allocations, builds = [], [], []
+        for index, update in enumerate(updates):
+            await engine.update_weights(update)
+            before = engine.stats["kv_allocations"], len(built)
+            outs.append(await rollout(engine, 100 * index))
+            allocations.append(engine.stats["kv_allocations"] - before[0])
+            builds.append(len(built) - before[1])
+            await engine.release_memory()
+        await engine.close()
+        return outs, allocations, builds
+
+    async def fresh_engine(update, seed):
+        engine = EmbeddedEngine(build("llama", vocab_size=tokenizer.vocab_size))
+        await engine.update_weights(update)
+        out = await rollout(engine, seed)
+        await engine.close()
+        return out
+
+    outs, allocations, builds = asyncio.run(kept_engine())
+    for index, update in enumerate(updates):
+        expected = asyncio.run(fresh_engine(update, 100 * index))
+        assert [tokens for tokens, _ in outs[index]] == [tokens for tokens, _ in expected]
+        for (_, a), (_, b) in zip(outs[index], expected, strict=True):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=1e-4)
+    assert allocations[0] >= 2 and builds[0] >= 2  # the second turn's longer window re-allocates
+    if kept_kv_bytes:
+        assert allocations[1:] == [0, 0] and builds[1:] == [0, 0]
+    else:
+        assert allocations[1:] == [1, 1] and all(count >= 1 for count in builds[1:])

@@ -233,6 +233,43 @@ def test_kv_store_slides_inside_its_buffers_and_keeps_the_window():
         store.reserve(4, 0, 1)
 
 
+def test_kv_store_allocates_what_the_last_rollout_needed_at_once():
+    """A rollout whose window grows turn by turn (a multi-turn episode) re-allocates the store as
+    it grows; after a release the next such rollout allocates once, the most rows and columns the
+    previous one needed plus a quarter of the columns. ``release(keep=True)`` empties the store
+    and keeps its buffers (and a decode graph's views of them: ``on_reallocate`` is not called)."""
+    store = _KVStore(2, 1, 4, torch.float32, "cpu", max_slots=8)
+    allocations, invalidations = [], []
+    store.on_allocate = lambda: allocations.append(store.capacity)
+    store.on_reallocate = lambda: invalidations.append(1)
+
+    def rollout() -> int:
+        before = len(allocations)
+        store.clear()
+        for _turn in range(5):  # each turn: 6 rows decode 20 tokens on top of the window so far
+            store.reserve(6, 0, 1, growth=20)
+            store.slots = 6
+            for _ in range(20):
+                store.reserve(6, 0, 1)
+                store.mask[:6, store.hi] = True
+                store.hi += 1
+        return len(allocations) - before
+
+    assert rollout() >= 3
+    needed_columns = 5 * 20  # the window at the last turn's first reserve, plus its 20 to go
+    store.release()
+    assert store.nbytes == 0 and store.sizes == (6, needed_columns)
+    assert rollout() == 1
+    assert allocations[-1] == (6, needed_columns + needed_columns // 4)
+    buffers, invalidated = [t.data_ptr() for t in store.keys], len(invalidations)
+    store.release(keep=True)
+    assert store.slots == 0 and store.window == 0 and store.nbytes > 0
+    assert rollout() == 0 and [t.data_ptr() for t in store.keys] == buffers
+    assert len(invalidations) == invalidated
+    store.release()
+    assert store.nbytes == 0 and len(invalidations) == invalidated + 1
+
+
 def test_release_thread_team_frees_the_callers_openmp_workers():
     if "OpenMP" not in torch.__config__.parallel_info():
         pytest.skip("needs torch's OpenMP")

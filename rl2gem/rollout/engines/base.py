@@ -254,7 +254,8 @@ class Engine(abc.ABC):
 
     async def release_memory(self) -> None:  # noqa: B027 (an optional hook, like close)
         """Free caches kept between requests (KV buffers, the prefix cache) when nothing is running;
-        a trainer calls it between its rollout and its update. Engines in another process keep them."""
+        a trainer calls it between its rollout and its update. Engines in another process keep them;
+        the embedded engine keeps a small KV store (``kept_kv_bytes``)."""
 
     @abc.abstractmethod
     async def health(self) -> bool:

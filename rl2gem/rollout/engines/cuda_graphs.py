@@ -29,10 +29,13 @@ and drops those past a row's stop token (vLLM's multi-step scheduling, with the 
 A graph is tied to the store's buffers and to the weights: the store re-allocating (it grows by
 half at a time) or being freed drops every graph first (``_KVStore.on_reallocate``: the graphs
 hold views of its buffers, which would otherwise outlive it), and so does a parameter replaced by
-another tensor; the next step captures again. Weight updates copy in place, but the engine frees
-its store with them and between rollouts
-(:meth:`~rl2gem.rollout.engines.embedded.EmbeddedEngine.release_memory`, the memory goes to the
-trainer's update), so each rollout captures its buckets again (``time_capture_ms``).
+another tensor; the next step captures again. Weight updates copy in place. Between rollouts a
+trainer releases the engine's memory
+(:meth:`~rl2gem.rollout.engines.embedded.EmbeddedEngine.release_memory`, for its update): a store
+of at most ``kept_kv_bytes`` (5% of the GPU by default) stays allocated and its graphs with it, so
+after the first rollout none is captured again; a larger store is freed, and the next rollout
+allocates it once at the size the last one needed and captures its buckets again
+(``decode_graph_captures``, ``time_capture_ms``).
 
 Without CUDA (``capture=False``, the CPU) the same fixed-shape step runs eagerly, after the same
 warm-up a capture has: that is how its equality with the windowed decode is tested on the CPU;

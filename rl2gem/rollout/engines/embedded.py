@@ -63,7 +63,12 @@ __all__ = ["EmbeddedEngine"]
 
 # --------------------------------------------------------------------------- KV store
 class _KVStore:
-    """Engine-owned KV cache of the running batch (see module docstring)."""
+    """Engine-owned KV cache of the running batch (see module docstring).
+
+    A released store remembers the most rows and columns it needed (``sizes``) and allocates them,
+    plus a quarter of the columns, at once when it is used again: a trainer frees the store after
+    every rollout, and a multi-turn rollout whose window grows turn by turn would otherwise
+    re-allocate (copy every layer, and drop the captured decode graphs) several times in each."""
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype, device, max_slots: int | None = None):
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
@@ -72,10 +77,20 @@ class _KVStore:
         # called before the buffers are freed or replaced: what holds views of them (the decode
         # graphs) drops them, so the old buffers are freed before the new ones are allocated
         self.on_reallocate: Callable[[], None] | None = None
+        self.on_allocate: Callable[[], None] | None = None  # called at each allocation (a counter)
+        self.sizes = (0, 0)  # the most (rows, columns) needed before the last release
+        self._needed = (0, 0)  # the same since the last release
         self.release()
 
-    def release(self) -> None:
-        """Free the buffers (the next :meth:`reserve` allocates again); the store is empty."""
+    def release(self, keep: bool = False) -> None:
+        """Empty the store and free its buffers (the next :meth:`reserve` allocates again, at
+        least the rows and columns needed since the previous release: ``sizes``); ``keep``: the
+        buffers stay allocated (what reads them, the decode graphs, stays valid)."""
+        if any(self._needed):
+            self.sizes, self._needed = self._needed, (0, 0)
+        if keep and self.keys:
+            self.clear()
+            return
         if self.on_reallocate is not None:
             self.on_reallocate()
         self.keys: list[torch.Tensor] = []
@@ -87,6 +102,11 @@ class _KVStore:
     @property
     def capacity(self) -> tuple[int, int]:
         return (self.mask.shape[0], self.mask.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffers allocated now."""
+        return sum(t.nbytes for t in (*self.keys, *self.values, self.mask))
 
     @property
     def window(self) -> int:
@@ -105,12 +125,13 @@ class _KVStore:
         Columns outside the window keep stale finite values: the mask excludes them.
         """
         cap_s, cap_c = self.capacity
-        if slots <= cap_s and self.lo >= left and cap_c - self.hi >= right:
-            return
         w = self.window
-        margin = max(w // 4, 64)
         want_right = max(right, growth)
         need = left + w + want_right
+        self._needed = (max(self._needed[0], slots), max(self._needed[1], need))
+        if slots <= cap_s and self.lo >= left and cap_c - self.hi >= right:
+            return
+        margin = max(w // 4, 64)
         if slots <= cap_s and need <= cap_c:
             lo = max(left, min(margin, cap_c - w - want_right))
             n = self.slots
@@ -124,12 +145,12 @@ class _KVStore:
             return
         new_s = cap_s
         if slots > cap_s:
-            new_s = max(slots, 2 * cap_s, 4, expect)
+            new_s = max(slots, 2 * cap_s, 4, expect, self.sizes[0])
             if self.max_slots:
                 if slots > self.max_slots:
                     raise ValueError(f"{slots} rows exceed the store's {self.max_slots}")
                 new_s = min(new_s, self.max_slots)
-        new_c = max(need + need // 2, cap_c) if need > cap_c else cap_c
+        new_c = max(need + need // 2, cap_c, self.sizes[1] + self.sizes[1] // 4) if need > cap_c else cap_c
         lo = max(left, min(margin, new_c - w - want_right))
         if self.on_reallocate is not None:
             self.on_reallocate()
@@ -148,6 +169,8 @@ class _KVStore:
             mask[: self.slots, lo : lo + w] = self.mask[: self.slots, self.lo : self.hi]
         self.mask = mask
         self.lo, self.hi = lo, lo + w
+        if self.on_allocate is not None:
+            self.on_allocate()
 
     def move(self, src: int, dst: int) -> None:
         lo, hi = self.lo, self.hi
@@ -275,12 +298,18 @@ class EmbeddedEngine(Engine):
             and drops those after a row stopped (a stop token costs up to ``decode_steps - 1``
             wasted steps of that row; a length limit costs none). ``None``: 4 with graphs on CUDA,
             else 1. Rows with top-k or top-p run one step at a time, sampled on the host side.
+        kept_kv_bytes: :meth:`release_memory` and weight updates keep the KV stores allocated
+            (emptied) while they hold at most this many bytes together, and with them the
+            captured decode graphs, which a trainer's next rollout would otherwise capture again;
+            larger stores are freed. ``None``: 5% of the device's memory on CUDA (the update's
+            ``actor.memory_fraction`` leaves more than that free), 0 elsewhere.
 
     Attributes:
         stats: counters since the engine started (a ``collections.Counter``): ``requests``,
             ``finished``, ``prefill_forwards``, ``prefill_tokens``, ``cached_tokens``,
             ``decode_steps``, ``decode_rounds`` (host round trips), ``decode_tokens`` (rows x steps,
-            dropped tokens included), ``decode_graph_captures``, ``decode_graphs_failed``, and
+            dropped tokens included), ``decode_graph_captures``, ``decode_graphs_failed``,
+            ``kv_allocations`` and ``prefill_kv_allocations`` (the KV stores' buffer allocations), and
             times in ms: ``time_admit_ms`` (prefills), ``time_decode_ms``,
             ``time_decode_forward_ms``, ``time_capture_ms`` (graph warm-ups and captures).
             PPO logs them per step under ``engine/`` (:class:`rl2gem.training.online.OnlineTrainer`).
@@ -304,6 +333,7 @@ class EmbeddedEngine(Engine):
         lean: bool = True,
         decode_graphs: bool | None = None,
         decode_steps: int | None = None,
+        kept_kv_bytes: int | None = None,
     ):
         if isinstance(model, (str, Path)):
             from rl2gem.models import load_model
@@ -351,6 +381,10 @@ class EmbeddedEngine(Engine):
         if int(decode_steps) < 1:
             raise ValueError(f"decode_steps must be at least 1, got {decode_steps}")
         self.decode_steps = int(decode_steps)
+        if kept_kv_bytes is None:
+            cuda = p.device.type == "cuda"
+            kept_kv_bytes = torch.cuda.get_device_properties(p.device).total_memory // 20 if cuda else 0
+        self.kept_kv_bytes = int(kept_kv_bytes)
         self._gen = torch.Generator().manual_seed(seed)
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Request] = []
@@ -361,6 +395,8 @@ class EmbeddedEngine(Engine):
         self._closed = False
         self.weight_version = 0
         self.stats = collections.Counter()
+        self._store.on_allocate = lambda: self.stats.update(kv_allocations=1)
+        self._prefill_store.on_allocate = lambda: self.stats.update(prefill_kv_allocations=1)
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._loop, name="rl2gem-embedded-engine", daemon=True)
         self._thread.start()
@@ -443,7 +479,7 @@ class EmbeddedEngine(Engine):
         def do():
             for r in list(self._running):
                 self._finish(r, {"type": "abort", "message": "weight update"})
-            self._release_memory()
+            self._release_memory(keep_small=True)
             params = self.model.state_dict(keep_vars=True)  # tied weights appear under every name
             unknown = [n for n, _ in items if n not in params]
             if unknown:
@@ -472,7 +508,7 @@ class EmbeddedEngine(Engine):
     async def release_memory(self) -> None:
         def do():
             if not self._running:
-                self._release_memory()
+                self._release_memory(keep_small=True)
 
         await self._acommand(do)
 
@@ -736,15 +772,18 @@ class EmbeddedEngine(Engine):
         self._prefix.clear()
         self._prefix_size = 0
 
-    def _release_memory(self) -> None:
+    def _release_memory(self, keep_small: bool = False) -> None:
         """Free the KV buffers and the prefix cache (nothing is running). A trainer updates the
         weights between rollouts: the memory goes back to its update and its evaluation, and the
         next rollout allocates what it needs (a store sized for an evaluation's long episodes
-        would otherwise stay for the rest of the run)."""
-        self._store.release()
-        self._prefill_store.release()
+        would otherwise stay for the rest of the run). ``keep_small``: KV stores that hold at
+        most ``kept_kv_bytes`` together stay allocated, emptied, and so do the decode graphs that
+        read them (a weight update copies in place), so the next rollout captures none again."""
+        keep = keep_small and self._store.nbytes + self._prefill_store.nbytes <= self.kept_kv_bytes
+        self._store.release(keep)
+        self._prefill_store.release(keep)
         self._clear_prefix()
-        if self._graphs is not None:
+        if self._graphs is not None and not keep:
             self._graphs.reset()
 
     def _prefill(self, take: list[_Request]):
