@@ -34,8 +34,8 @@ from rl2gem.data import load_preferences
 from rl2gem.parallel.packing import plan_pair_micro_batches
 from rl2gem.procs import run_main
 from rl2gem.training.forward import (
+    check_actor,
     check_attention,
-    check_dtypes,
     check_packing,
     sequence_sums,
     to_device,
@@ -55,7 +55,7 @@ def check_config(cfg) -> None:
     check_data_config(cfg, PAIRS_HELP)
     check_packing(cfg.actor)
     check_attention(cfg.actor)
-    check_dtypes(cfg.actor)
+    check_actor(cfg.actor)
     d = cfg.dpo
     if d.loss_type not in DPO_LOSS_TYPES:
         raise ConfigError(f"dpo.loss_type={d.loss_type!r} is not one of {list(DPO_LOSS_TYPES)}")

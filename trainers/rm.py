@@ -33,7 +33,7 @@ from rl2gem.algorithms import bradley_terry_loss
 from rl2gem.data import load_preferences
 from rl2gem.parallel.packing import plan_pair_micro_batches
 from rl2gem.procs import run_main
-from rl2gem.training.forward import check_attention, check_dtypes, sequence_scores
+from rl2gem.training.forward import check_actor, check_attention, sequence_scores
 from rl2gem.training.metrics import Averager
 from rl2gem.training.offline import PAIRS_HELP, OfflineTrainer, check_data_config
 from rl2gem.training.pairs import PairSample, pair_sequences, tokenize_pairs
@@ -46,7 +46,7 @@ def check_config(cfg) -> None:
     """Raises :class:`rl2gem.config.ConfigError` for values that cannot work."""
     check_data_config(cfg, PAIRS_HELP)
     check_attention(cfg.actor)
-    check_dtypes(cfg.actor)
+    check_actor(cfg.actor)
 
 
 class RMTrainer(OfflineTrainer):

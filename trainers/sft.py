@@ -32,7 +32,7 @@ from rl2gem.data import load_conversations
 from rl2gem.parallel.packing import plan_micro_batches
 from rl2gem.procs import run_main
 from rl2gem.rollout.tito import ChatRenderer
-from rl2gem.training.forward import check_attention, check_dtypes, to_device, token_logprobs
+from rl2gem.training.forward import check_actor, check_attention, to_device, token_logprobs
 from rl2gem.training.offline import OfflineTrainer, check_data_config
 from rl2gem.training.samples import Sample, packed_field
 from rl2gem.training.trainer import launch
@@ -46,7 +46,7 @@ def check_config(cfg) -> None:
         cfg, "a JSON/JSONL/CSV/Parquet/Arrow file or a dataset name (python -m rl2gem.collect writes one from any env)"
     )
     check_attention(cfg.actor)
-    check_dtypes(cfg.actor)
+    check_actor(cfg.actor)
     if cfg.actor.loss_agg not in LOSS_AGGREGATIONS:
         raise ConfigError(f"actor.loss_agg={cfg.actor.loss_agg!r} is not one of {list(LOSS_AGGREGATIONS)}")
 

@@ -90,12 +90,13 @@ def check_attention(actor) -> str:
     return attention
 
 
-def check_dtypes(actor) -> None:
-    """``actor.dtype`` and ``actor.master_dtype`` checked (before anything loads;
-    :func:`rl2gem.models.resolve_master_dtype`).
+def check_actor(actor) -> None:
+    """``actor.dtype``, ``actor.master_dtype`` (:func:`rl2gem.models.resolve_master_dtype`) and
+    ``actor.max_length_per_device`` checked before anything loads.
 
     Raises:
-        rl2gem.config.ConfigError: an unknown name, or a master dtype less precise than the compute dtype.
+        rl2gem.config.ConfigError: an unknown dtype name, a master dtype less precise than the
+            compute dtype, or a length that is neither a positive integer nor ``auto``.
     """
     from rl2gem.config import ConfigError
 
@@ -105,6 +106,9 @@ def check_dtypes(actor) -> None:
         resolve_master_dtype(settings.master_dtype, resolve_dtype(settings.dtype, device), trainable=True)
     except ValueError as error:  # its message starts with the key
         raise ConfigError(f"actor.{error}") from None
+    length = settings.max_length_per_device
+    if length != "auto" and (not isinstance(length, int) or isinstance(length, bool) or length < 1):
+        raise ConfigError(f"actor.max_length_per_device: expected a positive int or auto, got {length!r}")
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -17,7 +17,7 @@ from rl2gem.algorithms.constraints import Constraints
 from rl2gem.algorithms.kl_control import KLController, make_kl_controller
 from rl2gem.config import ConfigError
 from rl2gem.rewards.objectives import COMBINERS, ParetoArchive, load_transform
-from rl2gem.training.forward import check_attention, check_dtypes, check_packing
+from rl2gem.training.forward import check_actor, check_attention, check_packing
 from rl2gem.training.reward_model import REWARD_MODES
 
 __all__ = ["OLD_LOGPROBS", "check_config", "constraints", "estimator_options", "kl_controller", "reward_objectives"]
@@ -59,7 +59,7 @@ def check_config(cfg) -> None:
         )
     check_packing(cfg.actor)
     check_attention(cfg.actor)
-    check_dtypes(cfg.actor)
+    check_actor(cfg.actor)
     constraints(cfg)
     reward_objectives(cfg)
     try:  # the estimator's own options, checked on a one-token batch

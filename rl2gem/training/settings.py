@@ -71,7 +71,8 @@ class WorkerSettings:
         compile: ``torch.compile`` each decoder layer.
         packing: ``flat`` (one row of concatenated sequences) or ``tree`` (their prefix tree).
         max_length_per_device: tokens per rank in a packed micro-batch (times ``sp_size * tp_size``),
-            or ``auto`` (probed at start).
+            or ``auto``: on CUDA the longest that fits ``memory_fraction`` (probed at start), else
+            2048 (:mod:`rl2gem.training.autosize`).
         memory_fraction: with ``auto``: the share of free device memory to plan for.
         oom_backoff: out of memory in a step: halve ``max_length_per_device`` and run it again.
         ddp_size, tp_size, sp_size: HSDP replicas, tensor-parallel and sequence-parallel ranks.
@@ -92,7 +93,7 @@ class WorkerSettings:
     attention: str = "auto"
     compile: bool = False
     packing: str = "flat"
-    max_length_per_device: int | str = 2048
+    max_length_per_device: int | str = "auto"
     memory_fraction: float = 0.8
     oom_backoff: bool = True
     ddp_size: int = 1

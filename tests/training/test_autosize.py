@@ -7,7 +7,14 @@ import torch
 from tiny import tiny_model
 
 from rl2gem.parallel.packing import MicroBatch, regroup_scores
-from rl2gem.training.autosize import MULTIPLE, PROBE_LENGTHS, MaxLength, auto_max_length, fit_max_length
+from rl2gem.training.autosize import (
+    CPU_AUTO_LENGTH,
+    MULTIPLE,
+    PROBE_LENGTHS,
+    MaxLength,
+    auto_max_length,
+    fit_max_length,
+)
 from rl2gem.training.forward import token_logprobs
 from rl2gem.training.metrics import SavedTensorBytes
 
@@ -91,6 +98,18 @@ def _max_length(tmp_path, value, backoff=True):
     mesh = types.SimpleNamespace(micro_batch_tokens=lambda tokens: tokens)  # sp = tp = 1
     section = {"max_length_per_device": value, "oom_backoff": backoff}
     return MaxLength(section, [_Worker()], mesh, torch.device("cpu"), tmp_path)
+
+
+def test_auto_probes_a_device_and_off_cuda_is_the_cpu_length(tmp_path, monkeypatch):
+    """``auto`` (the default) off CUDA is :data:`CPU_AUTO_LENGTH` without probing (``_Worker`` has
+    no model: a probe would fail); a simulated device is probed, as CUDA is."""
+    monkeypatch.delenv("RL2GEM_SIMULATED_MEMORY_MIB", raising=False)
+    assert _max_length(tmp_path, "auto").value == CPU_AUTO_LENGTH == 2048
+    monkeypatch.setenv("RL2GEM_SIMULATED_MEMORY_MIB", "1")
+    with pytest.raises(AttributeError, match="model"):
+        _max_length(tmp_path, "auto")
+    with pytest.raises(ValueError, match="positive integer or auto"):
+        _max_length(tmp_path, 0)
 
 
 def test_out_of_memory_halves_the_length_until_the_passes_fit(tmp_path):

@@ -31,6 +31,8 @@ CASES = [
     ("rollout.is_mode=masked", "config error: rollout.is_mode: moved to actor.is_mode"),
     ("actor.dtype=half", "config error: actor.dtype must be auto or one of"),
     ("actor.master_dtype=half", "config error: actor.master_dtype must be auto or one of"),
+    ("actor.max_length_per_device=big", "config error: actor.max_length_per_device: expected a positive int or auto"),
+    ("actor.max_length_per_device=0", "config error: actor.max_length_per_device: expected a positive int or auto"),
     (
         "actor.dtype=float32 actor.master_dtype=bfloat16",
         "config error: actor.master_dtype=bfloat16 is less precise than the compute dtype torch.float32",

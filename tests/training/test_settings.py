@@ -35,7 +35,7 @@ def test_each_trainer_yaml_lists_the_worker_settings_with_the_library_defaults(t
 
 def test_a_section_takes_the_defaults_it_lacks_and_leaves_other_keys_to_the_trainer():
     settings = WorkerSettings.from_section({"model": "m", "lr": 0.5, "clip_low": 0.2, "lora": {"rank": 4}})
-    assert (settings.model, settings.lr, settings.dtype, settings.max_length_per_device) == ("m", 0.5, "auto", 2048)
+    assert (settings.model, settings.lr, settings.dtype, settings.max_length_per_device) == ("m", 0.5, "auto", "auto")
     assert settings.lora == LoraSettings(rank=4) and settings.lora.alpha == 16.0
     assert WorkerSettings.from_section(settings) is settings
     with pytest.raises(ValueError, match=r"actor.lora: unknown keys \['ranks'\]"):
