@@ -10,8 +10,8 @@ reads it in its own form:
 ================  ===========================================================================
 ``flex``          PyTorch FlexAttention (``torch.nn.attention.flex_attention``) through
                   transformers' ``flex_attention`` integration, over a ``BlockMask`` built on
-                  the device from ``until`` (``create_block_mask``): only the tiles that hold a
-                  visible pair are computed, flat rows and trees alike. Compiled (Triton) on
+                  the device from ``until`` tile by tile (:func:`flex_block_mask`): only the
+                  tiles that hold a visible pair are computed, flat rows and trees alike. Compiled (Triton) on
                   CUDA; a training device must be CUDA (PyTorch has no FlexAttention backward
                   on CPU; :func:`enable_attention` still runs it eagerly on CPU, forward only,
                   for tests). The row is padded to a multiple of :data:`FLEX_BLOCK` tokens
@@ -50,6 +50,7 @@ __all__ = [
     "IMPLEMENTATIONS",
     "attention_mask",
     "enable_attention",
+    "flex_block_mask",
     "flash_attn_available",
     "resolve_attention",
 ]
@@ -162,6 +163,48 @@ def _flex_attention(module, query, key, value, attention_mask, **kwargs):
     return output[:, :length], weights
 
 
+def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[T, T]`` bool tiles -> each query tile's count of key tiles ``[1, 1, T]`` and their
+    indices first ``[1, 1, T, T]`` (ascending), int32: a ``BlockMask``'s layout."""
+    counts = tiles.sum(-1, dtype=torch.int32)
+    indices = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return counts[None, None], indices[None, None].contiguous()
+
+
+def flex_block_mask(until: torch.Tensor):
+    """FlexAttention's ``BlockMask`` for the row ``until`` (``[N]`` int64 on the row's device),
+    over ``P`` = ``N`` rounded up to :data:`FLEX_BLOCK` (each padding position sees itself).
+
+    Built per tile, not per pair: ``create_block_mask`` evaluates the mask on all ``P x P`` pairs
+    (gigabytes at the tens of thousands of tokens a GPU micro-batch holds). Keys ``k`` see the
+    queries ``k..until[k]``; in depth-first order a subtree is contiguous, so for a query tile
+    ``[q0, q1]`` and a key tile before it, some pair is visible iff the tile's largest ``until``
+    reaches ``q0`` and every pair iff its smallest reaches ``q1``; a diagonal tile is partial
+    (causal) and a tile after the diagonal empty. ``O((P / 128)^2)`` work on the device, no host
+    read; equal to ``create_block_mask`` over the same ``mask_mod`` (tests/parallel/test_attention.py).
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n, device = len(until), until.device
+    padded = -(-n // FLEX_BLOCK) * FLEX_BLOCK
+    reach = torch.cat([until, torch.arange(n, padded, dtype=until.dtype, device=device)])
+
+    def visible(batch, head, query, key):
+        return (key <= query) & (query <= reach[key])
+
+    tiles = padded // FLEX_BLOCK
+    per_tile = reach.view(tiles, FLEX_BLOCK)
+    first = torch.arange(tiles, device=device) * FLEX_BLOCK  # each query tile's first and last query
+    before = torch.arange(tiles, device=device)[:, None] > torch.arange(tiles, device=device)[None, :]
+    full = before & (per_tile.amin(1)[None, :] >= (first + FLEX_BLOCK - 1)[:, None])
+    partial = (before & (per_tile.amax(1)[None, :] >= first[:, None]) & ~full) | torch.eye(
+        tiles, dtype=torch.bool, device=device
+    )
+    return BlockMask.from_kv_blocks(
+        *_ordered(partial), *_ordered(full), BLOCK_SIZE=FLEX_BLOCK, mask_mod=visible, seq_lengths=(padded, padded)
+    )
+
+
 def attention_mask(model, until: torch.Tensor):
     """The ``attention_mask`` argument of ``model`` (switched by :func:`enable_attention`) for a
     row described by ``until`` (``[N]`` int64 on the model's device; see the module docstring).
@@ -177,15 +220,6 @@ def attention_mask(model, until: torch.Tensor):
     if implementation == IMPLEMENTATIONS["flash"]:
         return None
     if implementation in (FLEX_ATTENTION, "flex_attention"):
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        n = len(until)
-        padded = -(-n // FLEX_BLOCK) * FLEX_BLOCK
-        reach = torch.cat([until, torch.arange(n, padded, dtype=until.dtype, device=until.device)])
-
-        def visible(batch, head, query, key):
-            return (key <= query) & (query <= reach[key])
-
-        return create_block_mask(visible, None, None, padded, padded, device=until.device)
+        return flex_block_mask(until)
     dtype = getattr(model, "rl2_compute_dtype", None) or next(model.parameters()).dtype  # load_sharded's
     return visibility_mask(until, dtype if dtype.is_floating_point else torch.float32)

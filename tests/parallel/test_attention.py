@@ -11,7 +11,13 @@ from tiny import tiny_model
 
 from rl2gem.config import ConfigError
 from rl2gem.parallel import attention as attention_module
-from rl2gem.parallel.attention import FLEX_ATTENTION, attention_mask, enable_attention, resolve_attention
+from rl2gem.parallel.attention import (
+    FLEX_ATTENTION,
+    attention_mask,
+    enable_attention,
+    flex_block_mask,
+    resolve_attention,
+)
 from rl2gem.parallel.packing import packed_batch, tree_attention_mask, tree_batch, visibility_mask
 from rl2gem.training import token_logprobs
 from rl2gem.training.forward import check_attention
@@ -118,6 +124,42 @@ def test_flex_reads_a_block_mask_that_skips_invisible_tiles():
     assert dense.tolist() == [[True, False, False, False], [True, True, False, False], [False, True, True, False]] + [
         [False, True, True, True]
     ]
+
+
+def test_the_tile_block_mask_equals_create_block_mask():
+    """:func:`flex_block_mask` (built per 128 x 128 tile) equals ``create_block_mask`` (which
+    evaluates every query-key pair) on random flat rows and prefix trees of 1 to 700 tokens, in its
+    partial and full tiles, both orders, and the dense pair mask it implies."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    g = torch.Generator().manual_seed(7)
+    # sequences that end on a tile's last or first position, then random ones
+    edges = [[128, 128], [129, 127, 3], [127, 2, 255], [1, 127, 128, 1], [256, 1]]
+    for case in range(30):
+        count = int(torch.randint(1, 9, (1,), generator=g))
+        lengths = edges[case // 2] if case < 2 * len(edges) else torch.randint(1, 160, (count,), generator=g).tolist()
+        if case % 2:  # a prefix tree: sequences that share a prompt of their group's
+            prompt = torch.randint(3, 9, (int(torch.randint(1, 90, (1,), generator=g)),), generator=g).tolist()
+            seqs = [prompt + torch.randint(3, 9, (n,), generator=g).tolist() for n in lengths]
+            until = tree_batch(seqs)["until"]
+        else:
+            until = packed_batch([torch.randint(3, 9, (n,), generator=g).tolist() for n in lengths])["until"]
+        got = flex_block_mask(until)
+        padded = got.seq_lengths[0]
+        reach = torch.cat([until, torch.arange(len(until), padded)])
+        expected = create_block_mask(
+            lambda b, h, q, k, reach=reach: (k <= q) & (q <= reach[k]), None, None, padded, padded, device="cpu"
+        )
+        for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
+            assert torch.equal(getattr(got, name), getattr(expected, name)), (case, name)
+        for name, count_name in [
+            (f"{prefix}{side}_indices", f"{prefix}{side}_num_blocks")
+            for prefix in ("", "full_")
+            for side in ("kv", "q")
+        ]:
+            for row, used in enumerate(getattr(expected, count_name)[0, 0].tolist()):
+                assert torch.equal(getattr(got, name)[0, 0, row, :used], getattr(expected, name)[0, 0, row, :used])
+        assert torch.equal(got.to_dense(), expected.to_dense())
 
 
 def test_masks_are_built_where_the_row_is():
