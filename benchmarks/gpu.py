@@ -27,19 +27,24 @@ random-initialised Llamas with SmolLM2's tokenizer (``--models``, ``HIDDENxLAYER
    step per graph replay (``decode_steps=1``), then without graphs (``decode_graphs=False``); on
    the CPU with the fixed-shape steps, four per round trip, run eagerly.
 
+4. **mask**: FlexAttention's block mask for one packed row of 16k and 64k tokens (CPU: 4k and
+   16k), built per tile as the trainers do against ``create_block_mask`` (every query-key pair):
+   seconds and the peak memory each build adds.
+
 MFU is ``6 P`` FLOPs per trained token (``P``: the parameters a token multiplies, the LM head's
 included and the input embedding's not) over the peak that :func:`rl2gem.training.metrics.peak_flops_from_config`
 prints (the datasheet's for a known GPU; on CPU a matmul measured once in this process), the same
 ``P`` and peak for both sides. Prints Markdown tables with the device, torch and
 transformers versions. Nothing is downloaded; ``--tokenizer`` defaults to the built-in SmolLM2's.
 
-Usage: ``python benchmarks/gpu.py [--models 1024x8,2048x16] [--sections sft,dpo,rm,ppo,decode] [--steps 6]``
+Usage: ``python benchmarks/gpu.py [--models 1024x8,2048x16] [--sections sft,dpo,rm,ppo,decode,mask] [--steps 6]``
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import random
 import statistics
@@ -337,6 +342,50 @@ def ppo_section(model_dir: Path, tmp: Path, steps: int, groups: int) -> None:
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
 
 
+def mask_section(lengths: list[int]) -> None:
+    """FlexAttention's ``BlockMask`` for one packed row of ~800-token sequences (a GuessTheNumber
+    episode's length), built as ``actor.attention=flex`` builds it (per tile:
+    :func:`rl2gem.parallel.attention.flex_block_mask`) and by ``create_block_mask`` over the same
+    ``mask_mod`` (every query-key pair): seconds per build (median of 5, the device synchronised)
+    and the peak memory a build adds (CUDA: the allocator's; CPU: the process's resident set)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from rl2gem.parallel.attention import flex_block_mask
+    from rl2gem.parallel.packing import packed_batch
+    from rl2gem.training.metrics import MIB, PeakMemory
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print("| tokens | build | seconds | peak MiB added | vs create_block_mask (time) |")
+    print("|---:|---|---:|---:|---:|")
+    for length in lengths:
+        lengths_of = [800] * (length // 800) + ([length % 800] if length % 800 else [])
+        until = packed_batch([[5] * n for n in lengths_of])["until"].to(device)
+
+        def per_pair(until=until):
+            padded = -(-len(until) // 128) * 128
+            reach = torch.cat([until, torch.arange(len(until), padded, device=device)])
+            return create_block_mask(
+                lambda b, h, q, k: (k <= q) & (q <= reach[k]), None, None, padded, padded, device=device
+            )
+
+        rows = []
+        for name, build in (
+            ("create_block_mask", per_pair),
+            ("flex_block_mask (ours)", lambda u=until: flex_block_mask(u)),
+        ):
+            build()  # warm-up
+            seconds = statistics.median(timed(build, device) for _ in range(5))
+            gc.collect()
+            memory = PeakMemory(device, interval=0.001, release_every=None)
+            before = torch.cuda.memory_allocated(device) if device.type == "cuda" else memory._process.memory_info().rss
+            with memory.phase("build"):
+                build()
+            added = (memory.peaks["build"] - before) / MIB
+            rows.append((name, seconds, added))
+        for name, seconds, added in rows:
+            print(f"| {length} | {name} | {seconds:.4f} | {added:.0f} | {rows[0][1] / seconds:.1f}x |", flush=True)
+
+
 def busy_fraction(work) -> float | None:
     """The share of ``work()``'s wall time in which CUDA kernels run (their summed device time,
     from ``torch.profiler``), or None off CUDA."""
@@ -447,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--models", default="1024x8,2048x16" if cuda else "256x2", help="HIDDENxLAYERS, comma-separated"
     )
-    parser.add_argument("--sections", default="sft,dpo,rm,ppo,decode")
+    parser.add_argument("--sections", default="sft,dpo,rm,ppo,decode,mask")
     parser.add_argument("--steps", type=int, default=6 if cuda else 4)
     parser.add_argument(
         "--ours",
@@ -485,6 +534,9 @@ def main(argv: list[str] | None = None) -> int:
                 print()
             if "decode" in sections:
                 decode_section(model_dir, [int(n) for n in args.rows.split(",")], args.new_tokens)
+    if "mask" in sections:
+        print("\n## FlexAttention block masks\n", flush=True)
+        mask_section([16384, 65536] if cuda else [4096, 16384])
     if FAILED:
         print(f"\nfailed: {'; '.join(FAILED)}")
     return 1 if FAILED else 0

@@ -109,7 +109,7 @@ def checks(bench: bool) -> list[tuple[str, list[str]]]:
     ]  # fmt: skip
     if bench:
         tokenizer = str(ROOT / ".tok") if (ROOT / ".tok").exists() else None
-        arguments = ["benchmarks/gpu.py", "--models", "64x2", "--sections", "sft,dpo,rm,decode,ppo", "--steps", "3",
+        arguments = ["benchmarks/gpu.py", "--models", "64x2", "--sections", "sft,dpo,rm,decode,ppo,mask", "--steps", "3",
                      "--scale", "0.05", "--rows", "4", "--new-tokens", "4"]  # fmt: skip
         found.append(("benchmarks/gpu.py on the CPU", arguments + (["--tokenizer", tokenizer] if tokenizer else [])))
     return found

@@ -455,7 +455,7 @@ def test_gpu_benchmark_smoke(tiny_dir):
     and the decode table is printed (the GPU's numbers are in RESULTS.md)."""
     stdout = run(
         "benchmarks/gpu.py",
-        "--models", "64x2", "--sections", "sft,dpo,rm,decode", "--steps", "3", "--scale", "0.05",
+        "--models", "64x2", "--sections", "sft,dpo,rm,decode,mask", "--steps", "3", "--scale", "0.05",
         "--rows", "4", "--new-tokens", "4", "--tokenizer", str(tiny_dir),
         timeout=900,
     )  # fmt: skip
@@ -472,3 +472,5 @@ def test_gpu_benchmark_smoke(tiny_dir):
     decode = [line for line in lines if line.startswith("| 4 |")]
     assert len(decode) == 3 and all(float(line.split("|")[3]) > 0 for line in decode[1:]), stdout
     assert "decode_steps=4" in decode[2], stdout
+    masks = [line.split("|") for line in lines if line.startswith(("| 4096 |", "| 16384 |"))]
+    assert [row[2].strip() for row in masks] == ["create_block_mask", "flex_block_mask (ours)"] * 2, stdout
