@@ -311,11 +311,11 @@ def ppo_section(model_dir: Path, tmp: Path, steps: int, groups: int) -> None:
     }
     phases = (
         "time/rollout", "engine/time_admit_s", "engine/time_decode_s", "engine/time_capture_s",
-        "time/old_logprobs", "time/update", "time/weight_sync", "time/step",
+        "time/old_logprobs", "time/update", "time/weight_sync", "time/step", "perf/micro_batches",
     )  # fmt: skip
     print(
         "| run | rollout s | engine prefill s | engine decode s | graph capture s | old_logprobs s | update s"
-        " | weight_sync s | step s"
+        " | weight_sync s | step s | micro-batches"
         + " | step-1 mismatch KL | largest difference | steps on the engine's log-probs"
         + " | steps on the update's forward |"
     )  # fmt: skip

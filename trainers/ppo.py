@@ -101,6 +101,7 @@ class PPOTrainer(OnlineTrainer):
 
         micro_batches = plan()
         metrics["perf/computed_token_fraction"] = computed_token_fraction(samples, micro_batches, tree_sequences)
+        metrics["perf/micro_batches"] = float(len(micro_batches))  # this rank's plan, before any back-off
         phase_start = time.perf_counter()
         with self.memory.phase("score"):
             scores, score_metrics = self.score(samples, micro_batches)
