@@ -126,17 +126,21 @@ def device_budget(device: torch.device, fraction: float) -> int:
     return int(fraction * psutil.virtual_memory().available / max(local, 1))
 
 
-def auto_max_length(workers, device: torch.device, fraction: float, tokens_per_length: int = 1) -> int:
+def auto_max_length(
+    workers, device: torch.device, fraction: float, tokens_per_length: int = 1, reserved_bytes: int = 0
+) -> int:
     """``max_length_per_device`` for ``auto`` over the trained ``workers`` (see the module
     docstring); the same on every rank (a collective). ``tokens_per_length``: the mesh's
-    ``sp * tp`` (a micro-batch holds that many times the per-device length).
+    ``sp * tp`` (a micro-batch holds that many times the per-device length). ``reserved_bytes``:
+    memory free now that something else takes later (the engine's KV store kept through the
+    update), taken off the budget.
 
     Raises:
         RuntimeError: not even 64 tokens per device fit the budget.
     """
     best, simulated = LIMIT, simulated_memory_bytes() is not None
     for worker in workers:
-        budget = device_budget(device, fraction)
+        budget = device_budget(device, fraction) - reserved_bytes
         if not simulated:  # a simulated device holds activations only
             budget -= _unallocated_state_bytes(worker, device)
         peaks = [_probe(worker, n * tokens_per_length, device) for n in PROBE_LENGTHS]
@@ -166,6 +170,8 @@ class MaxLength:
         mesh: the :class:`~rl2gem.parallel.mesh.ParallelMesh`.
         device: this rank's device.
         output_dir: where a multi-rank run records a halved length for its restart.
+        reserved_bytes: with ``auto``, memory free now that the update will not have
+            (:func:`auto_max_length`).
 
     Attributes:
         value: tokens per device now.
@@ -174,7 +180,9 @@ class MaxLength:
         ValueError: a setting that is neither a positive integer nor ``auto``.
     """
 
-    def __init__(self, section, workers: Sequence, mesh, device: torch.device, output_dir: str | Path):
+    def __init__(
+        self, section, workers: Sequence, mesh, device: torch.device, output_dir: str | Path, reserved_bytes: int = 0
+    ):
         settings = WorkerSettings.from_section(section)
         setting = settings.max_length_per_device
         self.workers, self.mesh, self.device = list(workers), mesh, device
@@ -182,7 +190,7 @@ class MaxLength:
         self.record = Path(output_dir) / RECORD
         if setting == "auto" and (device.type == "cuda" or simulated_memory_bytes() is not None):
             fraction = float(settings.memory_fraction)
-            self.value = auto_max_length(self.workers, device, fraction, mesh.micro_batch_tokens(1))
+            self.value = auto_max_length(self.workers, device, fraction, mesh.micro_batch_tokens(1), reserved_bytes)
         elif setting == "auto":
             self.value = CPU_AUTO_LENGTH
         elif isinstance(setting, int) and not isinstance(setting, bool) and setting > 0:

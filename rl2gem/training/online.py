@@ -133,9 +133,10 @@ class OnlineTrainer(Trainer):
             env_kwargs=env_kwargs,
             chat_template=load_chat_template(c.rollout.chat_template),
         )
-        # sized after the engine took its share of the device
+        # sized after the engine took its share of the device, less the KV store it may keep
         trained = [self.actor] + ([self.critic] if self.critic is not None else [])
-        self.max_length = MaxLength(c.actor, trained, self.mesh, self.device, self.out)
+        kept = self.engine.kept_kv_bytes
+        self.max_length = MaxLength(c.actor, trained, self.mesh, self.device, self.out, reserved_bytes=kept)
         self.tracker = self.open_tracker(self.out)
         if self.rank == 0:
             print(OmegaConf.to_yaml(c), flush=True)

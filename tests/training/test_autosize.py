@@ -78,6 +78,9 @@ def test_auto_picks_the_longest_length_that_fits_a_simulated_device(monkeypatch)
     chosen = auto_max_length([worker], torch.device("cpu"), fraction=0.8)
     assert chosen % MULTIPLE == 0 and chosen > max(PROBE_LENGTHS)  # extrapolated past the probes
     assert activation_bytes(model, chosen) <= limit < activation_bytes(model, chosen + MULTIPLE)
+    reserved = limit - activation_bytes(model, 800)  # an engine's KV store kept through the update
+    smaller = auto_max_length([worker], torch.device("cpu"), fraction=0.8, reserved_bytes=reserved)
+    assert activation_bytes(model, smaller) <= limit - reserved < activation_bytes(model, smaller + MULTIPLE)
     assert all(p.grad is None for p in model.parameters())  # the probes leave no gradients behind
     monkeypatch.setenv("RL2GEM_SIMULATED_MEMORY_MIB", str(activation_bytes(model, 64) / 2**20 / 2))
     with pytest.raises(RuntimeError, match="not even 64 tokens"):
