@@ -34,7 +34,6 @@ float32; GPU runs NCCL and bfloat16.
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
@@ -48,7 +47,7 @@ from rl2gem.algorithms import (
     policy_loss,
     value_loss,
 )
-from rl2gem.parallel.packing import MicroBatch, plan_micro_batches, regroup_scores, tree_size
+from rl2gem.parallel.packing import MicroBatch, minibatch_slices, plan_micro_batches, regroup_scores, tree_size
 from rl2gem.procs import run_main
 from rl2gem.training.forward import to_device, token_logprobs, token_values
 from rl2gem.training.metrics import Averager, reduce_mean, throughput_metrics, train_flops
@@ -96,8 +95,10 @@ class PPOTrainer(OnlineTrainer):
 
         def plan() -> list[MicroBatch]:
             mesh = self.mesh
-            budget = self.max_length.micro_batch_tokens
-            return plan_micro_batches(lengths, mesh.dp_rank, mesh.dp_size, budget, sequences=tree_sequences)
+            budget, minibatches = self.max_length.micro_batch_tokens, int(self.cfg.actor.minibatches_per_update)
+            return plan_micro_batches(
+                lengths, mesh.dp_rank, mesh.dp_size, budget, sequences=tree_sequences, minibatches=minibatches
+            )
 
         micro_batches = plan()
         metrics["perf/computed_token_fraction"] = computed_token_fraction(samples, micro_batches, tree_sequences)
@@ -194,11 +195,10 @@ class PPOTrainer(OnlineTrainer):
         ``actor.minibatches_per_update`` optimizer steps per pass."""
         actor = self.cfg.actor
         totals = {"num_tokens": float(sum(sum(s.mask) for s in samples)), "num_sequences": float(len(samples))}
-        per_minibatch = math.ceil(len(micro_batches) / max(1, int(actor.minibatches_per_update)))
+        minibatches = minibatch_slices(len(micro_batches), int(actor.minibatches_per_update))
         stats, norms, measured = Averager(), {}, torch.zeros(3, device=self.device)
         for _ in range(int(actor.update_per_rollout)):
-            for first in range(0, len(micro_batches), per_minibatch):
-                chunk = slice(first, first + per_minibatch)
+            for chunk in minibatches:
                 for micro_batch, score in zip(micro_batches[chunk], scores[chunk], strict=True):
                     part = [samples[i] for i in micro_batch.indices]
                     row = self.micro_batch_loss(part, micro_batch.scale, score, totals)
@@ -214,7 +214,8 @@ class PPOTrainer(OnlineTrainer):
         means = {(k if k.startswith("critic/") else f"actor/{k}"): v for k, v in stats.means().items()}
         if self.check_in_update:  # auto's check, measured by this update's forwards (every rank alike)
             means.update(self.old_logprobs.decide(measured, self.rank))
-        return {**means, **norms, "actor/lr": self.actor.lr}
+        steps = float(len(minibatches) * int(actor.update_per_rollout))
+        return {**means, **norms, "actor/lr": self.actor.lr, "actor/optimizer_steps": steps}
 
     def micro_batch_loss(self, part, scale: float, score: dict, totals: dict) -> dict[str, torch.Tensor]:
         """Backward of ``pg_loss + kl.coef * kl_loss - entropy_coef * entropy`` (and the critic's value

@@ -38,6 +38,7 @@ import torch
 from rl2gem.rollout.tito import common_prefix_length
 
 __all__ = [
+    "minibatch_slices",
     "seq_cost",
     "karmarkar_karp",
     "pack_micro_batches",
@@ -358,6 +359,15 @@ class MicroBatch:
         return 0.0 if self.placeholder else 1.0
 
 
+def minibatch_slices(count: int, minibatches: int) -> list[slice]:
+    """``count`` micro-batches in ``min(count, minibatches)`` contiguous groups, one optimizer step
+    each, whose sizes differ by at most one (``ceil(count / minibatches)`` per group would give 5
+    micro-batches over 4 minibatches only 3 steps)."""
+    groups = max(1, min(count, minibatches))
+    bounds = [index * count // groups for index in range(groups + 1)]
+    return [slice(start, end) for start, end in zip(bounds, bounds[1:], strict=False)]
+
+
 def plan_micro_batches(
     lengths: Sequence[int],
     dp_rank: int,
@@ -365,12 +375,16 @@ def plan_micro_batches(
     max_tokens: int,
     attn_coef: float = 1.0 / 4096,
     sequences: Sequence[Sequence[int]] | None = None,
+    minibatches: int = 1,
 ) -> list[MicroBatch]:
     """This rank's micro-batches of a step (the same number on every data-parallel rank).
 
     Sequences are partitioned over ranks by Karmarkar-Karp on compute cost ``L + attn_coef * L^2``
     and packed into micro-batches of at most ``max(max_tokens, longest)`` tokens
-    (:func:`plan`). With ``sequences`` (the token ids, for prefix-tree
+    (:func:`plan`). ``minibatches``: the optimizer steps the micro-batches will be split into
+    (:func:`minibatch_slices`); the limit is lowered to a rank's share of the tokens over that many
+    (never below the longest sequence), so that each step gets a micro-batch of its own where the
+    sequences allow, however long ``max_tokens`` is. With ``sequences`` (the token ids, for prefix-tree
     packing) micro-batches are planned on their prefix trees' sizes instead
     (:func:`plan_tree`, ``attn_coef`` unused): each rank gets a span of
     the sorted sequences, the largest rank's tree as small as possible, and a micro-batch keeps a
@@ -383,6 +397,9 @@ def plan_micro_batches(
     if not lengths:
         raise ValueError("plan_micro_batches needs at least one sequence")
     limit = max(int(max_tokens), max(lengths))
+    if minibatches > 1:
+        total = tree_size([list(s) for s in sequences]) if sequences is not None else sum(lengths)
+        limit = min(limit, max(max(lengths), total // (dp_size * minibatches)))
     if sequences is not None:
         per_rank = plan_tree([list(s) for s in sequences], dp_size, limit)[dp_rank]
     else:

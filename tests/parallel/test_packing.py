@@ -9,10 +9,12 @@ from tiny import tiny_model
 
 from rl2gem.parallel.packing import (
     karmarkar_karp,
+    minibatch_slices,
     pack_micro_batches,
     packed_attention_mask,
     packed_batch,
     plan,
+    plan_micro_batches,
     seq_cost,
     unpack,
 )
@@ -80,3 +82,33 @@ def test_packed_logprobs_equal_unpacked():
         out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=mask).logits
     for r, o in zip(ref, unpack(out, batch["cu_seqlens"]), strict=True):
         assert torch.allclose(r, o, atol=1e-4)
+
+
+def test_minibatch_slices_split_evenly_by_hand():
+    sizes = [[s.stop - s.start for s in minibatch_slices(count, k)] for count, k in [(5, 4), (1, 4), (8, 2), (7, 3)]]
+    assert sizes == [[1, 1, 1, 2], [1], [4, 4], [2, 2, 3]]
+    assert minibatch_slices(6, 1) == [slice(0, 6)]
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_a_long_budget_still_gives_each_minibatch_a_micro_batch(tree):
+    """A budget that holds the whole step (``max_length_per_device=auto`` on a GPU) would give one
+    micro-batch, so ``minibatches_per_update=4`` would take one optimizer step: the limit comes down
+    to a rank's share over the minibatches, never below the longest sequence."""
+    rng = random.Random(0)
+    prompt = [rng.randint(3, 50) for _ in range(20)]
+    sequences = [prompt + [rng.randint(3, 50) for _ in range(rng.randint(60, 100))] for _ in range(16)]
+    lengths = [len(s) for s in sequences]
+    kwargs = {"sequences": sequences} if tree else {}
+    seen = []
+    for rank in range(2):
+        assert len(plan_micro_batches(lengths, rank, 2, 1 << 20, **kwargs)) == 1
+        planned = plan_micro_batches(lengths, rank, 2, 1 << 20, minibatches=4, **kwargs)
+        assert len(planned) >= 4
+        seen += [i for mb in planned if not mb.placeholder for i in mb.indices]
+    assert sorted(seen) == list(range(len(sequences)))  # every sequence once, over both ranks
+    # one sequence longer than the share: the limit stays at it (a micro-batch holds a sequence
+    # whole), so here the others fill one micro-batch and the step takes two optimizer steps
+    long = [2000, *lengths]
+    planned = plan_micro_batches(long, 0, 1, 1 << 20, minibatches=4)
+    assert [mb.indices for mb in planned][0] == [0] and len(planned) == 2

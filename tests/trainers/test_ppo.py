@@ -406,7 +406,12 @@ def test_on_policy_steps_use_the_rollout_logprobs_and_equal_recomputing_them(tin
     tests/training/test_online_parts.py's). The rollout choice is refused where the update is not
     exactly on-policy."""
     runs = {}
-    for name, option in [("auto", "auto"), ("recompute", "recompute")]:
+    options = [
+        ("auto", "auto"),
+        ("recompute", "recompute"),
+        ("minibatches", "recompute actor.minibatches_per_update=2"),
+    ]
+    for name, option in options:
         out = tmp_path / name
         torchrun(
             1,
@@ -415,7 +420,7 @@ def test_on_policy_steps_use_the_rollout_logprobs_and_equal_recomputing_them(tin
             "rollout.max_new_tokens=8",
             *MOVING_WEIGHTS,
             "reward.transform=tests.toy_envs:even_token_reward",
-            f"actor.old_logprobs={option}",
+            *f"actor.old_logprobs={option}".split(),
             "trainer.total_steps=3",
             "trainer.eval_at_start=false",
             "trainer.eval_n=2",
@@ -424,6 +429,14 @@ def test_on_policy_steps_use_the_rollout_logprobs_and_equal_recomputing_them(tin
         )
         runs[name] = logged_steps(out / "metrics.jsonl", "actor/pg_loss")
     auto, recompute = runs["auto"], runs["recompute"]
+    # the 8 sequences fit one micro-batch (2048 tokens on the CPU); two minibatches still get a
+    # micro-batch each, so the pass takes two optimizer steps, not one
+    for step in (1, 2, 3):
+        assert auto[step]["actor/optimizer_steps"] == recompute[step]["actor/optimizer_steps"] == 1.0
+        assert auto[step]["perf/micro_batches"] == 1.0
+        assert runs["minibatches"][step]["actor/optimizer_steps"] == 2.0
+        assert runs["minibatches"][step]["perf/micro_batches"] >= 2.0
+    assert runs["minibatches"][1]["rollout/reward"] == auto[1]["rollout/reward"]  # same weights, same samples
     assert [auto[s]["actor/old_logprobs_from_rollout"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
     # auto's check step takes the trainer's log-probs from the update's own forward (no separate
     # pass; its metrics below equal the separate pass's); recompute keeps the pass
