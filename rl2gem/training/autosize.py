@@ -7,7 +7,8 @@ everything else, probing it took about 20 s of a two-rank start on the 2-core ma
 time per token does not fall with longer micro-batches; a simulated device (below) is probed.
 
 **The probe** (:func:`auto_max_length`). Each trained model runs a forward and backward pass on one
-synthetic sequence at three probe lengths (128, 256 and 512 tokens per device) and the
+synthetic sequence at three probe lengths (128, 256 and 512 tokens per device), after a discarded
+pass at the first (one-time allocations such as cuBLAS workspaces would bend the fit), and the
 memory each pass adds is measured: on CUDA the allocator's peak above what was allocated before
 the pass; elsewhere the bytes of the tensors autograd saved for the backward pass (the
 activations; :class:`~rl2gem.training.metrics.SavedTensorBytes`). A quadratic ``a + b L + c L^2`` is fitted by least
@@ -15,8 +16,9 @@ squares (quadratic because attention without flash kernels keeps ``L x L`` score
 0 with them), and the length chosen is the largest multiple of 64 whose predicted peak fits the
 budget: ``actor.memory_fraction`` of the memory free now (CUDA: ``torch.cuda.mem_get_info``; CPU:
 the available RAM shared by the node's ranks), less the optimizer state AdamW has not allocated
-yet (and on CPU the gradients). Every rank probes the same shapes; the smallest choice over ranks
-wins.
+yet by any trained model (and on CPU the gradients), and capped where a ``[tokens, vocabulary]``
+tensor would pass ``2**31`` elements. Every rank probes the same shapes; the smallest choice over
+ranks wins.
 
 **Back-off** (:class:`MaxLength`). A step's gradient passes run through :meth:`MaxLength.run`;
 when one raises ``torch.OutOfMemoryError`` before any optimizer step, the gradients are dropped,
@@ -105,6 +107,15 @@ def _probe(worker, tokens: int, device: torch.device) -> float:
     return float(peak)
 
 
+def _index_limit(worker) -> int:
+    """Tokens per device below which no ``[tokens, vocabulary]`` logits tensor (nor
+    ``[tokens, hidden]`` activation) passes ``2**31`` elements: kernels that index with 32-bit
+    integers (some Triton ones) are not exercised past it, whatever the memory holds."""
+    config = worker.model.config
+    widest = max(int(getattr(config, "vocab_size", 1) or 1), int(getattr(config, "hidden_size", 1) or 1))
+    return 2**31 // widest // MULTIPLE * MULTIPLE
+
+
 def _unallocated_state_bytes(worker, device: torch.device) -> int:
     """AdamW's two moments when it has not stepped yet, plus (off CUDA, where the probe does not
     see them) the gradients."""
@@ -139,12 +150,13 @@ def auto_max_length(
         RuntimeError: not even 64 tokens per device fit the budget.
     """
     best, simulated = LIMIT, simulated_memory_bytes() is not None
+    # every trained model's optimizer state is there during each one's passes
+    unallocated = 0 if simulated else sum(_unallocated_state_bytes(worker, device) for worker in workers)
     for worker in workers:
-        budget = device_budget(device, fraction) - reserved_bytes
-        if not simulated:  # a simulated device holds activations only
-            budget -= _unallocated_state_bytes(worker, device)
+        budget = device_budget(device, fraction) - reserved_bytes - unallocated
+        _probe(worker, PROBE_LENGTHS[0] * tokens_per_length, device)  # warm-up: one-time workspaces
         peaks = [_probe(worker, n * tokens_per_length, device) for n in PROBE_LENGTHS]
-        best = min(best, fit_max_length(PROBE_LENGTHS, peaks, budget))
+        best = min(best, fit_max_length(PROBE_LENGTHS, peaks, budget), _index_limit(worker))
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -78,6 +78,10 @@ def test_auto_picks_the_longest_length_that_fits_a_simulated_device(monkeypatch)
     chosen = auto_max_length([worker], torch.device("cpu"), fraction=0.8)
     assert chosen % MULTIPLE == 0 and chosen > max(PROBE_LENGTHS)  # extrapolated past the probes
     assert activation_bytes(model, chosen) <= limit < activation_bytes(model, chosen + MULTIPLE)
+    monkeypatch.setenv("RL2GEM_SIMULATED_MEMORY_MIB", str(1 << 30))  # memory is no limit: 32-bit indexing is
+    vocabulary = model.config.vocab_size  # 49152: 2**31 elements of logits at 43,690 tokens
+    assert auto_max_length([worker], torch.device("cpu"), fraction=0.8) == 2**31 // vocabulary // 64 * 64 == 43648
+    monkeypatch.setenv("RL2GEM_SIMULATED_MEMORY_MIB", str(limit / 2**20))
     reserved = limit - activation_bytes(model, 800)  # an engine's KV store kept through the update
     smaller = auto_max_length([worker], torch.device("cpu"), fraction=0.8, reserved_bytes=reserved)
     assert activation_bytes(model, smaller) <= limit - reserved < activation_bytes(model, smaller + MULTIPLE)
