@@ -212,17 +212,21 @@ def test_engine_decode_graphs_equal_the_windowed_decode(decode_steps, kept_kv_by
         long = await engine.generate(list(range(100, 190)), {**greedy, "max_new_tokens": 90})
         captured = dict(engine._graphs._steps) if decode_graphs else {}
         await engine.update_weights(update)
+        before = engine.stats["decode_graph_captures"]
+        # one row: the 8-row step, captured before the update (after the long request)
+        single = await engine.generate(prompts[0], {"temperature": 0.8, "max_new_tokens": 12, "sampling_seed": 99})
+        if decode_graphs:  # it replayed with the new weights (nothing captured), or was captured again
+            replayed = engine.stats["decode_graph_captures"] == before
+            assert replayed == (kept_kv_bytes is None)
+            assert (engine._graphs._steps.get((8, decode_steps)) is captured.get((8, decode_steps))) == replayed
         seeded = await asyncio.gather(
             *(
                 engine.generate(p, {"temperature": 0.8, "max_new_tokens": 12, "sampling_seed": i})
                 for i, p in enumerate(prompts)
             )
         )
-        if decode_graphs:  # a step captured before the update replays after it, or not
-            reused = any(engine._graphs._steps.get(key) is step for key, step in captured.items())
-            assert reused == (kept_kv_bytes is None)
         await engine.close()
-        outs = [*first, stopped, long, *seeded]
+        outs = [*first, stopped, long, single, *seeded]
         return [o.output_ids for o in outs], [o.output_logprobs for o in outs], engine.stats["decode_graph_captures"]
 
     graph_tokens, graph_logprobs, captures = asyncio.run(run(True))
