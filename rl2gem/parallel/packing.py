@@ -323,7 +323,10 @@ def _balanced_spans(n: int, parts: int, size) -> list[tuple[int, int]]:
 
 def _cheapest_cuts(first: int, end: int, size, max_tokens: int) -> list[tuple[int, int]]:
     """Cuts of the range ``first..end`` into units of at most ``max_tokens`` ``size`` with the
-    smallest total size (dynamic programming over the cut points)."""
+    smallest total size (dynamic programming over the cut points, quadratic in the range; a range
+    that fits whole is one unit, as a cut never shrinks the trees)."""
+    if size(first, end) <= max_tokens:
+        return [(first, end)]
     best, cut = {first: 0}, {}
     for b in range(first + 1, end + 1):
         for a in range(b - 1, first - 1, -1):
