@@ -200,9 +200,9 @@ def flex_block_mask(until: torch.Tensor):
     partial = (before & (per_tile.amax(1)[None, :] >= first[:, None]) & ~full) | torch.eye(
         tiles, dtype=torch.bool, device=device
     )
-    return BlockMask.from_kv_blocks(
-        *_ordered(partial), *_ordered(full), BLOCK_SIZE=FLEX_BLOCK, mask_mod=visible, seq_lengths=(padded, padded)
-    )
+    # the lengths are the tiles' (padded x padded), which from_kv_blocks infers (no seq_lengths:
+    # older PyTorch releases lack the argument)
+    return BlockMask.from_kv_blocks(*_ordered(partial), *_ordered(full), BLOCK_SIZE=FLEX_BLOCK, mask_mod=visible)
 
 
 def attention_mask(model, until: torch.Tensor):
