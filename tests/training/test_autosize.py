@@ -7,6 +7,7 @@ import torch
 from tiny import tiny_model
 
 from rl2gem.parallel.packing import MicroBatch, regroup_scores
+from rl2gem.training import autosize
 from rl2gem.training.autosize import (
     CPU_AUTO_LENGTH,
     MULTIPLE,
@@ -71,6 +72,14 @@ def activation_bytes(model, length):
 
 
 def test_auto_picks_the_longest_length_that_fits_a_simulated_device(monkeypatch):
+    real_probe, measured = autosize._probe, {}
+
+    def probe(worker, tokens, device):  # on the CPU a probe's bytes are exact: each length measured once
+        if tokens not in measured:
+            measured[tokens] = real_probe(worker, tokens, device)
+        return measured[tokens]
+
+    monkeypatch.setattr(autosize, "_probe", probe)
     model = tiny_model()
     worker = types.SimpleNamespace(model=model, head="lm", optimizer=torch.optim.AdamW(model.parameters()))
     limit = activation_bytes(model, 1500)
