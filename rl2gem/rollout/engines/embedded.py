@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import inspect
 import itertools
 import threading
 import time
@@ -355,6 +356,7 @@ class EmbeddedEngine(Engine):
         # on CUDA the LM head is one matmul (its slices save host memory on the CPU)
         vocab_chunk = self.vocab_size if p.device.type == "cuda" else 2048
         self._lean = LeanDecoder(model, vocab_chunk=vocab_chunk) if self.lean_reason is None else None
+        self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.max_batch_size = int(max_batch_size)
         self.max_prefill_tokens = int(max_prefill_tokens)
         self.max_cached_tokens = int(max_cached_tokens)
@@ -679,19 +681,26 @@ class EmbeddedEngine(Engine):
         return self.model(**kw, use_cache=True)
 
     def _input_logprobs(self, r: _Request, rows: int = 1024):
-        """The prompt's log-probs from ``logprob_start_len`` on: one forward, then float32
+        """The prompt's log-probs from ``logprob_start_len`` on (``None`` for the first token): one
+        forward whose LM head runs only from the position predicting token ``logprob_start_len``
+        on (transformers' ``logits_to_keep``, where the model's forward takes it), then float32
         log-softmax ``rows`` positions at a time (the whole prompt's ``[L, V]`` in float32, three
         times over, is gigabytes at a long prompt)."""
         ids = torch.tensor([r.input_ids], device=self._device)
-        logits = self.model(input_ids=ids, use_cache=False).logits[0]  # [L, V] in the model's dtype
+        first = max(r.logprob_start_len, 1)  # the first token scored (position 0 has no log-prob)
+        targets = ids[0, first:, None]
+        keep = len(targets) + 1  # the positions first - 1 .. L - 1 (the last one predicts nothing)
+        if self._takes_logits_to_keep:
+            logits = self.model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits[0]
+        else:
+            logits = self.model(input_ids=ids, use_cache=False).logits[0, -keep:]
         t = r.params.temperature or 1.0
-        targets = ids[0, 1:, None]
         parts = [
             torch.log_softmax(logits[a : min(a + rows, len(targets))].float() / t, -1).gather(1, targets[a : a + rows])
             for a in range(0, len(targets), rows)
         ]
         lp = torch.cat(parts).flatten().tolist() if parts else []
-        r.input_lp = ([None] + lp)[r.logprob_start_len :]
+        r.input_lp = ([None] if r.logprob_start_len == 0 else []) + lp
 
     # ------------------------------------------------------------------ prefix cache
     def _save_prefix(self, req: _Request, slot: int) -> None:
