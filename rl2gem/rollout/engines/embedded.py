@@ -707,19 +707,25 @@ class EmbeddedEngine(Engine):
         """Keep the KV of a finished row so a later request that extends it (the next turn of the
         episode, or a partial rollout resuming) prefills only its new tokens."""
         if req.length >= 2:
-            self._keep_kv(tuple((req.input_ids + req.out_ids)[: req.length]), self._store, slot)
+            st = self._store  # a row without holes holds its tokens in the last `span` columns
+            columns = slice(st.hi - req.span, st.hi) if req.span == req.length else None
+            self._keep_kv(tuple((req.input_ids + req.out_ids)[: req.length]), st, slot, columns)
 
-    def _keep_kv(self, tokens: tuple[int, ...], store: _KVStore, slot: int) -> None:
-        """Copy row ``slot`` of ``store`` (its masked-in columns hold ``tokens``) into the LRU cache."""
+    def _keep_kv(self, tokens: tuple[int, ...], store: _KVStore, slot: int, columns: slice | None = None) -> None:
+        """Copy row ``slot`` of ``store`` (its masked-in columns hold ``tokens``) into the LRU cache.
+        ``columns``: where they are, when the caller knows (no host read of the mask: on CUDA each
+        ``nonzero`` waits for the device)."""
         if self.prefix_cache_tokens <= 0:
             return
-        cols = store.mask[slot, store.lo : store.hi].nonzero().flatten() + store.lo
-        if len(cols) != len(tokens):
-            return
+        cols = columns
+        if cols is None:
+            cols = store.mask[slot, store.lo : store.hi].nonzero().flatten() + store.lo
+            if len(cols) != len(tokens):
+                return
         if tokens in self._prefix:
             self._prefix.move_to_end(tokens)
             return
-        if int(cols[-1] - cols[0]) + 1 == len(cols):  # contiguous (no holes): plain slices copy faster
+        if not isinstance(cols, slice) and int(cols[-1] - cols[0]) + 1 == len(cols):  # contiguous: slices copy faster
             cols = slice(int(cols[0]), int(cols[-1]) + 1)
         kv = [
             (k[slot][:, cols].clone(), v[slot][:, cols].clone()) for k, v in zip(store.keys, store.values, strict=True)
