@@ -108,11 +108,14 @@ def _probe(worker, tokens: int, device: torch.device) -> float:
 
 
 def _index_limit(worker) -> int:
-    """Tokens per device below which no ``[tokens, vocabulary]`` logits tensor (nor
-    ``[tokens, hidden]`` activation) passes ``2**31`` elements: kernels that index with 32-bit
-    integers (some Triton ones) are not exercised past it, whatever the memory holds."""
+    """Tokens per device below which no ``[tokens, vocabulary]`` logits tensor (an LM head's; a
+    value or score head builds none) nor ``[tokens, hidden]`` activation passes ``2**31`` elements:
+    kernels that index with 32-bit integers (some Triton ones) are not exercised past it, whatever
+    the memory holds."""
     config = worker.model.config
-    widest = max(int(getattr(config, "vocab_size", 1) or 1), int(getattr(config, "hidden_size", 1) or 1))
+    widest = int(getattr(config, "hidden_size", 1) or 1)
+    if worker.head == "lm":
+        widest = max(widest, int(getattr(config, "vocab_size", 1) or 1))
     return 2**31 // widest // MULTIPLE * MULTIPLE
 
 

@@ -249,6 +249,7 @@ class _Request:
         "version",
         "cached",
         "on_token",
+        "overrun",
     )
 
     def __init__(self, rid, input_ids, params, logprob_start_len, loop, future, stop_ids):
@@ -264,6 +265,7 @@ class _Request:
         self.t_submit = time.perf_counter()
         self.version = 0
         self.on_token = None  # called on the requester's loop with (token, logprob) as each is sampled
+        self.overrun = 0  # columns after its stop that a chunk of decode steps wrote (masked out)
 
 
 # --------------------------------------------------------------------------- engine
@@ -707,8 +709,10 @@ class EmbeddedEngine(Engine):
         """Keep the KV of a finished row so a later request that extends it (the next turn of the
         episode, or a partial rollout resuming) prefills only its new tokens."""
         if req.length >= 2:
-            st = self._store  # a row without holes holds its tokens in the last `span` columns
-            columns = slice(st.hi - req.span, st.hi) if req.span == req.length else None
+            # a row without holes holds its tokens in the last `span` columns, before any overrun
+            st = self._store
+            end = st.hi - req.overrun
+            columns = slice(st.hi - req.span, end) if req.span - req.overrun == req.length else None
             self._keep_kv(tuple((req.input_ids + req.out_ids)[: req.length]), st, slot, columns)
 
     def _keep_kv(self, tokens: tuple[int, ...], store: _KVStore, slot: int, columns: slice | None = None) -> None:
@@ -952,6 +956,7 @@ class EmbeddedEngine(Engine):
                     continue
                 if overrun:
                     r.length -= overrun
+                    r.overrun = overrun
                     store = self._store
                     store.mask[self._running.index(r), store.hi - overrun : store.hi] = False
                 self._finish(r, reason)
