@@ -35,6 +35,7 @@ float32; GPU runs NCCL and bfloat16.
 from __future__ import annotations
 
 import time
+from itertools import groupby
 from pathlib import Path
 
 import torch
@@ -47,7 +48,7 @@ from rl2gem.algorithms import (
     policy_loss,
     value_loss,
 )
-from rl2gem.parallel.packing import MicroBatch, minibatch_slices, plan_micro_batches, regroup_scores, tree_size
+from rl2gem.parallel.packing import MicroBatch, plan_minibatches, regroup_scores, tree_size
 from rl2gem.procs import run_main
 from rl2gem.training.forward import to_device, token_logprobs, token_values
 from rl2gem.training.metrics import Averager, reduce_mean, throughput_metrics, train_flops
@@ -96,9 +97,7 @@ class PPOTrainer(OnlineTrainer):
         def plan() -> list[MicroBatch]:
             mesh = self.mesh
             budget, minibatches = self.max_length.micro_batch_tokens, int(self.cfg.actor.minibatches_per_update)
-            return plan_micro_batches(
-                lengths, mesh.dp_rank, mesh.dp_size, budget, sequences=tree_sequences, minibatches=minibatches
-            )
+            return plan_minibatches(lengths, mesh.dp_rank, mesh.dp_size, budget, minibatches, tree_sequences)
 
         micro_batches = plan()
         metrics["perf/computed_token_fraction"] = computed_token_fraction(samples, micro_batches, tree_sequences)
@@ -108,13 +107,17 @@ class PPOTrainer(OnlineTrainer):
             scores, score_metrics = self.score(samples, micro_batches)
         metrics.update(score_metrics, **{"time/old_logprobs": time.perf_counter() - phase_start})
 
+        largest = 0  # tokens of the largest micro-batch passes() planned
+
         def passes() -> dict:  # after an out-of-memory back-off: the same scores on a finer plan
+            nonlocal largest
             finer = plan()
+            largest = max(sum(lengths[i] for i in micro_batch.indices) for micro_batch in finer)
             return self.update(samples, finer, regroup_scores(scores, micro_batches, finer, lengths))
 
         phase_start = time.perf_counter()
         with self.memory.phase("update"):
-            metrics.update(self.max_length.run(passes, max(lengths)))
+            metrics.update(self.max_length.run(passes, max(lengths), planned=lambda: largest))
         metrics["time/update"] = time.perf_counter() - phase_start
         if self.ref is not None:  # the coefficient this step used, then the next step's (same on every rank)
             metrics.update(self.kl.metrics())
@@ -195,11 +198,12 @@ class PPOTrainer(OnlineTrainer):
         ``actor.minibatches_per_update`` optimizer steps per pass."""
         actor = self.cfg.actor
         totals = {"num_tokens": float(sum(sum(s.mask) for s in samples)), "num_sequences": float(len(samples))}
-        minibatches = minibatch_slices(len(micro_batches), int(actor.minibatches_per_update))
+        pairs = zip(micro_batches, scores, strict=True)  # in minibatch order (plan_minibatches)
+        minibatches = [list(group) for _, group in groupby(pairs, key=lambda pair: pair[0].minibatch)]
         stats, norms, measured = Averager(), {}, torch.zeros(3, device=self.device)
         for _ in range(int(actor.update_per_rollout)):
-            for chunk in minibatches:
-                for micro_batch, score in zip(micro_batches[chunk], scores[chunk], strict=True):
+            for minibatch in minibatches:
+                for micro_batch, score in minibatch:
                     part = [samples[i] for i in micro_batch.indices]
                     row = self.micro_batch_loss(part, micro_batch.scale, score, totals)
                     check = row.pop("check", None)

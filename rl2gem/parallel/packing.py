@@ -38,7 +38,7 @@ import torch
 from rl2gem.rollout.tito import common_prefix_length
 
 __all__ = [
-    "minibatch_slices",
+    "plan_minibatches",
     "seq_cost",
     "karmarkar_karp",
     "pack_micro_batches",
@@ -351,24 +351,17 @@ class MicroBatch:
         placeholder: True for a micro-batch a rank runs only to keep FSDP's collectives matched
             (it got fewer real micro-batches than another rank): it computes on the step's shortest
             sequence and its loss must be multiplied by 0 (:attr:`scale`).
+        minibatch: the optimizer step it belongs to (:func:`plan_minibatches`).
     """
 
     indices: list[int]
     placeholder: bool = False
+    minibatch: int = 0
 
     @property
     def scale(self) -> float:
         """1.0 for a real micro-batch, 0.0 for a placeholder."""
         return 0.0 if self.placeholder else 1.0
-
-
-def minibatch_slices(count: int, minibatches: int) -> list[slice]:
-    """``count`` micro-batches in ``min(count, minibatches)`` contiguous groups, one optimizer step
-    each, whose sizes differ by at most one (``ceil(count / minibatches)`` per group would give 5
-    micro-batches over 4 minibatches only 3 steps)."""
-    groups = max(1, min(count, minibatches))
-    bounds = [index * count // groups for index in range(groups + 1)]
-    return [slice(start, end) for start, end in zip(bounds, bounds[1:], strict=False)]
 
 
 def plan_micro_batches(
@@ -378,16 +371,12 @@ def plan_micro_batches(
     max_tokens: int,
     attn_coef: float = 1.0 / 4096,
     sequences: Sequence[Sequence[int]] | None = None,
-    minibatches: int = 1,
 ) -> list[MicroBatch]:
     """This rank's micro-batches of a step (the same number on every data-parallel rank).
 
     Sequences are partitioned over ranks by Karmarkar-Karp on compute cost ``L + attn_coef * L^2``
     and packed into micro-batches of at most ``max(max_tokens, longest)`` tokens
-    (:func:`plan`). ``minibatches``: the optimizer steps the micro-batches will be split into
-    (:func:`minibatch_slices`); the limit is lowered to a rank's share of the tokens over that many
-    (never below the longest sequence), so that each step gets a micro-batch of its own where the
-    sequences allow, however long ``max_tokens`` is. With ``sequences`` (the token ids, for prefix-tree
+    (:func:`plan`). With ``sequences`` (the token ids, for prefix-tree
     packing) micro-batches are planned on their prefix trees' sizes instead
     (:func:`plan_tree`, ``attn_coef`` unused): each rank gets a span of
     the sorted sequences, the largest rank's tree as small as possible, and a micro-batch keeps a
@@ -400,9 +389,6 @@ def plan_micro_batches(
     if not lengths:
         raise ValueError("plan_micro_batches needs at least one sequence")
     limit = max(int(max_tokens), max(lengths))
-    if minibatches > 1:
-        total = tree_size([list(s) for s in sequences]) if sequences is not None else sum(lengths)
-        limit = min(limit, max(max(lengths), total // (dp_size * minibatches)))
     if sequences is not None:
         per_rank = plan_tree([list(s) for s in sequences], dp_size, limit)[dp_rank]
     else:
@@ -439,6 +425,39 @@ def regroup_scores(
         }
         for mb in new
     ]
+
+
+def plan_minibatches(
+    lengths: Sequence[int],
+    dp_rank: int,
+    dp_size: int,
+    max_tokens: int,
+    minibatches: int = 1,
+    sequences: Sequence[Sequence[int]] | None = None,
+) -> list[MicroBatch]:
+    """This rank's micro-batches of a step taken in ``minibatches`` optimizer steps: the step's
+    sequences in that many contiguous parts of their order (a rollout's: a GRPO group stays
+    together, and no part gets only the longest sequences, as parts of a length-sorted plan would),
+    each part planned on its own by :func:`plan_micro_batches` over the ranks, so every optimizer
+    step has micro-batches of its own however many tokens one may hold. Micro-batches come in
+    minibatch order, their ``indices`` into the whole step and :attr:`MicroBatch.minibatch` set;
+    fewer sequences than ``minibatches`` give one step per sequence.
+
+    Raises:
+        ValueError: no sequences.
+    """
+    if not lengths:
+        raise ValueError("plan_minibatches needs at least one sequence")
+    count = len(lengths)
+    parts = max(1, min(int(minibatches), count))
+    bounds = [index * count // parts for index in range(parts + 1)]
+    planned = []
+    for minibatch, (first, end) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        part = sequences[first:end] if sequences is not None else None
+        for micro_batch in plan_micro_batches(lengths[first:end], dp_rank, dp_size, max_tokens, sequences=part):
+            indices = [first + index for index in micro_batch.indices]
+            planned.append(MicroBatch(indices, micro_batch.placeholder, minibatch))
+    return planned
 
 
 def plan_pair_micro_batches(

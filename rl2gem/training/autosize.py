@@ -220,11 +220,14 @@ class MaxLength:
         """Tokens one micro-batch may hold (``sp * tp * value``)."""
         return self.mesh.micro_batch_tokens(self.value)
 
-    def run(self, passes: Callable[[], T], longest: int) -> T:
+    def run(self, passes: Callable[[], T], longest: int, planned: Callable[[], int] | None = None) -> T:
         """``passes()``, again at half the length after an out-of-memory error raised before any
         optimizer step; ``passes`` plans its micro-batches with :attr:`micro_batch_tokens`.
         ``longest``: the longest sequence of the step (a micro-batch never holds less than one
-        sequence, so the back-off stops there).
+        sequence, so the back-off stops there). ``planned``: the tokens of the largest micro-batch
+        the failed passes planned; the length halves from it when it is below the budget (a plan
+        can hold much less than the budget allows, and halving the budget alone would plan the
+        same micro-batches again).
 
         Raises:
             torch.OutOfMemoryError: back-off off, an optimizer step already taken, nothing left to
@@ -236,7 +239,8 @@ class MaxLength:
                 return passes()
             except torch.OutOfMemoryError as error:
                 stepped = steps != [w.optimizer_steps for w in self.workers]
-                halved = max(self.value // 2, MULTIPLE)
+                used = self.value if planned is None else min(self.value, planned() // self.mesh.micro_batch_tokens(1))
+                halved = max(used // 2, MULTIPLE)
                 if not self.backoff or stepped:
                     raise
                 if halved == self.value or self.micro_batch_tokens <= longest:

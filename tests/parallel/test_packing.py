@@ -9,12 +9,11 @@ from tiny import tiny_model
 
 from rl2gem.parallel.packing import (
     karmarkar_karp,
-    minibatch_slices,
     pack_micro_batches,
     packed_attention_mask,
     packed_batch,
     plan,
-    plan_micro_batches,
+    plan_minibatches,
     seq_cost,
     unpack,
 )
@@ -84,17 +83,12 @@ def test_packed_logprobs_equal_unpacked():
         assert torch.allclose(r, o, atol=1e-4)
 
 
-def test_minibatch_slices_split_evenly_by_hand():
-    sizes = [[s.stop - s.start for s in minibatch_slices(count, k)] for count, k in [(5, 4), (1, 4), (8, 2), (7, 3)]]
-    assert sizes == [[1, 1, 1, 2], [1], [4, 4], [2, 2, 3]]
-    assert minibatch_slices(6, 1) == [slice(0, 6)]
-
-
 @pytest.mark.parametrize("tree", [False, True])
-def test_a_long_budget_still_gives_each_minibatch_a_micro_batch(tree):
+def test_each_minibatch_is_a_contiguous_part_planned_on_its_own(tree):
     """A budget that holds the whole step (``max_length_per_device=auto`` on a GPU) would give one
-    micro-batch, so ``minibatches_per_update=4`` would take one optimizer step: the limit comes down
-    to a rank's share over the minibatches, never below the longest sequence."""
+    micro-batch, so ``minibatches_per_update=4`` would take one optimizer step: each quarter of the
+    step's sequences (in their order: not the longest ones together) is planned on its own over the
+    ranks; every sequence is in exactly one real micro-batch, of its quarter."""
     rng = random.Random(0)
     prompt = [rng.randint(3, 50) for _ in range(20)]
     sequences = [prompt + [rng.randint(3, 50) for _ in range(rng.randint(60, 100))] for _ in range(16)]
@@ -102,13 +96,14 @@ def test_a_long_budget_still_gives_each_minibatch_a_micro_batch(tree):
     kwargs = {"sequences": sequences} if tree else {}
     seen = []
     for rank in range(2):
-        assert len(plan_micro_batches(lengths, rank, 2, 1 << 20, **kwargs)) == 1
-        planned = plan_micro_batches(lengths, rank, 2, 1 << 20, minibatches=4, **kwargs)
-        assert len(planned) >= 4
+        assert len(plan_minibatches(lengths, rank, 2, 1 << 20, 1, **kwargs)) == 1
+        planned = plan_minibatches(lengths, rank, 2, 1 << 20, 4, **kwargs)
+        assert [mb.minibatch for mb in planned] == sorted(mb.minibatch for mb in planned)
+        assert {mb.minibatch for mb in planned} == {0, 1, 2, 3}
+        for mb in planned:
+            assert all(4 * mb.minibatch <= i < 4 * mb.minibatch + 4 for i in mb.indices)
         seen += [i for mb in planned if not mb.placeholder for i in mb.indices]
-    assert sorted(seen) == list(range(len(sequences)))  # every sequence once, over both ranks
-    # one sequence longer than the share: the limit stays at it (a micro-batch holds a sequence
-    # whole), so here the others fill one micro-batch and the step takes two optimizer steps
-    long = [2000, *lengths]
-    planned = plan_micro_batches(long, 0, 1, 1 << 20, minibatches=4)
-    assert [mb.indices for mb in planned][0] == [0] and len(planned) == 2
+    assert sorted(seen) == list(range(16))
+    # fewer sequences than minibatches: one step per sequence; a budget of one sequence still plans
+    assert [mb.minibatch for mb in plan_minibatches([5, 6, 7], 0, 1, 1 << 20, 4)] == [0, 1, 2]
+    assert [mb.indices for mb in plan_minibatches([5, 6, 7, 8], 0, 1, 1, 2)] == [[1], [0], [3], [2]]

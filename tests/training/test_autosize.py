@@ -148,6 +148,22 @@ def test_out_of_memory_halves_the_length_until_the_passes_fit(tmp_path):
     assert not (tmp_path / "max_length_per_device").exists()  # one rank: retried in place, nothing recorded
 
 
+def test_out_of_memory_halves_from_the_largest_planned_micro_batch(tmp_path):
+    """A plan that held at most 300 tokens under a 4096-token budget ran out of memory: the retry
+    runs at 150 (half what was planned), not at 2048 (which would plan the same micro-batches)."""
+    length, tried = _max_length(tmp_path, 4096), []
+
+    def passes():
+        tried.append(length.micro_batch_tokens)
+        if len(tried) == 1:
+            raise torch.OutOfMemoryError("simulated")
+        return "done"
+
+    with pytest.warns(UserWarning, match="retrying the step at 150"):
+        assert length.run(passes, longest=100, planned=lambda: 300) == "done"
+    assert tried == [4096, 150] and length.value == 150
+
+
 def test_out_of_memory_is_raised_when_it_cannot_be_retried(tmp_path):
     def out_of_memory():
         raise torch.OutOfMemoryError("simulated")
