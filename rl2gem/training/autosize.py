@@ -119,10 +119,15 @@ def _index_limit(worker) -> int:
     return 2**31 // widest // MULTIPLE * MULTIPLE
 
 
+def _trainable_bytes(worker) -> int:
+    """Bytes of this rank's shards of the trainable parameters (and so of their gradients)."""
+    return sum(getattr(p, "_local_tensor", p).nbytes for p in worker.model.parameters() if p.requires_grad)
+
+
 def _unallocated_state_bytes(worker, device: torch.device) -> int:
     """AdamW's two moments when it has not stepped yet, plus (off CUDA, where the probe does not
     see them) the gradients."""
-    local = sum(getattr(p, "_local_tensor", p).nbytes for p in worker.model.parameters() if p.requires_grad)
+    local = _trainable_bytes(worker)
     moments = 2 * local if not worker.optimizer.state else 0
     return moments + (local if device.type != "cuda" else 0)
 
@@ -153,10 +158,13 @@ def auto_max_length(
         RuntimeError: not even 64 tokens per device fit the budget.
     """
     best, simulated = LIMIT, simulated_memory_bytes() is not None
-    # every trained model's optimizer state is there during each one's passes
+    # every trained model's optimizer state is there during each one's passes, and on CUDA (where a
+    # probe's peak holds its own gradients) the other models' gradients too: the update holds all
     unallocated = 0 if simulated else sum(_unallocated_state_bytes(worker, device) for worker in workers)
+    gradients = sum(_trainable_bytes(worker) for worker in workers) if device.type == "cuda" else 0
     for worker in workers:
-        budget = device_budget(device, fraction) - reserved_bytes - unallocated
+        others = gradients - _trainable_bytes(worker) if gradients else 0
+        budget = device_budget(device, fraction) - reserved_bytes - unallocated - others
         _probe(worker, PROBE_LENGTHS[0] * tokens_per_length, device)  # warm-up: one-time workspaces
         peaks = [_probe(worker, n * tokens_per_length, device) for n in PROBE_LENGTHS]
         best = min(best, fit_max_length(PROBE_LENGTHS, peaks, budget), _index_limit(worker))
