@@ -56,7 +56,7 @@ __all__ = ["CPU_AUTO_LENGTH", "MaxLength", "auto_max_length", "device_budget", "
 PROBE_LENGTHS = (128, 256, 512)
 MULTIPLE = 64
 LIMIT = 2**20  # tokens per device: a ceiling for the fitted length
-CPU_AUTO_LENGTH = 2048  # auto off CUDA (module docstring)
+CPU_AUTO_LENGTH = 2048  # auto off CUDA (module docstring); the offline trainers' is 4096
 RECORD = "max_length_per_device"  # the halved length a multi-rank run leaves for its restart
 T = TypeVar("T")
 
@@ -195,6 +195,7 @@ class MaxLength:
         output_dir: where a multi-rank run records a halved length for its restart.
         reserved_bytes: with ``auto``, memory free now that the update will not have
             (:func:`auto_max_length`).
+        cpu_length: ``auto`` off CUDA (no simulated device): :data:`CPU_AUTO_LENGTH` unless given.
 
     Attributes:
         value: tokens per device now.
@@ -204,7 +205,14 @@ class MaxLength:
     """
 
     def __init__(
-        self, section, workers: Sequence, mesh, device: torch.device, output_dir: str | Path, reserved_bytes: int = 0
+        self,
+        section,
+        workers: Sequence,
+        mesh,
+        device: torch.device,
+        output_dir: str | Path,
+        reserved_bytes: int = 0,
+        cpu_length: int = CPU_AUTO_LENGTH,
     ):
         settings = WorkerSettings.from_section(section)
         setting = settings.max_length_per_device
@@ -215,7 +223,7 @@ class MaxLength:
             fraction = float(settings.memory_fraction)
             self.value = auto_max_length(self.workers, device, fraction, mesh.micro_batch_tokens(1), reserved_bytes)
         elif setting == "auto":
-            self.value = CPU_AUTO_LENGTH
+            self.value = int(cpu_length)
         elif isinstance(setting, int) and not isinstance(setting, bool) and setting > 0:
             self.value = setting
         else:

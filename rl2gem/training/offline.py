@@ -98,7 +98,8 @@ class OfflineTrainer(Trainer):
         self.steps_per_epoch = math.ceil(len(self.train) / c.data.batch_size)
         self.total_steps = int(c.trainer.total_steps or c.trainer.epochs * self.steps_per_epoch)
         self.actor = Worker(c.actor, self.mesh, self.device, head=self.head, total_steps=self.total_steps)
-        self.max_length = MaxLength(c.actor, [self.actor], self.mesh, self.device, self.out)
+        # auto off CUDA: 4096, what SFT, DPO and RM ran at on the CPU before auto was their default
+        self.max_length = MaxLength(c.actor, [self.actor], self.mesh, self.device, self.out, cpu_length=4096)
         self.checkpointer = Checkpointer(self.out, {"actor": self.actor}, c.trainer.keep_checkpoints)
         self.peak_flops = peak_flops_from_config(c.trainer.peak_flops, self.device, self.actor.dtype)
         self.step, self.engine, self.loop = 0, None, asyncio.new_event_loop()

@@ -72,7 +72,8 @@ class WorkerSettings:
         packing: ``flat`` (one row of concatenated sequences) or ``tree`` (their prefix tree).
         max_length_per_device: tokens per rank in a packed micro-batch (times ``sp_size * tp_size``),
             or ``auto``: on CUDA the longest that fits ``memory_fraction`` (probed at start), else
-            2048 (:mod:`rl2gem.training.autosize`).
+            the trainer's CPU length, 2048 for PPO and 4096 for SFT, DPO and RM
+            (:mod:`rl2gem.training.autosize`).
         memory_fraction: with ``auto``: the share of free device memory to plan for.
         oom_backoff: out of memory in a step: halve ``max_length_per_device`` and run it again.
         ddp_size, tp_size, sp_size: HSDP replicas, tensor-parallel and sequence-parallel ranks.

@@ -148,8 +148,7 @@ def test_resume_matches_an_uninterrupted_run(tiny_dir, episodes, tmp_path):
         "data.batch_size=4",
         "actor.lr=1e-3",
         "trainer.eval_at_start=false",
-        "trainer.progress=false",
-        "actor.max_length_per_device=256",
+        "trainer.progress=false",  # actor.max_length_per_device: the default, auto (4096 on the CPU)
     ]
     torchrun(2, "trainers/sft.py", *args, "trainer.total_steps=4", f"trainer.output_dir={tmp_path / 'full'}")
     stop_and_resume(2, "trainers/sft.py", args, 2, 4, tmp_path / "cut")
@@ -158,6 +157,7 @@ def test_resume_matches_an_uninterrupted_run(tiny_dir, episodes, tmp_path):
         logged_steps(tmp_path / "cut" / "metrics.jsonl", "train/loss"),
     )
     assert len({full[s]["train/loss"] for s in full}) == 4  # batches differ from step to step (12 episodes, 4 per step)
+    assert all(full[s]["actor/max_length_per_device"] == 4096 for s in full)
     for s in (3, 4):
         assert cut[s]["train/loss"] == pytest.approx(full[s]["train/loss"], rel=1e-5)
         assert cut[s]["actor/lr"] == full[s]["actor/lr"]

@@ -121,6 +121,11 @@ def test_auto_probes_a_device_and_off_cuda_is_the_cpu_length(tmp_path, monkeypat
     no model: a probe would fail); a simulated device is probed, as CUDA is."""
     monkeypatch.delenv("RL2GEM_SIMULATED_MEMORY_MIB", raising=False)
     assert _max_length(tmp_path, "auto").value == CPU_AUTO_LENGTH == 2048
+    mesh = types.SimpleNamespace(micro_batch_tokens=lambda tokens: tokens)
+    offline = MaxLength(
+        {"max_length_per_device": "auto"}, [_Worker()], mesh, torch.device("cpu"), tmp_path, cpu_length=4096
+    )
+    assert offline.value == 4096
     monkeypatch.setenv("RL2GEM_SIMULATED_MEMORY_MIB", "1")
     with pytest.raises(AttributeError, match="model"):
         _max_length(tmp_path, "auto")

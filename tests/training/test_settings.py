@@ -13,9 +13,8 @@ from rl2gem.training.settings import LoraSettings, WorkerSettings
 
 #: Where a trainer's YAML deliberately differs from the library's default.
 OVERRIDES = {
-    "sft": {"lr": 1.0e-5, "max_length_per_device": 4096},
-    "rm": {"lr": 1.0e-5, "max_length_per_device": 4096},
-    "dpo": {"max_length_per_device": 4096},
+    "sft": {"lr": 1.0e-5},
+    "rm": {"lr": 1.0e-5},
 }
 #: Worker settings a trainer does not offer (its YAML leaves them out, so setting one is an error).
 NOT_OFFERED = {"sft": {"packing"}, "rm": {"packing", "lora"}}
@@ -76,7 +75,6 @@ def test_rollout_defaults_live_in_rollout_config_and_every_difference_is_declare
 #: Keys the trainers' YAML files share but set differently on purpose, with why.
 DIFFERENT_ON_PURPOSE = {
     "actor.lr": "RL steps are smaller than supervised ones",
-    "actor.max_length_per_device": "PPO packs a rollout's episodes, the offline trainers longer conversations",
     "rollout.max_length": "PPO's CPU-sized episodes; the offline trainers' evaluations play longer ones",
     "rollout.max_new_tokens": "likewise",
     "rollout.temperature": "PPO samples; the offline trainers evaluate greedily",
