@@ -53,6 +53,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import torch
 import transformers
 from rl2gem.trainers.sft import tokenize
@@ -377,7 +378,9 @@ def mask_section(lengths: list[int]) -> None:
             seconds = statistics.median(timed(build, device) for _ in range(5))
             gc.collect()
             memory = PeakMemory(device, interval=0.001, release_every=None)
-            before = torch.cuda.memory_allocated(device) if device.type == "cuda" else memory._process.memory_info().rss
+            before = (
+                torch.cuda.memory_allocated(device) if device.type == "cuda" else psutil.Process().memory_info().rss
+            )
             with memory.phase("build"):
                 build()
             added = (memory.peaks["build"] - before) / MIB

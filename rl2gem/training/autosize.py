@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from rl2gem.training.forward import sequence_scores, token_logprobs, token_values
 from rl2gem.training.metrics import SavedTensorBytes, simulated_memory_bytes
-from rl2gem.training.settings import WorkerSettings
+from rl2gem.training.settings import WorkerSettings, is_length_setting
 
 __all__ = ["CPU_AUTO_LENGTH", "MaxLength", "auto_max_length", "device_budget", "fit_max_length"]
 
@@ -224,7 +224,7 @@ class MaxLength:
             self.value = auto_max_length(self.workers, device, fraction, mesh.micro_batch_tokens(1), reserved_bytes)
         elif setting == "auto":
             self.value = int(cpu_length)
-        elif isinstance(setting, int) and not isinstance(setting, bool) and setting > 0:
+        elif is_length_setting(setting):
             self.value = setting
         else:
             raise ValueError(f"actor.max_length_per_device must be a positive integer or auto, got {setting!r}")

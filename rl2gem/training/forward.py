@@ -29,7 +29,7 @@ from rl2gem.parallel.packing import packed_batch, tree_batch
 from rl2gem.parallel.ring_attention import gather_sequence_parallel, ring_context, zigzag_layout
 from rl2gem.parallel.tensor_parallel import vocab_parallel_logprobs
 from rl2gem.training.metrics import SavedTensorBytes, simulated_memory_bytes
-from rl2gem.training.settings import WorkerSettings
+from rl2gem.training.settings import WorkerSettings, is_length_setting
 
 __all__ = [
     "PACKINGS",
@@ -107,7 +107,7 @@ def check_actor(actor) -> None:
     except ValueError as error:  # its message starts with the key
         raise ConfigError(f"actor.{error}") from None
     length = settings.max_length_per_device
-    if length != "auto" and (not isinstance(length, int) or isinstance(length, bool) or length < 1):
+    if not is_length_setting(length):
         raise ConfigError(f"actor.max_length_per_device: expected a positive int or auto, got {length!r}")
 
 

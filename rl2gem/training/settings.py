@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["LoraSettings", "WorkerSettings"]
+__all__ = ["LoraSettings", "WorkerSettings", "is_length_setting"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +48,11 @@ class LoraSettings:
         if unknown:
             raise ValueError(f"actor.lora: unknown keys {unknown} (known: {names})")
         return cls(**{key: value for key, value in values.items() if value is not None})  # null: the default
+
+
+def is_length_setting(value) -> bool:
+    """Whether ``value`` is a ``max_length_per_device``: a positive integer or ``auto``."""
+    return value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value > 0)
 
 
 @dataclasses.dataclass(frozen=True)
