@@ -17,6 +17,7 @@ import sys
 
 import pytest
 import torch
+from algorithm_calls import batch, calls, tensors_of
 from helpers import ROOT, grouped, logged_steps, one_at_a_time, torchrun
 from tiny import tiny_model
 
@@ -130,6 +131,18 @@ def test_a_ppo_micro_batch_never_waits_for_the_gpu(tree):
         ppo_micro_batch(model, CUDA, tree)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_algorithms_run_on_the_inputs_device():
+    """Every public function of ``rl2gem.algorithms`` on CUDA inputs: its tensors stay on CUDA and
+    equal the CPU's (the CPU-side check is ``tests/algorithms/test_devices.py``)."""
+    expected = {name: tensors_of(thunk()) for name, thunk in calls(batch())}
+    for name, thunk in calls(batch(CUDA)):
+        got = tensors_of(thunk())
+        assert len(got) == len(expected[name]), name
+        for have, want in zip(got, expected[name], strict=True):
+            assert have.device.type == "cuda", name
+            torch.testing.assert_close(have.cpu(), want, rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_weights_sync_device_to_device():

@@ -8,7 +8,8 @@ Every estimator takes per-token tensors of one batch of sequences:
 * ``group``: int64 ``[B]``, sequences with the same id were sampled from the
   same initial state (a GRPO group);
 
-and returns float32 advantages ``[B, T]``, zero outside the action mask.
+and returns float32 advantages ``[B, T]``, zero outside the action mask, on the inputs' device
+(all inputs on one device; ``tests/algorithms/test_devices.py``, ``pytest -m gpu`` on CUDA).
 Env tokens (prompt, env replies) never get an advantage; in multi-turn
 sequences the estimators that look ahead (returns-to-go, GAE and the other
 critic estimators) step from one action token to the next action token,
@@ -117,7 +118,7 @@ def returns_to_go(rewards, action_mask, gamma: float = 1.0):
     step over action tokens only (env tokens are skipped). ``[B, T]``."""
     r, m = _check(rewards, action_mask)
     out = torch.zeros_like(r)
-    running = torch.zeros(r.shape[0], dtype=r.dtype)
+    running = torch.zeros(r.shape[0], dtype=r.dtype, device=r.device)
     for t in range(r.shape[1] - 1, -1, -1):
         mt = m[:, t]
         running = torch.where(mt, r[:, t] + gamma * running, running)
@@ -145,7 +146,7 @@ def reinforce_pp(rewards, action_mask, group=None, gamma: float = 1.0, baseline:
         mean, _, _ = _group_stats(score, group)
         last = _last_action_token(m)
         r = r.clone()
-        rows = torch.arange(r.shape[0])
+        rows = torch.arange(r.shape[0], device=r.device)
         has = last >= 0
         r[rows[has], last[has]] -= mean[has]
     return _batch_normalize(returns_to_go(r, m, gamma), m)
@@ -246,7 +247,7 @@ def _turn_rloo_tokens(rewards, action_mask, group, gamma: float = 1.0):
 
 
 def _last_action_token(m: torch.Tensor) -> torch.Tensor:
-    idx = torch.arange(m.shape[1]).expand_as(m)
+    idx = torch.arange(m.shape[1], device=m.device).expand_as(m)
     return torch.where(m, idx, torch.full_like(idx, -1)).max(-1).values
 
 
@@ -273,7 +274,7 @@ def _action_steps(action_mask: torch.Tensor):
     count = m.sum(-1)
     width = int(count.max()) if m.numel() else 0
     positions = torch.argsort((~m).to(torch.int8), dim=-1, stable=True)[:, :width]
-    return positions, torch.arange(width)[None] < count[:, None]
+    return positions, torch.arange(width, device=m.device)[None] < count[:, None]
 
 
 class _Steps:
@@ -294,24 +295,24 @@ class _Steps:
         self.ratio = torch.where(self.valid, self.ratio, torch.zeros_like(self.ratio))
 
     def take(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.where(self.valid, x.gather(1, self.positions), torch.zeros((), dtype=x.dtype))
+        return torch.where(self.valid, x.gather(1, self.positions), 0.0)
 
     def td_errors(self, gamma: float) -> torch.Tensor:
         """``delta_t = r_t + gamma V(s_{t+1}) - V(s_t)`` [B, N], 0 past the last step."""
-        return torch.where(self.valid, self.rewards + gamma * self.next_values - self.values, torch.zeros(()))
+        return torch.where(self.valid, self.rewards + gamma * self.next_values - self.values, 0.0)
 
     def backward(self, step) -> torch.Tensor:
         """``x_t = step(t, x_{t+1})`` from the last step back, ``x_N = 0`` [B, N]."""
         out = torch.zeros_like(self.values)
-        following = torch.zeros(self.values.shape[0])
+        following = torch.zeros_like(self.values[:, 0])
         for t in range(self.values.shape[1] - 1, -1, -1):
-            following = torch.where(self.valid[:, t], step(t, following), torch.zeros(()))
+            following = torch.where(self.valid[:, t], step(t, following), 0.0)
             out[:, t] = following
         return out
 
     def scatter(self, x: torch.Tensor) -> torch.Tensor:
         """Back to ``[B, T]``, zero on env tokens."""
-        return torch.zeros(self.shape).scatter_(1, self.positions, torch.where(self.valid, x, torch.zeros(())))
+        return torch.zeros(self.shape, device=x.device).scatter_(1, self.positions, torch.where(self.valid, x, 0.0))
 
     def result(self, advantages, returns):
         return self.scatter(advantages), self.scatter(returns)
@@ -432,7 +433,7 @@ def multistep(rewards, action_mask, values, gamma=1.0, lam=1.0, n_steps=5, boots
     rewards_padded = torch.nn.functional.pad(steps.rewards, (0, n))
     tail_padded = torch.nn.functional.pad(tail, (0, n))  # 0 past the end: the episode is over
     returns = sum(gamma**k * rewards_padded[:, k : k + width] for k in range(n)) + gamma**n * tail_padded[:, n:]
-    returns = torch.where(steps.valid, returns, torch.zeros(()))
+    returns = torch.where(steps.valid, returns, 0.0)
     return steps.result(returns - steps.values, returns)
 
 
