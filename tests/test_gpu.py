@@ -262,6 +262,16 @@ def write_data(folder):
     (folder / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
 
 
+#: PPO on GuessTheNumber, small: 4 x 2 episodes of at most 16 new tokens a turn
+GUESS = [
+    "env=rl2/GuessTheNumber-v0",
+    "rollout.prompts_per_rollout=4",
+    "rollout.responses_per_prompt=2",
+    "rollout.max_new_tokens=16",
+    "trainer.eval_n=4",
+]
+
+
 @pytest.mark.parametrize(
     "trainer,extra",
     [
@@ -270,22 +280,18 @@ def write_data(folder):
         ("sft", ["data.train={data}/sft.jsonl", "actor.master_dtype=bfloat16"]),  # pure bf16: no FSDP at one rank
         ("rm", ["data.train={data}/pairs.jsonl"]),
         ("dpo", ["data.train={data}/pairs.jsonl", "actor.packing=tree"]),
-        (
-            "ppo",
-            [
-                "env=rl2/GuessTheNumber-v0",
-                "rollout.prompts_per_rollout=4",
-                "rollout.responses_per_prompt=2",
-                "rollout.max_new_tokens=16",
-                "trainer.eval_n=4",
-            ],
-        ),
+        ("ppo", GUESS),
         ("ppo", ["env=rl2/GuessTheNumber-v0", "actor.packing=tree", "trainer.eval_n=4", "rollout.max_new_tokens=16"]),
         # compiled layers beside the engine (and its decode graphs) and under the pair losses: whether
         # actor.compile can become the default on CUDA (it gave SFT 1.27x on the H200)
         ("ppo", ["env=rl2/GuessTheNumber-v0", "actor.compile=true", "trainer.eval_n=4", "rollout.max_new_tokens=16"]),
         ("dpo", ["data.train={data}/pairs.jsonl", "actor.compile=true"]),
         ("rm", ["data.train={data}/pairs.jsonl", "actor.compile=true"]),
+        # a critic (GAE) and a reference model with the KL as a loss term; LoRA adapters over a bf16
+        # base with the KL in the reward and an off-policy critic estimator; LoRA SFT
+        ("ppo", [*GUESS, "adv.estimator=gae", "kl.coef=0.01"]),
+        ("ppo", [*GUESS, "adv.estimator=vtrace", "kl.coef=0.01", "kl.in_reward=true", "actor.lora.rank=8"]),
+        ("sft", ["data.train={data}/sft.jsonl", "actor.lora.rank=8"]),
     ],
 )
 @pytest.mark.timeout(TRAINER_SECONDS + 20)  # the first steps compile FlexAttention
