@@ -113,6 +113,30 @@ def shard_model(model, mesh, *, cpu_offload: bool = False, reshard_after_forward
     return model
 
 
+def end_failed_backward(model) -> None:
+    """Put an FSDP2 model back in its idle state after a forward or backward that raised (an
+    out-of-memory error): a backward that stops midway never runs FSDP's end-of-backward callback,
+    so every module stays in its backward state, and from then on each forward is taken for a
+    recompute: the unsharded parameters stay, gradients land on them and not on the shards the
+    optimizer steps, and the weights stop changing with no error. Runs that callback (which
+    reshards and reduces what gradients there are: the caller drops them). A model without FSDP is
+    left as it is. One rank only: the callback reduces over the mesh, which other ranks would not
+    join.
+
+    Raises:
+        RuntimeError: this PyTorch's FSDP2 has no such callback (a retry would not train).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        return
+    state = model._get_fsdp_state()
+    callback = getattr(state, "_root_post_backward_final_callback", None)
+    if callback is None:
+        raise RuntimeError("cannot reset FSDP2 after a failed backward with this PyTorch version")
+    callback()
+
+
 def load_sharded(
     name_or_path: str,
     mesh,

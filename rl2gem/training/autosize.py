@@ -21,7 +21,9 @@ tensor would pass ``2**31`` elements. Every rank probes the same shapes; the sma
 ranks wins.
 
 **Back-off** (:class:`MaxLength`). A step's gradient passes run through :meth:`MaxLength.run`;
-when one raises ``torch.OutOfMemoryError`` before any optimizer step, the gradients are dropped,
+when one runs out of memory before any optimizer step (``torch.OutOfMemoryError``, or a
+``RuntimeError`` saying so: cuBLAS and some extension kernels raise those), the gradients are
+dropped, FSDP2 leaves the backward it was in (:func:`~rl2gem.parallel.fsdp.end_failed_backward`),
 the length halves, and the passes run again on a new micro-batch plan (logged as
 ``actor/max_length_per_device``). With more than one rank an out-of-memory error leaves the
 others inside a collective, so no rank can go on: the halved length is written to
@@ -47,6 +49,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from rl2gem.parallel.fsdp import end_failed_backward
 from rl2gem.training.forward import sequence_scores, token_logprobs, token_values
 from rl2gem.training.metrics import SavedTensorBytes, simulated_memory_bytes
 from rl2gem.training.settings import WorkerSettings, is_length_setting
@@ -59,6 +62,19 @@ LIMIT = 2**20  # tokens per device: a ceiling for the fitted length
 CPU_AUTO_LENGTH = 2048  # auto off CUDA (module docstring); the offline trainers' is 4096
 RECORD = "max_length_per_device"  # the halved length a multi-rank run leaves for its restart
 T = TypeVar("T")
+
+
+#: how a ``RuntimeError`` that is not a ``torch.OutOfMemoryError`` says it ran out of device memory
+OUT_OF_MEMORY_MESSAGES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is an out-of-memory error: ``torch.OutOfMemoryError`` (the caching
+    allocator's), or a ``RuntimeError`` from a library that allocates on its own (cuBLAS, cuDNN,
+    extension kernels) with one of :data:`OUT_OF_MEMORY_MESSAGES`."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and any(message in str(error) for message in OUT_OF_MEMORY_MESSAGES)
 
 
 def fit_max_length(lengths: Sequence[int], peaks: Sequence[float], budget: float) -> int:
@@ -246,14 +262,18 @@ class MaxLength:
         same micro-batches again).
 
         Raises:
-            torch.OutOfMemoryError: back-off off, an optimizer step already taken, nothing left to
-                halve, or (with several ranks) after recording the halved length.
+            torch.OutOfMemoryError: (or the ``RuntimeError`` that said so, as raised) back-off off,
+                an optimizer step already taken, nothing left to halve, or (with several ranks)
+                after recording the halved length.
+            RuntimeError: from :func:`~rl2gem.parallel.fsdp.end_failed_backward`.
         """
         while True:
             steps = [w.optimizer_steps for w in self.workers]
             try:
                 return passes()
-            except torch.OutOfMemoryError as error:
+            except RuntimeError as error:
+                if not out_of_memory(error):
+                    raise
                 stepped = steps != [w.optimizer_steps for w in self.workers]
                 used = self.value if planned is None else min(self.value, planned() // self.mesh.micro_batch_tokens(1))
                 halved = max(used // 2, MULTIPLE)
@@ -265,12 +285,6 @@ class MaxLength:
                         f"sequence (the longest has {longest} tokens): nothing left to halve; try "
                         "actor.gradient_checkpointing=true, actor.sp_size, actor.cpu_offload or shorter sequences"
                     ) from error
-                for worker in self.workers:
-                    worker.optimizer.zero_grad(set_to_none=True)
-                del error
-                gc.collect()
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()
                 if dist.is_initialized() and dist.get_world_size() > 1:
                     self.record.parent.mkdir(parents=True, exist_ok=True)
                     self.record.write_text(f"{halved}\n")
@@ -278,6 +292,13 @@ class MaxLength:
                         f"out of memory at actor.max_length_per_device={self.value}; {self.record} now says {halved}: "
                         "relaunch with trainer.resume=true to go on from the last checkpoint with it"
                     ) from None
+                for worker in self.workers:  # a backward cut short leaves FSDP2 mid-backward
+                    end_failed_backward(worker.model)
+                    worker.optimizer.zero_grad(set_to_none=True)
+                del error
+                gc.collect()
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
                 warnings.warn(
                     f"out of memory at actor.max_length_per_device={self.value}; retrying the step at {halved}",
                     stacklevel=2,

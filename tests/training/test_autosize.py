@@ -101,9 +101,10 @@ def test_auto_picks_the_longest_length_that_fits_a_simulated_device(monkeypatch)
 
 
 class _Worker:
-    """What :class:`MaxLength` reads of a worker: its optimizer and its count of optimizer steps."""
+    """What :class:`MaxLength` reads of a worker: its model, optimizer and count of optimizer steps."""
 
     def __init__(self):
+        self.model = torch.nn.Module()  # no FSDP: nothing to reset after a failed backward
         self.weight = torch.nn.Parameter(torch.ones(2))
         self.weight.grad = torch.ones(2)
         self.optimizer = torch.optim.SGD([self.weight], lr=0.1)
@@ -117,8 +118,8 @@ def _max_length(tmp_path, value, backoff=True):
 
 
 def test_auto_probes_a_device_and_off_cuda_is_the_cpu_length(tmp_path, monkeypatch):
-    """``auto`` (the default) off CUDA is :data:`CPU_AUTO_LENGTH` without probing (``_Worker`` has
-    no model: a probe would fail); a simulated device is probed, as CUDA is."""
+    """``auto`` (the default) off CUDA is :data:`CPU_AUTO_LENGTH` without probing (``_Worker``'s model
+    is an empty module: a probe would fail); a simulated device is probed, as CUDA is."""
     monkeypatch.delenv("RL2GEM_SIMULATED_MEMORY_MIB", raising=False)
     assert _max_length(tmp_path, "auto").value == CPU_AUTO_LENGTH == 2048
     mesh = types.SimpleNamespace(micro_batch_tokens=lambda tokens: tokens)
@@ -127,7 +128,7 @@ def test_auto_probes_a_device_and_off_cuda_is_the_cpu_length(tmp_path, monkeypat
     )
     assert offline.value == 4096
     monkeypatch.setenv("RL2GEM_SIMULATED_MEMORY_MIB", "1")
-    with pytest.raises(AttributeError, match="model"):
+    with pytest.raises(AttributeError, match="config"):
         _max_length(tmp_path, "auto")
     with pytest.raises(ValueError, match="positive integer or auto"):
         _max_length(tmp_path, 0)
@@ -167,6 +168,30 @@ def test_out_of_memory_halves_from_the_largest_planned_micro_batch(tmp_path):
     with pytest.warns(UserWarning, match="retrying the step at 150"):
         assert length.run(passes, longest=100, planned=lambda: 300) == "done"
     assert tried == [4096, 150] and length.value == 150
+
+
+def test_out_of_memory_said_by_a_runtime_error_is_retried_and_other_errors_are_not(tmp_path):
+    """cuBLAS, cuDNN and extension kernels report running out of memory as ``RuntimeError``s."""
+    length, tried = _max_length(tmp_path, 1024), []
+
+    def passes():
+        tried.append(length.micro_batch_tokens)
+        if len(tried) == 1:
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+        if len(tried) == 2:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return "done"
+
+    with pytest.warns(UserWarning, match="retrying the step"):
+        assert length.run(passes, longest=100) == "done"
+    assert tried == [1024, 512, 256]
+
+    def shape_error():
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        length.run(shape_error, longest=100)
+    assert length.value == 256
 
 
 def test_out_of_memory_is_raised_when_it_cannot_be_retried(tmp_path):

@@ -165,3 +165,55 @@ def test_compiled_layers_raise_dynamo_s_recompile_limit(group, tiny_dir):
         assert torch._dynamo.config.recompile_limit == COMPILED_VARIANTS >= 32
     layers = decoder_layers(worker.model)
     assert layers and all(hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in layers)
+
+
+@pytest.mark.parametrize("where", ["backward", "forward"])
+def test_out_of_memory_under_fsdp_is_retried_and_the_retry_trains(group, tiny_dir, tmp_path, where):
+    """bf16 with float32 master weights is FSDP2 at one rank (CUDA's default). An out-of-memory
+    error inside the backward left FSDP mid-backward: the retry's gradients went to the unsharded
+    parameters, not the shards AdamW steps, and the weights stopped changing with no error. After
+    the back-off (``MaxLength.run``) the retry's step equals a step that never failed."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from rl2gem.models import decoder_layers
+    from rl2gem.training.autosize import MaxLength
+
+    device, mesh = group
+    section = {"model": str(tiny_dir), "dtype": "bfloat16", "lr": 1e-3, "max_length_per_device": 1024}
+    clean, worker = Worker(section, mesh, device), Worker(section, mesh, device)
+    assert isinstance(worker.model, FSDPModule)
+    sequences = [[5, 6, 7, 8, 9, 10], [9, 10, 11, 12]]
+
+    def passes(target):
+        logprobs, _ = token_logprobs(target.model, sequences, device)
+        (-logprobs.sum()).backward()
+
+    armed = [True]
+
+    def out_of_memory(*_):
+        if armed[0]:
+            armed[0] = False
+            raise torch.OutOfMemoryError("simulated")
+
+    def in_backward(module, inputs, output):
+        output = output[0] if isinstance(output, tuple) else output
+        output.register_hook(out_of_memory)
+
+    layer = decoder_layers(worker.model)[1]
+    hook = (
+        layer.register_forward_hook(in_backward)
+        if where == "backward"
+        else layer.register_forward_pre_hook(out_of_memory)
+    )
+    length = MaxLength(section, [worker], mesh, device, tmp_path)
+    with pytest.warns(UserWarning, match="retrying the step at 512"):
+        length.run(lambda: passes(worker), longest=6)
+    hook.remove()
+    assert not armed[0]
+    passes(clean)
+    for target in (clean, worker):
+        target.step()
+    for (name, want), have in zip(clean.model.named_parameters(), worker.model.parameters(), strict=True):
+        torch.testing.assert_close(_full_float32(have), _full_float32(want), msg=name)
+    passes(worker)  # and the next step trains too
+    assert sum(p.grad is not None for p in worker.model.parameters()) == len(list(worker.model.parameters()))
