@@ -46,6 +46,7 @@ from pathlib import Path
 
 from rl2gem.trainers.agentic_report import table
 
+from rl2gem.parallel.fsdp import ranks_per_node
 from rl2gem.procs import run_main
 
 __all__ = ["PIPELINES", "Pipeline", "main"]
@@ -219,13 +220,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="run folder (default runs/agentic-<env>[-toy])")
     p.add_argument("--toy", action="store_true", help="a few items and one step per stage (CI)")
     p.add_argument("--stages", default="collect,sft,ppo,eval,table")
-    p.add_argument("--nproc", type=int, default=2, help="ranks of the SFT and PPO stages")
+    p.add_argument(
+        "--nproc",
+        default="auto",
+        help="ranks of the SFT and PPO stages: auto (one per CUDA device, else 2) or a number",
+    )
     p.add_argument("--base", default="smollm2-135m-instruct", help="the base model")
     p.add_argument("--sft-from", default=None, help="reuse the SFT model of this run folder (skips collect, sft)")
     p.add_argument(
         "--eval-models", default="base,sft,sft+rl", help="the models the eval stage evaluates (comma-separated)"
     )
     args = p.parse_args(argv)
+    try:
+        nproc = ranks_per_node(args.nproc)
+    except ValueError as error:
+        raise SystemExit(f"--nproc: {error}") from None
     pipe = PIPELINES[args.env]
     out = Path(args.out or f"runs/agentic-{args.env}{'-toy' if args.toy else ''}").resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -251,12 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     models = {"base": args.base}
     if "sft" in stages:
         extra = [*common, f"data.train={oracle}", *toy.get("sft", [])]
-        models["sft"] = str(_trained("sft", pipe.sft_config, sft_dir, extra, args.nproc, out / "sft.log"))
+        models["sft"] = str(_trained("sft", pipe.sft_config, sft_dir, extra, nproc, out / "sft.log"))
     elif (sft_dir / "latest").exists():
         models["sft"] = str(_checkpoint_hf(sft_dir))
     if "ppo" in stages:
         extra = ["trainer.progress=false", f"actor.model={models['sft']}", *toy.get("ppo", [])]
-        models["sft+rl"] = str(_trained("ppo", pipe.ppo_config, out / "ppo", extra, args.nproc, out / "ppo.log"))
+        models["sft+rl"] = str(_trained("ppo", pipe.ppo_config, out / "ppo", extra, nproc, out / "ppo.log"))
     elif (out / "ppo" / "latest").exists():
         models["sft+rl"] = str(_checkpoint_hf(out / "ppo"))
     if "eval" in stages:

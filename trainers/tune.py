@@ -41,6 +41,7 @@ import psutil
 from omegaconf import OmegaConf
 
 from rl2gem.config import ConfigError, command_line_config
+from rl2gem.parallel.fsdp import ranks_per_node
 from rl2gem.procs import run_main
 
 CONFIG = Path(__file__).with_name("config") / "tune.yaml"
@@ -113,6 +114,11 @@ def check_config(cfg) -> None:
         raise ConfigError(f"pruner={cfg.pruner!r} must be median or none")
     if int(cfg.n_trials) < 1:
         raise ConfigError(f"n_trials={cfg.n_trials} must be >= 1")
+    if str(cfg.nproc_per_node) != "0":
+        try:
+            ranks_per_node(cfg.nproc_per_node)
+        except ValueError as error:
+            raise ConfigError(f"nproc_per_node: {error} (or 0: plain python)") from None
     for i, params in enumerate(cfg.enqueue):
         unknown = set(params) - set(cfg.space)
         if unknown:
@@ -131,8 +137,9 @@ def script(cfg) -> Path:
 def trial_command(cfg, overrides: list[str]) -> list[str]:
     """The command line of one trial: torchrun (or plain python with ``nproc_per_node=0``)."""
     launcher = [sys.executable]
-    if int(cfg.nproc_per_node) > 0:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={int(cfg.nproc_per_node)}"]
+    if str(cfg.nproc_per_node) != "0":
+        ranks = ranks_per_node(cfg.nproc_per_node)
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
     return [*launcher, str(script(cfg)), *[str(a) for a in cfg.base], *overrides]
 
 

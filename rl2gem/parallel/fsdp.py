@@ -80,11 +80,35 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device
         os.environ.setdefault("LOCAL_RANK", "0")
         backend = backend or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
         if "nccl" in backend:
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            local, devices = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
+            if local >= devices:
+                raise RuntimeError(
+                    f"LOCAL_RANK={local}, but this machine has {devices} CUDA device(s): start at most {devices} "
+                    f"ranks per node (torchrun --nproc_per_node={devices})"
+                )
+            torch.cuda.set_device(local)
         dist.init_process_group(backend, timeout=timedelta(minutes=30))
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if uses_cuda() else torch.device("cpu")
     return rank, world, device
+
+
+#: ranks per node that ``auto`` starts without CUDA (CPU ranks over gloo)
+CPU_RANKS_PER_NODE = 2
+
+
+def ranks_per_node(requested: int | str = "auto") -> int:
+    """The processes a launcher starts per node for ``requested`` ranks: ``auto`` is one per CUDA
+    device, or :data:`CPU_RANKS_PER_NODE` without CUDA; a number is taken as it is.
+
+    Raises:
+        ValueError: neither ``auto`` nor an integer >= 1.
+    """
+    if requested == "auto":
+        return torch.cuda.device_count() if torch.cuda.is_available() else CPU_RANKS_PER_NODE
+    if isinstance(requested, bool) or not str(requested).isdigit() or int(requested) < 1:
+        raise ValueError(f"ranks per node must be auto or an integer >= 1, got {requested!r}")
+    return int(requested)
 
 
 def uses_cuda() -> bool:

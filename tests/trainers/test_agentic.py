@@ -52,6 +52,8 @@ def test_the_pipeline_names_recipes_that_exist_and_refuses_unknown_envs():
         assert ppo.env == pipe.env and sft.trainer.eval_env in (None, pipe.env)
     with pytest.raises(SystemExit):
         main(["no-such-env"])
+    with pytest.raises(SystemExit, match="--nproc: ranks per node must be auto or an integer >= 1, got '0'"):
+        main(["guess", "--nproc", "0"])
 
 
 def test_sft_from_trains_ppo_from_another_runs_sft_model_and_skips_its_stages(tmp_path, monkeypatch):
@@ -76,6 +78,7 @@ def test_sft_from_trains_ppo_from_another_runs_sft_model_and_skips_its_stages(tm
     assert main(["multihop-truncate", "--out", str(out), "--sft-from", str(shared), "--stages", "collect,sft,ppo"]) == 0
     assert len(commands) == 1  # only the PPO stage ran
     assert any(a.endswith("ppo.py") for a in commands[0])
+    assert "--nproc_per_node=2" in commands[0]  # --nproc auto without CUDA (one per device with it)
     assert f"actor.model={shared / 'sft' / 'checkpoint-40' / 'hf'}" in commands[0]
     assert "config=multihop_truncate" in commands[0]
     assert not (out / "oracle.jsonl").exists() and not (out / "sft").exists()

@@ -65,6 +65,14 @@ def test_search_space_and_config_errors():
     cfg = load_config(tune.CONFIG, ["sampler=grid", "space={a: {type: float, low: 0, high: 1}}"])
     with pytest.raises(ConfigError, match="grid"):
         tune.check_config(cfg)
+    cfg = load_config(tune.CONFIG, ["nproc_per_node=two", "space={a: {type: float, low: 0, high: 1}}"])
+    with pytest.raises(ConfigError, match="nproc_per_node: ranks per node must be auto or an integer"):
+        tune.check_config(cfg)
+    # auto: one rank per CUDA device (a one-GPU machine starts one), 2 on this CPU; 0: plain python
+    for ranks, launcher in (("auto", "--nproc_per_node=2"), (1, "--nproc_per_node=1"), (0, None)):
+        command = tune.trial_command(load_config(tune.CONFIG, [f"nproc_per_node={ranks}"]), ["actor.lr=0.1"])
+        assert (launcher in command) if launcher else ("torch.distributed.run" not in command)
+        assert command[-1] == "actor.lr=0.1"
     r = run_module("rl2gem.trainers.tune", "space={a: {type: float, low: 0, high: 1}}", "trainer=ppx")
     assert r.returncode == 2 and "trainer='ppx'" in r.stderr
 

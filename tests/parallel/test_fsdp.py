@@ -1,0 +1,34 @@
+"""Launch helpers of rl2gem.parallel.fsdp: ranks per node and a rank without a CUDA device."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rl2gem.parallel.fsdp import CPU_RANKS_PER_NODE, init_distributed, ranks_per_node
+
+
+def test_ranks_per_node_is_one_per_cuda_device_or_two_on_the_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert ranks_per_node("auto") == CPU_RANKS_PER_NODE == 2
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert ranks_per_node("auto") == 1  # a one-GPU machine: one rank, not the CPU's two
+    assert ranks_per_node(3) == ranks_per_node("3") == 3
+    for bad in (0, "0", -1, "two", 1.5, True, None):
+        with pytest.raises(ValueError, match="auto or an integer >= 1"):
+            ranks_per_node(bad)
+
+
+@pytest.mark.skipif(dist.is_initialized(), reason="a process group of this process exists")
+def test_a_rank_past_the_cuda_devices_is_a_clear_error(monkeypatch):
+    """torchrun --nproc_per_node=2 on a one-GPU machine: rank 1 names the devices it lacks instead of
+    CUDA's "invalid device ordinal"."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: pytest.fail("set_device reached"))
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(
+        RuntimeError, match=r"LOCAL_RANK=1, but this machine has 1 CUDA device\(s\).*--nproc_per_node=1"
+    ):
+        init_distributed("cpu:gloo,cuda:nccl")
+    assert not dist.is_initialized()
