@@ -116,14 +116,17 @@ def ppo_micro_batch(model, device, tree: bool) -> None:
     loss.backward()
 
 
-@pytest.mark.parametrize("tree", [False, True])
-def test_a_ppo_micro_batch_never_waits_for_the_gpu(tree):
+@pytest.mark.parametrize("attention,tree", [("flex", False), ("flex", True), ("flash", False)])
+def test_a_ppo_micro_batch_never_waits_for_the_gpu(attention, tree):
     """A training micro-batch queues its work without waiting for the GPU: under
     ``torch.cuda.set_sync_debug_mode("error")`` any synchronising call (a host read, a copy from
     pageable memory, a data-dependent shape) raises, and the traceback names it. A first run
-    outside the mode does the lazy initialisations."""
+    outside the mode does the lazy initialisations. flash-attn gets the sequence boundaries from
+    the host (transformers would infer them in every layer, reading the device)."""
+    if attention == "flash" and not flash_attn_available():
+        pytest.skip("flash-attn is not installed")
     model = tiny_model().to(CUDA, torch.bfloat16)
-    enable_attention(model, "flex")
+    enable_attention(model, attention)
     ppo_micro_batch(model, CUDA, tree)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -205,20 +205,28 @@ def flex_block_mask(until: torch.Tensor):
     return BlockMask.from_kv_blocks(*_ordered(partial), *_ordered(full), BLOCK_SIZE=FLEX_BLOCK, mask_mod=visible)
 
 
+def reads_sequence_boundaries(model) -> bool:
+    """Whether ``model``'s attention is flash-attn's varlen kernel, which takes a packed row's
+    sequence boundaries (``cu_seq_lens_q``/``_k`` and ``max_length_q``/``_k`` keyword arguments)
+    instead of a mask: without them transformers infers them from ``position_ids`` in every layer,
+    a read of the device each time."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) == IMPLEMENTATIONS["flash"]
+
+
 def attention_mask(model, until: torch.Tensor):
     """The ``attention_mask`` argument of ``model`` (switched by :func:`enable_attention`) for a
     row described by ``until`` (``[N]`` int64 on the model's device; see the module docstring).
 
     Returns:
-        None for flash-attn (it reads ``position_ids``); a FlexAttention ``BlockMask`` over
+        None for flash-attn (it reads the sequence boundaries: :func:`reads_sequence_boundaries`); a FlexAttention ``BlockMask`` over
         ``[1, 1, P, P]`` for ``flex``, ``P`` the row's length rounded up to a multiple of
         :data:`FLEX_BLOCK` (each padding position sees itself only); else an additive
         ``[1, 1, N, N]`` mask in the model's compute dtype. All on ``until``'s device, with no copy from
         the host.
     """
-    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if implementation == IMPLEMENTATIONS["flash"]:
+    if reads_sequence_boundaries(model):
         return None
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if implementation in (FLEX_ATTENTION, "flex_attention"):
         return flex_block_mask(until)
     dtype = getattr(model, "rl2_compute_dtype", None) or next(model.parameters()).dtype  # load_sharded's

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from rl2gem.algorithms import entropy_from_logits
 from rl2gem.models import resolve_dtype, resolve_master_dtype
-from rl2gem.parallel.attention import IMPLEMENTATIONS, attention_mask, resolve_attention
+from rl2gem.parallel.attention import IMPLEMENTATIONS, attention_mask, reads_sequence_boundaries, resolve_attention
 from rl2gem.parallel.packing import packed_batch, tree_batch
 from rl2gem.parallel.ring_attention import gather_sequence_parallel, ring_context, zigzag_layout
 from rl2gem.parallel.tensor_parallel import vocab_parallel_logprobs
@@ -144,6 +144,12 @@ def _model_inputs(model, row: dict, device: torch.device) -> dict:
         "position_ids": to_device(row["position_ids"], device),
         "use_cache": False,
     }
+    if reads_sequence_boundaries(model):  # flash-attn: the boundaries, not a mask
+        boundaries = row["cu_seqlens"]
+        longest = int(boundaries.diff().max())  # a host tensor: no device read
+        kwargs["cu_seq_lens_q"] = kwargs["cu_seq_lens_k"] = to_device(boundaries, device)
+        kwargs["max_length_q"] = kwargs["max_length_k"] = longest
+        return kwargs
     mask = attention_mask(model, to_device(row["until"], device))
     if mask is not None:
         kwargs["attention_mask"] = mask

@@ -247,3 +247,36 @@ def test_tree_plan_splits_groups_sharing_a_system_prompt_over_the_ranks():
         for side in itertools.product([0, 1], repeat=len(seqs))
     )
     assert best <= largest <= best + 8 and largest < tree_size(seqs)  # continuations have 3-8 tokens
+
+
+def test_flash_attention_gets_the_rows_sequence_boundaries_from_the_host():
+    """flash-attn reads a packed row's boundaries; without them transformers infers them from
+    ``position_ids`` in every layer (a read of the device each time). They are passed as the
+    keyword arguments its flash path takes, equal to what it would infer."""
+    import inspect
+    import types
+
+    from transformers.modeling_flash_attention_utils import (
+        _flash_attention_forward,
+        prepare_fa_kwargs_from_position_ids,
+    )
+
+    from rl2gem.parallel.packing import packed_batch
+    from rl2gem.training.forward import _model_inputs
+
+    row = packed_batch([[5, 6, 7], [8, 9], [10, 11, 12, 13, 14]])
+    flash = types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation="flash_attention_2"))
+    kwargs = _model_inputs(flash, row, torch.device("cpu"))
+    (cu_q, cu_k), (longest_q, longest_k) = prepare_fa_kwargs_from_position_ids(row["position_ids"])
+    assert kwargs["cu_seq_lens_q"].tolist() == kwargs["cu_seq_lens_k"].tolist() == cu_q.tolist() == cu_k.tolist()
+    assert kwargs["cu_seq_lens_q"].dtype == torch.int32
+    assert kwargs["max_length_q"] == kwargs["max_length_k"] == int(longest_q) == int(longest_k) == 5
+    assert type(kwargs["max_length_q"]) is int  # a Python int: flash-attn reads no tensor for it
+    assert "attention_mask" not in kwargs
+    assert {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"} <= set(
+        inspect.signature(_flash_attention_forward).parameters
+    )
+    sdpa = types.SimpleNamespace(
+        config=types.SimpleNamespace(_attn_implementation="sdpa"), rl2_compute_dtype=torch.float32
+    )
+    assert "cu_seq_lens_q" not in _model_inputs(sdpa, row, torch.device("cpu"))
