@@ -211,7 +211,8 @@ class MaxLength:
         output_dir: where a multi-rank run records a halved length for its restart.
         reserved_bytes: with ``auto``, memory free now that the update will not have
             (:func:`auto_max_length`).
-        cpu_length: ``auto`` off CUDA (no simulated device): :data:`CPU_AUTO_LENGTH` unless given.
+        cpu_length: ``auto`` off CUDA (no simulated device) without ``cpu_max_length_per_device``:
+            :data:`CPU_AUTO_LENGTH` unless given.
 
     Attributes:
         value: tokens per device now.
@@ -239,7 +240,7 @@ class MaxLength:
             fraction = float(settings.memory_fraction)
             self.value = auto_max_length(self.workers, device, fraction, mesh.micro_batch_tokens(1), reserved_bytes)
         elif setting == "auto":
-            self.value = int(cpu_length)
+            self.value = int(settings.cpu_max_length_per_device or cpu_length)
         elif is_length_setting(setting):
             self.value = setting
         else:

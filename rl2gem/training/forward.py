@@ -92,7 +92,7 @@ def check_attention(actor) -> str:
 
 def check_actor(actor) -> None:
     """``actor.dtype``, ``actor.master_dtype`` (:func:`rl2gem.models.resolve_master_dtype`) and
-    ``actor.max_length_per_device`` checked before anything loads.
+    ``actor.max_length_per_device`` and ``actor.cpu_max_length_per_device`` checked before anything loads.
 
     Raises:
         rl2gem.config.ConfigError: an unknown dtype name, a master dtype less precise than the
@@ -109,6 +109,9 @@ def check_actor(actor) -> None:
     length = settings.max_length_per_device
     if not is_length_setting(length):
         raise ConfigError(f"actor.max_length_per_device: expected a positive int or auto, got {length!r}")
+    cpu_length = settings.cpu_max_length_per_device
+    if cpu_length is not None and (cpu_length == "auto" or not is_length_setting(cpu_length)):
+        raise ConfigError(f"actor.cpu_max_length_per_device: expected a positive int or null, got {cpu_length!r}")
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -79,6 +79,8 @@ class WorkerSettings:
             or ``auto``: on CUDA the longest that fits ``memory_fraction`` (probed at start), else
             the trainer's CPU length, 2048 for PPO and 4096 for SFT, DPO and RM
             (:mod:`rl2gem.training.autosize`).
+        cpu_max_length_per_device: with ``auto`` off CUDA, this length (a positive integer; a
+            recipe sized for a CPU sets it and leaves CUDA to the probe), or None: the trainer's.
         memory_fraction: with ``auto``: the share of free device memory to plan for.
         oom_backoff: out of memory in a step: halve ``max_length_per_device`` and run it again.
         ddp_size, tp_size, sp_size: HSDP replicas, tensor-parallel and sequence-parallel ranks.
@@ -100,6 +102,7 @@ class WorkerSettings:
     compile: bool = False
     packing: str = "flat"
     max_length_per_device: int | str = "auto"
+    cpu_max_length_per_device: int | None = None
     memory_fraction: float = 0.8
     oom_backoff: bool = True
     ddp_size: int = 1

@@ -127,7 +127,12 @@ def test_auto_probes_a_device_and_off_cuda_is_the_cpu_length(tmp_path, monkeypat
         {"max_length_per_device": "auto"}, [_Worker()], mesh, torch.device("cpu"), tmp_path, cpu_length=4096
     )
     assert offline.value == 4096
+    # a recipe sized for the CPU (cpu_max_length_per_device) leaves CUDA, and a simulated device, to the probe
+    section = {"max_length_per_device": "auto", "cpu_max_length_per_device": 1024}
+    assert MaxLength(section, [_Worker()], mesh, torch.device("cpu"), tmp_path, cpu_length=4096).value == 1024
     monkeypatch.setenv("RL2GEM_SIMULATED_MEMORY_MIB", "1")
+    with pytest.raises(AttributeError, match="config"):  # probed: the fake worker's model cannot be
+        MaxLength(section, [_Worker()], mesh, torch.device("cpu"), tmp_path)
     with pytest.raises(AttributeError, match="config"):
         _max_length(tmp_path, "auto")
     with pytest.raises(ValueError, match="positive integer or auto"):

@@ -34,6 +34,14 @@ CASES = [
     ("actor.max_length_per_device=big", "config error: actor.max_length_per_device: expected a positive int or auto"),
     ("actor.max_length_per_device=0", "config error: actor.max_length_per_device: expected a positive int or auto"),
     (
+        "actor.cpu_max_length_per_device=auto",
+        "config error: actor.cpu_max_length_per_device: expected a positive int or null",
+    ),
+    (
+        "actor.cpu_max_length_per_device=-5",
+        "config error: actor.cpu_max_length_per_device: expected a positive int or null",
+    ),
+    (
         "actor.dtype=float32 actor.master_dtype=bfloat16",
         "config error: actor.master_dtype=bfloat16 is less precise than the compute dtype torch.float32",
     ),
