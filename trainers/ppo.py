@@ -174,9 +174,13 @@ class PPOTrainer(OnlineTrainer):
             if self.ref is not None:
                 score["ref"] = token_logprobs(self.ref.model, ids, self.device, **forward)[0]
             if self.critic is not None:
+                score["values"] = token_values(self.critic.model, ids, self.device, tree=tree)
+            scores.append(score)
+        if self.critic is not None:  # on the host, once every forward is queued: one wait for the device
+            for micro_batch, score in zip(micro_batches, scores, strict=True):
+                part = [samples[i] for i in micro_batch.indices]
                 if self.ref is not None and config.kl.in_reward and not micro_batch.placeholder:
                     subtract_kl_from_rewards(part, score["old"], score["ref"], self.kl.coef, config.kl.estimator)
-                score["values"] = token_values(self.critic.model, ids, self.device, tree=tree)
                 score["returns"] = apply_critic_estimator(
                     part, score["values"], score["old"], config.adv.estimator, config.adv.gamma, config.adv.lam,
                     **estimator_options(config),
@@ -184,7 +188,6 @@ class PPOTrainer(OnlineTrainer):
                 mask = packed_field(part, "mask", self.device, torch.bool)
                 mean_value = (score["values"] * mask).sum() / mask.sum().clamp(min=1)
                 values.add({"values": mean_value}, weight=micro_batch.scale * mask.sum())
-            scores.append(score)
         metrics = values.means("critic/") if self.critic is not None else {}
         if source == "check" and not self.check_in_update:  # every rank decides alike: on the KL over all ranks
             metrics.update(self.old_logprobs.decide(measured, self.rank))

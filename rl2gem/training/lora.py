@@ -116,8 +116,9 @@ def merged_state_dict(state: Mapping[str, torch.Tensor], config) -> dict[str, to
     """The base model's state dict with every adapter merged: ``W + s * B @ A`` under ``W``'s name.
 
     Args:
-        state: a full state dict of a model with injected adapters (CPU tensors, any float dtype;
-            the product is taken in float32 and cast back to ``W``'s dtype).
+        state: a full state dict of a model with injected adapters (any float dtype: the product
+            is taken in float32 and cast back to ``W``'s dtype; each merged weight stays on ``W``'s
+            device, a GPU's weight sync never round-trips through host memory).
         config: its ``peft.LoraConfig`` (for the scale).
 
     Returns:
@@ -127,7 +128,7 @@ def merged_state_dict(state: Mapping[str, torch.Tensor], config) -> dict[str, to
         KeyError: an adapter whose layer is missing.
     """
     base = {name.replace(".base_layer.", "."): t for name, t in state.items() if ".lora_" not in name}
-    return {**base, **merge_adapter(base, adapter_state_dict(state), config)}
+    return {**base, **merge_adapter(base, adapter_state_dict(state, device=None), config)}
 
 
 def merge_adapter(
@@ -176,13 +177,17 @@ def load_adapter(path: str | Path):
     return config, load_file(str(path / "adapter_model.safetensors"))
 
 
-def adapter_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The adapter's tensors under peft's saved names (``base_model.model.<module>.lora_A.weight``)."""
+def adapter_state_dict(
+    state: Mapping[str, torch.Tensor], device: str | torch.device | None = "cpu"
+) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under peft's saved names (``base_model.model.<module>.lora_A.weight``),
+    on ``device`` (None: where they are)."""
     out = {}
     for name, tensor in state.items():
         parts = _parts(name)
         if parts is not None and parts[1] != "base":
-            out[f"base_model.model.{parts[0]}.lora_{parts[1]}.weight"] = tensor.detach().to("cpu").contiguous()
+            tensor = tensor.detach() if device is None else tensor.detach().to(device)
+            out[f"base_model.model.{parts[0]}.lora_{parts[1]}.weight"] = tensor.contiguous()
     return out
 
 

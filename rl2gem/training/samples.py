@@ -206,27 +206,32 @@ def apply_critic_estimator(
     Raises:
         ValueError: unknown estimator or option (from :func:`rl2gem.algorithms.compute_advantages`).
     """
-    returns, start, device = [], 0, values.device
+    device = values.device
+    lengths = [len(s) for s in samples]
+    # one batch [B, T] (padding off the action mask: the estimators step over action tokens only),
+    # one read of the device
     values, logprobs = values.detach().float().cpu(), logprobs.detach().float().cpu()
-    for s in samples:
-        n = len(s)
-        log_ratio = None
-        if estimator in OFF_POLICY_ESTIMATORS:
-            log_ratio = (logprobs[start : start + n] - torch.tensor(s.rollout_logprobs, dtype=torch.float32))[None]
-        adv, ret = compute_advantages(
-            estimator,
-            torch.tensor([s.rewards]),
-            torch.tensor([s.mask], dtype=torch.bool),
-            values=values[None, start : start + n],
-            gamma=gamma,
-            lam=lam,
-            log_ratio=log_ratio,
-            **options,
-        )
-        s.advantages, s.returns = adv[0].tolist(), ret[0].tolist()
-        returns.append(ret[0])
-        start += n
-    return torch.cat(returns).to(device)
+    rewards, mask = padded_rows([s.rewards for s in samples]), padded_rows([s.mask for s in samples]).bool()
+    log_ratio = None
+    if estimator in OFF_POLICY_ESTIMATORS:
+        rollout = torch.tensor([lp for s in samples for lp in s.rollout_logprobs], dtype=torch.float32)
+        log_ratio = padded_rows((logprobs - rollout).split(lengths))
+    advantages, returns = compute_advantages(
+        estimator, rewards, mask, values=padded_rows(values.split(lengths)), gamma=gamma, lam=lam,
+        log_ratio=log_ratio, **options,
+    )  # fmt: skip
+    for i, s in enumerate(samples):
+        s.advantages, s.returns = advantages[i, : lengths[i]].tolist(), returns[i, : lengths[i]].tolist()
+    return torch.cat([returns[i, :n] for i, n in enumerate(lengths)]).to(device)
+
+
+def padded_rows(rows) -> torch.Tensor:
+    """Rows of numbers (lists or 1-d tensors) of different lengths -> ``[len(rows), longest]``
+    float32 on the CPU, zero past each row's end."""
+    out = torch.zeros(len(rows), max((len(row) for row in rows), default=0))
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.as_tensor(row, dtype=torch.float32)
+    return out
 
 
 def subtract_kl_from_rewards(

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from rl2gem.rollout.engines.embedded import EmbeddedEngine
 from rl2gem.training import Checkpointer, Worker, setup_distributed, token_logprobs
-from rl2gem.training.lora import lora_config, merged_state_dict
+from rl2gem.training.lora import adapter_state_dict, lora_config, merged_state_dict
 
 BATCH = [[5, 6, 7, 8, 9, 10, 11, 12], [9, 10, 11, 40, 41]]
 LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear", "rslora": False}
@@ -151,3 +151,8 @@ def test_merge_by_hand():
     torch.testing.assert_close(merged["layer.q_proj.weight"], w + 4.0 * b @ a)
     rs = merged_state_dict(state, LoraConfig(r=2, lora_alpha=8, use_rslora=True))
     torch.testing.assert_close(rs["layer.q_proj.weight"], w + 8.0 / 2**0.5 * b @ a)
+    # a GPU's weight sync merges where the weights are: no tensor goes through host memory (on the
+    # meta device a copy to the CPU raises)
+    on_meta = merged_state_dict({name: t.to("meta") for name, t in state.items()}, LoraConfig(r=2, lora_alpha=8))
+    assert {t.device.type for t in on_meta.values()} == {"meta"}
+    assert adapter_state_dict(state)["base_model.model.layer.q_proj.lora_A.weight"].device.type == "cpu"

@@ -1,0 +1,49 @@
+"""rl2gem.training.samples: the critic estimators over a micro-batch's samples."""
+
+import random
+
+import pytest
+import torch
+
+from rl2gem.algorithms import CRITIC_ESTIMATORS, compute_advantages
+from rl2gem.training import Sample, apply_critic_estimator
+
+
+def random_samples(seed: int) -> list[Sample]:
+    """Sequences of 3-30 tokens with one to three turns (runs of action tokens), rewards on each
+    turn's last token and rollout log-probs on the action tokens."""
+    rng = random.Random(seed)
+    samples = []
+    for _ in range(7):
+        mask = []
+        for _ in range(rng.randint(1, 3)):
+            mask += [0] * rng.randint(1, 5) + [1] * rng.randint(1, 6)
+        rewards = [rng.random() if m and (t + 1 == len(mask) or not mask[t + 1]) else 0.0 for t, m in enumerate(mask)]
+        logprobs = [-rng.random() if m else 0.0 for m in mask]
+        samples.append(Sample(list(range(len(mask))), mask, logprobs, None, rewards, [0] * len(mask)))
+    return samples
+
+
+@pytest.mark.parametrize("estimator", CRITIC_ESTIMATORS)
+def test_a_micro_batch_in_one_call_equals_each_sample_on_its_own(estimator):
+    """One padded ``[B, T]`` call (the padding off the action mask) gives every sample what the
+    estimator gives it alone."""
+    samples = random_samples(seed=len(estimator))
+    total = sum(len(s) for s in samples)
+    generator = torch.Generator().manual_seed(0)
+    values, old = torch.randn(total, generator=generator), -torch.rand(total, generator=generator)
+    options = {"gamma": 0.9, "lam": 0.8}
+    returns = apply_critic_estimator(samples, values, old, estimator, **options)
+    start = 0
+    for s in samples:
+        n = len(s)
+        log_ratio = (old[start : start + n] - torch.tensor(s.rollout_logprobs))[None]
+        advantages, expected = compute_advantages(
+            estimator, torch.tensor([s.rewards]), torch.tensor([s.mask], dtype=torch.bool),
+            values=values[None, start : start + n], log_ratio=log_ratio, **options,
+        )  # fmt: skip
+        assert s.advantages == pytest.approx(advantages[0].tolist(), abs=1e-6)
+        assert s.returns == pytest.approx(expected[0].tolist(), abs=1e-6)
+        assert returns[start : start + n].tolist() == pytest.approx(expected[0].tolist(), abs=1e-6)
+        start += n
+    assert returns.shape == (total,)
