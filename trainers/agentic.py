@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--nproc",
         default="auto",
-        help="ranks of the SFT and PPO stages: auto (one per CUDA device, else 2) or a number",
+        help="ranks of the SFT and PPO stages: auto (2, or 1 on a one-GPU machine) or a number",
     )
     p.add_argument("--base", default="smollm2-135m-instruct", help="the base model")
     p.add_argument("--sft-from", default=None, help="reuse the SFT model of this run folder (skips collect, sft)")

@@ -304,7 +304,7 @@ class _Steps:
     def backward(self, step) -> torch.Tensor:
         """``x_t = step(t, x_{t+1})`` from the last step back, ``x_N = 0`` [B, N]."""
         out = torch.zeros_like(self.values)
-        following = torch.zeros_like(self.values[:, 0])
+        following = self.values.new_zeros(self.values.shape[0])  # [B] (N may be 0: no action token)
         for t in range(self.values.shape[1] - 1, -1, -1):
             following = torch.where(self.valid[:, t], step(t, following), 0.0)
             out[:, t] = following

@@ -93,19 +93,21 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device
     return rank, world, device
 
 
-#: ranks per node that ``auto`` starts without CUDA (CPU ranks over gloo)
-CPU_RANKS_PER_NODE = 2
+#: ranks per node that ``auto`` starts: what the recipes' batches are sized for (their prompts per
+#: rollout divide by it), fewer on a machine with fewer CUDA devices
+AUTO_RANKS_PER_NODE = 2
 
 
 def ranks_per_node(requested: int | str = "auto") -> int:
-    """The processes a launcher starts per node for ``requested`` ranks: ``auto`` is one per CUDA
-    device, or :data:`CPU_RANKS_PER_NODE` without CUDA; a number is taken as it is.
+    """The processes a launcher starts per node for ``requested`` ranks: ``auto`` is
+    :data:`AUTO_RANKS_PER_NODE` (CPU ranks over gloo without CUDA), at most one per CUDA device
+    (a one-GPU machine runs one); a number is taken as it is (the batches must divide by it).
 
     Raises:
         ValueError: neither ``auto`` nor an integer >= 1.
     """
     if requested == "auto":
-        return torch.cuda.device_count() if torch.cuda.is_available() else CPU_RANKS_PER_NODE
+        return min(AUTO_RANKS_PER_NODE, torch.cuda.device_count()) if torch.cuda.is_available() else AUTO_RANKS_PER_NODE
     if isinstance(requested, bool) or not str(requested).isdigit() or int(requested) < 1:
         raise ValueError(f"ranks per node must be auto or an integer >= 1, got {requested!r}")
     return int(requested)
@@ -142,10 +144,13 @@ def end_failed_backward(model) -> None:
     out-of-memory error): a backward that stops midway never runs FSDP's end-of-backward callback,
     so every module stays in its backward state, and from then on each forward is taken for a
     recompute: the unsharded parameters stay, gradients land on them and not on the shards the
-    optimizer steps, and the weights stop changing with no error. Runs that callback (which
-    reshards and reduces what gradients there are: the caller drops them). A model without FSDP is
-    left as it is. One rank only: the callback reduces over the mesh, which other ranks would not
-    join.
+    optimizer steps, and the weights stop changing with no error. Runs FSDP's end-of-backward
+    callback, which reshards and reduces the gradients the failed pass left on the unsharded
+    parameters into the shards (the caller drops them). With ``FSDPModule.reset_iter_state``
+    (PyTorch 2.13, which discards those reductions) instead, the retried step of
+    ``tests/training/test_checkpoint.py`` differed from a clean one. Call it after the failed
+    pass's graph is freed: the reduction allocates. A model without FSDP is left as it is. One rank
+    only: other ranks would not join the reductions.
 
     Raises:
         RuntimeError: this PyTorch's FSDP2 has no such callback (a retry would not train).
@@ -154,8 +159,7 @@ def end_failed_backward(model) -> None:
 
     if not isinstance(model, FSDPModule):
         return
-    state = model._get_fsdp_state()
-    callback = getattr(state, "_root_post_backward_final_callback", None)
+    callback = getattr(model._get_fsdp_state(), "_root_post_backward_final_callback", None)
     if callback is None:
         raise RuntimeError("cannot reset FSDP2 after a failed backward with this PyTorch version")
     callback()

@@ -2,7 +2,8 @@
 
 **auto** (the default) probes the device's memory on CUDA, where a short micro-batch leaves the GPU
 launching kernels (PPO on one H200 spent 1.4 s of an 8.6 s step in the update, in 2,048-token
-micro-batches). Off CUDA it is :data:`CPU_AUTO_LENGTH` without a probe: RAM is shared with
+micro-batches). Off CUDA it is ``actor.cpu_max_length_per_device`` when set, else the trainer's
+length (:data:`CPU_AUTO_LENGTH` for PPO), without a probe: RAM is shared with
 everything else, probing it took about 20 s of a two-rank start on the 2-core machine, and a CPU's
 time per token does not fall with longer micro-batches; a simulated device (below) is probed.
 
@@ -292,16 +293,17 @@ class MaxLength:
                     raise torch.OutOfMemoryError(
                         f"out of memory at actor.max_length_per_device={self.value}; {self.record} now says {halved}: "
                         "relaunch with trainer.resume=true to go on from the last checkpoint with it"
-                    ) from None
-                for worker in self.workers:  # a backward cut short leaves FSDP2 mid-backward
-                    end_failed_backward(worker.model)
-                    worker.optimizer.zero_grad(set_to_none=True)
-                del error
-                gc.collect()
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()
+                    ) from error
                 warnings.warn(
                     f"out of memory at actor.max_length_per_device={self.value}; retrying the step at {halved}",
                     stacklevel=2,
                 )
                 self.value = halved
+            # out of the except block, where the failed passes' frames (their graph, its activations)
+            # are freed: a backward cut short leaves FSDP2 mid-backward; the gradients go
+            for worker in self.workers:
+                end_failed_backward(worker.model)
+                worker.optimizer.zero_grad(set_to_none=True)
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()

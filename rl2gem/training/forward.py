@@ -2,8 +2,8 @@
 per-token quantities every trainer computes from one packed row.
 
 A micro-batch is one row of concatenated sequences (no padding) whose ``position_ids`` restart at
-0 for every sequence: flash-attn's varlen kernels read the boundaries from them on GPU; other
-attention gets a block-diagonal causal mask (:mod:`rl2gem.parallel.packing`). A model sharded
+0 for every sequence: flash-attn's varlen kernels get the boundaries from the host plan on GPU
+(``cu_seq_lens_q``/``_k``, ``max_length_q``/``_k``); other attention gets a block-diagonal causal mask (:mod:`rl2gem.parallel.packing`). A model sharded
 over sequence-parallel ranks runs on its ZigZag share of the row and a model split over
 tensor-parallel ranks keeps its logits sharded over the vocabulary; both return the whole row's
 per-token results on every rank, equal to one rank's (:mod:`rl2gem.parallel.ring_attention`,
@@ -132,7 +132,8 @@ def packed_inputs(model, sequences: Sequence[Sequence[int]], device: torch.devic
         tensors: ``input_ids`` / ``position_ids`` ``[1, N]`` int64, ``cu_seqlens`` ``[S + 1]``
         int32, ``until`` ``[N]`` int64); ``kwargs`` for ``model(**kwargs)`` on ``device``: the ids
         and positions, and the mask of the model's attention
-        (:func:`rl2gem.parallel.attention.attention_mask`: none for flash-attn, a FlexAttention
+        (:func:`rl2gem.parallel.attention.attention_mask`: for flash-attn the sequence boundaries
+        instead, ``cu_seq_lens_q``/``_k`` and ``max_length_q``/``_k``; a FlexAttention
         ``BlockMask``, or an additive ``[1, 1, N, N]`` mask), built on the device.
     """
     batch = packed_batch([list(s) for s in sequences])
@@ -141,7 +142,8 @@ def packed_inputs(model, sequences: Sequence[Sequence[int]], device: torch.devic
 
 def _model_inputs(model, row: dict, device: torch.device) -> dict:
     """``model(**kwargs)``'s arguments for a row of :func:`~rl2gem.parallel.packing.packed_batch` or
-    :func:`~rl2gem.parallel.packing.tree_batch`: ids, positions and mask on ``device``."""
+    :func:`~rl2gem.parallel.packing.tree_batch`: ids, positions and the mask (for flash-attn the
+    sequence boundaries instead) on ``device``."""
     kwargs = {
         "input_ids": to_device(row["input_ids"], device),
         "position_ids": to_device(row["position_ids"], device),

@@ -4,15 +4,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rl2gem.parallel.fsdp import CPU_RANKS_PER_NODE, init_distributed, ranks_per_node
+from rl2gem.parallel.fsdp import AUTO_RANKS_PER_NODE, init_distributed, ranks_per_node
 
 
-def test_ranks_per_node_is_one_per_cuda_device_or_two_on_the_cpu(monkeypatch):
+def test_ranks_per_node_is_two_or_one_per_cuda_device_below(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert ranks_per_node("auto") == CPU_RANKS_PER_NODE == 2
+    assert ranks_per_node("auto") == AUTO_RANKS_PER_NODE == 2
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert ranks_per_node("auto") == 1  # a one-GPU machine: one rank, not the CPU's two
+    for devices, ranks in ((1, 1), (2, 2), (8, 2)):  # a one-GPU machine: one rank; more: the recipes' two
+        monkeypatch.setattr(torch.cuda, "device_count", lambda devices=devices: devices)
+        assert ranks_per_node("auto") == ranks
     assert ranks_per_node(3) == ranks_per_node("3") == 3
     for bad in (0, "0", -1, "two", 1.5, True, None):
         with pytest.raises(ValueError, match="auto or an integer >= 1"):
@@ -25,7 +26,8 @@ def test_a_rank_past_the_cuda_devices_is_a_clear_error(monkeypatch):
     CUDA's "invalid device ordinal"."""
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: pytest.fail("set_device reached"))
-    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}.items():
+    environment = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    for name, value in environment.items():  # set here, so the test leaves the process's environment as it was
         monkeypatch.setenv(name, value)
     with pytest.raises(
         RuntimeError, match=r"LOCAL_RANK=1, but this machine has 1 CUDA device\(s\).*--nproc_per_node=1"

@@ -4,6 +4,7 @@ from the README's command)."""
 from pathlib import Path
 
 import pytest
+import torch
 from rl2gem.trainers.agentic import PIPELINES, main
 from rl2gem.trainers.agentic_report import prefix_merging_tokens, table
 from transformers import AutoTokenizer
@@ -74,11 +75,12 @@ def test_sft_from_trains_ppo_from_another_runs_sft_model_and_skips_its_stages(tm
         (run_dir / "latest").write_text("checkpoint-2\n")
 
     monkeypatch.setattr(agentic, "_run", fake_run)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     out = tmp_path / "run"
     assert main(["multihop-truncate", "--out", str(out), "--sft-from", str(shared), "--stages", "collect,sft,ppo"]) == 0
     assert len(commands) == 1  # only the PPO stage ran
     assert any(a.endswith("ppo.py") for a in commands[0])
-    assert "--nproc_per_node=2" in commands[0]  # --nproc auto without CUDA (one per device with it)
+    assert "--nproc_per_node=2" in commands[0]  # --nproc auto: the recipes' two ranks (CUDA off above)
     assert f"actor.model={shared / 'sft' / 'checkpoint-40' / 'hf'}" in commands[0]
     assert "config=multihop_truncate" in commands[0]
     assert not (out / "oracle.jsonl").exists() and not (out / "sft").exists()

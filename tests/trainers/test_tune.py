@@ -11,6 +11,7 @@ import time
 import optuna
 import psutil
 import pytest
+import torch
 from helpers import ROOT, run_module
 from omegaconf import OmegaConf
 from rl2gem.trainers import tune
@@ -43,7 +44,7 @@ def trials(out):
     return optuna.load_study(study_name="tune", storage=f"sqlite:///{out / 'study.db'}").trials
 
 
-def test_search_space_and_config_errors():
+def test_search_space_and_config_errors(monkeypatch):
     space = tune.distributions(
         {
             "actor.lr": {"type": "float", "low": 1e-6, "high": 1e-4, "log": True},
@@ -68,7 +69,8 @@ def test_search_space_and_config_errors():
     cfg = load_config(tune.CONFIG, ["nproc_per_node=two", "space={a: {type: float, low: 0, high: 1}}"])
     with pytest.raises(ConfigError, match="nproc_per_node: ranks per node must be auto or an integer"):
         tune.check_config(cfg)
-    # auto: one rank per CUDA device (a one-GPU machine starts one), 2 on this CPU; 0: plain python
+    # auto: 2 ranks (1 on a one-GPU machine); 0: plain python
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for ranks, launcher in (("auto", "--nproc_per_node=2"), (1, "--nproc_per_node=1"), (0, None)):
         command = tune.trial_command(load_config(tune.CONFIG, [f"nproc_per_node={ranks}"]), ["actor.lr=0.1"])
         assert (launcher in command) if launcher else ("torch.distributed.run" not in command)

@@ -47,3 +47,14 @@ def test_a_micro_batch_in_one_call_equals_each_sample_on_its_own(estimator):
         assert returns[start : start + n].tolist() == pytest.approx(expected[0].tolist(), abs=1e-6)
         start += n
     assert returns.shape == (total,)
+
+
+@pytest.mark.parametrize("estimator", CRITIC_ESTIMATORS)
+def test_a_micro_batch_without_action_tokens_gets_zero_advantages(estimator):
+    """A prompt that filled ``rollout.max_length`` leaves a sequence with no action token; a
+    micro-batch of such sequences (or a placeholder of one) has nothing to estimate."""
+    samples = [Sample([1, 2, 3], [0, 0, 0], [0.0] * 3, None, [0.0] * 3, [0] * 3) for _ in range(2)]
+    options = {"n_steps": 2, "bootstrap_method": "mc"} if estimator == "multistep" else {}
+    returns = apply_critic_estimator(samples, torch.randn(6), torch.zeros(6), estimator, **options)
+    assert returns.tolist() == [0.0] * 6
+    assert all(s.advantages == [0.0] * 3 and s.returns == [0.0] * 3 for s in samples)
