@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import types
 
 import torch
 
@@ -61,11 +62,16 @@ ATTENTIONS = ("auto", "flex", "flash", "sdpa", "block")
 #: The name under which the FlexAttention wrapper is registered in transformers' attention interface.
 FLEX_ATTENTION = "rl2_flex"
 
+#: The name under which transformers' flash-attn forward is registered for rl2gem: no mask function
+#: goes with it, so transformers builds no mask and does not look for packed sequences in
+#: ``position_ids`` (a read of the device per forward); the kernel gets the row's boundaries.
+FLASH_ATTENTION = "rl2_flash"
+
 #: FlexAttention's block size: the rows it reads are padded to a multiple of it.
 FLEX_BLOCK = 128
 
 #: transformers' ``_attn_implementation`` for each resolved ``actor.attention``.
-IMPLEMENTATIONS = {"flex": FLEX_ATTENTION, "flash": "flash_attention_2", "sdpa": "sdpa", "block": BLOCK_ATTENTION}
+IMPLEMENTATIONS = {"flex": FLEX_ATTENTION, "flash": FLASH_ATTENTION, "sdpa": "sdpa", "block": BLOCK_ATTENTION}
 
 
 @functools.cache
@@ -139,9 +145,32 @@ def enable_attention(model, attention: str) -> None:
         AttentionMaskInterface.register(FLEX_ATTENTION, flex_attention_mask)
         switch_attention(model, FLEX_ATTENTION)
     elif attention == "flash":
-        model.set_attn_implementation(IMPLEMENTATIONS["flash"])
+        AttentionInterface.register(FLASH_ATTENTION, _flash_attention)
+        switch_attention(model, FLASH_ATTENTION)
     else:
         switch_attention(model, attention)
+
+
+class _AsFlashAttention2:
+    """An attention module as transformers' flash-attn forward reads it, its config naming the
+    kernel (``flash_attention_2``: which functions transformers imports) instead of rl2gem's name."""
+
+    config = types.SimpleNamespace(_attn_implementation="flash_attention_2")
+
+    def __init__(self, module):
+        self.module = module
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
+
+
+def _flash_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' ``flash_attention_2`` forward (``query`` ``[B, H, N, d]``) over a packed row
+    whose boundaries come as ``cu_seq_lens_q``/``_k`` and ``max_length_q``/``_k``
+    (:func:`rl2gem.training.forward._model_inputs`); ``attention_mask`` is None."""
+    from transformers.integrations.flash_attention import flash_attention_forward
+
+    return flash_attention_forward(_AsFlashAttention2(module), query, key, value, attention_mask, **kwargs)
 
 
 def _flex_attention(module, query, key, value, attention_mask, **kwargs):

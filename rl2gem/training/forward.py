@@ -3,7 +3,8 @@ per-token quantities every trainer computes from one packed row.
 
 A micro-batch is one row of concatenated sequences (no padding) whose ``position_ids`` restart at
 0 for every sequence: flash-attn's varlen kernels get the boundaries from the host plan on GPU
-(``cu_seq_lens_q``/``_k``, ``max_length_q``/``_k``); other attention gets a block-diagonal causal mask (:mod:`rl2gem.parallel.packing`). A model sharded
+(``cu_seq_lens_q``/``_k``, ``max_length_q``/``_k``); other attention gets a block-diagonal
+causal mask (:mod:`rl2gem.parallel.packing`). A model sharded
 over sequence-parallel ranks runs on its ZigZag share of the row and a model split over
 tensor-parallel ranks keeps its logits sharded over the vocabulary; both return the whole row's
 per-token results on every rank, equal to one rank's (:mod:`rl2gem.parallel.ring_attention`,

@@ -180,3 +180,53 @@ def test_masks_are_built_where_the_row_is():
                 got = token_logprobs(model, seqs, CPU, tree=tree)[0]
                 assert got.device == CPU
                 torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
+def _varlen_attention(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+    causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+    return_attn_probs=False,
+):  # fmt: skip
+    """flash-attn's ``flash_attn_varlen_func`` written with SDPA, sequence by sequence (``q``
+    ``[total, heads, d]``, ``k``/``v`` ``[total, kv_heads, d]``): a stand-in for its CUDA kernel."""
+    assert cu_seqlens_q.dtype == torch.int32 and isinstance(max_seqlen_q, int) and dropout_p == 0.0
+    _varlen_attention.calls.append(cu_seqlens_q.tolist())
+    out = torch.empty_like(q)
+    group = q.shape[1] // k.shape[1]
+    for start, end in zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist(), strict=True):
+        keys, values = (t[start:end].repeat_interleave(group, 1).transpose(0, 1) for t in (k, v))
+        out[start:end] = torch.nn.functional.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1), keys, values, is_causal=causal, scale=softmax_scale
+        ).transpose(0, 1)
+    return out
+
+
+def test_flash_gets_the_rows_boundaries_and_no_mask(monkeypatch):
+    """``attention=flash`` through transformers' flash-attn forward, its kernel replaced by an SDPA
+    stand-in (flash-attn has no CPU kernel): the sequences' own log-probs, one kernel call per
+    layer with the row's boundaries, and no search for packed sequences in ``position_ids`` (a read
+    of the device per forward on CUDA)."""
+    import transformers.masking_utils as masking_utils
+    import transformers.modeling_flash_attention_utils as flash_utils
+
+    def kernels(implementation, *args, **kwargs):
+        assert implementation == "flash_attention_2"
+        return None, _varlen_attention, None, flash_utils._pad_input, flash_utils._unpad_input
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("transformers looked for packed sequences in position_ids")
+
+    reference, seqs = tiny_model(), grouped()
+    with torch.no_grad():
+        expected, _ = one_at_a_time(reference, seqs)
+    monkeypatch.setattr(flash_utils, "_lazy_imports", kernels)
+    monkeypatch.setattr(flash_utils, "_loaded_implementation", None)
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", no_search)
+    _varlen_attention.calls = []
+    model = copy.deepcopy(reference)
+    enable_attention(model, "flash")
+    with torch.no_grad():
+        got, _ = token_logprobs(model, seqs, CPU)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    boundaries = packed_batch(seqs)["cu_seqlens"].tolist()
+    assert _varlen_attention.calls == [boundaries] * reference.config.num_hidden_layers

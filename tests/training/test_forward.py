@@ -261,11 +261,12 @@ def test_flash_attention_gets_the_rows_sequence_boundaries_from_the_host():
         prepare_fa_kwargs_from_position_ids,
     )
 
+    from rl2gem.parallel.attention import FLASH_ATTENTION
     from rl2gem.parallel.packing import packed_batch
     from rl2gem.training.forward import _model_inputs
 
     row = packed_batch([[5, 6, 7], [8, 9], [10, 11, 12, 13, 14]])
-    flash = types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation="flash_attention_2"))
+    flash = types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation=FLASH_ATTENTION))
     kwargs = _model_inputs(flash, row, torch.device("cpu"))
     (cu_q, cu_k), (longest_q, longest_k) = prepare_fa_kwargs_from_position_ids(row["position_ids"])
     assert kwargs["cu_seq_lens_q"].tolist() == kwargs["cu_seq_lens_k"].tolist() == cu_q.tolist() == cu_k.tolist()
