@@ -51,6 +51,9 @@ def test_the_pipeline_names_recipes_that_exist_and_refuses_unknown_envs():
         sft = load_config(config / "sft.yaml", [f"config={pipe.sft_config}"])
         ppo = load_config(config / "ppo.yaml", [f"config={pipe.ppo_config}"])
         assert ppo.env == pipe.env and sft.trainer.eval_env in (None, pipe.env)
+        # sized for the CPU without pinning CUDA's micro-batch length (auto probes there)
+        for recipe in (sft, ppo):
+            assert recipe.actor.max_length_per_device == "auto" and recipe.actor.cpu_max_length_per_device > 0
     with pytest.raises(SystemExit):
         main(["no-such-env"])
     with pytest.raises(SystemExit, match="--nproc: ranks per node must be auto or an integer >= 1, got '0'"):
