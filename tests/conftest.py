@@ -44,7 +44,12 @@ def drawn_lines(monkeypatch):
 
 
 #: Tests that start training runs or README commands: tens of seconds each, a few over a minute.
-HEAVY = ("tests/test_examples.py::test_readme", "tests/trainers/", "tests/envs/test_math_env.py::test_builtin_sources")
+HEAVY = (
+    "tests/test_examples.py::test_readme",
+    "tests/trainers/",
+    "tests/envs/test_math_env.py::test_builtin_sources",
+    "tests/test_gpu.py::test_each_trainer",  # pytest -m gpu: cut at its stage's limit, the trainers first
+)
 
 
 def pytest_collection_modifyitems(items):
