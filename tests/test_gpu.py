@@ -148,6 +148,27 @@ def test_algorithms_run_on_the_inputs_device():
             torch.testing.assert_close(have.cpu(), want, rtol=1e-5, atol=1e-5, msg=name)
 
 
+def test_a_checkpoint_restores_the_cuda_random_state(cuda_model_dir, tmp_path):
+    """A resumed run draws the random numbers the run it resumes would have drawn on the GPU too
+    (dropout, LoRA's included, draws from the device's generator)."""
+    import torch.distributed as dist
+
+    from rl2gem.training import Checkpointer, Worker, setup_distributed
+
+    _, _, device, mesh = setup_distributed(0, {})
+    try:
+        assert device.type == "cuda"
+        checkpointer = Checkpointer(tmp_path, {"actor": Worker({"model": str(cuda_model_dir)}, mesh, device)})
+        torch.cuda.manual_seed(5)
+        checkpointer.save(1)
+        expected = torch.rand(4, device=device)
+        torch.rand(100, device=device)
+        checkpointer.load()
+        assert torch.equal(torch.rand(4, device=device), expected)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_weights_sync_device_to_device():
     """One rank's weight sync on CUDA: the full state dict stays on the GPU, holds the model's
     values in memory of its own (the next optimizer step does not change it), and an engine on

@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from rl2gem.parallel.fsdp import uses_cuda
+
 __all__ = ["Checkpointer", "atomic_write"]
 
 
@@ -85,6 +87,8 @@ class Checkpointer:
         dcp.save(self._sharded(), checkpoint_id=str(path / "dcp"))
         rank = dist.get_rank()
         local = {"torch_rng": torch.get_rng_state(), **dict(rank_state or {})}
+        if uses_cuda():  # the rank's device's generator (dropout, LoRA's included, draws from it)
+            local["cuda_rng"] = torch.cuda.get_rng_state()
         atomic_write(path / f"rank{rank}.pkl", pickle.dumps(local))
         if export is not None:
             export(path / "hf")
@@ -124,7 +128,8 @@ class Checkpointer:
         return self.output_dir / pointer.read_text().strip() if pointer.exists() else None
 
     def load(self) -> tuple[dict[str, Any], dict[str, Any]] | None:
-        """Restore every worker from :meth:`latest` and this rank's torch RNG.
+        """Restore every worker from :meth:`latest` and this rank's torch RNGs (the CPU's, and on
+        CUDA its device's).
 
         Returns:
             ``(trainer_state, rank_state)`` as saved (``trainer_state["step"]`` included), or None
@@ -148,4 +153,6 @@ class Checkpointer:
             self.workers[name].scheduler.load_state_dict(sched)
         local = pickle.loads(mine.read_bytes())
         torch.set_rng_state(local["torch_rng"])
+        if "cuda_rng" in local and uses_cuda():
+            torch.cuda.set_rng_state(local["cuda_rng"])
         return meta, local
