@@ -40,6 +40,10 @@ from rl2gem.rollout.tito import ChatRenderer, Episode, Sequence
 
 __all__ = ["Rollout", "RolloutBatch", "RolloutConfig", "reply_messages", "reward_metrics"]
 
+#: mixed into a seeded episode's seed for a managed context's summary, asked at the turn of the
+#: next action, whose request would otherwise draw the same uniforms token for token
+SUMMARY_SEED = 0x5EED
+
 
 @dataclasses.dataclass
 class RolloutConfig:
@@ -273,9 +277,11 @@ class Rollout:
         self._pool.clear()
 
     # ------------------------------------------------------------------ episodes
-    async def _generate(self, ids: list[int], max_new: int, episode: Episode):
+    async def _generate(self, ids: list[int], max_new: int, episode: Episode, summary: bool = False):
         """One action: generate from ``ids`` until a stop or ``max_new`` tokens, resuming after a
         partial-rollout pause (the tokens so far kept) and retrying a failed request up to 3 times.
+        A seeded episode's request draws from a seed of its turn and tokens so far; ``summary`` (a
+        managed context's summary, asked at the turn of the next action) from another.
         Returns ``(token ids, log-probs, policy versions, finish reason)``."""
         out_ids: list[int] = []
         out_logprobs: list[float] = []
@@ -285,7 +291,8 @@ class Rollout:
             await self._gate.wait()
             seed = None
             if episode.sampling_seed is not None:
-                seed = mix_seed(episode.sampling_seed, episode.turns, len(out_ids))
+                parts = (episode.sampling_seed, episode.turns, len(out_ids)) + ((SUMMARY_SEED,) if summary else ())
+                seed = mix_seed(*parts)
             params = dataclasses.replace(self._params, max_new_tokens=max_new - len(out_ids), sampling_seed=seed)
             async with self._sem:
                 if not self._gate.is_set():
@@ -380,7 +387,7 @@ class Rollout:
             if not request.split and room > 0:
                 sequence.extend_context(request.ids)
                 ids, logprobs, versions, _ = await self._generate(
-                    sequence.input_ids, min(context.summary_max_new_tokens, room), episode
+                    sequence.input_ids, min(context.summary_max_new_tokens, room), episode, summary=True
                 )
                 sequence.extend_action(ids, logprobs, versions)
                 episode.summaries += 1

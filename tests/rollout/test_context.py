@@ -19,10 +19,11 @@ class RecordingEngine(EmbeddedEngine):
 
     def __init__(self, model):
         super().__init__(model)
-        self.inputs = []
+        self.inputs, self.seeds = [], []
 
     async def generate(self, input_ids, sampling_params=None, **kwargs):
         self.inputs.append(list(input_ids))
+        self.seeds.append(sampling_params.sampling_seed)
         return await super().generate(input_ids, sampling_params, **kwargs)
 
 
@@ -37,6 +38,8 @@ def play(tokenizer, context: ContextConfig, model=None, episodes: int = 2):
         batch = await rollout.collect(1)
         await rollout.close()
         await engine.close()
+        # each request samples from its own seed (a summary and the action after it included)
+        assert None not in engine.seeds and len(set(engine.seeds)) == len(engine.seeds)
         return batch, engine.inputs
 
     return asyncio.run(main())
