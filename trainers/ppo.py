@@ -90,6 +90,8 @@ class PPOTrainer(OnlineTrainer):
             samples, metrics = self.collect()
         if not samples:  # dynamic filtering dropped every group (equal rewards in each): no signal, no update
             self.step += 1
+            # the same weights as version self.step: the next rollout's tokens are on-policy, not a step stale
+            metrics["time/weight_sync"] = self.sync_weights()
             return {**metrics, "actor/skipped_step": 1.0}
         lengths = [len(sample) for sample in samples]
         tree_sequences = [sample.ids for sample in samples] if self.cfg.actor.packing == "tree" else None

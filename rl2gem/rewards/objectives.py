@@ -38,6 +38,7 @@ __all__ = [
     "hypervolume",
     "load_transform",
     "objective_sense",
+    "objective_value",
     "set_final_reward",
     "tchebycheff",
     "weighted_sum",
@@ -140,16 +141,30 @@ def apply_objectives(
             sums[k] = sums.get(k, 0.0) + v
         if combine is None and transform is None:
             continue
-        value = episode.reward
-        if combine == "weighted_sum":
-            value = weighted_sum(components, weights or {})
-        elif combine == "tchebycheff":
-            value = tchebycheff(components, weights or {}, reference or {})
-        if transform is not None:
-            value = float(transform(value, components, episode))
-        set_final_reward(episode, value)
+        set_final_reward(episode, objective_value(episode, components, combine, weights, reference, transform))
         episode.info = {**episode.info, "reward_components": components}
     return {f"rollout/component/{k}": v / len(episodes) for k, v in sorted(sums.items())}
+
+
+def objective_value(
+    episode,
+    components: Mapping[str, float],
+    combine: str | None,
+    weights: Mapping[str, float] | None = None,
+    reference: Mapping[str, float] | None = None,
+    transform: Callable[..., float] | None = None,
+) -> float:
+    """The reward :func:`apply_objectives` gives ``episode`` (its ``components`` combined, then
+    ``transform``), without changing it: what dynamic filtering compares
+    (:class:`rl2gem.rollout.Rollout`'s ``filter_rewards``)."""
+    value = episode.reward
+    if combine == "weighted_sum":
+        value = weighted_sum(components, weights or {})
+    elif combine == "tchebycheff":
+        value = tchebycheff(components, weights or {}, reference or {})
+    if transform is not None:
+        value = float(transform(value, components, episode))
+    return value
 
 
 def dominates(a: Sequence[float], b: Sequence[float]) -> bool:

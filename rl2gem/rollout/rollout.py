@@ -209,6 +209,9 @@ class Rollout:
         config: :class:`RolloutConfig`.
         env_kwargs: keyword arguments of ``rl2gem.make``.
         chat_template: overrides the tokenizer's template.
+        filter_rewards: with ``dynamic_filter``, the rewards a group is trained on, from its
+            episodes (a trainer's reward objectives and transform, applied after :meth:`collect`):
+            the filter drops the groups where these are all equal. None: the env's rewards.
 
     Use it from one event loop (episodes carried over by partial rollouts live
     on it between calls).
@@ -223,8 +226,10 @@ class Rollout:
         *,
         env_kwargs: dict[str, Any] | None = None,
         chat_template: str | None = None,
+        filter_rewards: Callable[[list[Episode]], list[float]] | None = None,
     ):
         self.engine = engine
+        self.filter_rewards = filter_rewards
         self.config = config or RolloutConfig()
         if self.config.responses_per_prompt < 1:
             raise ValueError("responses_per_prompt must be >= 1")
@@ -565,7 +570,9 @@ class Rollout:
                         continue
                     m["unfiltered_episodes"] += len(g.episodes)
                     m["unfiltered_reward_sum"] += sum(e.reward for e in g.episodes)
-                    rewards = {e.reward for e in g.episodes}
+                    if c.dynamic_filter:
+                        trained = self.filter_rewards(g.episodes) if self.filter_rewards else None
+                        rewards = set(trained if trained is not None else (e.reward for e in g.episodes))
                     if c.dynamic_filter and len(rewards) == 1 and len(g.episodes) > 1:
                         m["filtered"] += 1
                         continue

@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 import rl2gem
 from rl2gem.algorithms import CRITIC_ESTIMATORS
 from rl2gem.models import load_model
+from rl2gem.rewards.objectives import episode_components, objective_value
 from rl2gem.rollout import EmbeddedEngine, Rollout, RolloutConfig, merge_rank_metrics
 from rl2gem.rollout.tito import load_chat_template
 from rl2gem.training.autosize import MaxLength
@@ -132,6 +133,7 @@ class OnlineTrainer(Trainer):
             ),
             env_kwargs=env_kwargs,
             chat_template=load_chat_template(c.rollout.chat_template),
+            filter_rewards=self.trained_rewards if c.reward.objectives.combine or self.transform else None,
         )
         # sized after the engine took its share of the device, less the KV store it may keep
         trained = [self.actor] + ([self.critic] if self.critic is not None else [])
@@ -140,6 +142,16 @@ class OnlineTrainer(Trainer):
         self.tracker = self.open_tracker(self.out)
         if self.rank == 0:
             print(OmegaConf.to_yaml(c), flush=True)
+
+    def trained_rewards(self, episodes) -> list[float]:
+        """The rewards ``episodes`` will be trained on once the reward objectives and transform are
+        applied (:func:`shape_rewards`), what dynamic filtering compares; unchanged."""
+        o = self.cfg.reward.objectives
+        shaping = (o.combine, dict(o.weights), dict(o.reference), self.transform)
+        return [
+            objective_value(e, episode_components(e), *shaping) if e.sequences and e.turn_rewards else e.reward
+            for e in episodes
+        ]
 
     def collect(self) -> tuple[list[Sample], dict[str, float]]:
         """This rank's rollout groups -> every rank's samples (advantages of outcome estimators

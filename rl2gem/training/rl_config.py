@@ -41,6 +41,11 @@ def check_config(cfg) -> None:
         raise ConfigError(f"adv.estimator={cfg.adv.estimator!r} is not one of {list(ESTIMATORS)}")
     if cfg.reward.mode not in REWARD_MODES:
         raise ConfigError(f"reward.mode={cfg.reward.mode!r} is not one of {list(REWARD_MODES)}")
+    if cfg.reward.model and cfg.rollout.dynamic_filter:
+        raise ConfigError(
+            "rollout.dynamic_filter=true compares each group's rewards as it finishes, before reward.model "
+            "scores the rollout: it would drop groups by the env's rewards, not the trained ones; set one of them off"
+        )
     controller = kl_controller(cfg)
     if cfg.kl.in_reward and controller.active and cfg.adv.estimator not in CRITIC_ESTIMATORS:
         raise ConfigError(

@@ -137,3 +137,26 @@ def test_envs_report_components_and_evaluation_sums_them():
     records = [episode_record(i, e, 0) for i, e in enumerate([episode(1.0, 1.0, 4), episode(0.0, 1.0, 5)])]
     sums = record_sums(records)
     assert sums["component/correctness"] == 1.0 and sums["component/format"] == 2.0
+
+
+def test_the_trainers_filter_sees_the_rewards_apply_objectives_sets():
+    """Dynamic filtering compares ``OnlineTrainer.trained_rewards`` of a group as it finishes: the
+    rewards :func:`apply_objectives` then sets, the episodes untouched until then. An all-loss
+    group of GuessTheNumber whose invalid-move counts differ has a signal there (it was dropped on
+    the env's equal rewards)."""
+    import types
+
+    from omegaconf import OmegaConf
+
+    from rl2gem.training.online import OnlineTrainer
+
+    weights = {"reward": 1.0, "invalid_actions": -0.2}
+    config = {"reward": {"objectives": {"combine": "weighted_sum", "weights": weights, "reference": {}}}}
+    trainer = types.SimpleNamespace(cfg=OmegaConf.create(config), transform=None)
+    lost, careless = episode(0.0, 1.0, 4), episode(0.0, 1.0, 4)
+    careless.info["num_invalid_actions"] = 2
+    group = [lost, careless]
+    trained = OnlineTrainer.trained_rewards(trainer, group)
+    assert [e.reward for e in group] == [0.0, 0.0] and trained == [0.0, pytest.approx(-0.4)]
+    apply_objectives(RolloutBatch([group], {}), "weighted_sum", weights)
+    assert [e.reward for e in group] == trained

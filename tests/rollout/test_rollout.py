@@ -118,6 +118,31 @@ def test_unfiltered_reward_is_the_mean_before_dynamic_filtering(tokenizer, dynam
         assert metrics["rollout/groups"] == 4 and metrics["rollout/reward"] == 0.5
 
 
+def test_dynamic_filter_compares_the_rewards_trained_on(tokenizer):
+    """``filter_rewards`` (a trainer's reward objectives): SeedParityEnv pays each group's two
+    episodes alike, so the env's rewards drop every group, while rewards that differ within each
+    group keep them all, and the episodes keep their env rewards (the trainer shapes them after)."""
+    seen = []
+
+    def trained(episodes):
+        seen.append(len(episodes))
+        return [e.reward + index for index, e in enumerate(episodes)]
+
+    async def main(filter_rewards):
+        eng = EmbeddedEngine(tiny_model())
+        cfg = RolloutConfig(responses_per_prompt=2, max_new_tokens=4, dynamic_filter=True, max_groups_factor=2)
+        ro = Rollout(eng, tokenizer, SeedParityEnv, cfg, filter_rewards=filter_rewards)
+        batch = await ro.collect(2)
+        await ro.close()
+        await eng.close()
+        return batch
+
+    dropped, kept = asyncio.run(main(None)), asyncio.run(main(trained))
+    assert dropped.groups == [] and dropped.metrics["rollout/filtered_ratio"] == 1.0
+    assert len(kept.groups) == 2 and kept.metrics["rollout/groups_started"] == 2 and seen == [2, 2]
+    assert sorted(e.reward for e in kept.episodes) == [0.0, 0.0, 1.0, 1.0]  # groups 0 and 1: env rewards
+
+
 def test_group_reward_variance_metrics_by_hand(tokenizer):
     """rollout/zero_variance_groups (groups a group baseline gives zero advantage) and
     rollout/group_reward_std on three hand-made groups."""

@@ -748,3 +748,4 @@ def test_a_step_whose_groups_dynamic_filtering_all_drops_is_skipped_not_repeated
     for row in steps.values():
         assert row["rollout/filtered_ratio"] == 1.0 and row["actor/skipped_step"] == 1.0
         assert row["rollout/groups_started"] == 8  # max_groups_factor 4 x 2 groups
+        assert row["time/weight_sync"] >= 0  # the unchanged weights relabelled: the next rollout is on-policy

@@ -49,6 +49,10 @@ CASES = [
         "env=rl2/Math-v0 env_kwargs.dataset=/no/such/data.jsonl",
         "config error: env_kwargs.dataset: no such data file '/no/such/data.jsonl'",
     ),
+    (
+        "reward.model=smollm2-135m-instruct rollout.dynamic_filter=true",
+        "config error: rollout.dynamic_filter=true compares each group's rewards as it finishes, before reward.model",
+    ),
 ]
 
 
