@@ -119,6 +119,8 @@ class OnlineTrainer(Trainer):
                 c.reward.model, device=self.device, dtype=self.actor.dtype, chat_template=c.rollout.chat_template
             )
         model, self.tokenizer = load_model(c.actor.model, dtype=self.actor.dtype, device=str(self.device))
+        if self.reward_model is not None:
+            self.reward_model.check_tokenizer(self.tokenizer)
         model.load_state_dict(self.actor.full_state_dict(), strict=True)
         self.engine = EmbeddedEngine(model, self.tokenizer, seed=c.seed * 1000 + self.rank)
         env_kwargs = rl2gem.standard_kwargs(

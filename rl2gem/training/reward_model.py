@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from rl2gem.models import resolve_model
+from rl2gem.parallel.attention import enable_attention, resolve_attention
 from rl2gem.rewards.objectives import set_final_reward
 from rl2gem.rollout.tito import ChatRenderer, load_chat_template
 from rl2gem.training.forward import sequence_scores
@@ -29,11 +30,16 @@ REWARD_MODES = ("replace", "add")
 class RewardModel:
     """A sequence-classifier reward model (one label) on one device, for scoring.
 
+    It attends as the trainers do (``actor.attention=auto``: flash-attn or FlexAttention over a
+    packed row on CUDA, block attention on the CPU; no ``[N, N]`` mask), and its one-label head
+    computes in float32 whatever ``dtype`` (a bf16 score keeps 8 significant bits: 2 to 4 moves in
+    steps of 1/64, which ties close scores of a group).
+
     Args:
         path: a ``trainers/rm.py`` run folder (its latest checkpoint's ``hf/`` is used), a
             ``checkpoint-<step>/hf`` folder, or any one-label sequence classifier transformers loads.
         device: where it runs (``"cpu"``, ``"cuda:0"``).
-        dtype: its parameters' dtype (float32 on CPU).
+        dtype: its parameters' dtype (float32 on CPU; the head's is float32).
         max_tokens: tokens per packed forward (a longer sequence runs alone).
         chat_template: renders conversations for :meth:`score_conversations` (a built-in name,
             Jinja file or text; default the tokenizer's), as ``rollout.chat_template`` does.
@@ -59,6 +65,10 @@ class RewardModel:
         self.model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=dtype).to(self.device).eval()
         if self.model.config.num_labels != 1:
             raise ValueError(f"{path}: a reward model has one label, this one has {self.model.config.num_labels}")
+        enable_attention(self.model, resolve_attention("auto", self.device, dtype=dtype))
+        if self.model.score.weight.dtype != torch.float32:  # the score in float32, from the hidden states
+            self.model.score.float()
+            self.model.score.register_forward_pre_hook(lambda module, args: tuple(a.float() for a in args))
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         self.renderer = ChatRenderer(self.tokenizer, load_chat_template(chat_template))
         self.max_tokens = int(max_tokens)
@@ -77,6 +87,16 @@ class RewardModel:
                 chunk.append(ids)
                 tokens += len(ids)
         return scores
+
+    def check_tokenizer(self, tokenizer) -> None:
+        """Raise ``ValueError`` unless ``tokenizer`` (the policy's, whose token ids :meth:`apply`
+        scores) has this model's vocabulary: other ids would be scored as other tokens, or (an id
+        past the embedding) fail on the device."""
+        if tokenizer.get_vocab() != self.tokenizer.get_vocab():
+            raise ValueError(
+                "reward.model: its tokenizer's vocabulary differs from the actor's, whose token ids it would score; "
+                "train the reward model from the actor's base model"
+            )
 
     def score_conversations(self, conversations: Sequence[list[dict[str, Any]]]) -> list[float]:
         """One score per conversation (``{"role", "content"}`` messages ending with the response),

@@ -1,6 +1,8 @@
 """The reward-model trainer: 2 ranks == 1 rank, the export is a transformers sequence classifier
 that gives the training scores, RewardModel scores episodes (replace / add), and PPO runs on it."""
 
+import copy
+
 import pytest
 import torch
 from helpers import logged_steps, torchrun
@@ -105,6 +107,30 @@ def test_reward_model_scores_episodes_in_place(runs, mode):
         assert rewards[-1] == pytest.approx(total) and not any(rewards[:-1])
     with pytest.raises(ValueError, match="reward mode"):
         reward_model.apply(RolloutBatch([episodes], {}), "multiply")
+
+
+def test_reward_model_scores_in_float32_and_refuses_another_vocabulary(runs):
+    """In bfloat16 (CUDA's dtype) the one-label head still computes in float32: the scores are not
+    rounded to bfloat16's 8 significant bits, and stay within bfloat16's noise of the float32
+    model's. A policy whose tokenizer has another vocabulary is refused (its ids would be scored
+    as other tokens)."""
+    folder = str(runs / "one" / "checkpoint-3" / "hf")
+    exact, half = RewardModel(folder), RewardModel(folder, dtype=torch.bfloat16)
+    assert half.model.score.weight.dtype == torch.float32 and half.model.model.norm.weight.dtype == torch.bfloat16
+    renderer = exact.renderer
+    conversations = [
+        [{"role": "user", "content": f"What is {n} + 1?"}, {"role": "assistant", "content": str(n + 1)}]
+        for n in range(8)
+    ]
+    sequences = [renderer.conversation(c).input_ids for c in conversations]
+    scores = half.score_ids(sequences)
+    assert any(torch.tensor(s).to(torch.bfloat16).item() != s for s in scores)  # off bfloat16's grid
+    assert scores == pytest.approx(exact.score_ids(sequences), abs=0.05)
+    exact.check_tokenizer(exact.tokenizer)
+    other = copy.deepcopy(exact.tokenizer)
+    other.add_tokens(["<rl2gem-new-token>"])
+    with pytest.raises(ValueError, match="vocabulary differs from the actor's"):
+        exact.check_tokenizer(other)
 
 
 @pytest.mark.timeout(900)
