@@ -286,6 +286,16 @@ def write_data(folder):
     (folder / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
 
 
+def write_reward_model(folder, tokenizer_folder):
+    """A random one-label reward model of the tiny Llama's shape, with the policy's tokenizer."""
+    from transformers import AutoTokenizer, LlamaForSequenceClassification
+
+    config = copy.deepcopy(tiny_model().config)
+    config.num_labels = 1
+    LlamaForSequenceClassification(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tokenizer_folder).save_pretrained(folder)
+
+
 #: PPO on GuessTheNumber, small: 4 x 2 episodes of at most 16 new tokens a turn
 GUESS = [
     "env=rl2/GuessTheNumber-v0",
@@ -316,12 +326,16 @@ GUESS = [
         ("ppo", [*GUESS, "adv.estimator=gae", "kl.coef=0.01"]),
         ("ppo", [*GUESS, "adv.estimator=vtrace", "kl.coef=0.01", "kl.in_reward=true", "actor.lora.rank=8"]),
         ("sft", ["data.train={data}/sft.jsonl", "actor.lora.rank=8"]),
+        # a reward model as the reward: its head in float32, its attention the trainers'
+        ("ppo", [*GUESS, "reward.model={data}/rm", "reward.mode=add"]),
     ],
 )
 @pytest.mark.timeout(TRAINER_SECONDS + 20)  # the first steps compile FlexAttention
 def test_each_trainer_runs_two_steps_on_cuda(cuda_model_dir, tmp_path, trainer, extra):
     """Two steps at world size 1 on CUDA (bf16): every step logged, losses finite, CUDA memory used."""
     write_data(tmp_path)
+    if any("{data}/rm" in a for a in extra):
+        write_reward_model(tmp_path / "rm", cuda_model_dir)
     args = [f"actor.model={cuda_model_dir}", "trainer.total_steps=2", f"trainer.output_dir={tmp_path / 'out'}"]
     args += ["trainer.progress=false", *(a.format(data=tmp_path) for a in extra)]
     if trainer != "ppo":
