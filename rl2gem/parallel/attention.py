@@ -64,8 +64,10 @@ FLEX_ATTENTION = "rl2_flex"
 
 #: The name under which transformers' flash-attn forward is registered for rl2gem: no mask function
 #: goes with it, so transformers builds no mask and does not look for packed sequences in
-#: ``position_ids`` (a read of the device per forward); the kernel gets the row's boundaries.
-FLASH_ATTENTION = "rl2_flash"
+#: ``position_ids`` (a read of the device per forward); the kernel gets the row's boundaries. No
+#: "flash" in it: transformers takes any such name for a flash-attn kernel to load (a model built
+#: from the config, as ``Worker.export_hf`` does, failed to find one).
+FLASH_ATTENTION = "rl2_varlen"
 
 #: FlexAttention's block size: the rows it reads are padded to a multiple of it.
 FLEX_BLOCK = 128
@@ -145,6 +147,11 @@ def enable_attention(model, attention: str) -> None:
         AttentionMaskInterface.register(FLEX_ATTENTION, flex_attention_mask)
         switch_attention(model, FLEX_ATTENTION)
     elif attention == "flash":
+        from transformers.modeling_flash_attention_utils import lazy_import_flash_attention
+
+        if getattr(model, "_supports_flash_attn", None) is False:
+            raise ValueError(f"attention=flash: transformers' {type(model).__name__} does not support flash-attn")
+        lazy_import_flash_attention("flash_attention_2")  # the kernels load now, not in a compiled layer
         AttentionInterface.register(FLASH_ATTENTION, _flash_attention)
         switch_attention(model, FLASH_ATTENTION)
     else:

@@ -147,7 +147,9 @@ class OnlineTrainer(Trainer):
 
     def trained_rewards(self, episodes) -> list[float]:
         """The rewards ``episodes`` will be trained on once the reward objectives and transform are
-        applied (:func:`shape_rewards`), what dynamic filtering compares; unchanged."""
+        applied (:func:`shape_rewards`), what dynamic filtering compares; unchanged. The transform
+        runs here and again when the rewards are set: one with state or randomness may give the
+        filter other values than the training."""
         o = self.cfg.reward.objectives
         shaping = (o.combine, dict(o.weights), dict(o.reference), self.transform)
         return [

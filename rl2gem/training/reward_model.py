@@ -66,9 +66,10 @@ class RewardModel:
         if self.model.config.num_labels != 1:
             raise ValueError(f"{path}: a reward model has one label, this one has {self.model.config.num_labels}")
         enable_attention(self.model, resolve_attention("auto", self.device, dtype=dtype))
-        if self.model.score.weight.dtype != torch.float32:  # the score in float32, from the hidden states
-            self.model.score.float()
-            self.model.score.register_forward_pre_hook(lambda module, args: tuple(a.float() for a in args))
+        head = getattr(self.model, "score", None)  # sequence_scores names a model without one
+        if head is not None and head.weight.dtype != torch.float32:  # the score in float32, from the hidden states
+            head.float()
+            head.register_forward_pre_hook(lambda module, args: tuple(a.float() for a in args))
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         self.renderer = ChatRenderer(self.tokenizer, load_chat_template(chat_template))
         self.max_tokens = int(max_tokens)

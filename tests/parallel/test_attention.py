@@ -12,6 +12,7 @@ from tiny import tiny_model
 from rl2gem.config import ConfigError
 from rl2gem.parallel import attention as attention_module
 from rl2gem.parallel.attention import (
+    FLASH_ATTENTION,
     FLEX_ATTENTION,
     attention_mask,
     enable_attention,
@@ -230,3 +231,8 @@ def test_flash_gets_the_rows_boundaries_and_no_mask(monkeypatch):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     boundaries = packed_batch(seqs)["cu_seqlens"].tolist()
     assert _varlen_attention.calls == [boundaries] * reference.config.num_hidden_layers
+    # a model built from the config, as a checkpoint's export does (a name with "flash" in it made
+    # transformers look for a kernel of that name)
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_config(model.config).config._attn_implementation == FLASH_ATTENTION
