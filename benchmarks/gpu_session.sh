@@ -66,10 +66,15 @@ AutoTokenizer.from_pretrained(resolve_model('smollm2-135m-instruct')).save_pretr
     { nvidia-smi; "$PYTHON" -c 'import torch, transformers; print(torch.__version__, transformers.__version__)'; } \
       > "$out/nvidia-smi.txt" 2>&1
     tests=skipped
-    export RL2GEM_GPU_TEST_SECONDS=$(( ${TEST_SECONDS:-300} - 20 ))  # each test's limit, inside the stage's
+    # each test's limit, well inside the stage's: a test stopped at its own limit is reported; the
+    # stage's limit sends SIGINT (pytest then prints what it has) and kills 15 s later
+    export RL2GEM_GPU_TEST_SECONDS=$(( ${TEST_SECONDS:-300} - 60 ))
     if [ "${TEST_SECONDS:-300}" != 0 ]; then  # the GPU tests in parallel (pytest-xdist), then the benchmark alone
-      timeout "${TEST_SECONDS:-300}" "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider -n "${TEST_WORKERS:-10}" \
-        -rfE tests/test_gpu.py 2>&1 | tee "$out/pytest-gpu.log"
+      # -v: each result in the log as it comes; worksteal: an idle worker takes a queued trainer run;
+      # two compile threads a process (up to ten compile at once on the machine's 16 cores)
+      TORCHINDUCTOR_COMPILE_THREADS=2 timeout -s INT -k 15 "${TEST_SECONDS:-300}" "$PYTHON" -m pytest -v -m gpu \
+        -p no:cacheprovider -n "${TEST_WORKERS:-10}" --dist worksteal -rfE tests/test_gpu.py 2>&1 \
+        | tee "$out/pytest-gpu.log"
       tests=${PIPESTATUS[0]}
       stop_leftovers
     fi
