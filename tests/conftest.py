@@ -54,6 +54,6 @@ HEAVY = (
 
 def pytest_collection_modifyitems(items):
     """The heavy tests first (a stable sort): pytest-xdist's work stealing then hands the light
-    ones out last, so that the two workers finish together rather than one waiting on the other's
-    last minute-long run."""
+    ones out last, so that the workers finish together rather than one waiting on another's last
+    minute-long run."""
     items.sort(key=lambda item: not (item.nodeid.startswith(HEAVY) or "tiny_dir" in item.fixturenames))

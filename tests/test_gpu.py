@@ -148,13 +148,18 @@ def test_algorithms_run_on_the_inputs_device():
             torch.testing.assert_close(have.cpu(), want, rtol=1e-5, atol=1e-5, msg=name)
 
 
-def test_a_checkpoint_restores_the_cuda_random_state(cuda_model_dir, tmp_path):
+def test_a_checkpoint_restores_the_cuda_random_state(cuda_model_dir, tmp_path, monkeypatch):
     """A resumed run draws the random numbers the run it resumes would have drawn on the GPU too
     (dropout, LoRA's included, draws from the device's generator)."""
     import torch.distributed as dist
 
+    from rl2gem.procs import free_port
     from rl2gem.training import Checkpointer, Worker, setup_distributed
 
+    # a one-rank group of this test process, its variables gone with the test
+    group = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}
+    for name, value in {**group, "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
     _, _, device, mesh = setup_distributed(0, {})
     try:
         assert device.type == "cuda"
