@@ -2,7 +2,8 @@
 
 On whatever CUDA device is present (else the CPU, with a small model, fp32) this builds
 random-initialised Llamas with SmolLM2's tokenizer (``--models``, ``HIDDENxLAYERS``; 16 heads,
-8 key/value heads) and prints, per model:
+8 key/value heads) and prints, per model, in the order sft, dpo, rm, decode, mask (with the first
+model only), ppo (the longest and least predictable last):
 
 1. **sft**: SFT tokens/s and MFU of ``trainers/sft.py`` (world size 1, the real data path:
    tokenised conversations, the micro-batch planner, FSDP2, ``actor.attention`` and
@@ -391,7 +392,7 @@ def mask_section(lengths: list[int]) -> None:
 
 def busy_fraction(work) -> float | None:
     """The share of ``work()``'s wall time in which CUDA kernels run (their summed device time,
-    from ``torch.profiler``), or None off CUDA."""
+    from ``torch.profiler``), or None off CUDA or when the profiler recorded no kernel."""
     if not torch.cuda.is_available():
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -402,6 +403,9 @@ def busy_fraction(work) -> float | None:
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     kernels = sum(e.device_time_total for e in profiler.key_averages() if e.device_type.name == "CUDA")
+    if kernels == 0:  # the profiler saw no kernel (CUPTI off after an earlier session): not measured
+        print("(torch.profiler recorded no CUDA kernel: GPU busy not measured)", flush=True)
+        return None
     return kernels / 1e6 / wall
 
 
@@ -547,6 +551,9 @@ def main(argv: list[str] | None = None) -> int:
                 mask_section([16384, 65536] if cuda else [4096, 16384])
                 print()
             if "ppo" in sections:  # two trainer runs: the longest, least predictable section last
+                gc.collect()  # the decode and mask sections' cached memory back to the device, which
+                if cuda:  # the trainers' actor.max_length_per_device=auto probes
+                    torch.cuda.empty_cache()
                 ppo_section(model_dir, tmp, max(3, args.steps // 2), args.ppo_groups)
     if FAILED:
         print(f"\nfailed: {'; '.join(FAILED)}")

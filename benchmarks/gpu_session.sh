@@ -70,10 +70,11 @@ AutoTokenizer.from_pretrained(resolve_model('smollm2-135m-instruct')).save_pretr
     # stage's limit sends SIGINT (pytest then prints what it has) and kills 15 s later
     export RL2GEM_GPU_TEST_SECONDS=$(( ${TEST_SECONDS:-300} - 60 ))
     if [ "${TEST_SECONDS:-300}" != 0 ]; then  # the GPU tests in parallel (pytest-xdist), then the benchmark alone
-      # -v: each result in the log as it comes; worksteal: an idle worker takes a queued trainer run;
-      # two compile threads a process (up to ten compile at once on the machine's 16 cores)
+      # -v: each result in the log as it comes; --dist load deals each worker two consecutive tests
+      # first, a trainer run and a light test (tests/conftest.py alternates them), so the 14 trainer
+      # runs start at once; two compile threads a process (up to ten compile at once on 16 cores)
       TORCHINDUCTOR_COMPILE_THREADS=2 timeout -s INT -k 15 "${TEST_SECONDS:-300}" "$PYTHON" -m pytest -v -m gpu \
-        -p no:cacheprovider -n "${TEST_WORKERS:-10}" --dist worksteal -rfE tests/test_gpu.py 2>&1 \
+        -p no:cacheprovider -n "${TEST_WORKERS:-10}" --dist load -rfE tests/test_gpu.py 2>&1 \
         | tee "$out/pytest-gpu.log"
       tests=${PIPESTATUS[0]}
       stop_leftovers

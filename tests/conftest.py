@@ -52,8 +52,21 @@ HEAVY = (
 )
 
 
+def _heavy(item) -> bool:
+    return item.nodeid.startswith(HEAVY) or "tiny_dir" in item.fixturenames
+
+
 def pytest_collection_modifyitems(items):
     """The heavy tests first (a stable sort): pytest-xdist's work stealing then hands the light
-    ones out last, so that the workers finish together rather than one waiting on another's last
-    minute-long run."""
-    items.sort(key=lambda item: not (item.nodeid.startswith(HEAVY) or "tiny_dir" in item.fixturenames))
+    ones out last, so that the CPU suite's two workers finish together rather than one waiting on
+    the other's last minute-long run. ``pytest -m gpu`` runs with many workers and ``--dist load``
+    (``benchmarks/gpu_session.sh``), which deals each worker two consecutive tests first: its
+    trainer runs alternate with light tests, so each starts at once on a worker of its own."""
+    items.sort(key=lambda item: not _heavy(item))
+    gpu = [index for index, item in enumerate(items) if item.nodeid.startswith("tests/test_gpu.py")]
+    heavy = [items[index] for index in gpu if _heavy(items[index])]
+    light = [items[index] for index in gpu if not _heavy(items[index])]
+    alternated = [item for pair in zip(heavy, light, strict=False) for item in pair]
+    alternated += heavy[len(light) :] + light[len(heavy) :]
+    for index, item in zip(gpu, alternated, strict=True):
+        items[index] = item

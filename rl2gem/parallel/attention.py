@@ -132,7 +132,8 @@ def enable_attention(model, attention: str) -> None:
     switched too; ring attention sets its own (:mod:`rl2gem.parallel.ring_attention`).
 
     Raises:
-        ValueError: an unknown name.
+        ValueError: an unknown name, or ``flash`` for a model transformers marks unsupported.
+        ImportError: from flash-attn's import (its kernels load here).
     """
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, flex_attention_mask
@@ -150,7 +151,10 @@ def enable_attention(model, attention: str) -> None:
         from transformers.modeling_flash_attention_utils import lazy_import_flash_attention
 
         if getattr(model, "_supports_flash_attn", None) is False:
-            raise ValueError(f"attention=flash: transformers' {type(model).__name__} does not support flash-attn")
+            raise ValueError(
+                f"attention=flash (what auto picks on CUDA where flash-attn is installed): transformers' "
+                f"{type(model).__name__} does not support flash-attn; use actor.attention=flex"
+            )
         lazy_import_flash_attention("flash_attention_2")  # the kernels load now, not in a compiled layer
         AttentionInterface.register(FLASH_ATTENTION, _flash_attention)
         switch_attention(model, FLASH_ATTENTION)

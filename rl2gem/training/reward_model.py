@@ -45,7 +45,7 @@ class RewardModel:
             Jinja file or text; default the tokenizer's), as ``rollout.chat_template`` does.
 
     Raises:
-        ValueError: the model does not have exactly one label.
+        ValueError: the model does not have exactly one label, or no one-label ``score`` head.
     """
 
     def __init__(
@@ -66,8 +66,10 @@ class RewardModel:
         if self.model.config.num_labels != 1:
             raise ValueError(f"{path}: a reward model has one label, this one has {self.model.config.num_labels}")
         enable_attention(self.model, resolve_attention("auto", self.device, dtype=dtype))
-        head = getattr(self.model, "score", None)  # sequence_scores names a model without one
-        if head is not None and head.weight.dtype != torch.float32:  # the score in float32, from the hidden states
+        head = getattr(self.model, "score", None)
+        if getattr(head, "out_features", None) != 1:
+            raise ValueError(f"{path}: {type(self.model).__name__} has no one-label score head (a reward model)")
+        if head.weight.dtype != torch.float32:  # the score in float32, from the hidden states
             head.float()
             head.register_forward_pre_hook(lambda module, args: tuple(a.float() for a in args))
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
