@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from rl2gem.models import decoder_layers
 from rl2gem.parallel.attention import enable_attention
-from rl2gem.parallel.ring_attention import enable_ring_attention
+from rl2gem.parallel.ring_attention import enable_ring_attention, recompute_context
 from rl2gem.parallel.tensor_parallel import check_tp, parallelize
 
 __all__ = [
@@ -263,8 +263,9 @@ def load_sharded(
         model.rl2_sp_group = sp_group
     else:  # packed rows: FlexAttention / flash-attn on GPU, SDPA per block of queries on CPU
         enable_attention(model, attention)
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if gradient_checkpointing:  # ring attention's recompute needs the forward's layout and group
+        checkpointing = {"use_reentrant": False, **({"context_fn": recompute_context} if sp_group is not None else {})}
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
     if compile_layers:
         # the layers share one code object, whose compiled variants (train / no-grad / eval, static
         # then dynamic shapes, one-block rows) of an actor and its reference reach dynamo's default

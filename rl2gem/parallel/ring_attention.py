@@ -333,6 +333,14 @@ def ring_context(layout: ZigZagLayout, group):
         _STATE.current = previous
 
 
+def recompute_context():
+    """``torch.utils.checkpoint``'s ``context_fn``: the forward's :func:`ring_context`, entered
+    again where a checkpointed layer is recomputed (in the backward, outside the forward's ``with``
+    block, and on CUDA on autograd's own thread)."""
+    current = getattr(_STATE, "current", None)
+    return contextlib.nullcontext(), (ring_context(*current) if current is not None else contextlib.nullcontext())
+
+
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention-function signature; ``attention_mask`` is ignored (the layout
     gives the mask)."""

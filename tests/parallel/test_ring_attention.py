@@ -72,3 +72,42 @@ def test_tensor_parallel_plan_errors_name_the_cause():
         check_tp(smollm, 2)
     check_tp(smollm, 3)
     check_tp(GPT2Config(), 1)
+
+
+def test_gradient_checkpointing_recomputes_ring_attention_in_its_context(monkeypatch):
+    """``actor.sp_size>1 actor.gradient_checkpointing=true``: a checkpointed layer is recomputed in
+    the backward, outside the forward's ``ring_context`` (it raised there); the recompute enters
+    the forward's layout again and the gradients equal those without checkpointing. One rank's
+    group: the ring of one rank is the whole row."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from tiny import tiny_model
+
+    from rl2gem.parallel.ring_attention import enable_ring_attention, recompute_context
+    from rl2gem.procs import free_port
+    from rl2gem.training import token_logprobs
+
+    if dist.is_initialized():
+        pytest.skip("a process group of this process exists")
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(name, value)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        plain = tiny_model().float()
+        checkpointed = copy.deepcopy(plain)
+        for model in (plain, checkpointed):
+            enable_ring_attention(model)
+            model.rl2_sp_group = dist.group.WORLD
+            model.train()
+        checkpointed.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": recompute_context}
+        )
+        sequences = [[5, 6, 7, 8, 9], [10, 11, 12]]
+        for model in (plain, checkpointed):
+            token_logprobs(model, sequences, torch.device("cpu"))[0].sum().backward()
+        for (name, want), have in zip(plain.named_parameters(), checkpointed.parameters(), strict=True):
+            torch.testing.assert_close(have.grad, want.grad, msg=name)
+    finally:
+        dist.destroy_process_group()
