@@ -165,6 +165,12 @@ def end_failed_backward(model) -> None:
     callback()
 
 
+def _checkpointing(ring: bool) -> dict:
+    """``torch.utils.checkpoint``'s arguments: not reentrant, and with ring attention its context
+    entered again for the recompute (:func:`~rl2gem.parallel.ring_attention.recompute_context`)."""
+    return {"use_reentrant": False, **({"context_fn": recompute_context} if ring else {})}
+
+
 def load_sharded(
     name_or_path: str,
     mesh,
@@ -264,8 +270,7 @@ def load_sharded(
     else:  # packed rows: FlexAttention / flash-attn on GPU, SDPA per block of queries on CPU
         enable_attention(model, attention)
     if gradient_checkpointing:  # ring attention's recompute needs the forward's layout and group
-        checkpointing = {"use_reentrant": False, **({"context_fn": recompute_context} if sp_group is not None else {})}
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=_checkpointing(sp_group is not None))
     if compile_layers:
         # the layers share one code object, whose compiled variants (train / no-grad / eval, static
         # then dynamic shapes, one-block rows) of an actor and its reference reach dynamo's default

@@ -85,7 +85,8 @@ def test_gradient_checkpointing_recomputes_ring_attention_in_its_context(monkeyp
     import torch.distributed as dist
     from tiny import tiny_model
 
-    from rl2gem.parallel.ring_attention import enable_ring_attention, recompute_context
+    from rl2gem.parallel.fsdp import _checkpointing
+    from rl2gem.parallel.ring_attention import enable_ring_attention
     from rl2gem.procs import free_port
     from rl2gem.training import token_logprobs
 
@@ -102,8 +103,8 @@ def test_gradient_checkpointing_recomputes_ring_attention_in_its_context(monkeyp
             model.rl2_sp_group = dist.group.WORLD
             model.train()
         checkpointed.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": recompute_context}
-        )
+            gradient_checkpointing_kwargs=_checkpointing(ring=True)
+        )  # load_sharded's
         sequences = [[5, 6, 7, 8, 9], [10, 11, 12]]
         for model in (plain, checkpointed):
             token_logprobs(model, sequences, torch.device("cpu"))[0].sum().backward()
