@@ -1,4 +1,5 @@
 import asyncio
+import time
 
 import pytest
 import torch
@@ -508,3 +509,38 @@ def test_an_allocation_failure_fails_the_requests_and_the_next_ones_decode_as_be
     assert failed.aborted and "engine error: RuntimeError: out of memory" in failed.finish_reason["message"]
     assert len(failed.output_ids) == (0 if failing_call == 1 else failing_call - 1)
     assert after.output_ids == reference.output_ids and after.output_logprobs == reference.output_logprobs
+
+
+def test_engine_times_add_up_rounds_shorter_than_a_millisecond(model, monkeypatch):
+    """``time_*_ms`` sum each round's time unrounded: on a clock that advances 0.3 ms per reading
+    (every round shorter than a millisecond), the decode time is the readings' spans, not 0 (it
+    was rounded down per round, which made fast rounds look free)."""
+    import rl2gem.rollout.engines.embedded as embedded
+
+    class Clock:
+        now = 0.0
+
+        def perf_counter(self):
+            self.now += 3e-4
+            return self.now
+
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+    async def main():
+        eng = EmbeddedEngine(model, max_batch_size=2)
+        await eng.generate(PROMPTS[0], {"max_new_tokens": 1, "temperature": 0})  # warm
+        monkeypatch.setattr(embedded, "time", Clock())
+        before = dict(eng.stats)
+        await eng.generate(PROMPTS[1], {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
+        after = dict(eng.stats)
+        monkeypatch.undo()
+        await eng.close()
+        return before, after
+
+    before, after = run(main())
+    rounds = after["decode_rounds"] - before.get("decode_rounds", 0)
+    decode_ms = after["time_decode_ms"] - before.get("time_decode_ms", 0)
+    assert rounds == 7
+    # each round reads the clock at least twice around _decode: at least one 0.3 ms span each
+    assert decode_ms >= rounds * 0.3 - 1e-9

@@ -313,8 +313,9 @@ class EmbeddedEngine(Engine):
             ``decode_steps``, ``decode_rounds`` (host round trips), ``decode_tokens`` (rows x steps,
             dropped tokens included), ``decode_graph_captures``, ``decode_graphs_failed``,
             ``kv_allocations`` and ``prefill_kv_allocations`` (the KV stores' buffer allocations), and
-            times in ms: ``time_admit_ms`` (prefills), ``time_decode_ms``,
-            ``time_decode_forward_ms``, ``time_capture_ms`` (graph warm-ups and captures).
+            times in ms (floats, summed unrounded: a decode round can take under a millisecond):
+            ``time_admit_ms`` (prefills), ``time_decode_ms``, ``time_decode_forward_ms``,
+            ``time_capture_ms`` (graph warm-ups and captures).
             PPO logs them per step under ``engine/`` (:class:`rl2gem.training.online.OnlineTrainer`).
 
     Raises:
@@ -634,8 +635,8 @@ class EmbeddedEngine(Engine):
                 t1 = time.perf_counter()
                 if self._running:
                     self._decode()
-                self.stats["time_admit_ms"] += int(1000 * (t1 - t0))
-                self.stats["time_decode_ms"] += int(1000 * (time.perf_counter() - t1))
+                self.stats["time_admit_ms"] += 1000 * (t1 - t0)
+                self.stats["time_decode_ms"] += 1000 * (time.perf_counter() - t1)
             except Exception as e:  # a model error fails the requests, not the engine
                 failed = self._running + [r for r in self._admitting if r not in self._running]
                 # the store may be half re-allocated (out of memory): drop it, the graphs that read it
@@ -1030,7 +1031,7 @@ class EmbeddedEngine(Engine):
     def _count_captures(self, captures: int, seconds: float) -> None:
         """Add the graphs captured since ``(captures, seconds)`` to the stats."""
         self.stats["decode_graph_captures"] += self._graphs.captures - captures
-        self.stats["time_capture_ms"] += int(1000 * (self._graphs.capture_seconds - seconds))
+        self.stats["time_capture_ms"] += 1000 * (self._graphs.capture_seconds - seconds)
 
     def _graphs_failed(self, error: Exception) -> None:
         warnings.warn(f"decode_graphs turned off, the decode runs windowed: {error}", stacklevel=3)
@@ -1053,7 +1054,7 @@ class EmbeddedEngine(Engine):
             logits = self._decode_logits(st, reqs)
             tokens, logprobs = sample(logits, [r.params for r in reqs], self._gen, [len(r.out_ids) for r in reqs])
             sampled = [tokens.tolist()], [logprobs.tolist()]
-        self.stats["time_decode_forward_ms"] += int(1000 * (time.perf_counter() - t0))
+        self.stats["time_decode_forward_ms"] += 1000 * (time.perf_counter() - t0)
         st.hi += steps
         for r in reqs:
             r.length += steps
