@@ -25,11 +25,12 @@ def test_row_bucket_by_hand():
         row_bucket(7, 6)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind,backend", [("llama", None), ("qwen3", None), ("llama", "inductor")])
 @torch.no_grad()
-def test_all_column_step_equals_the_windowed_decode(kind):
+def test_all_column_step_equals_the_windowed_decode(kind, backend):
     """Five rows (bucket 8 in a store of 8 rows) with staggered prompts, six steps: the logits and
-    the keys written equal the windowed decode's, and the padding rows stay finite."""
+    the keys written equal the windowed decode's, and the padding rows stay finite; also with the
+    step compiled by Inductor (``EmbeddedEngine(decode_compile=True)``; C++ kernels on the CPU)."""
     model = build(kind)
     decoder = LeanDecoder(model, chunk_rows=2)
     generator = torch.Generator().manual_seed(3)
@@ -45,7 +46,7 @@ def test_all_column_step_equals_the_windowed_decode(kind):
             store, [(row, s[:n], 0) for row, (s, n) in enumerate(zip(sequences, lengths, strict=True))], end
         )
         store.hi = end
-    graphs = DecodeGraphs(decoder, capture=False)
+    graphs = DecodeGraphs(decoder, capture=False, compile_backend=backend)
     for step in range(6):
         tokens = [s[n + step] for s, n in zip(sequences, lengths, strict=True)]
         positions = [n + step for n in lengths]
@@ -67,21 +68,29 @@ def test_all_column_step_equals_the_windowed_decode(kind):
     assert list(graphs._steps) == [(8, 0)] and graphs.captures == 0
 
 
-@pytest.mark.parametrize("decode_steps", [1, 4])
-def test_engine_with_the_fixed_shape_step_gives_the_same_tokens(tokenizer, monkeypatch, decode_steps):
+@pytest.mark.parametrize("decode_steps,decode_compile", [(1, False), (4, False), (4, "aot_eager")])
+def test_engine_with_the_fixed_shape_step_gives_the_same_tokens(tokenizer, monkeypatch, decode_steps, decode_compile):
     """Staggered requests over 1, 3, 5 and 6 running rows, a GRPO group, a second
     turn through the prefix cache, a store that re-allocates as generations grow, a weight update
     copied in place, a request that meets its stop token within a chunk of steps, a streamed
     request and a top-k request: the engine with ``decode_graphs=True`` (eager on the CPU),
     sampling on the device one or four steps per round trip, gives the greedy tokens and
     log-probabilities of the windowed engine, sampled tokens with the same seeds too, and the
-    same cached prefixes."""
+    same cached prefixes. With ``decode_compile`` the step goes through ``torch.compile`` first
+    (``aot_eager`` here: dynamo's whole-graph trace and its functionalised in-place writes to the
+    store, without Inductor's code generation, which the next test runs)."""
     model = build("llama", vocab_size=tokenizer.vocab_size)
     update = {name: p.detach() * 1.01 for name, p in model.named_parameters() if name.endswith("mlp.up_proj.weight")}
 
     async def run(decode_graphs: bool):
         local = build("llama", vocab_size=tokenizer.vocab_size)
-        engine = EmbeddedEngine(local, max_batch_size=6, decode_graphs=decode_graphs, decode_steps=decode_steps)
+        engine = EmbeddedEngine(
+            local,
+            max_batch_size=6,
+            decode_graphs=decode_graphs,
+            decode_steps=decode_steps,
+            decode_compile=decode_compile if decode_graphs else False,
+        )
         greedy = {"temperature": 0.0, "max_new_tokens": 40, "ignore_eos": True}
         prompts = [list(range(10, 10 + n)) for n in (7, 19, 3, 30, 11, 11)]
         first = await asyncio.gather(
@@ -142,6 +151,8 @@ def test_engine_with_the_fixed_shape_step_gives_the_same_tokens(tokenizer, monke
 def test_decode_graphs_need_the_lean_decoder():
     with pytest.raises(ValueError, match="lean decoder"):
         EmbeddedEngine(build("llama"), lean=False, decode_graphs=True)
+    with pytest.raises(ValueError, match="decode_compile needs decode_graphs"):
+        EmbeddedEngine(build("llama"), decode_graphs=False, decode_compile=True)
     engine = EmbeddedEngine(build("llama"))  # on the CPU the default is the windowed decode
     assert engine._graphs is None
     asyncio.run(engine.close())

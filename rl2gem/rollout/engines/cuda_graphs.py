@@ -107,11 +107,27 @@ class DecodeGraphs:
         decoder: the engine's :class:`~rl2gem.rollout.engines.lean_decoder.LeanDecoder`.
         capture: capture CUDA graphs (the store on CUDA); ``False`` runs the fixed-shape steps
             eagerly.
+        compile_backend: ``torch.compile`` the decode step and the sampling with this backend
+            before they are captured (``"inductor"``: fused kernels, so fewer of them per graph;
+            the first step of each row bucket compiles, tens of seconds), or None: captured as
+            the model's modules launch them. A captured step is a sequence of kernels, and on the
+            H200 a 1024 x 8 Llama's step of some 400 small kernels took about 1.1 ms of GPU time
+            at 64 rows, the kernels' own latency rather than their work
+            (``benchmarks/RESULTS.md``); fusing the norms, rotary embedding, MLP activation and
+            softmax cuts their count.
     """
 
-    def __init__(self, decoder: LeanDecoder, capture: bool):
+    def __init__(self, decoder: LeanDecoder, capture: bool, compile_backend: str | None = None):
         self.decoder = decoder
         self.capture = capture
+        self.compile_backend = compile_backend
+        self._decode_columns = decoder.decode_all_columns
+        self._sample_rows = sample_rows
+        if compile_backend is not None:
+            # one compiled code per function; its variants (row buckets, store sizes) go dynamic
+            # after the first recompile
+            self._decode_columns = torch.compile(decoder.decode_all_columns, backend=compile_backend, fullgraph=True)
+            self._sample_rows = torch.compile(sample_rows, backend=compile_backend, fullgraph=True)
         self.captures = 0  # graphs captured so far (the engine's ``decode_graph_captures``)
         self.capture_seconds = 0.0  # their warm-up and capture, device synchronised (``time_capture_ms``)
         self._steps: dict[tuple[int, int], _Step] = {}
@@ -226,7 +242,7 @@ class DecodeGraphs:
         floats = float_staging = None
 
         def logits_only() -> tuple[torch.Tensor]:
-            decoded = self.decoder.decode_all_columns(
+            decoded = self._decode_columns(
                 keys, values, mask, ints[:bucket], ints[bucket : 2 * bucket], ints[2 * bucket :]
             )
             return (decoded,)
@@ -245,8 +261,8 @@ class DecodeGraphs:
                 uniforms = floats[2 * bucket :].view(steps, bucket)
                 for k in range(steps):
                     mask.index_fill_(1, column, True)
-                    logits = self.decoder.decode_all_columns(keys, values, mask, token, position, column)
-                    token, logprob = sample_rows(logits, divisors, greedy, uniforms[k])
+                    logits = self._decode_columns(keys, values, mask, token, position, column)
+                    token, logprob = self._sample_rows(logits, divisors, greedy, uniforms[k])
                     sampled[k].copy_(token)
                     logprobs[k].copy_(logprob)
                     position, column = position + 1, column + 1

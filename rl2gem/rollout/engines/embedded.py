@@ -301,6 +301,11 @@ class EmbeddedEngine(Engine):
             and drops those after a row stopped (a stop token costs up to ``decode_steps - 1``
             wasted steps of that row; a length limit costs none). ``None``: 4 with graphs on CUDA,
             else 1. Rows with top-k or top-p run one step at a time, sampled on the host side.
+        decode_compile: with decode graphs, ``torch.compile`` the captured step first (fused
+            kernels: fewer launches in each graph; the first step of each row bucket compiles):
+            ``True`` (Inductor) or a ``torch.compile`` backend name; ``False`` (the default until
+            a GPU run has measured it against the uncompiled graphs: ``benchmarks/gpu.py``'s
+            decode table).
         kept_kv_bytes: :meth:`release_memory` and weight updates keep the KV stores allocated
             (emptied) while they hold at most this many bytes together, and with them the
             captured decode graphs, which a trainer's next rollout would otherwise capture again;
@@ -319,7 +324,8 @@ class EmbeddedEngine(Engine):
             PPO logs them per step under ``engine/`` (:class:`rl2gem.training.online.OnlineTrainer`).
 
     Raises:
-        ValueError: ``decode_graphs=True`` for a model the lean path cannot run.
+        ValueError: ``decode_graphs=True`` for a model the lean path cannot run;
+            ``decode_compile`` without decode graphs.
     """
 
     def __init__(
@@ -337,6 +343,7 @@ class EmbeddedEngine(Engine):
         lean: bool = True,
         decode_graphs: bool | None = None,
         decode_steps: int | None = None,
+        decode_compile: bool | str = False,
         kept_kv_bytes: int | None = None,
     ):
         if isinstance(model, (str, Path)):
@@ -378,7 +385,14 @@ class EmbeddedEngine(Engine):
             raise ValueError(
                 f"decode_graphs=True needs the lean decoder, which cannot run this model: {self.lean_reason}"
             )
-        self._graphs = DecodeGraphs(self._lean, capture=p.device.type == "cuda") if decode_graphs else None
+        if decode_compile and not decode_graphs:
+            raise ValueError("decode_compile needs decode_graphs (the compiled step is the captured one)")
+        backend = ("inductor" if decode_compile is True else str(decode_compile)) if decode_compile else None
+        self._graphs = (
+            DecodeGraphs(self._lean, capture=p.device.type == "cuda", compile_backend=backend)
+            if decode_graphs
+            else None
+        )
         if self._graphs is not None:
             self._store.on_reallocate = self._graphs.reset  # the graphs read the store's buffers
         if decode_steps is None:
