@@ -24,8 +24,9 @@ model only), ppo (the longest and least predictable last):
 3. **decode**: the embedded engine's decode tokens/s at 64 and 256 rows (``--rows``; 128 new tokens
    each, ``--new-tokens``, EOS ignored) against a warm ``model.generate`` on the same prompts, and
    the share of the engine's wall time the GPU runs kernels (``torch.profiler``; CUDA only). The
-   engine as trainers build it, then without its pieces one at a time: on CUDA with one decode
-   step per graph replay (``decode_steps=1``), then without graphs (``decode_graphs=False``); on
+   engine as trainers build it, then variants: on CUDA one decode step per graph replay
+   (``decode_steps=1``), the captured step compiled by Inductor first (``decode_compile=True``, at
+   four and at one step per replay), then without graphs (``decode_graphs=False``); on
    the CPU with the fixed-shape steps, four per round trip, run eagerly.
 
 4. **mask**: FlexAttention's block mask for one packed row of 16k and 64k tokens (CPU: 4k and
@@ -460,6 +461,8 @@ def engine_sides(device: torch.device) -> list[tuple[dict, str]]:
         return [
             ({}, "EmbeddedEngine"),
             ({"decode_steps": 1}, "EmbeddedEngine decode_steps=1"),
+            ({"decode_compile": True}, "EmbeddedEngine decode_compile=True"),
+            ({"decode_steps": 1, "decode_compile": True}, "EmbeddedEngine decode_steps=1 decode_compile=True"),
             ({"decode_graphs": False}, "EmbeddedEngine decode_graphs=False"),
         ]
     return [({}, "EmbeddedEngine"), ({"decode_graphs": True, "decode_steps": 4}, "EmbeddedEngine decode_steps=4")]
@@ -514,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=6 if cuda else 4)
     parser.add_argument(
         "--ours",
-        default="actor.attention=auto;actor.attention=auto actor.compile=true" if cuda else "actor.attention=auto",
+        default="actor.compile=false;actor.compile=true" if cuda else "actor.attention=auto",
         help="variants of our trainer's overrides, ';'-separated",
     )
     parser.add_argument("--ppo-groups", type=int, default=16 if cuda else 2, help="ppo: GuessTheNumber groups per step")

@@ -219,15 +219,18 @@ def test_engine_greedy_equals_model_generate():
     assert asyncio.run(run()) == expected
 
 
-@pytest.mark.parametrize("decode_steps,kept_kv_bytes", [(1, None), (4, None), (4, 0)])
-def test_engine_decode_graphs_equal_the_windowed_decode(decode_steps, kept_kv_bytes):
+@pytest.mark.parametrize(
+    "decode_steps,kept_kv_bytes,decode_compile", [(1, None, False), (4, None, False), (4, 0, False), (4, None, True)]
+)
+def test_engine_decode_graphs_equal_the_windowed_decode(decode_steps, kept_kv_bytes, decode_compile):
     """Captured decode steps, sampled on the device one or four steps per replay, give the tokens
     and log-probabilities of the windowed decode, greedy and seeded: twelve rows finishing one by
     one (buckets of 12 and 8 rows), a stop token met within a replay, a long request that
     re-allocates the store (captured again), then a weight update in place. The update keeps the
     small store and the graphs captured before it (``kept_kv_bytes`` by default, 5% of the GPU),
     whose replays then read the updated weights; with ``kept_kv_bytes=0`` the store is freed and
-    the graphs are captured again."""
+    the graphs are captured again. With ``decode_compile`` the captured steps are Inductor's
+    compiled ones."""
     from rl2gem.rollout.engines.embedded import EmbeddedEngine
 
     model = tiny_model().float().to(CUDA)
@@ -242,6 +245,7 @@ def test_engine_decode_graphs_equal_the_windowed_decode(decode_steps, kept_kv_by
             max_batch_size=12,
             decode_graphs=decode_graphs,
             decode_steps=decode_steps,
+            decode_compile=decode_compile and decode_graphs,
             kept_kv_bytes=kept_kv_bytes,
         )
         greedy = {"temperature": 0.0, "ignore_eos": True}
@@ -314,15 +318,15 @@ GUESS = [
 @pytest.mark.parametrize(
     "trainer,extra",
     [
-        ("sft", ["data.train={data}/sft.jsonl"]),
+        ("sft", ["data.train={data}/sft.jsonl", "actor.compile=false"]),  # eager (compiled is the CUDA default)
         ("sft", ["data.train={data}/sft.jsonl", "actor.compile=true"]),
         ("sft", ["data.train={data}/sft.jsonl", "actor.master_dtype=bfloat16"]),  # pure bf16: no FSDP at one rank
         ("rm", ["data.train={data}/pairs.jsonl"]),
         ("dpo", ["data.train={data}/pairs.jsonl", "actor.packing=tree"]),
-        ("ppo", GUESS),
+        ("ppo", [*GUESS, "actor.compile=false"]),
         ("ppo", ["env=rl2/GuessTheNumber-v0", "actor.packing=tree", "trainer.eval_n=4", "rollout.max_new_tokens=16"]),
-        # compiled layers beside the engine (and its decode graphs) and under the pair losses: whether
-        # actor.compile can become the default on CUDA (it gave SFT 1.27x on the H200)
+        # compiled layers beside the engine (and its decode graphs) and under the pair losses (the
+        # default on CUDA since they passed on the H200, 2026-11-27; the runs below compile too)
         ("ppo", ["env=rl2/GuessTheNumber-v0", "actor.compile=true", "trainer.eval_n=4", "rollout.max_new_tokens=16"]),
         ("dpo", ["data.train={data}/pairs.jsonl", "actor.compile=true"]),
         ("rm", ["data.train={data}/pairs.jsonl", "actor.compile=true"]),

@@ -30,7 +30,7 @@ from rl2gem.parallel.packing import packed_batch, tree_batch
 from rl2gem.parallel.ring_attention import gather_sequence_parallel, ring_context, zigzag_layout
 from rl2gem.parallel.tensor_parallel import vocab_parallel_logprobs
 from rl2gem.training.metrics import SavedTensorBytes, simulated_memory_bytes
-from rl2gem.training.settings import WorkerSettings, is_length_setting
+from rl2gem.training.settings import WorkerSettings, is_length_setting, resolve_compile
 
 __all__ = [
     "PACKINGS",
@@ -92,12 +92,12 @@ def check_attention(actor) -> str:
 
 
 def check_actor(actor) -> None:
-    """``actor.dtype``, ``actor.master_dtype`` (:func:`rl2gem.models.resolve_master_dtype`) and
+    """``actor.dtype``, ``actor.master_dtype`` (:func:`rl2gem.models.resolve_master_dtype`), ``actor.compile`` and
     ``actor.max_length_per_device`` and ``actor.cpu_max_length_per_device`` checked before anything loads.
 
     Raises:
         rl2gem.config.ConfigError: an unknown dtype name, a master dtype less precise than the
-            compute dtype, or a length that is neither a positive integer nor ``auto``.
+            compute dtype, a ``compile`` that is not a bool or ``auto``, or a length that is neither a positive integer nor ``auto``.
     """
     from rl2gem.config import ConfigError
 
@@ -105,6 +105,7 @@ def check_actor(actor) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         resolve_master_dtype(settings.master_dtype, resolve_dtype(settings.dtype, device), trainable=True)
+        resolve_compile(settings.compile, device)
     except ValueError as error:  # its message starts with the key
         raise ConfigError(f"actor.{error}") from None
     length = settings.max_length_per_device

@@ -25,7 +25,7 @@ from rl2gem.parallel.attention import resolve_attention
 from rl2gem.parallel.fsdp import clip_grad_norm, full_state_dict, head_class, init_distributed, load_sharded
 from rl2gem.parallel.mesh import ParallelMesh, build_mesh
 from rl2gem.training import lora
-from rl2gem.training.settings import WorkerSettings
+from rl2gem.training.settings import WorkerSettings, resolve_compile
 
 __all__ = ["Worker", "resolve_dtype", "setup_distributed", "SCHEDULES"]
 
@@ -134,7 +134,7 @@ class Worker:
             sp_group=mesh.sp_group,
             adapt=(lambda model: lora.inject(model, self.lora)) if self.lora is not None else None,
             attention=self.attention,
-            compile_layers=bool(settings.compile),
+            compile_layers=resolve_compile(settings.compile, device.type),
         )
         self.optimizer = self.scheduler = None
         self.optimizer_steps = 0  # in this process (a resumed run counts from 0)

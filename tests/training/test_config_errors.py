@@ -31,6 +31,7 @@ CASES = [
     ("rollout.is_mode=masked", "config error: rollout.is_mode: moved to actor.is_mode"),
     ("actor.dtype=half", "config error: actor.dtype must be auto or one of"),
     ("actor.master_dtype=half", "config error: actor.master_dtype must be auto or one of"),
+    ("actor.compile=maybe", "config error: actor.compile: expected true, false or auto, got 'maybe'"),
     ("actor.max_length_per_device=big", "config error: actor.max_length_per_device: expected a positive int or auto"),
     ("actor.max_length_per_device=0", "config error: actor.max_length_per_device: expected a positive int or auto"),
     (

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from rl2gem.trainers import dpo, ppo, rm, sft
 
 from rl2gem.training.lora import lora_config
-from rl2gem.training.settings import LoraSettings, WorkerSettings
+from rl2gem.training.settings import LoraSettings, WorkerSettings, resolve_compile
 
 #: Where a trainer's YAML deliberately differs from the library's default.
 OVERRIDES = {
@@ -100,3 +100,12 @@ def test_a_key_the_trainers_share_has_one_default_unless_declared():
         if len(values) > 1:
             differing.add(key)
     assert differing == set(DIFFERENT_ON_PURPOSE)
+
+
+def test_compile_auto_is_on_for_cuda_only_and_a_bool_is_kept():
+    assert WorkerSettings().compile == "auto"
+    assert resolve_compile("auto", "cuda") is True
+    assert resolve_compile("auto", "cpu") is False and resolve_compile("auto", "mps") is False
+    assert resolve_compile(False, "cuda") is False and resolve_compile(True, "cpu") is True
+    with pytest.raises(ValueError, match="^compile: expected true, false or auto, got 'yes'"):
+        resolve_compile("yes", "cuda")
