@@ -52,9 +52,10 @@ class LoraSettings:
 
 def resolve_compile(value, device_type: str) -> bool:
     """``actor.compile`` on a device of type ``device_type`` (``"cuda"``, ``"cpu"``...): ``auto`` is
-    on for CUDA only. On one H200 every trainer (PPO, DPO, RM, SFT) ran compiled, and compiled
-    layers gave SFT 13.8x / 2.9x the plain padded loop's tokens/s against 7.1x / 1.2x eager
-    (``benchmarks/RESULTS.md``); on the 2-core CPU Inductor's C++ compile costs more than it saves.
+    on for CUDA only. On one H200 compiled layers ran SFT at 235k / 245k tokens/s (mixed / long
+    rows) against 184k / 194k eager (141.6M Llama, 2026-11-25), and PPO, DPO, RM and SFT all
+    passed their GPU tests compiled (2026-11-27; ``benchmarks/RESULTS.md``); on the 2-core CPU
+    Inductor's C++ compile costs more than it saves.
 
     Raises:
         ValueError: a value other than ``auto``, true or false (the message starts with the key).
