@@ -445,10 +445,13 @@ def engine_decode(model, tokenizer, prompts: list[list[int]], new: int, **option
     async def batch():
         await asyncio.gather(*(engine.generate(p, params) for p in prompts))
 
-    asyncio.run(batch())
-    warm = dict(engine.stats)
-    asyncio.run(batch())
-    measured = {key: value - warm.get(key, 0) for key, value in engine.stats.items()}
+    async def batch_and_stats() -> dict:
+        await batch()
+        return await engine.settled_stats()  # the last round's times included
+
+    warm = asyncio.run(batch_and_stats())
+    after = asyncio.run(batch_and_stats())
+    measured = {key: value - warm.get(key, 0) for key, value in after.items()}
     busy = busy_fraction(lambda: asyncio.run(batch()))
     asyncio.run(engine.close())
     return warm, measured, busy
@@ -484,15 +487,20 @@ def decode_section(model_dir: Path, row_counts: list[int], new_tokens: int) -> N
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     pad, rng = tokenizer.pad_token_id, random.Random(0)
     # the engine's second batch on the same engine (graphs captured by the first: "graphs captured")
-    print("| rows | side | decode tokens/s | vs model.generate | GPU busy | graphs captured |")
-    print("|---:|---|---:|---:|---:|---:|")
+    # per host round trip: the step (staging, graph replay or forward, waiting for its tokens) and
+    # the rest of the round (the tokens handed to their requests, finished rows, the scheduler)
+    print(
+        "| rows | side | decode tokens/s | vs model.generate | GPU busy | graphs captured "
+        "| steps per round | step ms per round | rest ms per round |"
+    )
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for rows in row_counts:
         prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(32, 96))] for _ in range(rows)]
         static_generate(model, prompts, pad, new_tokens)  # warm
         seconds = timed(lambda p=prompts: static_generate(model, p, pad, new_tokens + 1), device)
         seconds -= timed(lambda p=prompts: static_generate(model, p, pad, 1), device)  # its prefill
         baseline = rows * new_tokens / max(seconds, 1e-9)
-        print(f"| {rows} | model.generate (warm, static batch) | {baseline:.0f} | 1.00x | - | - |")
+        print(f"| {rows} | model.generate (warm, static batch) | {baseline:.0f} | 1.00x | - | - | - | - | - |")
         for options, name in engine_sides(device):
             warm, stats, busy = engine_decode(model, tokenizer, prompts, new_tokens, **options)
             rate = stats["decode_tokens"] / max(stats["time_decode_ms"] / 1000, 1e-9)
@@ -501,8 +509,12 @@ def decode_section(model_dir: Path, row_counts: list[int], new_tokens: int) -> N
             if warm.get("decode_graphs_failed") or stats.get("decode_graphs_failed"):
                 name += " (graphs failed: windowed)"
                 FAILED.append(f"decode graphs at {rows} rows")
+            rounds = max(stats.get("decode_rounds", 0), 1)
+            step_ms = stats.get("time_decode_forward_ms", 0) / rounds
+            rest_ms = stats.get("time_decode_ms", 0) / rounds - step_ms
             print(
-                f"| {rows} | rl2gem {name} | {rate:.0f} | {rate / baseline:.2f}x | {busy_text} | {captured} |",
+                f"| {rows} | rl2gem {name} | {rate:.0f} | {rate / baseline:.2f}x | {busy_text} | {captured} "
+                f"| {stats.get('decode_steps', 0) / rounds:.1f} | {step_ms:.2f} | {rest_ms:.2f} |",
                 flush=True,
             )
 

@@ -164,8 +164,9 @@ class OnlineTrainer(Trainer):
         start = time.perf_counter()
         engine_before = collections.Counter(getattr(self.engine, "stats", {}))
         batch = self.loop.run_until_complete(self.rollout.collect(c.rollout.prompts_per_rollout // self.world))
-        batch.metrics.update(engine_metrics(engine_before, getattr(self.engine, "stats", {})))
         self.loop.run_until_complete(self.engine.release_memory())  # the KV cache's memory goes to the update
+        # read after a command, which runs between rounds: the last round's times are in
+        batch.metrics.update(engine_metrics(engine_before, getattr(self.engine, "stats", {})))
         o = c.reward.objectives  # reward model, objectives, transform: the rewards trained on
         shaping = (dict(o.weights), dict(o.reference), self.transform)
         batch.metrics.update(shape_rewards(batch, self.reward_model, c.reward.mode, o.combine, *shaping))

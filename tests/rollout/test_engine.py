@@ -544,3 +544,20 @@ def test_engine_times_add_up_rounds_shorter_than_a_millisecond(model, monkeypatc
     assert rounds == 7
     # each round reads the clock at least twice around _decode: at least one 0.3 ms span each
     assert decode_ms >= rounds * 0.3 - 1e-9
+
+
+def test_settled_stats_hold_the_last_round_s_times(model):
+    """An answer arrives inside its last round: ``stats`` read then may lack that round's decode
+    time; :meth:`settled_stats`, read between rounds, has every round's, so the decode time is at
+    least the step time within it."""
+
+    async def main():
+        eng = EmbeddedEngine(model, max_batch_size=2)
+        await eng.generate(PROMPTS[2], {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+        stats = await eng.settled_stats()
+        await eng.close()
+        return stats
+
+    stats = run(main())
+    assert stats["decode_rounds"] == 5
+    assert stats["time_decode_ms"] >= stats["time_decode_forward_ms"] > 0

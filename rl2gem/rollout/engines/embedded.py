@@ -538,6 +538,16 @@ class EmbeddedEngine(Engine):
     async def health(self) -> bool:
         return not self._closed and self._thread.is_alive()
 
+    async def settled_stats(self) -> dict[str, float]:
+        """A copy of :attr:`stats` read on the engine thread between two rounds. A request's answer
+        arrives while its last round is still running, so :attr:`stats` read right after it lacks
+        that round's ``time_decode_ms`` (already holding its ``time_decode_forward_ms``).
+
+        Raises:
+            EngineError: the engine thread has stopped.
+        """
+        return await self._acommand(lambda: dict(self.stats))
+
     def load(self) -> dict[str, int]:
         """Current load: unanswered, running and queued requests, tokens in the KV cache."""
         return {
