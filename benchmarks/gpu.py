@@ -25,8 +25,8 @@ model only), ppo (the longest and least predictable last):
    each, ``--new-tokens``, EOS ignored) against a warm ``model.generate`` on the same prompts, and
    the share of the engine's wall time the GPU runs kernels (``torch.profiler``; CUDA only). The
    engine as trainers build it, then variants: on CUDA one decode step per graph replay
-   (``decode_steps=1``), the captured step compiled by Inductor first (``decode_compile=True``, at
-   four and at one step per replay), then without graphs (``decode_graphs=False``); on
+   (``decode_steps=1``), the captured step compiled by Inductor first (``decode_compile=True``),
+   then without graphs (``decode_graphs=False``); on
    the CPU with the fixed-shape steps, four per round trip, run eagerly.
 
 4. **mask**: FlexAttention's block mask for one packed row of 16k and 64k tokens (CPU: 4k and
@@ -465,7 +465,6 @@ def engine_sides(device: torch.device) -> list[tuple[dict, str]]:
             ({}, "EmbeddedEngine"),
             ({"decode_steps": 1}, "EmbeddedEngine decode_steps=1"),
             ({"decode_compile": True}, "EmbeddedEngine decode_compile=True"),
-            ({"decode_steps": 1, "decode_compile": True}, "EmbeddedEngine decode_steps=1 decode_compile=True"),
             ({"decode_graphs": False}, "EmbeddedEngine decode_graphs=False"),
         ]
     return [({}, "EmbeddedEngine"), ({"decode_graphs": True, "decode_steps": 4}, "EmbeddedEngine decode_steps=4")]

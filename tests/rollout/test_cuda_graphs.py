@@ -11,6 +11,7 @@ import weakref
 import pytest
 import torch
 from test_lean_decoder import build, new_store
+from torch._dynamo.backends.debugging import aot_eager
 
 from rl2gem.rollout import EmbeddedEngine
 from rl2gem.rollout.engines.cuda_graphs import DecodeGraphs, row_bucket
@@ -81,6 +82,11 @@ def test_engine_with_the_fixed_shape_step_gives_the_same_tokens(tokenizer, monke
     store, without Inductor's code generation, which the next test runs)."""
     model = build("llama", vocab_size=tokenizer.vocab_size)
     update = {name: p.detach() * 1.01 for name, p in model.named_parameters() if name.endswith("mlp.up_proj.weight")}
+    compiled = []  # the graphs dynamo hands the backend
+
+    def counting_backend(graph_module, example_inputs):
+        compiled.append(graph_module)
+        return aot_eager(graph_module, example_inputs)
 
     async def run(decode_graphs: bool):
         local = build("llama", vocab_size=tokenizer.vocab_size)
@@ -89,7 +95,7 @@ def test_engine_with_the_fixed_shape_step_gives_the_same_tokens(tokenizer, monke
             max_batch_size=6,
             decode_graphs=decode_graphs,
             decode_steps=decode_steps,
-            decode_compile=decode_compile if decode_graphs else False,
+            decode_compile=counting_backend if decode_graphs and decode_compile else False,
         )
         greedy = {"temperature": 0.0, "max_new_tokens": 40, "ignore_eos": True}
         prompts = [list(range(10, 10 + n)) for n in (7, 19, 3, 30, 11, 11)]
@@ -138,6 +144,9 @@ def test_engine_with_the_fixed_shape_step_gives_the_same_tokens(tokenizer, monke
     assert {steps for _, steps in built} == {0, decode_steps}
     assert len(resets) >= 3  # the store grew or was freed (weight update) and the steps were built again
     assert fixed_engine.stats["decode_graph_captures"] == 0  # nothing is captured off CUDA
+    if decode_compile:  # the decode step and the sampling, each compiled once for every bucket and size
+        computing = [g for g in compiled if any(node.op == "call_function" for node in g.graph.nodes)]
+        assert len(computing) == 2 and fixed_engine.stats["decode_compile_failed"] == 0
     # host round trips (how many steps each ran depends on when the engine thread admitted the
     # requests, so it is not compared between the two engines)
     fixed, window = fixed_engine.stats, window_engine.stats
@@ -179,6 +188,31 @@ def test_a_step_that_cannot_be_captured_falls_back_to_the_windowed_decode(tokeni
         got, engine = asyncio.run(run(True))
     assert got == expected
     assert engine._graphs is None and engine.stats["decode_graphs_failed"] == 1
+
+
+def test_a_step_that_fails_to_compile_goes_on_uncompiled(tokenizer):
+    """A compile error (here a backend that raises, as Inductor can on a GPU it does not know)
+    turns the compilation off with a warning, not the graphs: the request gets the windowed
+    engine's tokens and the next steps go through the uncompiled graphs."""
+    model = build("llama", vocab_size=tokenizer.vocab_size)
+
+    def failing_backend(graph_module, example_inputs):
+        raise RuntimeError("no compiler for this device")
+
+    async def run(**options):
+        engine = EmbeddedEngine(model, **options)
+        greedy = {"temperature": 0.0, "max_new_tokens": 9, "ignore_eos": True}
+        outs = [await engine.generate(list(range(10, 10 + n)), greedy) for n in (20, 7)]
+        await engine.close()
+        return [out.output_ids for out in outs], engine
+
+    expected, _ = asyncio.run(run(decode_graphs=False))
+    with pytest.warns(UserWarning, match="decode_compile turned off, the decode graphs go on uncompiled"):
+        got, engine = asyncio.run(run(decode_graphs=True, decode_steps=4, decode_compile=failing_backend))
+    assert got == expected
+    assert engine._graphs is not None and engine._graphs.compile_backend is None
+    assert engine.stats["decode_compile_failed"] == 1 and engine.stats["decode_graphs_failed"] == 0
+    assert engine.stats["decode_rounds"] < engine.stats["decode_steps"]  # four steps per replay after it
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

@@ -47,6 +47,8 @@ from __future__ import annotations
 
 import contextlib
 import time
+import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +62,7 @@ __all__ = ["DecodeGraphs", "SMALLEST_BUCKET", "row_bucket"]
 
 
 SMALLEST_BUCKET = 8  # fewer rows pad to 8: a decode step of so few rows is launch-bound anyway
+COMPILED_VARIANTS = 32  # dynamo's recompile limit with a compiled decode step (an entry per engine)
 
 
 def row_bucket(rows: int, capacity: int) -> int:
@@ -108,26 +111,32 @@ class DecodeGraphs:
         capture: capture CUDA graphs (the store on CUDA); ``False`` runs the fixed-shape steps
             eagerly.
         compile_backend: ``torch.compile`` the decode step and the sampling with this backend
-            before they are captured (``"inductor"``: fused kernels, so fewer of them per graph;
-            the first step of each row bucket compiles, tens of seconds), or None: captured as
-            the model's modules launch them. A captured step is a sequence of kernels, and on the
+            (a name or a backend callable) before they are captured (``"inductor"``: fused
+            kernels, so fewer of them per graph; compiled once with dynamic shapes, for every
+            row bucket and store size, on the first capture: tens of seconds), or None: captured
+            as the model's modules launch them. A captured step is a sequence of kernels, and on the
             H200 a 1024 x 8 Llama's step of some 400 small kernels took about 1.1 ms of GPU time
             at 64 rows, the kernels' own latency rather than their work
             (``benchmarks/RESULTS.md``); fusing the norms, rotary embedding, MLP activation and
             softmax cuts their count.
     """
 
-    def __init__(self, decoder: LeanDecoder, capture: bool, compile_backend: str | None = None):
+    def __init__(self, decoder: LeanDecoder, capture: bool, compile_backend: str | Callable | None = None):
         self.decoder = decoder
         self.capture = capture
         self.compile_backend = compile_backend
         self._decode_columns = decoder.decode_all_columns
         self._sample_rows = sample_rows
         if compile_backend is not None:
-            # one compiled code per function; its variants (row buckets, store sizes) go dynamic
-            # after the first recompile
-            self._decode_columns = torch.compile(decoder.decode_all_columns, backend=compile_backend, fullgraph=True)
-            self._sample_rows = torch.compile(sample_rows, backend=compile_backend, fullgraph=True)
+            # dynamic shapes from the start: one compilation serves every bucket and store size. The
+            # undecorated function (the engine thread runs without grad): ``torch.no_grad``'s wrapper
+            # is one code object shared by every decorated function, and so would be dynamo's cache
+            # entries and its recompile limit; engines of other models add entries, hence the limit
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_VARIANTS)
+            step = types.MethodType(LeanDecoder.decode_all_columns.__wrapped__, decoder)
+            options = {"backend": compile_backend, "fullgraph": True, "dynamic": True}
+            self._decode_columns = torch.compile(step, **options)
+            self._sample_rows = torch.compile(sample_rows, **options)
         self.captures = 0  # graphs captured so far (the engine's ``decode_graph_captures``)
         self.capture_seconds = 0.0  # their warm-up and capture, device synchronised (``time_capture_ms``)
         self._steps: dict[tuple[int, int], _Step] = {}
@@ -241,11 +250,13 @@ class DecodeGraphs:
         mask = store.mask[:bucket]
         floats = float_staging = None
 
+        def inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            """The staged tokens, positions and column as tensors of their own, as the later steps
+            of a sampling step get them (views of ``ints`` would be a second compiled variant)."""
+            return ints[:bucket].clone(), ints[bucket : 2 * bucket].clone(), ints[2 * bucket :].clone()
+
         def logits_only() -> tuple[torch.Tensor]:
-            decoded = self._decode_columns(
-                keys, values, mask, ints[:bucket], ints[bucket : 2 * bucket], ints[2 * bucket :]
-            )
-            return (decoded,)
+            return (self._decode_columns(keys, values, mask, *inputs()),)
 
         run = logits_only
         if steps:
@@ -256,7 +267,7 @@ class DecodeGraphs:
             logprobs = torch.zeros(steps, bucket, dtype=torch.float32, device=device)
 
             def run() -> tuple[torch.Tensor, torch.Tensor]:
-                token, position, column = ints[:bucket], ints[bucket : 2 * bucket], ints[2 * bucket :]
+                token, position, column = inputs()
                 divisors, greedy = floats[:bucket], floats[bucket : 2 * bucket] > 0.5
                 uniforms = floats[2 * bucket :].view(steps, bucket)
                 for k in range(steps):

@@ -302,10 +302,11 @@ class EmbeddedEngine(Engine):
             wasted steps of that row; a length limit costs none). ``None``: 4 with graphs on CUDA,
             else 1. Rows with top-k or top-p run one step at a time, sampled on the host side.
         decode_compile: with decode graphs, ``torch.compile`` the captured step first (fused
-            kernels: fewer launches in each graph; the first step of each row bucket compiles):
-            ``True`` (Inductor) or a ``torch.compile`` backend name; ``False`` (the default until
-            a GPU run has measured it against the uncompiled graphs: ``benchmarks/gpu.py``'s
-            decode table).
+            kernels: fewer launches in each graph; compiled once, with dynamic shapes, at the first
+            capture): ``True`` (Inductor) or a ``torch.compile`` backend (a name or a callable);
+            ``False`` (the default until a GPU run has measured it against the uncompiled graphs:
+            ``benchmarks/gpu.py``'s decode table). A step that fails to compile turns the
+            compilation off (a warning, ``stats["decode_compile_failed"]``), not the graphs.
         kept_kv_bytes: :meth:`release_memory` and weight updates keep the KV stores allocated
             (emptied) while they hold at most this many bytes together, and with them the
             captured decode graphs, which a trainer's next rollout would otherwise capture again;
@@ -343,7 +344,7 @@ class EmbeddedEngine(Engine):
         lean: bool = True,
         decode_graphs: bool | None = None,
         decode_steps: int | None = None,
-        decode_compile: bool | str = False,
+        decode_compile: bool | str | Callable = False,
         kept_kv_bytes: int | None = None,
     ):
         if isinstance(model, (str, Path)):
@@ -387,7 +388,7 @@ class EmbeddedEngine(Engine):
             )
         if decode_compile and not decode_graphs:
             raise ValueError("decode_compile needs decode_graphs (the compiled step is the captured one)")
-        backend = ("inductor" if decode_compile is True else str(decode_compile)) if decode_compile else None
+        backend = ("inductor" if decode_compile is True else decode_compile) if decode_compile else None
         self._graphs = (
             DecodeGraphs(self._lean, capture=p.device.type == "cuda", compile_backend=backend)
             if decode_graphs
@@ -1003,7 +1004,7 @@ class EmbeddedEngine(Engine):
             before = self._graphs.captures, self._graphs.capture_seconds
             try:
                 logits = self._graphs.decode(st, [r.out_ids[-1] for r in reqs], [r.length for r in reqs])
-            except RuntimeError as error:
+            except Exception as error:  # CUDA's capture errors, and dynamo's and Inductor's
                 self._graphs_failed(error)
             else:
                 self._count_captures(*before)
@@ -1046,7 +1047,7 @@ class EmbeddedEngine(Engine):
             tokens, logprobs = self._graphs.decode_and_sample(
                 st, [r.out_ids[-1] for r in reqs], [r.length for r in reqs], divisors, greedy, uniforms
             )
-        except RuntimeError as error:
+        except Exception as error:  # CUDA's capture errors, and dynamo's and Inductor's
             self._graphs_failed(error)
             return None
         self._count_captures(*before)
@@ -1058,8 +1059,16 @@ class EmbeddedEngine(Engine):
         self.stats["time_capture_ms"] += 1000 * (self._graphs.capture_seconds - seconds)
 
     def _graphs_failed(self, error: Exception) -> None:
-        warnings.warn(f"decode_graphs turned off, the decode runs windowed: {error}", stacklevel=3)
+        """A step failed to build (this round runs windowed): a compiled one goes on uncompiled,
+        an uncompiled one turns the graphs off for the engine's life."""
         self._graphs.reset()
+        if self._graphs.compile_backend is not None:
+            warnings.warn(f"decode_compile turned off, the decode graphs go on uncompiled: {error}", stacklevel=3)
+            self._graphs = DecodeGraphs(self._lean, capture=self._graphs.capture)
+            self._store.on_reallocate = self._graphs.reset
+            self.stats["decode_compile_failed"] += 1
+            return
+        warnings.warn(f"decode_graphs turned off, the decode runs windowed: {error}", stacklevel=3)
         self._graphs = None
         self._store.on_reallocate = None
         self.stats["decode_graphs_failed"] += 1
