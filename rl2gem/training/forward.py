@@ -26,7 +26,7 @@ import torch.distributed as dist
 from rl2gem.algorithms import entropy_from_logits
 from rl2gem.models import resolve_dtype, resolve_master_dtype
 from rl2gem.parallel.attention import IMPLEMENTATIONS, attention_mask, reads_sequence_boundaries, resolve_attention
-from rl2gem.parallel.packing import packed_batch, tree_batch
+from rl2gem.parallel.packing import packed_batch, to_device, tree_batch
 from rl2gem.parallel.ring_attention import gather_sequence_parallel, ring_context, zigzag_layout
 from rl2gem.parallel.tensor_parallel import vocab_parallel_logprobs
 from rl2gem.training.metrics import SavedTensorBytes, simulated_memory_bytes
@@ -105,7 +105,7 @@ def check_actor(actor) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         resolve_master_dtype(settings.master_dtype, resolve_dtype(settings.dtype, device), trainable=True)
-        resolve_compile(settings.compile, device)
+        resolve_compile(settings, device)
     except ValueError as error:  # its message starts with the key
         raise ConfigError(f"actor.{error}") from None
     length = settings.max_length_per_device
@@ -114,16 +114,6 @@ def check_actor(actor) -> None:
     cpu_length = settings.cpu_max_length_per_device
     if cpu_length is not None and (cpu_length == "auto" or not is_length_setting(cpu_length)):
         raise ConfigError(f"actor.cpu_max_length_per_device: expected a positive int or null, got {cpu_length!r}")
-
-
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``tensor`` (on the host) on ``device``: through pinned memory and without waiting on CUDA,
-    a plain copy elsewhere. A copy from pageable memory (``torch.tensor(values, device="cuda")``,
-    ``.to("cuda")``) first waits for the stream's queued work, so one made after a forward stops
-    the host from queueing the backward until the GPU is done."""
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
 
 
 def packed_inputs(model, sequences: Sequence[Sequence[int]], device: torch.device) -> tuple[dict, dict]:

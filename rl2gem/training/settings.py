@@ -50,18 +50,21 @@ class LoraSettings:
         return cls(**{key: value for key, value in values.items() if value is not None})  # null: the default
 
 
-def resolve_compile(value, device_type: str) -> bool:
-    """``actor.compile`` on a device of type ``device_type`` (``"cuda"``, ``"cpu"``...): ``auto`` is
-    on for CUDA only. On one H200 compiled layers ran SFT at 235k / 245k tokens/s (mixed / long
-    rows) against 184k / 194k eager (141.6M Llama, 2026-11-25), and PPO, DPO, RM and SFT all
-    passed their GPU tests compiled (2026-11-27; ``benchmarks/RESULTS.md``); on the 2-core CPU
-    Inductor's C++ compile costs more than it saves.
+def resolve_compile(settings: WorkerSettings, device_type: str) -> bool:
+    """``settings.compile`` (``actor.compile``) on a device of type ``device_type`` (``"cuda"``,
+    ``"cpu"``...). ``auto`` is on for CUDA without tensor or sequence parallelism or CPU offload:
+    the layouts that have run compiled on a GPU. On one H200 compiled layers ran SFT at 235k / 245k
+    tokens/s (mixed / long rows) against 184k / 194k eager (141.6M Llama, 2026-11-25), and PPO,
+    DPO, RM and SFT passed their GPU tests compiled at one rank (2026-11-27;
+    ``benchmarks/RESULTS.md``); on the 2-core CPU Inductor's C++ compile costs more than it saves.
 
     Raises:
         ValueError: a value other than ``auto``, true or false (the message starts with the key).
     """
+    value = settings.compile
     if value == "auto":
-        return device_type == "cuda"
+        untested = int(settings.tp_size) > 1 or int(settings.sp_size) > 1 or bool(settings.cpu_offload)
+        return device_type == "cuda" and not untested
     if isinstance(value, bool):
         return value
     raise ValueError(f"compile: expected true, false or auto, got {value!r}")
@@ -90,8 +93,9 @@ class WorkerSettings:
         max_grad_norm: gradient clipping (global L2 norm over ranks).
         attention: the packed rows' kernel: ``auto``, ``flex``, ``flash``, ``sdpa`` or ``block``
             (:func:`rl2gem.parallel.attention.resolve_attention`).
-        compile: ``torch.compile`` each decoder layer: ``auto`` (on CUDA, not elsewhere;
-            :func:`resolve_compile`), ``true`` or ``false``.
+        compile: ``torch.compile`` each decoder layer: ``auto`` (on CUDA at ``tp_size`` and
+            ``sp_size`` 1 without ``cpu_offload``, not elsewhere; :func:`resolve_compile`),
+            ``true`` or ``false``.
         packing: ``flat`` (one row of concatenated sequences) or ``tree`` (their prefix tree).
         max_length_per_device: tokens per rank in a packed micro-batch (times ``sp_size * tp_size``),
             or ``auto``: on CUDA the longest that fits ``memory_fraction`` (probed at start), else

@@ -134,7 +134,7 @@ class Worker:
             sp_group=mesh.sp_group,
             adapt=(lambda model: lora.inject(model, self.lora)) if self.lora is not None else None,
             attention=self.attention,
-            compile_layers=resolve_compile(settings.compile, device.type),
+            compile_layers=resolve_compile(settings, device.type),
         )
         self.optimizer = self.scheduler = None
         self.optimizer_steps = 0  # in this process (a resumed run counts from 0)

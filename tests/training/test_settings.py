@@ -102,10 +102,16 @@ def test_a_key_the_trainers_share_has_one_default_unless_declared():
     assert differing == set(DIFFERENT_ON_PURPOSE)
 
 
-def test_compile_auto_is_on_for_cuda_only_and_a_bool_is_kept():
+def test_compile_auto_is_on_for_cuda_at_one_model_parallel_rank_and_a_bool_is_kept():
+    def resolve(device_type, **values):
+        return resolve_compile(WorkerSettings(**values), device_type)
+
     assert WorkerSettings().compile == "auto"
-    assert resolve_compile("auto", "cuda") is True
-    assert resolve_compile("auto", "cpu") is False and resolve_compile("auto", "mps") is False
-    assert resolve_compile(False, "cuda") is False and resolve_compile(True, "cpu") is True
+    assert resolve("cuda") is True
+    assert resolve("cpu") is False and resolve("mps") is False
+    # layouts that have not run compiled on a GPU stay eager under auto, compile when asked
+    for untested in ({"tp_size": 2}, {"sp_size": 2}, {"cpu_offload": True}):
+        assert resolve("cuda", **untested) is False and resolve("cuda", compile=True, **untested) is True
+    assert resolve("cuda", compile=False) is False and resolve("cpu", compile=True) is True
     with pytest.raises(ValueError, match="^compile: expected true, false or auto, got 'yes'"):
-        resolve_compile("yes", "cuda")
+        resolve("cuda", compile="yes")
