@@ -48,9 +48,9 @@ from rl2gem.algorithms import (
     policy_loss,
     value_loss,
 )
-from rl2gem.parallel.packing import MicroBatch, plan_minibatches, regroup_scores, tree_size
+from rl2gem.parallel.packing import MicroBatch, plan_minibatches, regroup_scores, to_device, tree_size
 from rl2gem.procs import run_main
-from rl2gem.training.forward import to_device, token_logprobs, token_values
+from rl2gem.training.forward import token_logprobs, token_values
 from rl2gem.training.metrics import Averager, reduce_mean, throughput_metrics, train_flops
 from rl2gem.training.old_logprobs import OldLogprobs
 from rl2gem.training.online import OnlineTrainer

@@ -29,10 +29,10 @@ import torch.distributed as dist
 from rl2gem.algorithms import LOSS_AGGREGATIONS, packed_loss_weights
 from rl2gem.config import ConfigError
 from rl2gem.data import load_conversations
-from rl2gem.parallel.packing import plan_micro_batches
+from rl2gem.parallel.packing import plan_micro_batches, to_device
 from rl2gem.procs import run_main
 from rl2gem.rollout.tito import ChatRenderer
-from rl2gem.training.forward import check_actor, check_attention, to_device, token_logprobs
+from rl2gem.training.forward import check_actor, check_attention, token_logprobs
 from rl2gem.training.offline import OfflineTrainer, check_data_config
 from rl2gem.training.samples import Sample, packed_field
 from rl2gem.training.trainer import launch
@@ -101,8 +101,8 @@ class SFTTrainer(OfflineTrainer):
             total_loss += loss.detach().double()  # on the device: no wait per micro-batch
             tokens += sum(len(s) for s in part) if not mb.placeholder else 0
         total_loss = total_loss.cpu()
-        dist.all_reduce(total_loss)
-        return {"train/loss": float(total_loss)}, tokens
+        dist.all_reduce(total_loss)  # the data-parallel shares, each held by sp_size * tp_size ranks
+        return {"train/loss": float(total_loss) / (self.mesh.sp_size * self.mesh.tp_size)}, tokens
 
 
 def main(argv: list[str] | None = None) -> int:

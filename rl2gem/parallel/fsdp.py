@@ -80,17 +80,38 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device
         os.environ.setdefault("LOCAL_RANK", "0")
         backend = backend or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
         if "nccl" in backend:
-            local, devices = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
-            if local >= devices:
-                raise RuntimeError(
-                    f"LOCAL_RANK={local}, but this machine has {devices} CUDA device(s): start at most {devices} "
-                    f"ranks per node (torchrun --nproc_per_node={devices})"
-                )
-            torch.cuda.set_device(local)
+            torch.cuda.set_device(local_device_index(int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()))
         dist.init_process_group(backend, timeout=timedelta(minutes=30))
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if uses_cuda() else torch.device("cpu")
-    return rank, world, device
+    if not uses_cuda():
+        return rank, world, torch.device("cpu")
+    return (
+        rank,
+        world,
+        torch.device("cuda", local_device_index(int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count())),
+    )
+
+
+def local_device_index(local_rank: int, devices: int) -> int:
+    """The CUDA device index of the rank with ``LOCAL_RANK`` ``local_rank`` on a process that sees
+    ``devices`` devices: ``local_rank`` when every GPU of the node is visible (torchrun), 0 when
+    the launcher gave each process one GPU of its own (SLURM ``--gpus-per-task=1``:
+    ``CUDA_VISIBLE_DEVICES`` names a single device, and ``LOCAL_RANK`` still counts the node's
+    processes).
+
+    Raises:
+        RuntimeError: ``local_rank`` past the visible devices otherwise (more ranks per node
+            than GPUs).
+    """
+    if local_rank < devices:
+        return local_rank
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if devices == 1 and visible and "," not in visible:
+        return 0
+    raise RuntimeError(
+        f"LOCAL_RANK={local_rank}, but this machine has {devices} CUDA device(s): start at most {devices} "
+        f"ranks per node (torchrun --nproc_per_node={devices})"
+    )
 
 
 #: ranks per node that ``auto`` starts: what the recipes' batches are sized for (their prompts per

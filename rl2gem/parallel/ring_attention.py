@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 from collections.abc import Sequence
 
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from rl2gem.parallel.block_attention import switch_attention
+from rl2gem.parallel.packing import to_device
 
 __all__ = [
     "ZigZagLayout",
@@ -73,6 +75,34 @@ class ZigZagLayout:
     source: torch.Tensor
     positions: torch.Tensor
     sequence_ids: torch.Tensor
+    #: what the attention of every layer reads, built once per layout (host decisions, device copies)
+    _cache: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    def device_tokens(self, rank: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank ``rank``'s tokens' sequence ids and positions (int64 ``[n_local]`` each) on
+        ``device``, copied once per layout (every layer and block reuses them)."""
+        key = ("tokens", rank, str(device))
+        if key not in self._cache:
+            self._cache[key] = tuple(
+                to_device(self.local(values, rank), torch.device(device))
+                for values in (self.sequence_ids, self.positions)
+            )
+        return self._cache[key]
+
+    def blocks_meet(self, rank: int, source: int) -> bool:
+        """Whether any query of rank ``rank`` attends to a key of rank ``source`` (decided on the
+        host from the layout, so the ring skips an empty block without reading the device)."""
+        key = ("meet", rank, source)
+        if key not in self._cache:
+            sequences = len(self.padded_lengths)
+            latest_query = torch.full((sequences,), -1, dtype=torch.long).scatter_reduce(
+                0, self.local(self.sequence_ids, rank), self.local(self.positions, rank), "amax"
+            )
+            earliest_key = torch.full((sequences,), 1 << 62, dtype=torch.long).scatter_reduce(
+                0, self.local(self.sequence_ids, source), self.local(self.positions, source), "amin"
+            )
+            self._cache[key] = bool((earliest_key <= latest_query).any())
+        return self._cache[key]
 
     @property
     def n_local(self) -> int:
@@ -214,12 +244,13 @@ def ring_attention(
     return _RingAttention.apply(query, key, value, layout, group, scale).transpose(1, 2)
 
 
-def _block_mask(layout: ZigZagLayout, rank: int, source: int, device) -> torch.Tensor:
-    """``[n_local, n_local]`` bool: may rank ``rank``'s query attend to rank ``source``'s key."""
-    sequence_q = layout.local(layout.sequence_ids, rank).to(device)
-    position_q = layout.local(layout.positions, rank).to(device)
-    sequence_k = layout.local(layout.sequence_ids, source).to(device)
-    position_k = layout.local(layout.positions, source).to(device)
+def _block_mask(layout: ZigZagLayout, rank: int, source: int, device) -> torch.Tensor | None:
+    """``[n_local, n_local]`` bool on ``device``: may rank ``rank``'s query attend to rank
+    ``source``'s key; None when none may (:meth:`ZigZagLayout.blocks_meet`)."""
+    if not layout.blocks_meet(rank, source):
+        return None
+    sequence_q, position_q = layout.device_tokens(rank, device)
+    sequence_k, position_k = layout.device_tokens(source, device)
     return (sequence_q[:, None] == sequence_k[None, :]) & (position_k[None, :] <= position_q[:, None])
 
 
@@ -241,7 +272,7 @@ class _RingAttention(torch.autograd.Function):
             if step:
                 blocks = _exchange(blocks, following, preceding, group)
             allowed = _block_mask(layout, rank, (rank - step) % size, query.device)
-            if not bool(allowed.any()):
+            if allowed is None:
                 continue
             scores = _block_scores(query, blocks[0], allowed, groups, scale)
             block_lse = torch.logsumexp(scores, dim=-1)
@@ -276,7 +307,7 @@ class _RingAttention(torch.autograd.Function):
                 blocks = _exchange(blocks, following, preceding, group)
                 grad_blocks = _exchange(grad_blocks, following, preceding, group)
             allowed = _block_mask(layout, rank, (rank - step) % size, query.device)
-            if not bool(allowed.any()):
+            if allowed is None:
                 continue
             probs = torch.exp_(_block_scores(query, blocks[0], allowed, groups, scale) - lse[..., None])
             values = blocks[1].repeat_interleave(groups, dim=1).float()
@@ -304,8 +335,11 @@ def _flash_ring_attention(query, key, value, layout: ZigZagLayout, group, scalin
     """``ring_flash_attn.zigzag_ring_flash_attn_varlen_func`` on this layout (CUDA)."""
     from ring_flash_attn import zigzag_ring_flash_attn_varlen_func
 
-    local_lengths = torch.tensor([0] + [n // layout.sp_size for n in layout.padded_lengths], device=query.device)
-    cu_seqlens = local_lengths.cumsum(0).to(torch.int32)
+    key_name = ("cu_seqlens", str(query.device))
+    if key_name not in layout._cache:  # once per layout, not per layer
+        local_lengths = torch.tensor([0] + [n // layout.sp_size for n in layout.padded_lengths])
+        layout._cache[key_name] = to_device(local_lengths.cumsum(0).to(torch.int32), query.device)
+    cu_seqlens = layout._cache[key_name]
     out = zigzag_ring_flash_attn_varlen_func(
         query[0].transpose(0, 1),
         key[0].transpose(0, 1),
@@ -351,15 +385,20 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
             "(a sequence-parallel model must be called through rl2gem.training.forward)"
         )
     layout, group = current
-    if query.is_cuda and _has_ring_flash_attn():
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and _has_ring_flash_attn():
         return _flash_ring_attention(query, key, value, layout, group, scaling), None
     return ring_attention(query, key, value, layout, group, scaling), None
 
 
+@functools.cache
 def _has_ring_flash_attn() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("ring_flash_attn") is not None
+    """Whether ``ring_flash_attn`` and the flash-attn it calls both import (once per process)."""
+    try:
+        import flash_attn  # noqa: F401
+        import ring_flash_attn  # noqa: F401
+    except Exception:  # absent, or built against another torch / CUDA
+        return False
+    return True
 
 
 def enable_ring_attention(model) -> None:
@@ -367,5 +406,25 @@ def enable_ring_attention(model) -> None:
     (and its sub-configs) to it. The model must then run inside :func:`ring_context`."""
     from transformers import AttentionInterface
 
+    reason = _unsupported_by_ring(model.config)
+    if reason is not None:
+        raise ValueError(f"actor.sp_size > 1: ring attention does not support {reason}; use sp_size 1")
     AttentionInterface.register(RING_ATTENTION, _attention)
     switch_attention(model, RING_ATTENTION)
+
+
+def _unsupported_by_ring(config) -> str | None:
+    """What in ``config`` the ring (full causal attention, no logit cap) would silently compute
+    differently: a sliding window shorter than the model's positions, or attention logit
+    soft-capping; None when nothing."""
+    window = getattr(config, "sliding_window", None)
+    longest = getattr(config, "max_position_embeddings", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    slides = (
+        window is not None and getattr(config, "use_sliding_window", True) and (longest is None or window < longest)
+    )
+    if any(kind != "full_attention" for kind in layer_types) or slides:
+        return f"sliding-window attention (sliding_window={window})"
+    if getattr(config, "attn_logit_softcapping", None):
+        return f"attention logit soft-capping (attn_logit_softcapping={config.attn_logit_softcapping})"
+    return None

@@ -147,9 +147,11 @@ class OfflineTrainer(Trainer):
             grad_norm = self.actor.step()
         self.step += 1
         seconds = time.perf_counter() - start
+        # ``tokens``: this rank's data-parallel share, which each of its sp_size * tp_size model-parallel
+        # ranks counts whole while computing only its part
         flops = train_flops(
             self.actor.num_parameters, train_tokens=tokens, forward_tokens=self.forward_tokens(items, tokens)
-        )
+        ) / (self.mesh.sp_size * self.mesh.tp_size)
         metrics.update(
             {
                 "train/sequences": float(len(items)),

@@ -21,6 +21,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
@@ -121,7 +122,7 @@ class OnlineTrainer(Trainer):
         model, self.tokenizer = load_model(c.actor.model, dtype=self.actor.dtype, device=str(self.device))
         if self.reward_model is not None:
             self.reward_model.check_tokenizer(self.tokenizer)
-        model.load_state_dict(self.actor.full_state_dict(), strict=True)
+        model.load_state_dict(self.engine_weights(), strict=True)
         self.engine = EmbeddedEngine(model, self.tokenizer, seed=c.seed * 1000 + self.rank)
         env_kwargs = rl2gem.standard_kwargs(
             c.env, OmegaConf.to_container(c.env_kwargs, resolve=True), tools_in_template=c.rollout.tools_in_template
@@ -187,10 +188,14 @@ class OnlineTrainer(Trainer):
         memory the sync took 0.30-0.38 s of a step on an H200, RESULTS.md); several ranks gather
         each full tensor to the CPU (a second full copy of a large model may not fit the device)."""
         start = time.perf_counter()
-        device = self.device if self.world == 1 else "cpu"
-        weights = self.actor.full_state_dict(device=device, dtype=self.actor.dtype)  # the engine's dtype
-        self.loop.run_until_complete(self.engine.update_weights(weights, version=self.step))
+        self.loop.run_until_complete(self.engine.update_weights(self.engine_weights(), version=self.step))
         return time.perf_counter() - start
+
+    def engine_weights(self) -> dict[str, torch.Tensor]:
+        """The actor's full weights as the engine takes them: in the engine's dtype (not the
+        float32 masters), on the device at one rank, else on the host (a collective)."""
+        device = self.device if self.world == 1 else "cpu"
+        return self.actor.full_state_dict(device=device, dtype=self.actor.dtype)
 
     def evaluate(self) -> dict[str, float]:
         """Greedy episodes on the eval split, spread over ranks (:func:`rl2gem.training.evaluate_env`)."""

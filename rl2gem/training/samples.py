@@ -20,9 +20,9 @@ from rl2gem.algorithms import (
     kl_estimate,
     turn_rloo,
 )
+from rl2gem.parallel.packing import to_device
 from rl2gem.rewards.objectives import apply_objectives
 from rl2gem.rollout.rollout import reward_metrics
-from rl2gem.training.forward import to_device
 
 __all__ = [
     "OUTCOME_ESTIMATORS",

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rl2gem.parallel.fsdp import AUTO_RANKS_PER_NODE, init_distributed, ranks_per_node
+from rl2gem.parallel.fsdp import AUTO_RANKS_PER_NODE, init_distributed, local_device_index, ranks_per_node
 
 
 def test_ranks_per_node_is_two_or_one_per_cuda_device_below(monkeypatch):
@@ -26,6 +26,7 @@ def test_a_rank_past_the_cuda_devices_is_a_clear_error(monkeypatch):
     CUDA's "invalid device ordinal"."""
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: pytest.fail("set_device reached"))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     environment = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
     for name, value in environment.items():  # set here, so the test leaves the process's environment as it was
         monkeypatch.setenv(name, value)
@@ -34,3 +35,18 @@ def test_a_rank_past_the_cuda_devices_is_a_clear_error(monkeypatch):
     ):
         init_distributed("cpu:gloo,cuda:nccl")
     assert not dist.is_initialized()
+
+
+def test_one_gpu_per_process_takes_its_own_device(monkeypatch):
+    """SLURM ``--gpus-per-task=1``: each process sees one GPU (``CUDA_VISIBLE_DEVICES`` names one)
+    while ``LOCAL_RANK`` counts the node's processes: every rank uses its device 0. With all GPUs
+    visible a rank takes its LOCAL_RANK; past them it is the error above."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert [local_device_index(rank, 8) for rank in (0, 3, 7)] == [0, 3, 7]
+    with pytest.raises(RuntimeError, match="LOCAL_RANK=2, but this machine has 1 CUDA device"):
+        local_device_index(2, 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
+    assert local_device_index(2, 1) == 0 and local_device_index(0, 1) == 0
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")  # two visible: not one GPU per process
+    with pytest.raises(RuntimeError, match="LOCAL_RANK=2, but this machine has 2 CUDA device"):
+        local_device_index(2, 2)

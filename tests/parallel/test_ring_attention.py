@@ -112,3 +112,56 @@ def test_gradient_checkpointing_recomputes_ring_attention_in_its_context(monkeyp
             torch.testing.assert_close(have.grad, want.grad, msg=name)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sp", [1, 2, 3, 4])
+def test_blocks_meet_on_the_host_exactly_when_the_block_mask_allows_a_pair(sp):
+    """Whether a ring step's block has any allowed pair is decided from the layout on the host
+    (no device read per layer): equal to the brute-force mask's ``any()`` for every pair of ranks,
+    and the mask built from the once-copied token vectors is the brute-force one."""
+    from rl2gem.parallel.ring_attention import _block_mask
+
+    generator = torch.Generator().manual_seed(sp)
+    for lengths in ([1], [2, 1], [3, 1, 17, 40, 9], torch.randint(1, 30, (7,), generator=generator).tolist()):
+        layout = zigzag_layout(lengths, sp)
+        for rank in range(sp):
+            for source in range(sp):
+                sequence_q = layout.local(layout.sequence_ids, rank)
+                position_q = layout.local(layout.positions, rank)
+                sequence_k = layout.local(layout.sequence_ids, source)
+                position_k = layout.local(layout.positions, source)
+                brute = (sequence_q[:, None] == sequence_k[None, :]) & (position_k[None, :] <= position_q[:, None])
+                assert layout.blocks_meet(rank, source) == bool(brute.any()), (lengths, rank, source)
+                mask = _block_mask(layout, rank, source, torch.device("cpu"))
+                assert (mask is None) == (not brute.any())
+                if mask is not None:
+                    assert torch.equal(mask, brute)
+
+
+@pytest.mark.parametrize(
+    "extra,words",
+    [
+        ({"sliding_window": 64, "use_sliding_window": True}, "sliding-window attention"),
+        ({"attn_logit_softcapping": 50.0}, "attention logit soft-capping"),
+    ],
+)
+def test_ring_attention_refuses_what_it_would_compute_differently(extra, words):
+    """Ring attention is full causal attention without a logit cap: a model that slides a window
+    or caps its logits is refused when sequence parallelism switches it over, not trained wrong."""
+    import transformers
+
+    from rl2gem.parallel.ring_attention import enable_ring_attention
+
+    config = transformers.MistralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+    )
+    config.sliding_window = None
+    for key, value in extra.items():
+        setattr(config, key, value)
+    with pytest.raises(ValueError, match=f"actor.sp_size > 1: ring attention does not support {words}"):
+        enable_ring_attention(transformers.MistralForCausalLM(config))
+    config = transformers.MistralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+    )
+    config.sliding_window = None
+    enable_ring_attention(transformers.MistralForCausalLM(config))  # full attention: accepted

@@ -165,3 +165,29 @@ def test_resume_matches_an_uninterrupted_run(tiny_dir, episodes, tmp_path):
     wb = load_file(tmp_path / "cut" / "checkpoint-4" / "hf" / "model.safetensors")
     for name, t in wa.items():
         assert (t - wb[name]).abs().max().item() < 1e-5, name
+
+
+def test_model_parallel_ranks_log_one_rank_s_loss_and_their_share_of_the_flops(tiny_dir, episodes, tmp_path):
+    """Sequence and tensor parallelism over 2 ranks log the loss of one rank, and MFU from each
+    rank's half of the work: every rank of an SP or TP group holds the whole loss and counts the
+    whole micro-batch's tokens, so summing over ranks had doubled both. With the peak fixed
+    (``trainer.peak_flops``), ``perf/mfu * time/step`` is the FLOPs per rank."""
+    args = [
+        f"data.train={episodes}",
+        f"actor.model={tiny_dir}",
+        "data.batch_size=6",
+        "trainer.total_steps=1",
+        "trainer.eval_at_start=false",
+        "trainer.progress=false",
+        "trainer.peak_flops=1e12",
+        "actor.max_length_per_device=256",
+    ]
+    torchrun(1, "trainers/sft.py", *args, f"trainer.output_dir={tmp_path / 'one'}")
+    one = logged_steps(tmp_path / "one" / "metrics.jsonl", "train/loss")[1]
+    one_flops = one["perf/mfu"] * one["time/step"]
+    for layout in ("sp_size", "tp_size"):
+        out = tmp_path / layout
+        torchrun(2, "trainers/sft.py", *args, f"actor.{layout}=2", f"trainer.output_dir={out}")
+        two = logged_steps(out / "metrics.jsonl", "train/loss")[1]
+        assert two["train/loss"] == pytest.approx(one["train/loss"], rel=1e-4), layout
+        assert two["perf/mfu"] * two["time/step"] == pytest.approx(one_flops / 2, rel=0.1), layout
