@@ -95,9 +95,9 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device
 def local_device_index(local_rank: int, devices: int) -> int:
     """The CUDA device index of the rank with ``LOCAL_RANK`` ``local_rank`` on a process that sees
     ``devices`` devices: ``local_rank`` when every GPU of the node is visible (torchrun), 0 when
-    the launcher gave each process one GPU of its own (SLURM ``--gpus-per-task=1``:
-    ``CUDA_VISIBLE_DEVICES`` names a single device, and ``LOCAL_RANK`` still counts the node's
-    processes).
+    the launcher gave each process one GPU of its own (SLURM ``--gpus-per-task=1`` through
+    ``srun``, not torchrun: ``CUDA_VISIBLE_DEVICES`` names a single device, and ``LOCAL_RANK``
+    still counts the node's processes).
 
     Raises:
         RuntimeError: ``local_rank`` past the visible devices otherwise (more ranks per node
@@ -106,7 +106,8 @@ def local_device_index(local_rank: int, devices: int) -> int:
     if local_rank < devices:
         return local_rank
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
-    if devices == 1 and visible and "," not in visible:
+    # torchrun starts every rank of a node with the same devices visible: never one GPU each
+    if devices == 1 and visible and "," not in visible and "TORCHELASTIC_RUN_ID" not in os.environ:
         return 0
     raise RuntimeError(
         f"LOCAL_RANK={local_rank}, but this machine has {devices} CUDA device(s): start at most {devices} "

@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import functools
 import threading
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -76,7 +77,7 @@ class ZigZagLayout:
     positions: torch.Tensor
     sequence_ids: torch.Tensor
     #: what the attention of every layer reads, built once per layout (host decisions, device copies)
-    _cache: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    _cache: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def device_tokens(self, rank: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Rank ``rank``'s tokens' sequence ids and positions (int64 ``[n_local]`` each) on
@@ -385,9 +386,22 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
             "(a sequence-parallel model must be called through rl2gem.training.forward)"
         )
     layout, group = current
-    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and _has_ring_flash_attn():
-        return _flash_ring_attention(query, key, value, layout, group, scaling), None
+    if query.is_cuda:
+        if query.dtype in (torch.float16, torch.bfloat16) and _has_ring_flash_attn():
+            return _flash_ring_attention(query, key, value, layout, group, scaling), None
+        _warn_pure_pytorch_ring(query.dtype)
     return ring_attention(query, key, value, layout, group, scaling), None
+
+
+@functools.cache
+def _warn_pure_pytorch_ring(dtype: torch.dtype) -> None:
+    """Once per dtype: CUDA runs the pure-PyTorch ring (float32 score blocks of ``heads x n_local^2``)."""
+    reason = "ring_flash_attn or flash-attn does not import" if dtype in (torch.float16, torch.bfloat16) else dtype
+    warnings.warn(
+        f"sequence parallelism on CUDA runs the pure-PyTorch ring attention ({reason}): slower, and "
+        "its float32 score blocks grow with the square of the tokens per rank",
+        stacklevel=3,
+    )
 
 
 @functools.cache
@@ -419,11 +433,12 @@ def _unsupported_by_ring(config) -> str | None:
     soft-capping; None when nothing."""
     window = getattr(config, "sliding_window", None)
     longest = getattr(config, "max_position_embeddings", None)
-    layer_types = getattr(config, "layer_types", None) or []
-    slides = (
-        window is not None and getattr(config, "use_sliding_window", True) and (longest is None or window < longest)
-    )
-    if any(kind != "full_attention" for kind in layer_types) or slides:
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:  # per layer (Qwen2/3, Gemma...): what the modeling code runs
+        other = sorted({kind for kind in layer_types if kind != "full_attention"})
+        if other:
+            return f"layers of type {other} (sliding_window={window})"
+    elif window is not None and getattr(config, "use_sliding_window", True) and (longest is None or window < longest):
         return f"sliding-window attention (sliding_window={window})"
     if getattr(config, "attn_logit_softcapping", None):
         return f"attention logit soft-capping (attn_logit_softcapping={config.attn_logit_softcapping})"

@@ -51,7 +51,8 @@ TRAINER_ROLLOUT_KEYS = ("prompts_per_rollout", "chat_template")
 #: The embedded engine's counters logged per rollout (``engine/<name>``; times in seconds).
 ENGINE_COUNTERS = (
     "prefill_forwards", "prefill_tokens", "decode_steps", "decode_rounds", "decode_graph_captures",
-    "kv_allocations", "time_admit_ms", "time_decode_ms", "time_capture_ms",
+    "decode_graphs_failed", "decode_compile_failed", "kv_allocations", "time_admit_ms", "time_decode_ms",
+    "time_capture_ms",
 )  # fmt: skip
 
 

@@ -52,8 +52,9 @@ class LoraSettings:
 
 def resolve_compile(settings: WorkerSettings, device_type: str) -> bool:
     """``settings.compile`` (``actor.compile``) on a device of type ``device_type`` (``"cuda"``,
-    ``"cpu"``...). ``auto`` is on for CUDA without tensor or sequence parallelism or CPU offload:
-    the layouts that have run compiled on a GPU. On one H200 compiled layers ran SFT at 235k / 245k
+    ``"cpu"``...). ``auto`` is on for CUDA without tensor or sequence parallelism or CPU offload.
+    Only one-rank FSDP has run compiled on a GPU; FSDP and HSDP over more ranks run the same
+    per-layer code, and TP, SP and offload change it. On one H200 compiled layers ran SFT at 235k / 245k
     tokens/s (mixed / long rows) against 184k / 194k eager (141.6M Llama, 2026-11-25), and PPO,
     DPO, RM and SFT passed their GPU tests compiled at one rank (2026-11-27;
     ``benchmarks/RESULTS.md``); on the 2-core CPU Inductor's C++ compile costs more than it saves.

@@ -42,11 +42,17 @@ def test_one_gpu_per_process_takes_its_own_device(monkeypatch):
     while ``LOCAL_RANK`` counts the node's processes: every rank uses its device 0. With all GPUs
     visible a rank takes its LOCAL_RANK; past them it is the error above."""
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     assert [local_device_index(rank, 8) for rank in (0, 3, 7)] == [0, 3, 7]
     with pytest.raises(RuntimeError, match="LOCAL_RANK=2, but this machine has 1 CUDA device"):
         local_device_index(2, 1)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
     assert local_device_index(2, 1) == 0 and local_device_index(0, 1) == 0
+    # under torchrun the same single visible GPU is every rank's: two ranks there are the error
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    with pytest.raises(RuntimeError, match="LOCAL_RANK=2, but this machine has 1 CUDA device"):
+        local_device_index(2, 1)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")  # two visible: not one GPU per process
     with pytest.raises(RuntimeError, match="LOCAL_RANK=2, but this machine has 2 CUDA device"):
         local_device_index(2, 2)

@@ -165,3 +165,23 @@ def test_ring_attention_refuses_what_it_would_compute_differently(extra, words):
     )
     config.sliding_window = None
     enable_ring_attention(transformers.MistralForCausalLM(config))  # full attention: accepted
+
+
+def test_ring_attention_reads_the_layer_types_when_a_config_has_them():
+    """Qwen2's window applies only to layers past ``max_window_layers``: a config whose layers are
+    all full attention is accepted although ``use_sliding_window`` is set; one with a sliding
+    layer is refused, naming the layer type."""
+    import transformers
+
+    from rl2gem.parallel.ring_attention import enable_ring_attention
+
+    def qwen2(max_window_layers):
+        config = transformers.Qwen2Config(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=2, use_sliding_window=True, sliding_window=16, max_window_layers=max_window_layers,
+        )  # fmt: skip
+        return transformers.Qwen2ForCausalLM(config)
+
+    enable_ring_attention(qwen2(max_window_layers=2))
+    with pytest.raises(ValueError, match=r"does not support layers of type \['sliding_attention'\]"):
+        enable_ring_attention(qwen2(max_window_layers=1))

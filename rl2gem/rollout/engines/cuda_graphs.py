@@ -46,6 +46,7 @@ the capture itself is tested under ``pytest -m gpu``. Source: PyTorch's CUDA gra
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 import types
 from collections.abc import Callable
@@ -133,7 +134,7 @@ class DecodeGraphs:
             # is one code object shared by every decorated function, and so would be dynamo's cache
             # entries and its recompile limit; engines of other models add entries, hence the limit
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_VARIANTS)
-            step = types.MethodType(LeanDecoder.decode_all_columns.__wrapped__, decoder)
+            step = types.MethodType(inspect.unwrap(LeanDecoder.decode_all_columns), decoder)
             options = {"backend": compile_backend, "fullgraph": True, "dynamic": True}
             self._decode_columns = torch.compile(step, **options)
             self._sample_rows = torch.compile(sample_rows, **options)

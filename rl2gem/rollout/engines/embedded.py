@@ -1059,8 +1059,9 @@ class EmbeddedEngine(Engine):
         self.stats["time_capture_ms"] += 1000 * (self._graphs.capture_seconds - seconds)
 
     def _graphs_failed(self, error: Exception) -> None:
-        """A step failed to build (this round runs windowed): a compiled one goes on uncompiled,
-        an uncompiled one turns the graphs off for the engine's life."""
+        """A step failed to build: a compiled one goes on uncompiled (this round captures the
+        uncompiled step or runs windowed), an uncompiled one turns the graphs off for the engine's
+        life (the decode runs windowed)."""
         self._graphs.reset()
         if self._graphs.compile_backend is not None:
             warnings.warn(f"decode_compile turned off, the decode graphs go on uncompiled: {error}", stacklevel=3)
