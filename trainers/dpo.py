@@ -124,7 +124,8 @@ class DPOTrainer(OfflineTrainer):
         ):
             part = [pairs[i] for i in mb.indices]
             if self.reference is not None:
-                self.reference_tokens += self.fill_reference(part)
+                ran = self.fill_reference(part)
+                self.reference_tokens += ran if not mb.placeholder else 0  # as the policy's tokens below
             with torch.set_grad_enabled(train):
                 logps, counts = response_logps(self.actor.model, pair_sequences(part), self.device, tree=self.tree)
                 reference = torch.tensor(

@@ -136,15 +136,18 @@ def _index_limit(worker) -> int:
     return 2**31 // widest // MULTIPLE * MULTIPLE
 
 
-def _trainable_bytes(worker) -> int:
-    """Bytes of this rank's shards of the trainable parameters (and so of their gradients)."""
-    return sum(getattr(p, "_local_tensor", p).nbytes for p in worker.model.parameters() if p.requires_grad)
+def _trainable_bytes(worker, device: torch.device) -> int:
+    """Bytes of this rank's shards of the trainable parameters on ``device``'s type (and so of
+    their gradients and AdamW's moments, which live with them): none on CUDA under
+    ``actor.cpu_offload``, whose shards, gradients and optimizer state stay on the host."""
+    local = (getattr(p, "_local_tensor", p) for p in worker.model.parameters() if p.requires_grad)
+    return sum(t.nbytes for t in local if t.device.type == device.type)
 
 
 def _unallocated_state_bytes(worker, device: torch.device) -> int:
     """AdamW's two moments when it has not stepped yet, plus (off CUDA, where the probe does not
     see them) the gradients."""
-    local = _trainable_bytes(worker)
+    local = _trainable_bytes(worker, device)
     moments = 2 * local if not worker.optimizer.state else 0
     return moments + (local if device.type != "cuda" else 0)
 
@@ -178,9 +181,9 @@ def auto_max_length(
     # every trained model's optimizer state is there during each one's passes, and on CUDA (where a
     # probe's peak holds its own gradients) the other models' gradients too: the update holds all
     unallocated = 0 if simulated else sum(_unallocated_state_bytes(worker, device) for worker in workers)
-    gradients = sum(_trainable_bytes(worker) for worker in workers) if device.type == "cuda" else 0
+    gradients = sum(_trainable_bytes(worker, device) for worker in workers) if device.type == "cuda" else 0
     for worker in workers:
-        others = gradients - _trainable_bytes(worker) if gradients else 0
+        others = gradients - _trainable_bytes(worker, device) if gradients else 0
         budget = device_budget(device, fraction) - reserved_bytes - unallocated - others
         _probe(worker, PROBE_LENGTHS[0] * tokens_per_length, device)  # warm-up: one-time workspaces
         peaks = [_probe(worker, n * tokens_per_length, device) for n in PROBE_LENGTHS]

@@ -218,3 +218,17 @@ def test_out_of_memory_is_raised_when_it_cannot_be_retried(tmp_path):
     with pytest.raises(torch.OutOfMemoryError, match="simulated"):
         stepped.run(step_then_out_of_memory, longest=100)
     assert stepped.value == 1024
+
+
+def test_state_on_the_host_is_not_taken_off_the_device_budget():
+    """``actor.cpu_offload`` keeps the parameter shards, their gradients and AdamW's moments on the
+    host: on CUDA they weigh nothing against the device's budget (they were taken off it, so the
+    auto length came out shorter than what fits); on the CPU every trainable byte counts."""
+    model = torch.nn.Linear(16, 8)  # 8 x 16 + 8 float32 = 544 bytes, on the host
+    model.bias.requires_grad_(False)
+    worker = types.SimpleNamespace(model=model, optimizer=types.SimpleNamespace(state={}))
+    assert autosize._trainable_bytes(worker, torch.device("cpu")) == 8 * 16 * 4
+    assert autosize._trainable_bytes(worker, torch.device("cuda")) == 0
+    assert autosize._unallocated_state_bytes(worker, torch.device("cuda")) == 0
+    # on the CPU: the two moments not yet allocated, and the gradients the probe does not see
+    assert autosize._unallocated_state_bytes(worker, torch.device("cpu")) == 3 * 8 * 16 * 4
