@@ -69,6 +69,49 @@ def test_all_column_step_equals_the_windowed_decode(kind, backend):
     assert list(graphs._steps) == [(8, 0)] and graphs.captures == 0
 
 
+@torch.no_grad()
+def test_a_replaced_parameter_rebuilds_the_steps_without_walking_the_modules_each_step(monkeypatch):
+    """The steps are tied to every parameter's storage, read from slots found once: a parameter
+    replaced in its module, or given other data, builds the steps again and they compute with it
+    (equal to the windowed decode), and a step reads no ``model.parameters()`` (a walk of every
+    module, half the host time of a decode round on the CPU)."""
+    model = build("llama")
+    decoder = LeanDecoder(model)
+    windowed, fixed = new_store(model, 8, 64), new_store(model, 8, 64)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+    for store in (windowed, fixed):
+        store.slots = 2
+        store.mask[0, 2:5] = store.mask[1, 0:5] = True
+        decoder.prefill(store, [(0, prompts[0], 0), (1, prompts[1], 0)], 5)
+        store.hi = 5
+    graphs = DecodeGraphs(decoder, capture=False)
+    walks = []
+    original = torch.nn.Module.named_modules
+    monkeypatch.setattr(torch.nn.Module, "named_modules", lambda *a, **k: walks.append(1) or original(*a, **k))
+    layer = model.model.layers[1]
+    changes = [
+        lambda: None,
+        lambda: setattr(layer.mlp.up_proj, "weight", torch.nn.Parameter(layer.mlp.up_proj.weight * 3)),
+        lambda: setattr(layer.self_attn.o_proj.weight, "data", layer.self_attn.o_proj.weight.data * -2),
+    ]
+    built = []
+    for step, change in enumerate(changes):
+        change()
+        for store in (windowed, fixed):
+            store.mask[:2, store.hi] = True
+        expected = decoder.decode(
+            windowed, torch.tensor([3, 4]), torch.tensor([3 + step, 5 + step]), [4 + step, 6 + step]
+        )
+        walks.clear()
+        got = graphs.decode(fixed, [3, 4], [3 + step, 5 + step])
+        assert not walks  # no module walk in a step
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        built.append(graphs._steps[(8, 0)])  # 2 rows: the smallest bucket
+        for store in (windowed, fixed):
+            store.hi += 1
+    assert built[0] is not built[1] and built[1] is not built[2]  # each change built the step again
+
+
 @pytest.mark.parametrize("decode_steps,decode_compile", [(1, False), (4, False), (4, "aot_eager")])
 def test_engine_with_the_fixed_shape_step_gives_the_same_tokens(tokenizer, monkeypatch, decode_steps, decode_compile):
     """Staggered requests over 1, 3, 5 and 6 running rows, a GRPO group, a second

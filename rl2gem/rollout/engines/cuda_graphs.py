@@ -138,6 +138,13 @@ class DecodeGraphs:
             options = {"backend": compile_backend, "fullgraph": True, "dynamic": True}
             self._decode_columns = torch.compile(step, **options)
             self._sample_rows = torch.compile(sample_rows, **options)
+        # (each module's parameter table, a name in it) for every parameter (tied ones once)
+        self._parameter_slots = [
+            (module._parameters, name)
+            for module in decoder.model.modules()
+            for name, parameter in module._parameters.items()
+            if parameter is not None
+        ]
         self.captures = 0  # graphs captured so far (the engine's ``decode_graph_captures``)
         self.capture_seconds = 0.0  # their warm-up and capture, device synchronised (``time_capture_ms``)
         self._steps: dict[tuple[int, int], _Step] = {}
@@ -151,7 +158,12 @@ class DecodeGraphs:
         self._pool = None
 
     def _addresses(self, store) -> tuple:
-        parameters = tuple(p.data_ptr() for p in self.decoder.model.parameters())
+        """What the captured steps are tied to: the store's size and buffers and every parameter's
+        storage. Read from the parameter slots found once (``model.parameters()`` walks every
+        module: about 0.5 ms per round on the 2-core CPU for an 8-layer model, a host cost in
+        every decode round), so a parameter replaced in its module, or given other data, is
+        still seen."""
+        parameters = tuple(table[name].data_ptr() for table, name in self._parameter_slots)
         buffers = tuple(t.data_ptr() for t in (*store.keys, *store.values, store.mask))
         return (store.capacity, buffers, parameters)
 
