@@ -23,7 +23,9 @@ model only), ppo (the longest and least predictable last):
    log-probs against the trainer's: mismatch KL and largest difference) and chose after it.
 3. **decode**: the embedded engine's decode tokens/s at 64 and 256 rows (``--rows``; 128 new tokens
    each, ``--new-tokens``, EOS ignored) against a warm ``model.generate`` on the same prompts, and
-   the share of the engine's wall time the GPU runs kernels (``torch.profiler``; CUDA only). The
+   the share of the engine's wall time the GPU runs kernels, with the kernels per decode step and
+   their device time (``torch.profiler``; CUDA only): a step ms per round well above the kernel
+   ms is the device waiting between kernels, not the host. The
    engine as trainers build it, then variants: on CUDA one decode step per graph replay
    (``decode_steps=1``), the captured step compiled by Inductor first (``decode_compile=True``),
    then without graphs (``decode_graphs=False``); on
@@ -391,9 +393,10 @@ def mask_section(lengths: list[int]) -> None:
             print(f"| {length} | {name} | {seconds:.4f} | {added:.0f} | {rows[0][1] / seconds:.1f}x |", flush=True)
 
 
-def busy_fraction(work) -> float | None:
-    """The share of ``work()``'s wall time in which CUDA kernels run (their summed device time,
-    from ``torch.profiler``), or None off CUDA or when the profiler recorded no kernel."""
+def kernel_profile(work) -> tuple[float, int, float] | None:
+    """``work()`` under ``torch.profiler`` -> (the share of its wall time in which CUDA kernels
+    run, the kernels launched, their summed device seconds), or None off CUDA or when the profiler
+    recorded no kernel. Kernels replayed from a CUDA graph count one by one."""
     if not torch.cuda.is_available():
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -403,11 +406,12 @@ def busy_fraction(work) -> float | None:
         work()
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    kernels = sum(e.device_time_total for e in profiler.key_averages() if e.device_type.name == "CUDA")
-    if kernels == 0:  # the profiler saw no kernel (CUPTI off after an earlier session): not measured
+    events = [e for e in profiler.key_averages() if e.device_type.name == "CUDA"]
+    seconds = sum(e.device_time_total for e in events) / 1e6
+    if seconds == 0:  # the profiler saw no kernel (CUPTI off after an earlier session): not measured
         print("(torch.profiler recorded no CUDA kernel: GPU busy not measured)", flush=True)
         return None
-    return kernels / 1e6 / wall
+    return seconds / wall, sum(e.count for e in events), seconds
 
 
 def timed(work, device: torch.device) -> float:
@@ -434,11 +438,13 @@ def static_generate(model, prompts: list[list[int]], pad: int, new: int) -> None
         )
 
 
-def engine_decode(model, tokenizer, prompts: list[list[int]], new: int, **options) -> tuple[dict, dict, float | None]:
+def engine_decode(model, tokenizer, prompts: list[list[int]], new: int, **options) -> tuple[dict, dict, dict]:
     """The embedded engine (as the rollout uses it; ``options``: its ``decode_graphs`` and
     ``decode_steps``) on ``prompts``, ``new`` tokens each, three times on one engine: a warm-up
     (its graphs captured), a measured run and a profiled one. Returns the warm-up's and the
-    measured run's counters and the profiled run's GPU-busy share (None off CUDA)."""
+    measured run's counters and the profiled run's: ``busy`` (the GPU-busy share of its wall
+    time), ``kernels`` and ``kernel_ms`` per decode step (prefill's few kernels included), empty
+    off CUDA."""
     engine = EmbeddedEngine(model, tokenizer, max_batch_size=len(prompts), **options)
     params = {"max_new_tokens": new, "temperature": 1.0, "ignore_eos": True}
 
@@ -452,9 +458,14 @@ def engine_decode(model, tokenizer, prompts: list[list[int]], new: int, **option
     warm = asyncio.run(batch_and_stats())
     after = asyncio.run(batch_and_stats())
     measured = {key: value - warm.get(key, 0) for key, value in after.items()}
-    busy = busy_fraction(lambda: asyncio.run(batch()))
+    profile = kernel_profile(lambda: asyncio.run(batch()))
+    profiled = {}
+    if profile is not None:
+        steps = max(asyncio.run(engine.settled_stats())["decode_steps"] - after.get("decode_steps", 0), 1)
+        busy, kernels, seconds = profile
+        profiled = {"busy": busy, "kernels": kernels / steps, "kernel_ms": 1000 * seconds / steps}
     asyncio.run(engine.close())
-    return warm, measured, busy
+    return warm, measured, profiled
 
 
 def engine_sides(device: torch.device) -> list[tuple[dict, str]]:
@@ -490,21 +501,24 @@ def decode_section(model_dir: Path, row_counts: list[int], new_tokens: int) -> N
     # the rest of the round (the tokens handed to their requests, finished rows, the scheduler)
     print(
         "| rows | side | decode tokens/s | vs model.generate | GPU busy | graphs captured "
-        "| steps per round | step ms per round | rest ms per round |"
+        "| steps per round | step ms per round | rest ms per round | kernels per step | kernel ms per step |"
     )
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for rows in row_counts:
         prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(32, 96))] for _ in range(rows)]
         static_generate(model, prompts, pad, new_tokens)  # warm
         seconds = timed(lambda p=prompts: static_generate(model, p, pad, new_tokens + 1), device)
         seconds -= timed(lambda p=prompts: static_generate(model, p, pad, 1), device)  # its prefill
         baseline = rows * new_tokens / max(seconds, 1e-9)
-        print(f"| {rows} | model.generate (warm, static batch) | {baseline:.0f} | 1.00x | - | - | - | - | - |")
+        print(f"| {rows} | model.generate (warm, static batch) | {baseline:.0f} | 1.00x | - | - | - | - | - | - | - |")
         for options, name in engine_sides(device):
-            warm, stats, busy = engine_decode(model, tokenizer, prompts, new_tokens, **options)
+            warm, stats, profiled = engine_decode(model, tokenizer, prompts, new_tokens, **options)
             rate = stats["decode_tokens"] / max(stats["time_decode_ms"] / 1000, 1e-9)
             captured = f"{warm.get('decode_graph_captures', 0)} in {warm.get('time_capture_ms', 0) / 1000:.2f} s"
-            busy_text = f"{busy:.0%}" if busy is not None else "-"
+            busy_text = f"{profiled['busy']:.0%}" if profiled else "-"
+            kernels = f"{profiled['kernels']:.0f} | {profiled['kernel_ms']:.3f}" if profiled else "- | -"
+            if stats.get("decode_graph_captures"):  # graphs captured again after the warm-up: in the times
+                captured += f", {stats['decode_graph_captures']} in the measured run"
             if warm.get("decode_graphs_failed") or stats.get("decode_graphs_failed"):
                 name += " (graphs failed: windowed)"
                 FAILED.append(f"decode graphs at {rows} rows")
@@ -513,7 +527,7 @@ def decode_section(model_dir: Path, row_counts: list[int], new_tokens: int) -> N
             rest_ms = stats.get("time_decode_ms", 0) / rounds - step_ms
             print(
                 f"| {rows} | rl2gem {name} | {rate:.0f} | {rate / baseline:.2f}x | {busy_text} | {captured} "
-                f"| {stats.get('decode_steps', 0) / rounds:.1f} | {step_ms:.2f} | {rest_ms:.2f} |",
+                f"| {stats.get('decode_steps', 0) / rounds:.1f} | {step_ms:.2f} | {rest_ms:.2f} | {kernels} |",
                 flush=True,
             )
 
