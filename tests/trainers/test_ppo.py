@@ -65,25 +65,28 @@ UNEVEN = "lengths=3,1,17,40,90,9"  # shorter than 2*sp tokens, one token, longer
 
 
 @pytest.mark.parametrize(
-    "options",
+    "ranks,options",
     [
-        (),
-        ("ddp_size=2",),
-        ("cpu_offload=1", "gradient_checkpointing=1"),
-        ("tp_size=2", UNEVEN, "max_tokens=50"),
-        ("sp_size=2", UNEVEN, "max_tokens=50"),
-        ("lora=4", "gradient_checkpointing=1"),
+        (2, ()),
+        (2, ("ddp_size=2",)),
+        (2, ("cpu_offload=1", "gradient_checkpointing=1")),
+        (2, ("tp_size=2", UNEVEN, "max_tokens=50")),
+        (2, ("sp_size=2", UNEVEN, "max_tokens=50")),
+        (2, ("lora=4", "gradient_checkpointing=1")),
+        (4, ("tp_size=2", UNEVEN, "max_tokens=50")),
+        (4, ("sp_size=2", "tp_size=2", UNEVEN, "max_tokens=50")),
     ],
-    ids=["fsdp", "hsdp", "offload+checkpointing", "tp", "sp", "lora"],
+    ids=["fsdp", "hsdp", "offload+checkpointing", "tp", "sp", "lora", "fsdp2xtp2", "sp2xtp2"],
 )
-def test_fsdp_two_ranks_equal_one(tiny_dir, tmp_path, one_rank_reference, options):
+def test_fsdp_ranks_equal_one(tiny_dir, tmp_path, one_rank_reference, ranks, options):
     """FSDP2 over 2 ranks (plain, HSDP replicas, CPU offload with activation checkpointing, LoRA
-    adapters beside frozen base shards), tensor parallelism over 2 ranks and ZigZag sequence
-    parallelism over 2 ranks (on uneven packed lengths) give one process's logits, per-token
-    log-probs, loss and gradients (one process runs the model without an FSDP wrapper)."""
+    adapters beside frozen base shards), tensor parallelism over 2 ranks, ZigZag sequence
+    parallelism over 2 ranks (on uneven packed lengths), and over 4 ranks FSDP's 2 shards of each
+    tensor-parallel half (and 2 SP x 2 TP) give one process's logits, per-token log-probs, loss and
+    gradients (one process runs the model without an FSDP wrapper)."""
     script = str(ROOT / "tests" / "parallel" / "fsdp_equivalence.py")
     one = one_rank_reference(tuple(o for o in options if o.startswith(("lengths=", "max_tokens=", "lora="))))
-    torchrun(2, script, str(tiny_dir), str(tmp_path / "two.json"), *options)
+    torchrun(ranks, script, str(tiny_dir), str(tmp_path / "two.json"), *options)
     two = json.loads((tmp_path / "two.json").read_text())
     assert two["fsdp"] and not one["fsdp"]  # one rank runs the plain module: FSDP would only copy
     assert one["loss"] == pytest.approx(two["loss"], rel=1e-5, abs=1e-7)
@@ -555,7 +558,7 @@ def test_lora_ppo_on_two_ranks_syncs_merged_weights_and_exports_the_adapter(tiny
     )
 
 
-# slow: TP and SP equivalence: test_fsdp_two_ranks_equal_one[tp|sp]; resume: test_resume_after_kill_9_...
+# slow: TP and SP equivalence: test_fsdp_ranks_equal_one[tp|sp|fsdp2xtp2|sp2xtp2]; resume: test_resume_after_kill_9_...
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "layout",
