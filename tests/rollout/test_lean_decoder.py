@@ -12,7 +12,7 @@ import torch
 from rl2gem.openmp import release_thread_team
 from rl2gem.rollout import EmbeddedEngine
 from rl2gem.rollout.engines.embedded import _KVStore
-from rl2gem.rollout.engines.lean_decoder import LeanDecoder, unsupported_reason
+from rl2gem.rollout.engines.lean_decoder import LLAMA_NORMS, LeanDecoder, _norm, _rope, unsupported_reason
 
 
 def build(kind: str, **extra):
@@ -156,6 +156,48 @@ def test_plan_prefill_groups_by_hand():
     assert exact.plan_prefill_groups([5, 5, 3, 5], [9, 9, 3, 8]) == [[0, 1], [3], [2]]  # no padding at all
     decoder.prefill_scores = 4 * 2 * 5 * 60  # room for two of them
     assert decoder.plan_prefill_groups([5, 5, 5], [50, 48, 60]) == [[2, 0], [1]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_norms_and_rotary_embedding_equal_the_models_own_bit_for_bit(dtype):
+    """The fewer-kernel RMSNorm (torch's ``rms_norm``, then the weight) and rotary embedding (a roll
+    and a sign-flipped sin) give exactly what the model's modules and transformers'
+    ``apply_rotary_pos_emb`` give, in float32 and bf16, for Llama's norms and Qwen3's per-head
+    query and key norms (their weights away from 1, so the weight counts)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    generator = torch.Generator().manual_seed(5)
+    for kind in ("llama", "qwen3"):
+        model = build(kind).to(dtype)
+        layer = model.model.layers[0]
+        hidden = torch.randn(7, model.config.hidden_size, generator=generator).to(dtype) * 3
+        norms = [(layer.input_layernorm, hidden), (layer.post_attention_layernorm, hidden), (model.model.norm, hidden)]
+        decoder = LeanDecoder(model)
+        if kind == "qwen3":  # over each head of the queries and keys
+            heads = torch.randn(7, decoder.num_heads, decoder.head_dim, generator=generator).to(dtype)
+            norms += [(layer.self_attn.q_norm, heads), (layer.self_attn.k_norm, heads[:, : decoder.kv_heads])]
+        for module, x in norms:
+            assert type(module).__name__ in LLAMA_NORMS
+            assert torch.equal(_norm(module, x), module(x))
+        positions = torch.tensor([0, 3, 9, 100, 511, 2, 7])
+        _, cos, signed_sin = decoder._embed(torch.arange(7), positions)
+        full_cos, full_sin = model.model.rotary_emb(hidden, positions[None])
+        query = torch.randn(1, decoder.num_heads, 7, decoder.head_dim, generator=generator).to(dtype)
+        key = torch.randn(1, decoder.kv_heads, 7, decoder.head_dim, generator=generator).to(dtype)
+        expected_query, expected_key = apply_rotary_pos_emb(query, key, full_cos, full_sin)
+        assert torch.equal(_rope(query[0].transpose(0, 1), cos, signed_sin), expected_query[0].transpose(0, 1))
+        assert torch.equal(_rope(key[0].transpose(0, 1), cos, signed_sin), expected_key[0].transpose(0, 1))
+
+
+class _OtherNorm(torch.nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+def test_a_norm_of_another_kind_is_called_as_it_is():
+    x = torch.randn(3, 4)
+    assert torch.equal(_norm(_OtherNorm(), x), x * 2)
 
 
 def test_plan_chunks_by_hand():

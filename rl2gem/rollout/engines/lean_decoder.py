@@ -17,6 +17,13 @@ embedding, so weight updates in place and biases are picked up) with three chang
   key/value head with that head's keys directly (no ``repeat_kv`` copy).
 * **one query per row**: scores are a batched ``[group, d] x [d, w]`` matmul, softmax in fp32.
 * **LM head in vocabulary slices** of ``vocab_chunk`` rows.
+* **fewer kernels per layer**, the same arithmetic: a GPU decode step of a small model is some
+  hundreds of tiny kernels whose latencies, not their work, set its time (on the H200 of
+  2026-11-27 a captured step of a 1024 x 8 Llama took about 3 ms, of which its kernels ran about
+  1.1 ms: ``benchmarks/RESULTS.md``). RMSNorm is torch's fused ``rms_norm`` then the weight (2
+  kernels on CUDA, 8 for the module), the rotary embedding a roll and a sign-flipped sin (4, not
+  5), the attention's scaling and mask one add and its softmax in the scores' dtype (4, not 6):
+  about 29 kernels per Llama layer where there were 45 (bf16 on CUDA, counted from the operations).
 
 Packed prefill is also lean: one ``[tokens, hidden]`` matrix without padding goes through the
 linear layers; attention runs per group of requests (similar lengths, padded to the group's
@@ -66,14 +73,28 @@ def unsupported_reason(model, context_length: int) -> str | None:
     return None
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+# RMSNorm classes whose forward is Llama's: the input normalised in float32, rounded to its dtype,
+# then times the weight (:func:`_norm` computes the same with torch's rms_norm)
+LLAMA_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding (Su et al. 2021, the ``rotate_half`` layout of Llama)."""
-    return x * cos + _rotate_half(x) * sin
+def _norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` for an RMSNorm of :data:`LLAMA_NORMS` as ``weight * rms_norm(x)``: on CUDA two
+    kernels (torch's fused ``rms_norm``, in float32 and rounded to ``x``'s dtype once, then the
+    weight) where the module's forward launches eight, the same arithmetic (on the CPU ``rms_norm``
+    runs the module's own operations). Any other norm is called as it is."""
+    if type(module).__name__ in LLAMA_NORMS:
+        return module.weight * torch.nn.functional.rms_norm(x, (x.shape[-1],), eps=module.variance_epsilon)
+    return module(x)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding (Su et al. 2021) in Llama's ``rotate_half`` layout,
+    ``x * cos + rotate_half(x) * sin``, as ``x * cos + roll(x) * signed_sin`` where
+    ``signed_sin`` is ``sin`` with its first half negated (:meth:`LeanDecoder._embed`):
+    ``rotate_half(x) = cat(-x2, x1)`` and ``roll(x) = cat(x2, x1)``, and ``(-a) * b == a * (-b)``
+    exactly, so the result is the same bit for bit in four kernels instead of five."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 class LeanDecoder:
@@ -122,45 +143,56 @@ class LeanDecoder:
             out[:, start : start + piece.shape[0]] = torch.nn.functional.linear(hidden, piece)
         return out
 
-    def _project(self, attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def _project(self, attention, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor):
         """``x`` [t, H] -> rotated queries [t, heads, d], rotated keys and values [t, kv_heads, d]."""
         t = x.shape[0]
         query = attention.q_proj(x).view(t, self.num_heads, self.head_dim)
         key = attention.k_proj(x).view(t, self.kv_heads, self.head_dim)
         value = attention.v_proj(x).view(t, self.kv_heads, self.head_dim)
         if getattr(attention, "q_norm", None) is not None:  # Qwen3: RMSNorm over each head
-            query, key = attention.q_norm(query), attention.k_norm(key)
-        return _rope(query, cos, sin), _rope(key, cos, sin), value
+            query, key = _norm(attention.q_norm, query), _norm(attention.k_norm, key)
+        return _rope(query, cos, signed_sin), _rope(key, cos, signed_sin), value
 
     def _embed(self, tokens: torch.Tensor, positions: torch.Tensor):
-        """``tokens``, ``positions`` [t] int64 -> (hidden [t, H], cos and sin [t, 1, d]) for :meth:`_project`."""
+        """``tokens``, ``positions`` [t] int64 -> (hidden [t, H], cos and the signed sin [t, 1, d]
+        of :func:`_rope`) for :meth:`_project`, built once per forward for every layer."""
         inner = self.model.model
         hidden = inner.embed_tokens(tokens)
         cos, sin = inner.rotary_emb(hidden, positions[None])  # [1, t, d]
-        return hidden, cos[0, :, None], sin[0, :, None]
+        half = sin.shape[-1] // 2
+        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), -1)
+        return hidden, cos[0, :, None], signed_sin[0, :, None]
 
     @staticmethod
     def _residual(layer, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """The rest of a decoder layer after attention: ``attended`` [t, heads * d] through
         ``o_proj`` onto the residual stream ``hidden`` [t, H], then the MLP block."""
         hidden = hidden + layer.self_attn.o_proj(attended)
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return hidden + layer.mlp(_norm(layer.post_attention_layernorm, hidden))
 
     def _attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scaling):
         """Grouped-query attention of ``q`` queries per row.
 
         ``query`` [m, q, heads, d]; ``keys``/``values`` [m, kv_heads, w, d]; ``bias`` [m, q, w]
-        (0 or -inf) -> [m, q, heads * d].
+        (0 or -inf, in the queries' dtype: :meth:`_bias`) -> [m, q, heads * d]. The scaling and
+        the mask are one kernel (``bias + scaling * scores``, rounded once) and the softmax runs
+        in the scores' dtype (float32 inside torch's kernel, rounded once on output).
         """
         m, q = query.shape[0], query.shape[1]
         grouped = query.view(m, q, self.kv_heads, self.group, self.head_dim).permute(0, 2, 3, 1, 4)
         grouped = grouped.reshape(m, self.kv_heads, self.group * q, self.head_dim)
-        scores = torch.matmul(grouped, keys.transpose(-1, -2)).mul_(scaling)  # [m, kv, group*q, w]
-        scores = scores.view(m, self.kv_heads, self.group, q, -1).add_(bias[:, None, None])
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+        scores = torch.matmul(grouped, keys.transpose(-1, -2))  # [m, kv, group*q, w]
+        scores = torch.add(bias[:, None, None], scores.view(m, self.kv_heads, self.group, q, -1), alpha=scaling)
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)  # .to: no kernel when the dtypes agree
         out = torch.matmul(probs.view(m, self.kv_heads, self.group * q, -1), values)  # [m, kv, group*q, d]
         out = out.view(m, self.kv_heads, self.group, q, self.head_dim).permute(0, 3, 1, 2, 4)
         return out.reshape(m, q, self.num_heads * self.head_dim)
+
+    @staticmethod
+    def _bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The additive attention mask of ``allowed`` (bool): 0 where a query reads a column, -inf
+        elsewhere, in ``dtype`` (the queries': 0 and -inf are exact in any float dtype)."""
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
     # ------------------------------------------------------------------ decode
     def plan_chunks(self, spans: list[int]) -> list[tuple[int, int, int]]:
@@ -193,16 +225,14 @@ class LeanDecoder:
         """
         n, column = store.slots, store.hi
         inner = self.model.model
-        hidden, cos, sin = self._embed(tokens, positions)  # [n, H], [n, 1, d]
+        hidden, cos, signed_sin = self._embed(tokens, positions)  # [n, H], [n, 1, d]
         chunks = []
         for a, b, width in self.plan_chunks(spans):
             start = column + 1 - width
-            bias = torch.zeros(b - a, 1, width, dtype=torch.float32, device=hidden.device)
-            bias.masked_fill_(~store.mask[a:b, None, start : column + 1], float("-inf"))
-            chunks.append((a, b, start, bias))
+            chunks.append((a, b, start, self._bias(store.mask[a:b, None, start : column + 1], hidden.dtype)))
         for index, layer in enumerate(inner.layers):
             attention = layer.self_attn
-            query, key, value = self._project(attention, layer.input_layernorm(hidden), cos, sin)
+            query, key, value = self._project(attention, _norm(layer.input_layernorm, hidden), cos, signed_sin)
             store.keys[index][:n, :, column] = key
             store.values[index][:n, :, column] = value
             parts = [
@@ -217,7 +247,7 @@ class LeanDecoder:
             ]
             attended = parts[0] if len(parts) == 1 else torch.cat(parts)
             hidden = self._residual(layer, hidden, attended.view(n, -1))
-        return self._logits(inner.norm(hidden))
+        return self._logits(_norm(inner.norm, hidden))
 
     @torch.no_grad()
     def decode_all_columns(
@@ -247,17 +277,16 @@ class LeanDecoder:
         """
         rows = tokens.shape[0]
         inner = self.model.model
-        hidden, cos, sin = self._embed(tokens, positions)  # [b, H], [b, 1, d]
-        bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-        bias = bias.masked_fill_(~mask, float("-inf"))[:, None]  # [b, 1, C]
+        hidden, cos, signed_sin = self._embed(tokens, positions)  # [b, H], [b, 1, d]
+        bias = self._bias(mask, hidden.dtype)[:, None]  # [b, 1, C]
         for index, layer in enumerate(inner.layers):
             attention = layer.self_attn
-            query, key, value = self._project(attention, layer.input_layernorm(hidden), cos, sin)
+            query, key, value = self._project(attention, _norm(layer.input_layernorm, hidden), cos, signed_sin)
             keys[index].index_copy_(2, column, key[:, :, None])
             values[index].index_copy_(2, column, value[:, :, None])
             attended = self._attend(query[:, None], keys[index], values[index], bias, attention.scaling)
             hidden = self._residual(layer, hidden, attended.view(rows, -1))
-        return self._logits(inner.norm(hidden))
+        return self._logits(_norm(inner.norm, hidden))
 
     # ------------------------------------------------------------------ prefill
     def plan_prefill_groups(self, queries: list[int], widths: list[int]) -> list[list[int]]:
@@ -315,13 +344,14 @@ class LeanDecoder:
         token_columns = torch.cat([torch.arange(end - q, end) for q in queries]).to(device)
         groups = [
             self._prefill_group(store, [rows[i][0] for i in group], [queries[i] for i in group],
-                                [offsets[i] for i in group], min(firsts[i] for i in group), end)
+                                [offsets[i] for i in group], min(firsts[i] for i in group), end,
+                                inner.embed_tokens.weight.dtype)
             for group in self.plan_prefill_groups(queries, [end - first for first in firsts])
         ]  # fmt: skip
-        hidden, cos, sin = self._embed(tokens, positions)  # [T, H], [T, 1, d]
+        hidden, cos, signed_sin = self._embed(tokens, positions)  # [T, H], [T, 1, d]
         for index, layer in enumerate(inner.layers):
             attention = layer.self_attn
-            query, key, value = self._project(attention, layer.input_layernorm(hidden), cos, sin)
+            query, key, value = self._project(attention, _norm(layer.input_layernorm, hidden), cos, signed_sin)
             keys, values = store.keys[index], store.values[index]
             keys[token_rows, :, token_columns] = key
             values[token_rows, :, token_columns] = value
@@ -337,15 +367,17 @@ class LeanDecoder:
                 attended[scatter[1]] = out.flatten(0, 1)[scatter[0]]
             hidden = self._residual(layer, hidden, attended)
         last = torch.tensor([offset - 1 for offset in offsets[1:]], device=device)
-        return self._logits(inner.norm(hidden[last]))
+        return self._logits(_norm(inner.norm, hidden[last]))
 
     @staticmethod
-    def _prefill_group(store, group_rows: list[int], queries: list[int], offsets: list[int], first: int, end: int):
+    def _prefill_group(
+        store, group_rows: list[int], queries: list[int], offsets: list[int], first: int, end: int, dtype: torch.dtype
+    ):
         """One group's index tensors and additive mask, built once for all layers, with no host
         read: its store rows (a slice when consecutive: the engine orders its prefill rows as
         groups are planned), where each padded query slot reads its token (``[g, most]``), which
         slots hold real tokens and where they go in the packed output, and ``bias``
-        ``[g, most, end - first]``. Queries are right-aligned at ``end``: slot ``j`` is column
+        ``[g, most, end - first]`` in ``dtype``. Queries are right-aligned at ``end``: slot ``j`` is column
         ``end - most + j``."""
         device = store.mask.device
         most = max(queries)
@@ -360,7 +392,7 @@ class LeanDecoder:
         causal = columns[None] <= (end - most + slots)[:, None]  # [most, width]
         allowed = store.mask[rows, first:end][:, None] & causal[None]  # [g, most, width]
         allowed |= ~real[..., None]  # a padding slot reads every column: finite, dropped
-        bias = torch.zeros(allowed.shape, dtype=torch.float32, device=device).masked_fill_(~allowed, float("-inf"))
+        bias = LeanDecoder._bias(allowed, dtype)
         flat = [g * most + j for g, q in enumerate(queries) for j in range(most - q, most)]
         flat = torch.tensor(flat, device=device)  # the real slots, in packed order
         return rows, gather, (flat, gather.flatten()[flat]), first, bias
