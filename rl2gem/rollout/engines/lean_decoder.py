@@ -22,8 +22,9 @@ embedding, so weight updates in place and biases are picked up) with three chang
   2026-11-27 a captured step of a 1024 x 8 Llama took about 3 ms, of which its kernels ran about
   1.1 ms: ``benchmarks/RESULTS.md``). RMSNorm is torch's fused ``rms_norm`` then the weight (2
   kernels on CUDA, 8 for the module), the rotary embedding a roll and a sign-flipped sin (4, not
-  5), the attention's scaling and mask one add and its softmax in the scores' dtype (4, not 6):
-  about 29 kernels per Llama layer where there were 45 (bf16 on CUDA, counted from the operations).
+  5), the attention's scaling and mask one add and its softmax in the scores' dtype (4, not 6),
+  the residual added in the epilogue of ``o_proj`` and ``down_proj`` (``addmm``): about 27
+  kernels per Llama layer where there were 45 (bf16 on CUDA, counted from the operations).
 
 Packed prefill is also lean: one ``[tokens, hidden]`` matrix without padding goes through the
 linear layers; attention runs per group of requests (similar lengths, padded to the group's
@@ -86,6 +87,19 @@ def _norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if type(module).__name__ in LLAMA_NORMS:
         return module.weight * torch.nn.functional.rms_norm(x, (x.shape[-1],), eps=module.variance_epsilon)
     return module(x)
+
+
+# MLP classes whose forward is Llama's: ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``
+LLAMA_MLPS = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
+
+
+def _onto(residual: torch.Tensor, linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``residual + linear(x)`` for ``x`` [t, in] and ``residual`` [t, out]: one ``addmm`` (the
+    residual added in the matmul's epilogue, rounded once) when the layer has no bias, else the two
+    operations."""
+    if linear.bias is not None:
+        return residual + linear(x)
+    return torch.addmm(residual, x, linear.weight.t())
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -166,9 +180,13 @@ class LeanDecoder:
     @staticmethod
     def _residual(layer, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """The rest of a decoder layer after attention: ``attended`` [t, heads * d] through
-        ``o_proj`` onto the residual stream ``hidden`` [t, H], then the MLP block."""
-        hidden = hidden + layer.self_attn.o_proj(attended)
-        return hidden + layer.mlp(_norm(layer.post_attention_layernorm, hidden))
+        ``o_proj`` onto the residual stream ``hidden`` [t, H], then the MLP block, each onto the
+        stream in the projection's own kernel (:func:`_onto`) when the MLP is Llama's."""
+        hidden = _onto(hidden, layer.self_attn.o_proj, attended)
+        mlp, x = layer.mlp, _norm(layer.post_attention_layernorm, hidden)
+        if type(mlp).__name__ not in LLAMA_MLPS:
+            return hidden + mlp(x)
+        return _onto(hidden, mlp.down_proj, mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
 
     def _attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scaling):
         """Grouped-query attention of ``q`` queries per row.
