@@ -281,3 +281,27 @@ def decoder_layers(model) -> list:
         except AttributeError:
             continue
     raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+
+
+def not_full_causal_attention(config, positions: int | None = None) -> str | None:
+    """What in a transformers ``config`` makes its attention other than full causal attention over
+    ``positions`` tokens (default: its ``max_position_embeddings``), or None: layers whose
+    ``layer_types`` entry is not ``full_attention`` (where the config lists them, they are what the
+    modeling code runs), else a ``sliding_window`` shorter than ``positions`` that
+    ``use_sliding_window`` does not turn off; or attention logit soft-capping. Code that computes
+    plain causal attention itself (the engine's lean decoder, ring attention) refuses such a model
+    rather than compute something else."""
+    window = getattr(config, "sliding_window", None)
+    positions = positions if positions is not None else getattr(config, "max_position_embeddings", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        other = sorted({kind for kind in layer_types if kind != "full_attention"})
+        if other:
+            return f"layers of type {other} (sliding_window={window})"
+    elif (
+        window is not None and getattr(config, "use_sliding_window", True) and (positions is None or window < positions)
+    ):
+        return f"sliding-window attention (sliding_window={window} < {positions} positions)"
+    if getattr(config, "attn_logit_softcapping", None):
+        return f"attention logit soft-capping (attn_logit_softcapping={config.attn_logit_softcapping})"
+    return None

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from rl2gem.models import not_full_causal_attention
 from rl2gem.parallel.block_attention import switch_attention
 from rl2gem.parallel.packing import to_device
 
@@ -420,26 +421,8 @@ def enable_ring_attention(model) -> None:
     (and its sub-configs) to it. The model must then run inside :func:`ring_context`."""
     from transformers import AttentionInterface
 
-    reason = _unsupported_by_ring(model.config)
+    reason = not_full_causal_attention(model.config)
     if reason is not None:
         raise ValueError(f"actor.sp_size > 1: ring attention does not support {reason}; use sp_size 1")
     AttentionInterface.register(RING_ATTENTION, _attention)
     switch_attention(model, RING_ATTENTION)
-
-
-def _unsupported_by_ring(config) -> str | None:
-    """What in ``config`` the ring (full causal attention, no logit cap) would silently compute
-    differently: a sliding window shorter than the model's positions, or attention logit
-    soft-capping; None when nothing."""
-    window = getattr(config, "sliding_window", None)
-    longest = getattr(config, "max_position_embeddings", None)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:  # per layer (Qwen2/3, Gemma...): what the modeling code runs
-        other = sorted({kind for kind in layer_types if kind != "full_attention"})
-        if other:
-            return f"layers of type {other} (sliding_window={window})"
-    elif window is not None and getattr(config, "use_sliding_window", True) and (longest is None or window < longest):
-        return f"sliding-window attention (sliding_window={window})"
-    if getattr(config, "attn_logit_softcapping", None):
-        return f"attention logit soft-capping (attn_logit_softcapping={config.attn_logit_softcapping})"
-    return None

@@ -209,6 +209,11 @@ def test_plan_chunks_by_hand():
 def test_unsupported_models_are_named():
     assert "sliding-window" in unsupported_reason(build("mistral", sliding_window=16), 512)
     assert unsupported_reason(build("mistral", sliding_window=1024), 512) is None  # never reached
+    # Qwen2's layer types are what its modeling code runs: a window on the later layers is refused,
+    # a window that use_sliding_window turns off is not (every layer full)
+    windowed = build("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    assert "layers of type ['sliding_attention']" in unsupported_reason(windowed, 512)
+    assert unsupported_reason(build("qwen2", use_sliding_window=False, sliding_window=16), 512) is None
 
 
 def test_lean_engine_equals_the_transformers_path(tokenizer):

@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import torch
 
+from rl2gem.models import not_full_causal_attention
+
 __all__ = ["SUPPORTED_MODEL_TYPES", "LeanDecoder", "unsupported_reason"]
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -51,12 +53,9 @@ def unsupported_reason(model, context_length: int) -> str | None:
     config = model.config
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         return f"model_type {config.model_type!r} is not one of {sorted(SUPPORTED_MODEL_TYPES)}"
-    layer_types = getattr(config, "layer_types", None) or []
-    if any(kind != "full_attention" for kind in layer_types):
-        return "sliding-window layers"
-    window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True) and window < context_length:
-        return f"sliding-window attention ({window} < context length {context_length})"
+    other = not_full_causal_attention(config, context_length)
+    if other is not None:
+        return other
     inner = getattr(model, "model", None)
     if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return "not a *ForCausalLM with model.embed_tokens/layers/norm/rotary_emb"
