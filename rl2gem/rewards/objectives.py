@@ -114,6 +114,13 @@ def set_final_reward(episode, value: float, mode: str = "replace") -> None:
     last.rewards[position] += value
 
 
+#: ``Episode.info`` key of the reward :func:`objective_value` gave an episode when dynamic filtering
+#: compared it (:meth:`rl2gem.training.online.OnlineTrainer.trained_rewards`): :func:`apply_objectives`
+#: sets that value instead of computing it again, so a ``transform`` with state or randomness trains
+#: on the values the filter saw
+FILTERED_REWARD = "filtered_reward"
+
+
 def apply_objectives(
     batch,
     combine: str | None,
@@ -123,7 +130,9 @@ def apply_objectives(
 ) -> dict[str, float]:
     """Replace every finished episode's reward of a rollout batch by the combination of its
     components (then ``transform``), in place; the combined score goes where the env's final
-    reward was (last turn, last action token), ``info["reward_components"]`` keeps the parts.
+    reward was (last turn, last action token), ``info["reward_components"]`` keeps the parts. An
+    episode whose ``info`` holds :data:`FILTERED_REWARD` gets that value (computed once, when the
+    filter compared it).
 
     Returns:
         ``rollout/component/<name>``: the mean of each component over the batch's episodes.
@@ -141,7 +150,10 @@ def apply_objectives(
             sums[k] = sums.get(k, 0.0) + v
         if combine is None and transform is None:
             continue
-        set_final_reward(episode, objective_value(episode, components, combine, weights, reference, transform))
+        value = episode.info.get(FILTERED_REWARD)  # what dynamic filtering compared: the transform ran once
+        if value is None:
+            value = objective_value(episode, components, combine, weights, reference, transform)
+        set_final_reward(episode, value)
         episode.info = {**episode.info, "reward_components": components}
     return {f"rollout/component/{k}": v / len(episodes) for k, v in sorted(sums.items())}
 

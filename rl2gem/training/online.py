@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 import rl2gem
 from rl2gem.algorithms import CRITIC_ESTIMATORS
 from rl2gem.models import load_model
-from rl2gem.rewards.objectives import episode_components, objective_value
+from rl2gem.rewards.objectives import FILTERED_REWARD, episode_components, objective_value
 from rl2gem.rollout import EmbeddedEngine, Rollout, RolloutConfig, merge_rank_metrics
 from rl2gem.rollout.tito import load_chat_template
 from rl2gem.training.autosize import MaxLength
@@ -149,15 +149,23 @@ class OnlineTrainer(Trainer):
 
     def trained_rewards(self, episodes) -> list[float]:
         """The rewards ``episodes`` will be trained on once the reward objectives and transform are
-        applied (:func:`shape_rewards`), what dynamic filtering compares; unchanged. The transform
-        runs here and again when the rewards are set: one with state or randomness may give the
-        filter other values than the training."""
+        applied (:func:`shape_rewards`), what dynamic filtering compares. Their rewards stay as
+        they are; each value is kept in the episode's ``info`` (:data:`FILTERED_REWARD`), which
+        :func:`shape_rewards` sets as it is, so a transform with state or randomness runs once per
+        episode and trains on what the filter saw."""
         o = self.cfg.reward.objectives
         shaping = (o.combine, dict(o.weights), dict(o.reference), self.transform)
-        return [
-            objective_value(e, episode_components(e), *shaping) if e.sequences and e.turn_rewards else e.reward
-            for e in episodes
-        ]
+        values = []
+        for episode in episodes:
+            if not (episode.sequences and episode.turn_rewards):
+                values.append(episode.reward)
+                continue
+            value = episode.info.get(FILTERED_REWARD)
+            if value is None:
+                value = objective_value(episode, episode_components(episode), *shaping)
+                episode.info = {**episode.info, FILTERED_REWARD: value}
+            values.append(value)
+        return values
 
     def collect(self) -> tuple[list[Sample], dict[str, float]]:
         """This rank's rollout groups -> every rank's samples (advantages of outcome estimators

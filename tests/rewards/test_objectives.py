@@ -160,3 +160,17 @@ def test_the_trainers_filter_sees_the_rewards_apply_objectives_sets():
     assert [e.reward for e in group] == [0.0, 0.0] and trained == [0.0, pytest.approx(-0.4)]
     apply_objectives(RolloutBatch([group], {}), "weighted_sum", weights)
     assert [e.reward for e in group] == trained
+
+    # a transform with state runs once per episode: the training gets the values the filter saw
+    calls = []
+
+    def counting(value, components, episode):
+        calls.append(value)
+        return value + len(calls)
+
+    trainer.transform = counting
+    group = [episode(0.0, 1.0, 4), episode(1.0, 1.0, 4)]
+    filtered = OnlineTrainer.trained_rewards(trainer, group)
+    assert filtered == [1.0, 3.0] and OnlineTrainer.trained_rewards(trainer, group) == filtered
+    apply_objectives(RolloutBatch([group], {}), "weighted_sum", weights, transform=counting)
+    assert [e.reward for e in group] == filtered and len(calls) == 2
