@@ -90,8 +90,10 @@ class PPOTrainer(OnlineTrainer):
             samples, metrics = self.collect()
         if not samples:  # dynamic filtering dropped every group (equal rewards in each): no signal, no update
             self.step += 1
-            # the same weights as version self.step: the next rollout's tokens are on-policy, not a step stale
+            # the same weights as version self.step: the next rollout's tokens are on-policy, and
+            # tokens that partial rollouts carry from the last version are not a step staler
             metrics["time/weight_sync"] = self.sync_weights()
+            self.rollout.weights_unchanged(self.step)
             return {**metrics, "actor/skipped_step": 1.0}
         lengths = [len(sample) for sample in samples]
         tree_sequences = [sample.ids for sample in samples] if self.cfg.actor.packing == "tree" else None

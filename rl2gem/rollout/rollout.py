@@ -252,6 +252,7 @@ class Rollout:
         self._inflight: dict[int, _Group] = {}
         self._ready: list[_Group] = []  # completed but not yet returned (partial rollouts)
         self._restart: list[int] = []  # group ids to relaunch (in flight at a checkpoint)
+        self._unchanged: set[int] = set()  # versions whose weights are the previous version's
         self._gate = asyncio.Event()
         self._gate.set()
         self._sem: asyncio.Semaphore | None = None
@@ -459,18 +460,33 @@ class Rollout:
         self._inflight[g.gid] = g
         return g
 
+    # ------------------------------------------------------------------ policy versions
+    def weights_unchanged(self, version: int) -> None:
+        """Say that policy ``version`` has the weights of ``version - 1`` (a trainer step that
+        updated nothing, its weights relabelled): tokens sampled at ``version - 1`` are no staler
+        for it (:meth:`staleness`)."""
+        self._unchanged.add(int(version))
+
+    def staleness(self, oldest: int, version: int) -> int:
+        """Weight changes between policy ``oldest`` and ``version``: the versions in
+        ``(oldest, version]`` not marked by :meth:`weights_unchanged`. What ``max_staleness``
+        bounds."""
+        return sum(1 for v in range(oldest + 1, version + 1) if v not in self._unchanged)
+
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
         """The data position and the partial-rollout buffer, picklable.
 
         ``next_gid`` (the next group id: env seeds and sampling seeds follow from
-        it), the completed surplus groups with all their tokens, and the ids of
-        groups carried over in flight. Call between :meth:`collect` calls.
+        it), the completed surplus groups with all their tokens, the ids of
+        groups carried over in flight, and the versions marked by
+        :meth:`weights_unchanged`. Call between :meth:`collect` calls.
         """
         return {
             "next_gid": self._next_gid,
             "ready": [(g.gid, g.episodes) for g in self._ready],
             "in_flight": sorted(self._inflight),
+            "unchanged_versions": sorted(self._unchanged),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -491,6 +507,7 @@ class Rollout:
             g.episodes = episodes
             self._ready.append(g)
         self._restart = list(state.get("in_flight", []))
+        self._unchanged = set(state.get("unchanged_versions", []))
 
     # ------------------------------------------------------------------ collect
     async def collect(self, num_groups: int) -> RolloutBatch:
@@ -517,7 +534,7 @@ class Rollout:
         # carried-over groups that are already too stale are dropped now
         for g in list(self._inflight.values()):
             mv = g.min_version()
-            if mv is not None and version - mv > c.max_staleness:
+            if mv is not None and self.staleness(mv, version) > c.max_staleness:
                 g.task.cancel()
                 del self._inflight[g.gid]
                 m["dropped_stale"] += 1
@@ -565,7 +582,7 @@ class Rollout:
                         self._ready.append(g)  # surplus: first in line next time
                         continue
                     mv = g.min_version()
-                    if mv is not None and version - mv > c.max_staleness:
+                    if mv is not None and self.staleness(mv, version) > c.max_staleness:
                         m["dropped_stale"] += 1
                         continue
                     m["unfiltered_episodes"] += len(g.episodes)

@@ -186,8 +186,9 @@ class OnlineTrainer(Trainer):
         metrics = merge_rank_metrics([m for _, m in gathered])
         samples = [s for part, _ in gathered for s in part]
         action = [v for s in samples for v, m in zip(s.versions, s.mask, strict=True) if m]
-        # action tokens sampled by an older policy version than the one being trained (partial rollouts)
-        metrics["rollout/stale_token_fraction"] = sum(v < self.step for v in action) / max(len(action), 1)
+        # action tokens sampled by older weights than those being trained (partial rollouts)
+        stale = {version: self.rollout.staleness(version, self.step) > 0 for version in set(action)}
+        metrics["rollout/stale_token_fraction"] = sum(stale[v] for v in action) / max(len(action), 1)
         metrics["time/rollout"] = time.perf_counter() - start
         return samples, metrics
 

@@ -254,6 +254,49 @@ def test_staleness_bound_drops_carried_groups(tokenizer):
     assert all(set(e.versions) == {1} for e in second.episodes)
 
 
+def test_unchanged_weights_do_not_make_carried_groups_stale(tokenizer):
+    """A trainer step that updated nothing relabels the same weights as the next version
+    (``weights_unchanged``): at ``max_staleness=0`` the groups carried over from the last version
+    are kept, not dropped, and the mark survives a checkpoint of the rollout."""
+
+    async def main():
+        model = tiny_model()
+        eng = EmbeddedEngine(model, max_batch_size=8)
+        cfg = RolloutConfig(
+            responses_per_prompt=2,
+            max_new_tokens=32,
+            partial_rollout=True,
+            partial_oversample=1.0,
+            max_staleness=0,
+            concurrency=3,
+        )
+        ro = Rollout(eng, tokenizer, ENV, cfg)
+        await ro.collect(1)
+        carried = len(ro._inflight)
+        await eng.update_weights(model.state_dict(), version=1)  # the same weights, relabelled
+        ro.weights_unchanged(1)
+        second = await ro.collect(1)
+        state = ro.state_dict()
+        await ro.close()
+        await eng.close()
+        return carried, second, state
+
+    carried, second, state = asyncio.run(main())
+    assert carried > 0
+    assert second.metrics["rollout/dropped_stale"] == 0
+    restored = Rollout(None, tokenizer, ENV, RolloutConfig())
+    restored.load_state_dict({**state, "ready": [], "in_flight": []})
+    assert state["unchanged_versions"] == [1] and restored.staleness(0, 1) == 0
+
+
+def test_staleness_counts_only_weight_changes_by_hand(tokenizer):
+    ro = Rollout(None, tokenizer, ENV, RolloutConfig())
+    assert [ro.staleness(0, v) for v in range(4)] == [0, 1, 2, 3]
+    ro.weights_unchanged(2)
+    assert [ro.staleness(0, v) for v in range(4)] == [0, 1, 1, 2]
+    assert ro.staleness(1, 2) == 0 and ro.staleness(2, 3) == 1 and ro.staleness(3, 3) == 0
+
+
 def _tokens(episodes):
     return [tuple(e.sequences[0].input_ids) for e in episodes]
 
