@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
@@ -35,6 +36,7 @@ __all__ = [
     "init_distributed",
     "uses_cuda",
     "shard_model",
+    "float32_head",
     "load_sharded",
     "full_state_dict",
     "head_class",
@@ -146,8 +148,18 @@ def _free_port() -> int:
     return free_port()
 
 
-def shard_model(model, mesh, *, cpu_offload: bool = False, reshard_after_forward: bool = True, param_dtype=None):
-    """Apply ``fully_shard`` to each decoder layer and to the root. Returns the model (now FSDP)."""
+def shard_model(
+    model,
+    mesh,
+    *,
+    cpu_offload: bool = False,
+    reshard_after_forward: bool = True,
+    param_dtype=None,
+    float32_modules: Sequence[torch.nn.Module] = (),
+):
+    """Apply ``fully_shard`` to each decoder layer and to the root. Returns the model (now FSDP).
+    With ``param_dtype`` (mixed precision), ``float32_modules`` (a critic's or reward model's
+    scalar head) are units of their own that compute in float32, their inputs cast to it."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     kw = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
@@ -155,10 +167,25 @@ def shard_model(model, mesh, *, cpu_offload: bool = False, reshard_after_forward
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     if param_dtype is not None:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        float32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        for module in float32_modules:
+            fully_shard(module, **{**kw, "mp_policy": float32})
     for layer in decoder_layers(model):
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
     return model
+
+
+def float32_head(model) -> torch.nn.Module:
+    """Make the scalar head ``model.score`` (a critic's values, a reward model's score) compute in
+    float32 from the backbone's hidden states, whatever the model's dtype: its parameters in
+    float32 and its input cast to float32 (a bf16 value keeps 8 significant bits: 0.7 is known to
+    about 0.002, coarser than the value loss and GAE work at). Returns the head, for
+    :func:`shard_model`'s ``float32_modules``."""
+    head = model.score
+    head.to(torch.float32)
+    head.register_forward_pre_hook(lambda module, args: tuple(a.float() for a in args))
+    return head
 
 
 def end_failed_backward(model) -> None:
@@ -244,7 +271,7 @@ def load_sharded(
             (:func:`rl2gem.parallel.tensor_parallel.check_tp`).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from rl2gem.models import resolve_model
 
@@ -257,17 +284,7 @@ def load_sharded(
         config.num_labels, config.classifier_dropout = 1, 0.0
     if tp_mesh is not None:
         check_tp(config, tp_mesh.size())
-    full = None
-    if dist.get_rank() == 0:
-        pretrained = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        if adapt is not None:
-            adapt(pretrained)
-        full = pretrained.state_dict()
-        del pretrained
-        if head != "lm":
-            full = {k: v for k, v in full.items() if not k.startswith("lm_head.")}
-            full["score.weight"] = torch.zeros(1, config.hidden_size, dtype=dtype)
-            full["score.bias"] = torch.zeros(1, dtype=dtype)
+    full = _full_state(path, dtype, head, config.hidden_size, adapt) if dist.get_rank() == 0 else None
     with torch.device("meta"):
         model = cls.from_config(config, dtype=dtype)
     if head == "lm" and getattr(config, "tie_word_embeddings", False):
@@ -276,6 +293,7 @@ def load_sharded(
         adapt(model)
     if head == "reward":  # Bradley-Terry is blind to a shared offset: keep it exactly 0 for the export
         model.score.bias.requires_grad_(False)
+    float32_modules = [float32_head(model)] if head != "lm" else []
     param_dtype = None
     if master_dtype is not None and master_dtype != dtype:  # rank 0's values are cast as they load
         param_dtype = dtype
@@ -303,8 +321,9 @@ def load_sharded(
     sharded = mesh.size() > 1 or tp_mesh is not None or cpu_offload or param_dtype is not None
     if sharded:  # else one rank: FSDP would only copy parameters and gradients through its buffers
         shard_model(
-            model, mesh, cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype
-        )
+            model, mesh, cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward,
+            param_dtype=param_dtype, float32_modules=float32_modules,
+        )  # fmt: skip
     model.to_empty(device="cpu" if cpu_offload else device)
     if not sharded and head == "lm" and getattr(config, "tie_word_embeddings", False):
         model.tie_weights()  # to_empty gave each module its own new parameter (FSDP keeps the tie itself)
@@ -313,6 +332,23 @@ def load_sharded(
     _init_buffers(model, config, device)
     model.config.use_cache = False
     return model.train()
+
+
+def _full_state(path: str, dtype, head: str, hidden_size: int, adapt) -> dict[str, torch.Tensor]:
+    """Rank 0's full state dict for :func:`load_sharded`: the checkpoint's causal LM (``adapt``
+    applied), for a scalar head without the LM head and with a zero ``score`` instead."""
+    from transformers import AutoModelForCausalLM
+
+    pretrained = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    if adapt is not None:
+        adapt(pretrained)
+    full = pretrained.state_dict()
+    del pretrained
+    if head != "lm":
+        full = {k: v for k, v in full.items() if not k.startswith("lm_head.")}
+        full["score.weight"] = torch.zeros(1, hidden_size, dtype=dtype)
+        full["score.bias"] = torch.zeros(1, dtype=dtype)
+    return full
 
 
 def _init_buffers(model, config, device) -> None:

@@ -56,3 +56,50 @@ def test_one_gpu_per_process_takes_its_own_device(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")  # two visible: not one GPU per process
     with pytest.raises(RuntimeError, match="LOCAL_RANK=2, but this machine has 2 CUDA device"):
         local_device_index(2, 2)
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (FSDP's shards), a plain tensor as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+@pytest.mark.skipif(dist.is_initialized(), reason="a process group of this process exists")
+@pytest.mark.parametrize("head", ["value", "reward"])
+def test_a_bf16_critic_computes_its_values_in_float32(tiny_dir, monkeypatch, head):
+    """A critic (and a reward model) loaded in bf16 computes its scalar head in float32 from the
+    bf16 hidden states: plain at one rank (pure bf16 weights) and FSDP-wrapped with float32 masters
+    (mixed precision, where the head is a float32 unit of its own). Its outputs are float32 and
+    equal a float32 matmul of the head's input; gradients reach the head."""
+    from rl2gem.parallel.fsdp import load_sharded
+    from rl2gem.parallel.mesh import build_mesh
+    from rl2gem.procs import free_port
+
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(name, value)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        mesh = build_mesh()
+        for master in (None, torch.float32):
+            model = load_sharded(
+                str(tiny_dir), mesh.data_mesh, device=torch.device("cpu"), dtype=torch.bfloat16,
+                master_dtype=master, head=head, attention="sdpa",
+            )  # fmt: skip
+            with torch.no_grad():  # a head away from its zero start
+                for parameter in model.score.parameters():  # one rank: the local shard is the whole
+                    local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
+                    local.add_(0.1 * torch.randn(local.shape, generator=torch.Generator().manual_seed(3)))
+            seen = []
+            model.score.register_forward_hook(lambda module, args, out, seen=seen: seen.append((args[0], out)))
+            output = model(input_ids=torch.tensor([[5, 6, 7, 8]])).logits
+            hidden, out = seen[-1]
+            weight, bias = (_whole(p) for p in (model.score.weight, model.score.bias))
+            assert output.dtype == out.dtype == hidden.dtype == torch.float32, master
+            assert weight.dtype == torch.float32
+            torch.testing.assert_close(out, torch.nn.functional.linear(hidden, weight, bias))
+            # the head's input is the bf16 backbone's output, cast
+            assert torch.equal(hidden, hidden.to(torch.bfloat16).float())
+            output.sum().backward()
+            grad = model.score.weight.grad
+            assert grad is not None and float(_whole(grad).abs().sum()) > 0
+    finally:
+        dist.destroy_process_group()
