@@ -17,6 +17,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from rl2gem.models import resolve_model
 from rl2gem.parallel.attention import enable_attention, resolve_attention
+from rl2gem.parallel.fsdp import float32_head
 from rl2gem.rewards.objectives import set_final_reward
 from rl2gem.rollout.tito import ChatRenderer, load_chat_template
 from rl2gem.training.forward import sequence_scores
@@ -70,8 +71,7 @@ class RewardModel:
         if getattr(head, "out_features", None) != 1:
             raise ValueError(f"{path}: {type(self.model).__name__} has no one-label score head (a reward model)")
         if head.weight.dtype != torch.float32:  # the score in float32, from the hidden states
-            head.float()
-            head.register_forward_pre_hook(lambda module, args: tuple(a.float() for a in args))
+            float32_head(self.model)
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         self.renderer = ChatRenderer(self.tokenizer, load_chat_template(chat_template))
         self.max_tokens = int(max_tokens)
