@@ -228,36 +228,12 @@ def test_partial_rollouts_keep_every_token_across_pause_and_weight_update(tokeni
     assert mixed, "a carried-over episode should hold tokens of both versions"
 
 
-def test_staleness_bound_drops_carried_groups(tokenizer):
-    async def main():
-        eng = EmbeddedEngine(tiny_model(), max_batch_size=8)
-        cfg = RolloutConfig(
-            responses_per_prompt=2,
-            max_new_tokens=32,
-            partial_rollout=True,
-            partial_oversample=1.0,
-            max_staleness=0,
-            concurrency=3,
-        )
-        ro = Rollout(eng, tokenizer, ENV, cfg)
-        await ro.collect(1)
-        carried = len(ro._inflight)
-        await eng.update_weights(tiny_model(seed=2).state_dict())
-        second = await ro.collect(1)
-        await ro.close()
-        await eng.close()
-        return carried, second
-
-    carried, second = asyncio.run(main())
-    assert carried > 0
-    assert second.metrics["rollout/dropped_stale"] >= 1
-    assert all(set(e.versions) == {1} for e in second.episodes)
-
-
-def test_unchanged_weights_do_not_make_carried_groups_stale(tokenizer):
-    """A trainer step that updated nothing relabels the same weights as the next version
-    (``weights_unchanged``): at ``max_staleness=0`` the groups carried over from the last version
-    are kept, not dropped, and the mark survives a checkpoint of the rollout."""
+@pytest.mark.parametrize("unchanged", [False, True], ids=["new weights", "relabelled weights"])
+def test_staleness_bound_drops_carried_groups(tokenizer, unchanged):
+    """At ``max_staleness=0`` the groups carried over from the last version are dropped after a
+    weight update. A trainer step that updated nothing relabels the same weights as the next
+    version (``weights_unchanged``): then they are kept, and the mark survives a checkpoint of the
+    rollout."""
 
     async def main():
         model = tiny_model()
@@ -273,8 +249,11 @@ def test_unchanged_weights_do_not_make_carried_groups_stale(tokenizer):
         ro = Rollout(eng, tokenizer, ENV, cfg)
         await ro.collect(1)
         carried = len(ro._inflight)
-        await eng.update_weights(model.state_dict(), version=1)  # the same weights, relabelled
-        ro.weights_unchanged(1)
+        if unchanged:
+            await eng.update_weights(model.state_dict(), version=1)
+            ro.weights_unchanged(1)
+        else:
+            await eng.update_weights(tiny_model(seed=2).state_dict())
         second = await ro.collect(1)
         state = ro.state_dict()
         await ro.close()
@@ -283,6 +262,10 @@ def test_unchanged_weights_do_not_make_carried_groups_stale(tokenizer):
 
     carried, second, state = asyncio.run(main())
     assert carried > 0
+    if not unchanged:
+        assert second.metrics["rollout/dropped_stale"] >= 1
+        assert all(set(e.versions) == {1} for e in second.episodes)
+        return
     assert second.metrics["rollout/dropped_stale"] == 0
     restored = Rollout(None, tokenizer, ENV, RolloutConfig())
     restored.load_state_dict({**state, "ready": [], "in_flight": []})
