@@ -283,14 +283,20 @@ def decoder_layers(model) -> list:
     raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
 
 
+#: Model types whose attention layers read their window from ``config.layer_types`` (a layer of type
+#: ``full_attention`` has none, whatever ``sliding_window`` says); others (Mistral) apply
+#: ``sliding_window`` to every layer even when the config lists layer types
+LAYER_TYPED_WINDOWS = frozenset({"qwen2", "qwen3"})
+
+
 def not_full_causal_attention(config, positions: int | None = None) -> str | None:
     """What in a transformers ``config`` makes its attention other than full causal attention over
     ``positions`` tokens (default: its ``max_position_embeddings``), or None: layers whose
-    ``layer_types`` entry is not ``full_attention`` (where the config lists them, they are what the
-    modeling code runs), else a ``sliding_window`` shorter than ``positions`` that
-    ``use_sliding_window`` does not turn off; or attention logit soft-capping. Code that computes
-    plain causal attention itself (the engine's lean decoder, ring attention) refuses such a model
-    rather than compute something else."""
+    ``layer_types`` entry is not ``full_attention``; a ``sliding_window`` shorter than
+    ``positions`` that ``use_sliding_window`` does not turn off (for the types of
+    :data:`LAYER_TYPED_WINDOWS` their layer types alone say where a window applies); or attention
+    logit soft-capping. Code that computes plain causal attention itself (the engine's lean
+    decoder, ring attention) refuses such a model rather than compute something else."""
     window = getattr(config, "sliding_window", None)
     positions = positions if positions is not None else getattr(config, "max_position_embeddings", None)
     layer_types = getattr(config, "layer_types", None)
@@ -298,9 +304,9 @@ def not_full_causal_attention(config, positions: int | None = None) -> str | Non
         other = sorted({kind for kind in layer_types if kind != "full_attention"})
         if other:
             return f"layers of type {other} (sliding_window={window})"
-    elif (
-        window is not None and getattr(config, "use_sliding_window", True) and (positions is None or window < positions)
-    ):
+    typed = bool(layer_types) and getattr(config, "model_type", None) in LAYER_TYPED_WINDOWS
+    windowed = window is not None and getattr(config, "use_sliding_window", True)
+    if windowed and not typed and (positions is None or window < positions):
         return f"sliding-window attention (sliding_window={window} < {positions} positions)"
     if getattr(config, "attn_logit_softcapping", None):
         return f"attention logit soft-capping (attn_logit_softcapping={config.attn_logit_softcapping})"

@@ -158,18 +158,20 @@ def shard_model(
     float32_modules: Sequence[torch.nn.Module] = (),
 ):
     """Apply ``fully_shard`` to each decoder layer and to the root. Returns the model (now FSDP).
-    With ``param_dtype`` (mixed precision), ``float32_modules`` (a critic's or reward model's
-    scalar head) are units of their own that compute in float32, their inputs cast to it."""
+    ``float32_modules`` (a critic's or reward model's scalar head, :func:`float32_head`) are units
+    of their own, whose float32 parameters a unit of the model's dtype could not hold (FSDP2 needs
+    one dtype per unit); with ``param_dtype`` (mixed precision) they also compute in float32."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     kw = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if cpu_offload:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    float32 = {}
     if param_dtype is not None:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-        float32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-        for module in float32_modules:
-            fully_shard(module, **{**kw, "mp_policy": float32})
+        float32 = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)}
+    for module in float32_modules:
+        fully_shard(module, **{**kw, **float32})
     for layer in decoder_layers(model):
         fully_shard(layer, **kw)
     fully_shard(model, **kw)

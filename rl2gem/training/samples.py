@@ -21,7 +21,7 @@ from rl2gem.algorithms import (
     turn_rloo,
 )
 from rl2gem.parallel.packing import to_device
-from rl2gem.rewards.objectives import apply_objectives
+from rl2gem.rewards.objectives import FILTERED_REWARD, apply_objectives
 from rl2gem.rollout.rollout import reward_metrics
 
 __all__ = [
@@ -88,7 +88,11 @@ def shape_rewards(
         when anything changed the rewards, ``rollout/reward`` & co. recomputed
         (:func:`rl2gem.rollout.reward_metrics`) with the env's own mean kept as ``rollout/env_reward``.
     """
-    metrics = reward_model.apply(batch, mode) if reward_model is not None else {}
+    metrics = {}
+    if reward_model is not None:  # a value the filter kept predates the model's score: computed again
+        for episode in batch.episodes:
+            episode.info.pop(FILTERED_REWARD, None)
+        metrics = reward_model.apply(batch, mode)
     metrics.update(apply_objectives(batch, combine, weights, reference, transform))
     if reward_model is not None or combine is not None or transform is not None:
         if "rollout/reward" in batch.metrics:  # absent when no group was kept

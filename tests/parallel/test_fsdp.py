@@ -67,8 +67,9 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("head", ["value", "reward"])
 def test_a_bf16_critic_computes_its_values_in_float32(tiny_dir, monkeypatch, head):
     """A critic (and a reward model) loaded in bf16 computes its scalar head in float32 from the
-    bf16 hidden states: plain at one rank (pure bf16 weights) and FSDP-wrapped with float32 masters
-    (mixed precision, where the head is a float32 unit of its own). Its outputs are float32 and
+    bf16 hidden states: plain at one rank (pure bf16 weights), FSDP-wrapped with pure bf16 weights
+    (the float32 head a unit of its own: FSDP2 holds one dtype per unit) and with float32 masters
+    (mixed precision). Its outputs are float32 and
     equal a float32 matmul of the head's input; gradients reach the head."""
     from rl2gem.parallel.fsdp import load_sharded
     from rl2gem.parallel.mesh import build_mesh
@@ -79,10 +80,11 @@ def test_a_bf16_critic_computes_its_values_in_float32(tiny_dir, monkeypatch, hea
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         mesh = build_mesh()
-        for master in (None, torch.float32):
+        # pure bf16 plain and FSDP-wrapped (offload: one rank sharded), and float32 masters
+        for master, offload in ((None, False), (None, True), (torch.float32, False)):
             model = load_sharded(
                 str(tiny_dir), mesh.data_mesh, device=torch.device("cpu"), dtype=torch.bfloat16,
-                master_dtype=master, head=head, attention="sdpa",
+                master_dtype=master, head=head, attention="sdpa", cpu_offload=offload,
             )  # fmt: skip
             with torch.no_grad():  # a head away from its zero start
                 for parameter in model.score.parameters():  # one rank: the local shard is the whole

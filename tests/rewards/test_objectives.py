@@ -8,17 +8,20 @@ import pytest
 import rl2gem
 from rl2gem.evaluation import episode_record, record_sums
 from rl2gem.rewards.objectives import (
+    FILTERED_REWARD,
     ParetoArchive,
     apply_objectives,
     dominates,
     episode_components,
     hypervolume,
     load_transform,
+    set_final_reward,
     tchebycheff,
     weighted_sum,
 )
 from rl2gem.rollout.rollout import RolloutBatch
 from rl2gem.rollout.tito import Episode, Sequence
+from rl2gem.training.samples import shape_rewards
 
 
 def episode(correct: float, fmt: float, action_tokens: int) -> Episode:
@@ -174,3 +177,15 @@ def test_the_trainers_filter_sees_the_rewards_apply_objectives_sets():
     assert filtered == [1.0, 3.0] and OnlineTrainer.trained_rewards(trainer, group) == filtered
     apply_objectives(RolloutBatch([group], {}), "weighted_sum", weights, transform=counting)
     assert [e.reward for e in group] == filtered and len(calls) == 2
+
+    # a reward model's score comes after the filter: the kept values are dropped, not trained on
+    class Scorer:
+        def apply(self, batch, mode):
+            for e in batch.episodes:
+                set_final_reward(e, 5.0)
+            return {}
+
+    group = [episode(0.0, 1.0, 4), episode(1.0, 1.0, 4)]
+    OnlineTrainer.trained_rewards(trainer, group)
+    shape_rewards(RolloutBatch([group], {}), Scorer(), "replace", "weighted_sum", weights, {}, None)
+    assert [e.reward for e in group] == [5.0, 5.0] and all(FILTERED_REWARD not in e.info for e in group)

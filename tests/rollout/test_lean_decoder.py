@@ -190,6 +190,38 @@ def test_norms_and_rotary_embedding_equal_the_models_own_bit_for_bit(dtype):
         assert torch.equal(_rope(key[0].transpose(0, 1), cos, signed_sin), expected_key[0].transpose(0, 1))
 
 
+class _Doubled(torch.nn.Linear):
+    """A layer the lean path must call as a module (an adapter's or a quantized layer's stand-in):
+    reading its weight directly would drop what its forward adds."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+@torch.no_grad()
+def test_projections_that_are_not_plain_linears_run_as_modules():
+    """o_proj and down_proj of another Linear class: the lean prefill and decode call them, equal to
+    the model's own forward (the residual is added by the GEMM only for plain bias-free Linears)."""
+    model = build("llama")
+    for layer in model.model.layers:
+        for parent, name in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):
+            old = getattr(parent, name)
+            doubled = _Doubled(old.in_features, old.out_features, bias=False)
+            doubled.weight.copy_(old.weight)
+            setattr(parent, name, doubled)
+    decoder = LeanDecoder(model)
+    sequence = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(2)).tolist()
+    reference = model(input_ids=torch.tensor([sequence])).logits[0]
+    store = new_store(model, 1, 16)
+    store.mask[0, :8] = True
+    logits = decoder.prefill(store, [(0, sequence[:8], 0)], 8)
+    torch.testing.assert_close(logits[0], reference[7], atol=1e-4, rtol=1e-4)
+    store.hi = 8
+    store.mask[0, 8] = True
+    logits = decoder.decode(store, torch.tensor([sequence[8]]), torch.tensor([8]), [9])
+    torch.testing.assert_close(logits[0], reference[8], atol=1e-4, rtol=1e-4)
+
+
 class _OtherNorm(torch.nn.Module):
     def forward(self, x):
         return x * 2
@@ -214,6 +246,12 @@ def test_unsupported_models_are_named():
     windowed = build("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1)
     assert "layers of type ['sliding_attention']" in unsupported_reason(windowed, 512)
     assert unsupported_reason(build("qwen2", use_sliding_window=False, sliding_window=16), 512) is None
+    # every Qwen2 layer full although use_sliding_window is set: no window runs
+    every_layer_full = build("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=2)
+    assert unsupported_reason(every_layer_full, 512) is None
+    # Mistral's attention applies its window whatever layer types its config lists
+    listed = build("mistral", sliding_window=16, layer_types=["full_attention"] * 2)
+    assert "sliding-window attention" in unsupported_reason(listed, 512)
 
 
 def test_lean_engine_equals_the_transformers_path(tokenizer):

@@ -8,14 +8,15 @@ reads every row's keys over the whole shared window, and multiplies the hidden s
 49k-row LM head in one GEMM that runs at about 100 GFLOP/s where 2,048-row slices run near 180.
 
 :class:`LeanDecoder` runs the same modules (the model's own ``nn.Linear``, norms, MLP and rotary
-embedding, so weight updates in place and biases are picked up) with three changes:
+embedding, so weight updates in place and biases are picked up) with four changes:
 
 * **attention per row chunk**: rows are attended in chunks of ``chunk_rows``, each over only the
   columns its longest row needs (rows sit right-aligned in the shared window, so a chunk of
   short rows skips the window's left part). The additive mask of each chunk is built once per
   step and shared by all layers. Grouped-query attention multiplies the ``group`` queries of a
   key/value head with that head's keys directly (no ``repeat_kv`` copy).
-* **one query per row**: scores are a batched ``[group, d] x [d, w]`` matmul, softmax in fp32.
+* **one query per row**: scores are a batched ``[group, d] x [d, w]`` matmul, softmax with
+  float32 accumulation.
 * **LM head in vocabulary slices** of ``vocab_chunk`` rows.
 * **fewer kernels per layer**, the same arithmetic: a GPU decode step of a small model is some
   hundreds of tiny kernels whose latencies, not their work, set its time (on the H200 of
@@ -23,7 +24,7 @@ embedding, so weight updates in place and biases are picked up) with three chang
   1.1 ms: ``benchmarks/RESULTS.md``). RMSNorm is torch's fused ``rms_norm`` then the weight (2
   kernels on CUDA, 8 for the module), the rotary embedding a roll and a sign-flipped sin (4, not
   5), the attention's scaling and mask one add and its softmax in the scores' dtype (4, not 6),
-  the residual added in the epilogue of ``o_proj`` and ``down_proj`` (``addmm``): about 27
+  the residual added by the GEMMs of ``o_proj`` and ``down_proj`` (in-place ``addmm_``): about 27
   kernels per Llama layer where there were 45 (bf16 on CUDA, counted from the operations).
 
 Packed prefill is also lean: one ``[tokens, hidden]`` matrix without padding goes through the
@@ -92,13 +93,17 @@ def _norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 LLAMA_MLPS = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
 
 
-def _onto(residual: torch.Tensor, linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``residual + linear(x)`` for ``x`` [t, in] and ``residual`` [t, out]: one ``addmm`` (the
-    residual added in the matmul's epilogue, rounded once) when the layer has no bias, else the two
-    operations."""
-    if linear.bias is not None:
+def _onto(residual: torch.Tensor, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``residual + linear(x)`` for ``x`` [t, in] and ``residual`` [t, out], written into
+    ``residual`` (the caller's residual stream, which nothing else reads): one in-place ``addmm_``,
+    a GEMM that reads and writes the residual as its C with beta 1 (one kernel, rounded once; an
+    out-of-place ``addmm`` with a 2-D input copies it into the output first), when ``linear`` is a
+    plain bias-free ``nn.Linear``; else the module (an adapter, a quantized or biased layer) and an
+    add."""
+    plain = type(linear) is torch.nn.Linear and linear.bias is None
+    if not plain or not residual.dtype == x.dtype == linear.weight.dtype:
         return residual + linear(x)
-    return torch.addmm(residual, x, linear.weight.t())
+    return residual.addmm_(x, linear.weight.t())
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
