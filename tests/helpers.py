@@ -289,3 +289,47 @@ def serving(app: web.Application):
         loop.call_soon_threadsafe(loop.stop)
         thread.join(30)
         loop.close()
+
+
+def lean_bf16_errors(model, device) -> tuple[float, float]:
+    """How far bf16 logits stray from the float32 forward's, on ``device``: the embedded engine's
+    lean prefill and decode (:class:`rl2gem.rollout.engines.lean_decoder.LeanDecoder`) against
+    transformers' own bf16 forward, each as its largest difference from ``model``'s float32
+    logits over 4 staggered prompts (5 to 30 tokens), their prefill and 6 decode steps."""
+    import copy
+
+    from rl2gem.rollout.engines.embedded import _KVStore
+    from rl2gem.rollout.engines.lean_decoder import LeanDecoder
+
+    full, half = model.float().to(device), copy.deepcopy(model).to(device, torch.bfloat16)
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    generator = torch.Generator().manual_seed(1)
+    lengths, steps = [5, 9, 17, 30], 6
+    sequences = [torch.randint(0, config.vocab_size, (n + steps,), generator=generator).tolist() for n in lengths]
+    with torch.no_grad():
+        truth = [full(input_ids=torch.tensor([s], device=device)).logits[0].float() for s in sequences]
+        own = [half(input_ids=torch.tensor([s], device=device)).logits[0].float() for s in sequences]
+        store = _KVStore(config.num_hidden_layers, config.num_key_value_heads, head_dim, torch.bfloat16, device)
+        store.reserve(len(lengths), 0, 64)
+        store.lo = store.hi = 0
+        store.slots, end = len(lengths), max(lengths)
+        for row, n in enumerate(lengths):
+            store.mask[row, end - n : end] = True
+        decoder = LeanDecoder(half)
+        rows = [(row, s[:n], 0) for row, (s, n) in enumerate(zip(sequences, lengths, strict=True))]
+        lean = [decoder.prefill(store, rows, end)]
+        store.hi = end
+        for step in range(steps):
+            store.mask[:, store.hi] = True
+            tokens = torch.tensor([s[n + step] for s, n in zip(sequences, lengths, strict=True)], device=device)
+            positions = torch.tensor([n + step for n in lengths], device=device)
+            lean.append(decoder.decode(store, tokens, positions, [n + step + 1 for n in lengths]))
+            store.hi += 1
+
+    def at(logits: list[torch.Tensor], step: int) -> torch.Tensor:  # each prompt's logits after step's token
+        return torch.stack([row[n - 1 + step] for row, n in zip(logits, lengths, strict=True)])
+
+    lean_error = max(float((got - at(truth, step)).abs().max()) for step, got in enumerate(lean))
+    own_error = max(float((at(own, step) - at(truth, step)).abs().max()) for step in range(steps + 1))
+    return lean_error, own_error

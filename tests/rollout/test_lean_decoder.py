@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from helpers import lean_bf16_errors
 
 from rl2gem.openmp import release_thread_team
 from rl2gem.rollout import EmbeddedEngine
@@ -188,6 +189,17 @@ def test_norms_and_rotary_embedding_equal_the_models_own_bit_for_bit(dtype):
         expected_query, expected_key = apply_rotary_pos_emb(query, key, full_cos, full_sin)
         assert torch.equal(_rope(query[0].transpose(0, 1), cos, signed_sin), expected_query[0].transpose(0, 1))
         assert torch.equal(_rope(key[0].transpose(0, 1), cos, signed_sin), expected_key[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_lean_bf16_logits_are_as_close_to_float32_as_transformers_own(kind):
+    """In bf16 (CUDA's dtype) the lean prefill and decode stray from the float32 logits no more
+    than twice as far as transformers' own bf16 forward does (tests/test_gpu.py runs the same on
+    CUDA); a wrong sign or scale anywhere gives differences the size of the logits."""
+    heads = {"head_dim": 32} if kind == "qwen3" else {}
+    model = build(kind, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8, **heads)
+    lean, own = lean_bf16_errors(model, torch.device("cpu"))
+    assert 0 < lean <= 2 * own, (lean, own)
 
 
 class _Doubled(torch.nn.Linear):
