@@ -923,15 +923,7 @@ class EmbeddedEngine(Engine):
         store.reserve(rows, 0, width)
         store.lo = store.hi = 0
         store.slots = rows
-        store.mask[:rows] = False
-        for row, (length, kv) in enumerate(hits):
-            if length:
-                prefix = slice(prefix_end[row] - length, prefix_end[row])
-                for layer, (keys, values) in enumerate(kv):
-                    store.keys[layer][row, :, prefix] = keys
-                    store.values[layer][row, :, prefix] = values
-                store.mask[row, prefix] = True
-            store.mask[row, width - new[row] : width] = True  # the new tokens end at width in both layouts
+        self._place_prefixes(store, hits, prefix_end, new, width)
         if self._lean is not None:
             pieces = [(row, ids[cached[row] :], cached[row]) for row, ids in enumerate(prompts)]
             logits = self._lean.prefill(store, pieces, width)
@@ -954,6 +946,33 @@ class EmbeddedEngine(Engine):
         self.stats["prefill_tokens"] += sum(new)
         self.stats["prefill_forwards"] += 1
         return width, logits
+
+    def _place_prefixes(self, store: _KVStore, hits: list, prefix_end: list[int], new: list[int], width: int) -> None:
+        """Write the prefill store's first ``len(hits)`` rows before their forward: row ``j``'s cached
+        prefix (``hits[j]``: its length and per-layer keys and values) ending at column
+        ``prefix_end[j]``, and the mask of that prefix and of its ``new[j]`` tokens ending at
+        ``width``. One mask copy and, per layer, one write of every row's prefix keys and one of
+        its values (on a GPU a write per row and layer was a kernel each: 1,024 for 64 rows of
+        8 layers)."""
+        rows, device = len(hits), store.mask.device
+        allowed = np.zeros((rows, width), dtype=bool)
+        cached = [(row, prefix_end[row] - length, length, kv) for row, (length, kv) in enumerate(hits) if length]
+        for row, start, length, _ in cached:
+            allowed[row, start : start + length] = True
+        for row, count in enumerate(new):
+            allowed[row, width - count : width] = True  # the new tokens end at width in both layouts
+        store.mask[:rows] = False
+        store.mask[:rows, :width] = torch.from_numpy(allowed).to(device)
+        if not cached:
+            return
+        lengths = [length for _, _, length, _ in cached]
+        token_rows = torch.from_numpy(np.repeat([row for row, _, _, _ in cached], lengths)).to(device)
+        columns = np.concatenate([np.arange(start, start + length) for _, start, length, _ in cached])
+        token_columns = torch.from_numpy(columns).to(device)
+        for layer in range(store.num_layers):
+            for buffers, part in ((store.keys, 0), (store.values, 1)):
+                pieces = torch.cat([kv[layer][part] for _, _, _, kv in cached], dim=1)  # [kv_heads, tokens, d]
+                buffers[layer][token_rows, :, token_columns] = pieces.transpose(0, 1)
 
     def _append_tokens(self, reqs: list[_Request], tokens: list[list[int]], logprobs: list[list[float]]):
         """Give each request its sampled tokens, ``tokens[k][i]`` the ``k``-th of ``reqs[i]``, step
