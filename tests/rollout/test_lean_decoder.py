@@ -202,6 +202,39 @@ def test_lean_bf16_logits_are_as_close_to_float32_as_transformers_own(kind):
     assert 0 < lean <= 2 * own, (lean, own)
 
 
+@torch.no_grad()
+def test_fused_projections_share_the_models_parameters_and_fall_back_when_one_is_replaced():
+    """The q/k/v and gate/up projections run as one GEMM each over views of the model's own
+    parameters: a weight copied in place (a weight update) is what the fused GEMM reads, a
+    parameter replaced (or given other data) makes that layer run its modules one by one; both
+    equal the model's own forward."""
+    model = build("qwen2")  # q/k/v biases fused too
+    decoder = LeanDecoder(model)
+    attention, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    fused = decoder._qkv[1]
+    assert fused is not None and decoder._gate_up[1] is not None
+    assert attention.k_proj.weight.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr()
+    assert attention.v_proj.bias.untyped_storage().data_ptr() == fused.bias.untyped_storage().data_ptr()
+    sequence = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(6)).tolist()
+
+    def check():
+        store = new_store(model, 1, 16)
+        store.mask[0, :12] = True
+        logits = decoder.prefill(store, [(0, sequence, 0)], 12)
+        torch.testing.assert_close(
+            logits[0], model(input_ids=torch.tensor([sequence])).logits[0, -1], atol=1e-4, rtol=1e-4
+        )
+
+    check()
+    attention.k_proj.weight.copy_(torch.randn_like(attention.k_proj.weight))  # in place: still fused
+    check()
+    assert decoder._qkv[1] is fused
+    attention.v_proj.weight.data = attention.v_proj.weight.data * 2  # replaced data: this layer unfused
+    mlp.gate_proj.weight = torch.nn.Parameter(mlp.gate_proj.weight * -1)
+    check()
+    assert decoder._qkv[1] is None and decoder._gate_up[1] is None and decoder._qkv[0] is not None
+
+
 class _Doubled(torch.nn.Linear):
     """A layer the lean path must call as a module (an adapter's or a quantized layer's stand-in):
     reading its weight directly would drop what its forward adds."""

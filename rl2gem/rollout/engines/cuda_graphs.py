@@ -173,6 +173,7 @@ class DecodeGraphs:
         key = self._addresses(store)
         if key != self._key:
             self.reset()
+            self.decoder.check_fused()  # a replaced parameter may have broken a fused projection
             self._key = key
         step = self._steps.get((bucket, steps)) or self._build(store, bucket, steps)
         return step, bucket

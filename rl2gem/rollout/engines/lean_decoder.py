@@ -24,8 +24,10 @@ embedding, so weight updates in place and biases are picked up) with four change
   1.1 ms: ``benchmarks/RESULTS.md``). RMSNorm is torch's fused ``rms_norm`` then the weight (2
   kernels on CUDA, 8 for the module), the rotary embedding a roll and a sign-flipped sin (4, not
   5), the attention's scaling and mask one add and its softmax in the scores' dtype (4, not 6),
-  the residual added by the GEMMs of ``o_proj`` and ``down_proj`` (in-place ``addmm_``): about 27
-  kernels per Llama layer where there were 45 (bf16 on CUDA, counted from the operations).
+  the residual added by the GEMMs of ``o_proj`` and ``down_proj`` (in-place ``addmm_``), the
+  q/k/v projections one GEMM and the gate and up projections another (:class:`FusedLinears`):
+  about 24 kernels per Llama layer where there were 45 (bf16 on CUDA, counted from the
+  operations).
 
 Packed prefill is also lean: one ``[tokens, hidden]`` matrix without padding goes through the
 linear layers; attention runs per group of requests (similar lengths, padded to the group's
@@ -115,6 +117,63 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
+class FusedLinears:
+    """Linear layers that read one input (a layer's q/k/v projections, its gate and up
+    projections) made one GEMM: their weights, and biases, become row blocks (views) of one
+    buffer, so the model's own forward, weight updates copied in place and the fused GEMM all read
+    the same memory and nothing is copied per step. :meth:`intact` says whether that still holds
+    (a module or a parameter replaced, ``model.to(...)`` moving each parameter on its own, breaks
+    it; the caller then runs the modules one by one).
+
+    Build with :meth:`make`, which returns None for layers it leaves alone: other than plain
+    ``nn.Linear``, on the meta device, of differing dtypes, devices or input sizes, or with biases
+    on some only."""
+
+    def __init__(self, owner, names: tuple[str, ...], weight: torch.Tensor, bias: torch.Tensor | None):
+        self.owner, self.names = owner, names
+        self.modules = tuple(getattr(owner, name) for name in names)
+        self.weight, self.bias = weight, bias
+        self.sizes = [module.out_features for module in self.modules]
+        self._pointers = self._current_pointers()
+
+    @classmethod
+    @torch.no_grad()
+    def make(cls, owner, names: tuple[str, ...]) -> FusedLinears | None:
+        modules = [getattr(owner, name, None) for name in names]
+        if any(type(module) is not torch.nn.Linear for module in modules):
+            return None
+        weights = [module.weight for module in modules]
+        biases = [module.bias for module in modules]
+        if len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1 or weights[0].device.type == "meta":
+            return None
+        if any(b is None for b in biases) != all(b is None for b in biases):
+            return None
+        weight = torch.cat([w.detach() for w in weights])
+        bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        start = 0
+        for module in modules:
+            rows = slice(start, start + module.out_features)
+            module.weight.data = weight[rows]
+            if bias is not None:
+                module.bias.data = bias[rows]
+            start = rows.stop
+        return cls(owner, names, weight, bias)
+
+    def _current_pointers(self) -> tuple:
+        return tuple(
+            (getattr(self.owner, name) is module, module.weight.data_ptr(), getattr(module.bias, "data_ptr", int)())
+            for name, module in zip(self.names, self.modules, strict=True)
+        )
+
+    def intact(self) -> bool:
+        """Whether every module is still in place and reads its block of the fused buffers."""
+        return self._current_pointers() == self._pointers
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each module's output for ``x`` [t, in]: views of one ``[t, sum(out)]`` product."""
+        return torch.nn.functional.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+
 class LeanDecoder:
     """Decode and prefill forwards of a Llama-family model over a ``_KVStore`` (module docstring).
 
@@ -127,6 +186,11 @@ class LeanDecoder:
             compute once padded; ``None``: 2 on CUDA (a launch costs more than the padding), 1 on
             the CPU (only requests of equal lengths share a call: padding's large temporaries
             cost more there than the calls they save, measured on the 2-core machine).
+        fuse_projections: run each layer's q/k/v projections as one GEMM and its gate and up
+            projections as another (:class:`FusedLinears`: 3 kernels fewer per layer). This makes
+            those parameters of ``model`` views of one buffer per layer (their values unchanged;
+            ``save_pretrained`` and in-place weight updates work as before). A layer whose modules
+            or parameters are replaced later runs them one by one (:meth:`check_fused`).
     """
 
     def __init__(
@@ -137,6 +201,7 @@ class LeanDecoder:
         vocab_chunk: int = 2048,
         prefill_scores: int = 1 << 26,
         prefill_padding: float | None = None,
+        fuse_projections: bool = True,
     ):
         self.model = model
         config = model.config
@@ -150,6 +215,25 @@ class LeanDecoder:
         if prefill_padding is None:
             prefill_padding = 2.0 if next(model.parameters()).device.type == "cuda" else 1.0
         self.prefill_padding = float(prefill_padding)
+        layers = model.model.layers
+        self._qkv: list[FusedLinears | None] = [None] * len(layers)  # per layer, None: the modules
+        self._gate_up: list[FusedLinears | None] = [None] * len(layers)
+        if fuse_projections:
+            for index, layer in enumerate(layers):
+                self._qkv[index] = FusedLinears.make(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
+                if type(layer.mlp).__name__ in LLAMA_MLPS:
+                    self._gate_up[index] = FusedLinears.make(layer.mlp, ("gate_proj", "up_proj"))
+
+    def check_fused(self) -> None:
+        """Stop fusing the projections of layers whose modules or parameters were replaced since
+        (:meth:`FusedLinears.intact`): they run one by one from then on. Called at each eager
+        forward; a captured or compiled step reads the fused buffers as they were when it was
+        built, so :class:`~rl2gem.rollout.engines.cuda_graphs.DecodeGraphs` calls it before it
+        builds one (a replaced parameter changes its key)."""
+        for table in (self._qkv, self._gate_up):
+            for index, fused in enumerate(table):
+                if fused is not None and not fused.intact():
+                    table[index] = None
 
     # ------------------------------------------------------------------ shared pieces
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -161,12 +245,17 @@ class LeanDecoder:
             out[:, start : start + piece.shape[0]] = torch.nn.functional.linear(hidden, piece)
         return out
 
-    def _project(self, attention, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor):
-        """``x`` [t, H] -> rotated queries [t, heads, d], rotated keys and values [t, kv_heads, d]."""
-        t = x.shape[0]
-        query = attention.q_proj(x).view(t, self.num_heads, self.head_dim)
-        key = attention.k_proj(x).view(t, self.kv_heads, self.head_dim)
-        value = attention.v_proj(x).view(t, self.kv_heads, self.head_dim)
+    def _project(self, index: int, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor):
+        """``x`` [t, H] of layer ``index`` -> rotated queries [t, heads, d], rotated keys and values
+        [t, kv_heads, d] (the values a strided view when the projections are fused)."""
+        t, attention, fused = x.shape[0], self.model.model.layers[index].self_attn, self._qkv[index]
+        if fused is not None:
+            query, key, value = fused(x)
+        else:
+            query, key, value = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
+        query = query.view(t, self.num_heads, self.head_dim)
+        key = key.view(t, self.kv_heads, self.head_dim)
+        value = value.view(t, self.kv_heads, self.head_dim)
         if getattr(attention, "q_norm", None) is not None:  # Qwen3: RMSNorm over each head
             query, key = _norm(attention.q_norm, query), _norm(attention.k_norm, key)
         return _rope(query, cos, signed_sin), _rope(key, cos, signed_sin), value
@@ -181,16 +270,19 @@ class LeanDecoder:
         signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), -1)
         return hidden, cos[0, :, None], signed_sin[0, :, None]
 
-    @staticmethod
-    def _residual(layer, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        """The rest of a decoder layer after attention: ``attended`` [t, heads * d] through
+    def _residual(self, index: int, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The rest of decoder layer ``index`` after attention: ``attended`` [t, heads * d] through
         ``o_proj`` onto the residual stream ``hidden`` [t, H], then the MLP block, each onto the
-        stream in the projection's own kernel (:func:`_onto`) when the MLP is Llama's."""
+        stream in the projection's own kernel (:func:`_onto`) when the MLP is Llama's (its gate and
+        up projections one GEMM when fused)."""
+        layer = self.model.model.layers[index]
         hidden = _onto(hidden, layer.self_attn.o_proj, attended)
         mlp, x = layer.mlp, _norm(layer.post_attention_layernorm, hidden)
         if type(mlp).__name__ not in LLAMA_MLPS:
             return hidden + mlp(x)
-        return _onto(hidden, mlp.down_proj, mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+        fused = self._gate_up[index]
+        gate, up = fused(x) if fused is not None else (mlp.gate_proj(x), mlp.up_proj(x))
+        return _onto(hidden, mlp.down_proj, mlp.act_fn(gate) * up)
 
     def _attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scaling):
         """Grouped-query attention of ``q`` queries per row.
@@ -247,6 +339,7 @@ class LeanDecoder:
         """
         n, column = store.slots, store.hi
         inner = self.model.model
+        self.check_fused()
         hidden, cos, signed_sin = self._embed(tokens, positions)  # [n, H], [n, 1, d]
         chunks = []
         for a, b, width in self.plan_chunks(spans):
@@ -254,7 +347,7 @@ class LeanDecoder:
             chunks.append((a, b, start, self._bias(store.mask[a:b, None, start : column + 1], hidden.dtype)))
         for index, layer in enumerate(inner.layers):
             attention = layer.self_attn
-            query, key, value = self._project(attention, _norm(layer.input_layernorm, hidden), cos, signed_sin)
+            query, key, value = self._project(index, _norm(layer.input_layernorm, hidden), cos, signed_sin)
             store.keys[index][:n, :, column] = key
             store.values[index][:n, :, column] = value
             parts = [
@@ -268,7 +361,7 @@ class LeanDecoder:
                 for a, b, start, bias in chunks
             ]
             attended = parts[0] if len(parts) == 1 else torch.cat(parts)
-            hidden = self._residual(layer, hidden, attended.view(n, -1))
+            hidden = self._residual(index, hidden, attended.view(n, -1))
         return self._logits(_norm(inner.norm, hidden))
 
     @torch.no_grad()
@@ -303,11 +396,11 @@ class LeanDecoder:
         bias = self._bias(mask, hidden.dtype)[:, None]  # [b, 1, C]
         for index, layer in enumerate(inner.layers):
             attention = layer.self_attn
-            query, key, value = self._project(attention, _norm(layer.input_layernorm, hidden), cos, signed_sin)
+            query, key, value = self._project(index, _norm(layer.input_layernorm, hidden), cos, signed_sin)
             keys[index].index_copy_(2, column, key[:, :, None])
             values[index].index_copy_(2, column, value[:, :, None])
             attended = self._attend(query[:, None], keys[index], values[index], bias, attention.scaling)
-            hidden = self._residual(layer, hidden, attended.view(rows, -1))
+            hidden = self._residual(index, hidden, attended.view(rows, -1))
         return self._logits(_norm(inner.norm, hidden))
 
     # ------------------------------------------------------------------ prefill
@@ -349,6 +442,7 @@ class LeanDecoder:
             logits [len(rows), V] float32 after each row's last new token.
         """
         inner = self.model.model
+        self.check_fused()
         device = store.mask.device
         queries = [len(ids) for _, ids, _ in rows]
         offsets = [0]
@@ -373,7 +467,7 @@ class LeanDecoder:
         hidden, cos, signed_sin = self._embed(tokens, positions)  # [T, H], [T, 1, d]
         for index, layer in enumerate(inner.layers):
             attention = layer.self_attn
-            query, key, value = self._project(attention, _norm(layer.input_layernorm, hidden), cos, signed_sin)
+            query, key, value = self._project(index, _norm(layer.input_layernorm, hidden), cos, signed_sin)
             keys, values = store.keys[index], store.values[index]
             keys[token_rows, :, token_columns] = key
             values[token_rows, :, token_columns] = value
@@ -387,7 +481,7 @@ class LeanDecoder:
                     attention.scaling,
                 )
                 attended[scatter[1]] = out.flatten(0, 1)[scatter[0]]
-            hidden = self._residual(layer, hidden, attended)
+            hidden = self._residual(index, hidden, attended)
         last = torch.tensor([offset - 1 for offset in offsets[1:]], device=device)
         return self._logits(_norm(inner.norm, hidden[last]))
 
