@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import os
 import time
 
@@ -208,7 +209,7 @@ def test_fused_projections_share_the_models_parameters_and_fall_back_when_one_is
     parameters: a weight copied in place (a weight update) is what the fused GEMM reads, a
     parameter replaced (or given other data) makes that layer run its modules one by one; both
     equal the model's own forward."""
-    model = build("qwen2")  # q/k/v biases fused too
+    model = build("qwen2", num_hidden_layers=3)  # q/k/v biases fused too
     decoder = LeanDecoder(model)
     attention, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
     fused = decoder._qkv[1]
@@ -233,6 +234,13 @@ def test_fused_projections_share_the_models_parameters_and_fall_back_when_one_is
     mlp.gate_proj.weight = torch.nn.Parameter(mlp.gate_proj.weight * -1)
     check()
     assert decoder._qkv[1] is None and decoder._gate_up[1] is None and decoder._qkv[0] is not None
+    # a replaced attention, MLP or whole layer unfuses it too (the new modules' weights are read)
+    layers = model.model.layers
+    layers[0].mlp = copy.deepcopy(layers[0].mlp).apply(lambda m: [p.mul_(-1.3) for p in m.parameters(recurse=False)])
+    check()
+    layers[2] = copy.deepcopy(layers[2]).apply(lambda m: [p.mul_(-1.3) for p in m.parameters(recurse=False)])
+    check()
+    assert decoder._gate_up[0] is None and decoder._qkv[0] is not None and decoder._qkv[2] is None
 
 
 class _Doubled(torch.nn.Linear):

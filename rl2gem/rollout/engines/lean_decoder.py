@@ -122,29 +122,35 @@ class FusedLinears:
     projections) made one GEMM: their weights, and biases, become row blocks (views) of one
     buffer, so the model's own forward, weight updates copied in place and the fused GEMM all read
     the same memory and nothing is copied per step. :meth:`intact` says whether that still holds
-    (a module or a parameter replaced, ``model.to(...)`` moving each parameter on its own, breaks
-    it; the caller then runs the modules one by one).
+    (a layer, its attention or MLP, a projection or a parameter replaced, or ``model.to(...)``
+    moving each parameter on its own, breaks it; the caller then runs the modules one by one).
 
     Build with :meth:`make`, which returns None for layers it leaves alone: other than plain
     ``nn.Linear``, on the meta device, of differing dtypes, devices or input sizes, or with biases
     on some only."""
 
-    def __init__(self, owner, names: tuple[str, ...], weight: torch.Tensor, bias: torch.Tensor | None):
-        self.owner, self.names = owner, names
-        self.modules = tuple(getattr(owner, name) for name in names)
+    def __init__(self, layers, index: int, part: str, names: tuple[str, ...], weight, bias):
+        self.layers, self.index, self.part, self.names = layers, index, part, names
+        self.layer = layers[index]
+        self.owner = getattr(self.layer, part)
+        self.modules = tuple(getattr(self.owner, name) for name in names)
         self.weight, self.bias = weight, bias
         self.sizes = [module.out_features for module in self.modules]
-        self._pointers = self._current_pointers()
+        self._state = self._current_state()
 
     @classmethod
     @torch.no_grad()
-    def make(cls, owner, names: tuple[str, ...]) -> FusedLinears | None:
+    def make(cls, layers, index: int, part: str, names: tuple[str, ...]) -> FusedLinears | None:
+        """Fuse ``layers[index].<part>.<name>`` for ``names`` (``part``: ``self_attn`` or ``mlp``)."""
+        owner = getattr(layers[index], part)
         modules = [getattr(owner, name, None) for name in names]
         if any(type(module) is not torch.nn.Linear for module in modules):
             return None
         weights = [module.weight for module in modules]
         biases = [module.bias for module in modules]
-        if len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1 or weights[0].device.type == "meta":
+        if len({(t.dtype, t.device) for t in weights + [b for b in biases if b is not None]}) != 1:
+            return None
+        if len({w.shape[1] for w in weights}) != 1 or weights[0].device.type == "meta":
             return None
         if any(b is None for b in biases) != all(b is None for b in biases):
             return None
@@ -157,17 +163,22 @@ class FusedLinears:
             if bias is not None:
                 module.bias.data = bias[rows]
             start = rows.stop
-        return cls(owner, names, weight, bias)
+        return cls(layers, index, part, names, weight, bias)
 
-    def _current_pointers(self) -> tuple:
-        return tuple(
-            (getattr(self.owner, name) is module, module.weight.data_ptr(), getattr(module.bias, "data_ptr", int)())
+    def _current_state(self) -> tuple:
+        """Each module still in place under the same layer, and where and what shape its
+        parameters are."""
+        layer = self.layers[self.index]
+        owner = getattr(layer, self.part)
+        return (layer is self.layer, owner is self.owner) + tuple(
+            (getattr(owner, name) is module, module.weight.data_ptr(), tuple(module.weight.shape))
+            + ((module.bias.data_ptr(), tuple(module.bias.shape)) if module.bias is not None else ())
             for name, module in zip(self.names, self.modules, strict=True)
         )
 
     def intact(self) -> bool:
         """Whether every module is still in place and reads its block of the fused buffers."""
-        return self._current_pointers() == self._pointers
+        return self._current_state() == self._state
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each module's output for ``x`` [t, in]: views of one ``[t, sum(out)]`` product."""
@@ -220,9 +231,9 @@ class LeanDecoder:
         self._gate_up: list[FusedLinears | None] = [None] * len(layers)
         if fuse_projections:
             for index, layer in enumerate(layers):
-                self._qkv[index] = FusedLinears.make(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
+                self._qkv[index] = FusedLinears.make(layers, index, "self_attn", ("q_proj", "k_proj", "v_proj"))
                 if type(layer.mlp).__name__ in LLAMA_MLPS:
-                    self._gate_up[index] = FusedLinears.make(layer.mlp, ("gate_proj", "up_proj"))
+                    self._gate_up[index] = FusedLinears.make(layers, index, "mlp", ("gate_proj", "up_proj"))
 
     def check_fused(self) -> None:
         """Stop fusing the projections of layers whose modules or parameters were replaced since
