@@ -150,10 +150,7 @@ def apply_objectives(
             sums[k] = sums.get(k, 0.0) + v
         if combine is None and transform is None:
             continue
-        value = episode.info.get(FILTERED_REWARD)  # what dynamic filtering compared: the transform ran once
-        if value is None:
-            value = objective_value(episode, components, combine, weights, reference, transform)
-        set_final_reward(episode, value)
+        set_final_reward(episode, objective_value(episode, components, combine, weights, reference, transform))
         episode.info = {**episode.info, "reward_components": components}
     return {f"rollout/component/{k}": v / len(episodes) for k, v in sorted(sums.items())}
 
@@ -168,7 +165,11 @@ def objective_value(
 ) -> float:
     """The reward :func:`apply_objectives` gives ``episode`` (its ``components`` combined, then
     ``transform``), without changing it: what dynamic filtering compares
-    (:class:`rl2gem.rollout.Rollout`'s ``filter_rewards``)."""
+    (:class:`rl2gem.rollout.Rollout`'s ``filter_rewards``). The value kept in its ``info`` under
+    :data:`FILTERED_REWARD`, when there is one (the transform runs once per episode)."""
+    kept = episode.info.get(FILTERED_REWARD)
+    if kept is not None:
+        return kept
     value = episode.reward
     if combine == "weighted_sum":
         value = weighted_sum(components, weights or {})

@@ -160,10 +160,8 @@ class OnlineTrainer(Trainer):
             if not (episode.sequences and episode.turn_rewards):
                 values.append(episode.reward)
                 continue
-            value = episode.info.get(FILTERED_REWARD)
-            if value is None:
-                value = objective_value(episode, episode_components(episode), *shaping)
-                episode.info = {**episode.info, FILTERED_REWARD: value}
+            value = objective_value(episode, episode_components(episode), *shaping)  # the kept one if any
+            episode.info = {**episode.info, FILTERED_REWARD: value}
             values.append(value)
         return values
 
