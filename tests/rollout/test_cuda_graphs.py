@@ -311,7 +311,7 @@ def test_a_store_reallocation_frees_the_old_buffers_the_steps_read():
         engine = EmbeddedEngine(model, decode_graphs=True, decode_steps=4)
         await engine.generate([5, 6, 7], {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True})
         store, steps = engine._store, len(engine._graphs._steps)
-        old = weakref.ref(store.keys[0])
+        old = weakref.ref(store.pairs[0])
         store.reserve(store.slots, 0, store.capacity[1] + 64)  # engine idle: grows the columns
         gc.collect()
         await engine.close()

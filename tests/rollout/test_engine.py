@@ -495,7 +495,7 @@ def test_an_allocation_failure_fails_the_requests_and_the_next_ones_decode_as_be
             calls.append(slots)
             if len(calls) < failing_call:
                 return original(slots, left, right, growth, expect)
-            store.keys[0] = torch.zeros(1, 1, 1, 1)  # the first layer re-allocated, then memory runs out
+            store.pairs[0] = torch.zeros(2, 1, 1, 1, 1)  # the first layer re-allocated, then memory runs out
             raise RuntimeError("out of memory")
 
         store.reserve = failing_reserve

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
 import os
 import time
@@ -10,15 +11,22 @@ import time
 import pytest
 import torch
 from helpers import lean_bf16_errors
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rl2gem.openmp import release_thread_team
 from rl2gem.rollout import EmbeddedEngine
 from rl2gem.rollout.engines.embedded import _KVStore
-from rl2gem.rollout.engines.lean_decoder import LLAMA_NORMS, LeanDecoder, _norm, _rope, unsupported_reason
+from rl2gem.rollout.engines.lean_decoder import LLAMA_NORMS, LeanDecoder, _norm, _rope, _rope_, unsupported_reason
 
 
 def build(kind: str, **extra):
+    """A random model of ``kind`` (a family, or ``llama-linear`` / ``llama-dynamic``: Llama with
+    that rotary scaling)."""
     import transformers
+
+    if kind.startswith("llama-"):
+        rope = {"rope_type": kind.split("-")[1], "factor": 4.0, "rope_theta": 10000.0}
+        return build("llama", rope_parameters=rope, **extra)
 
     common = dict(
         vocab_size=256,
@@ -59,12 +67,15 @@ def new_store(model, rows: int, columns: int) -> _KVStore:
     return store
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "llama-linear", "llama-dynamic"])
 @torch.no_grad()
 def test_prefill_and_decode_logits_equal_the_full_forward(kind):
+    """Also with a scaled rotary embedding: linear (read from the table) and dynamic (computed by
+    the module each step: its frequencies depend on the longest position)."""
     model = build(kind)
     assert unsupported_reason(model, 512) is None
     decoder = LeanDecoder(model, chunk_rows=2, vocab_chunk=100)  # several head slices, several row chunks
+    assert (decoder.rotation_table(torch.float32, torch.device("cpu")) is None) == (kind == "llama-dynamic")
     generator = torch.Generator().manual_seed(1)
     prompt_lengths = [3, 4, 20, 22]
     steps = 5
@@ -184,12 +195,21 @@ def test_norms_and_rotary_embedding_equal_the_models_own_bit_for_bit(dtype):
             assert torch.equal(_norm(module, x), module(x))
         positions = torch.tensor([0, 3, 9, 100, 511, 2, 7])
         _, cos, signed_sin = decoder._embed(torch.arange(7), positions)
+        assert decoder._rotations is not None  # read from the table
         full_cos, full_sin = model.model.rotary_emb(hidden, positions[None])
         query = torch.randn(1, decoder.num_heads, 7, decoder.head_dim, generator=generator).to(dtype)
         key = torch.randn(1, decoder.kv_heads, 7, decoder.head_dim, generator=generator).to(dtype)
         expected_query, expected_key = apply_rotary_pos_emb(query, key, full_cos, full_sin)
         assert torch.equal(_rope(query[0].transpose(0, 1), cos, signed_sin), expected_query[0].transpose(0, 1))
         assert torch.equal(_rope(key[0].transpose(0, 1), cos, signed_sin), expected_key[0].transpose(0, 1))
+        # the fused path: queries and keys rotated together, in place in one buffer (strided views)
+        fused = torch.cat([query[0].transpose(0, 1), key[0].transpose(0, 1), key[0].transpose(0, 1)], dim=1)
+        _rope_(fused[:, : decoder.num_heads + decoder.kv_heads], cos, signed_sin)
+        assert torch.equal(fused[:, : decoder.num_heads], expected_query[0].transpose(0, 1))
+        assert torch.equal(
+            fused[:, decoder.num_heads : decoder.num_heads + decoder.kv_heads], expected_key[0].transpose(0, 1)
+        )
+        assert torch.equal(fused[:, decoder.num_heads + decoder.kv_heads :], key[0].transpose(0, 1))  # values untouched
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
@@ -241,6 +261,42 @@ def test_fused_projections_share_the_models_parameters_and_fall_back_when_one_is
     layers[2] = copy.deepcopy(layers[2]).apply(lambda m: [p.mul_(-1.3) for p in m.parameters(recurse=False)])
     check()
     assert decoder._gate_up[0] is None and decoder._qkv[0] is not None and decoder._qkv[2] is None
+
+
+class _Operations(TorchDispatchMode):
+    """Counts the ATen operations run under it, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@torch.no_grad()
+def test_a_fused_decode_step_rotates_and_stores_keys_together(kind):
+    """With fused projections a decode step rotates each layer's queries and keys with one roll
+    and writes its keys and values to the store with one ``index_copy_`` (Qwen3's per-head norms
+    keep queries and keys apart: two of each); the cos and sin come from the table (no cos or sin
+    operation). Equality with the windowed decode is tests/rollout/test_cuda_graphs.py's."""
+    layers = 3
+    model = build(kind, num_hidden_layers=layers)
+    decoder = LeanDecoder(model)
+    store = new_store(model, 4, 16)
+    store.mask[:, :5] = True
+    ones = torch.ones(4, dtype=torch.long)
+    assert decoder.rotation_table(torch.float32, torch.device("cpu")) is not None  # built once, before
+    with _Operations() as operations:
+        logits = decoder.decode_all_columns(store.pairs, store.mask, ones, 5 * ones, torch.tensor([5]))
+    per_layer = 2 if kind == "qwen3" else 1
+    assert operations.counts["aten.roll"] == operations.counts["aten.index_copy_"] == per_layer * layers
+    assert operations.counts["aten.cos"] == operations.counts["aten.sin"] == 0
+    assert (
+        torch.isfinite(logits).all() and store.keys[0][:, :, 5].abs().sum() > 0 < store.values[2][:, :, 5].abs().sum()
+    )
 
 
 class _Doubled(torch.nn.Linear):

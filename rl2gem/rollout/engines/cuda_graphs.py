@@ -164,7 +164,7 @@ class DecodeGraphs:
         every decode round), so a parameter replaced in its module, or given other data, is
         still seen."""
         parameters = tuple(table[name].data_ptr() for table, name in self._parameter_slots)
-        buffers = tuple(t.data_ptr() for t in (*store.keys, *store.values, store.mask))
+        buffers = tuple(t.data_ptr() for t in (*store.pairs, store.mask))
         return (store.capacity, buffers, parameters)
 
     def _step(self, store, rows: int, steps: int) -> tuple[_Step, int]:
@@ -259,9 +259,10 @@ class DecodeGraphs:
         device = store.mask.device
         ints = torch.zeros(2 * bucket + 1, dtype=torch.long, device=device)
         int_staging = torch.zeros(2 * bucket + 1, dtype=torch.long, pin_memory=self.capture)
-        keys = [k[:bucket] for k in store.keys]
-        values = [v[:bucket] for v in store.values]
+        pairs = [pair[:, :bucket] for pair in store.pairs]
         mask = store.mask[:bucket]
+        # built before a step that a compilation traces or a graph captures reads it
+        self.decoder.rotation_table(self.decoder.model.model.embed_tokens.weight.dtype, device)
         floats = float_staging = None
 
         def inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -270,7 +271,7 @@ class DecodeGraphs:
             return ints[:bucket].clone(), ints[bucket : 2 * bucket].clone(), ints[2 * bucket :].clone()
 
         def logits_only() -> tuple[torch.Tensor]:
-            return (self._decode_columns(keys, values, mask, *inputs()),)
+            return (self._decode_columns(pairs, mask, *inputs()),)
 
         run = logits_only
         if steps:
@@ -286,11 +287,12 @@ class DecodeGraphs:
                 uniforms = floats[2 * bucket :].view(steps, bucket)
                 for k in range(steps):
                     mask.index_fill_(1, column, True)
-                    logits = self._decode_columns(keys, values, mask, token, position, column)
+                    logits = self._decode_columns(pairs, mask, token, position, column)
                     token, logprob = self._sample_rows(logits, divisors, greedy, uniforms[k])
                     sampled[k].copy_(token)
                     logprobs[k].copy_(logprob)
-                    position, column = position + 1, column + 1
+                    if k + 1 < steps:
+                        position, column = position + 1, column + 1
                 return sampled, logprobs
 
         step = _Step(ints, int_staging, floats, float_staging, run)

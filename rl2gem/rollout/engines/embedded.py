@@ -13,7 +13,8 @@ running while the model computes). Every iteration the scheduler
    static batching in ``model.generate``).
 
 The KV cache is owned by the engine: per layer one buffer
-``[slots, kv_heads, columns, head_dim]`` where all running sequences share a
+``[2, slots, kv_heads, columns, head_dim]`` (the keys, then the values: one kernel writes or
+copies both) where all running sequences share a
 column window ``[lo, hi)`` and each sequence occupies the right end of it
 (left padding, masked). A finished sequence's slot is filled by moving the
 last slot into it (one row copy), so no compute is spent on dead rows; the
@@ -89,11 +90,13 @@ class _KVStore:
         buffers stay allocated (what reads them, the decode graphs, stays valid)."""
         if any(self._needed):
             self.sizes, self._needed = self._needed, (0, 0)
-        if keep and self.keys:
+        if keep and self.pairs:
             self.clear()
             return
         if self.on_reallocate is not None:
             self.on_reallocate()
+        # per layer [2, slots, kv_heads, columns, head_dim]: keys[i] and values[i] are its halves
+        self.pairs: list[torch.Tensor] = []
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.mask = torch.zeros(0, 0, dtype=torch.bool, device=self.device)
@@ -107,7 +110,7 @@ class _KVStore:
     @property
     def nbytes(self) -> int:
         """Bytes of the buffers allocated now."""
-        return sum(t.nbytes for t in (*self.keys, *self.values, self.mask))
+        return sum(t.nbytes for t in (*self.pairs, self.mask))
 
     @property
     def window(self) -> int:
@@ -136,9 +139,8 @@ class _KVStore:
         if slots <= cap_s and need <= cap_c:
             lo = max(left, min(margin, cap_c - w - want_right))
             n = self.slots
-            for buffers in (self.keys, self.values):
-                for b in buffers:
-                    b[:n, :, lo : lo + w] = b[:n, :, self.lo : self.hi].clone()
+            for pair in self.pairs:
+                pair[:, :n, :, lo : lo + w] = pair[:, :n, :, self.lo : self.hi].clone()
             window = self.mask[:n, self.lo : self.hi].clone()
             self.mask[:n] = False
             self.mask[:n, lo : lo + w] = window
@@ -155,16 +157,16 @@ class _KVStore:
         lo = max(left, min(margin, new_c - w - want_right))
         if self.on_reallocate is not None:
             self.on_reallocate()
-        if not self.keys:
-            self.keys, self.values = [None] * self.num_layers, [None] * self.num_layers
+        if not self.pairs:
+            self.pairs = [None] * self.num_layers
+        self.keys, self.values = [], []  # their views would keep every old layer allocated
         for i in range(self.num_layers):  # layer by layer: the old layer is freed before the next is allocated
-            nk = torch.zeros(new_s, self.kv_heads, new_c, self.head_dim, dtype=self.dtype, device=self.device)
-            nv = torch.zeros_like(nk)
-            k, v = self.keys[i], self.values[i]
-            if k is not None and self.slots and w:
-                nk[: self.slots, :, lo : lo + w] = k[: self.slots, :, self.lo : self.hi]
-                nv[: self.slots, :, lo : lo + w] = v[: self.slots, :, self.lo : self.hi]
-            self.keys[i], self.values[i] = nk, nv
+            shape = (2, new_s, self.kv_heads, new_c, self.head_dim)
+            pair, old = torch.zeros(shape, dtype=self.dtype, device=self.device), self.pairs[i]
+            if old is not None and self.slots and w:
+                pair[:, : self.slots, :, lo : lo + w] = old[:, : self.slots, :, self.lo : self.hi]
+            self.pairs[i] = pair
+        self.keys, self.values = [pair[0] for pair in self.pairs], [pair[1] for pair in self.pairs]
         mask = torch.zeros(new_s, new_c, dtype=torch.bool, device=self.device)
         if self.slots and w:
             mask[: self.slots, lo : lo + w] = self.mask[: self.slots, self.lo : self.hi]
@@ -175,9 +177,8 @@ class _KVStore:
 
     def move(self, src: int, dst: int) -> None:
         lo, hi = self.lo, self.hi
-        for k, v in zip(self.keys, self.values, strict=True):
-            k[dst, :, lo:hi] = k[src, :, lo:hi]
-            v[dst, :, lo:hi] = v[src, :, lo:hi]
+        for pair in self.pairs:
+            pair[:, dst, :, lo:hi] = pair[:, src, :, lo:hi]
         self.mask[dst] = self.mask[src]
 
     def clear(self) -> None:
@@ -366,7 +367,9 @@ class EmbeddedEngine(Engine):
         p = next(model.parameters())
         # on CUDA the LM head is one matmul (its slices save host memory on the CPU)
         vocab_chunk = self.vocab_size if p.device.type == "cuda" else 2048
-        self._lean = LeanDecoder(model, vocab_chunk=vocab_chunk) if self.lean_reason is None else None
+        self._lean = None
+        if self.lean_reason is None:
+            self._lean = LeanDecoder(model, vocab_chunk=vocab_chunk, max_positions=self.context_length)
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.max_batch_size = int(max_batch_size)
         self.max_prefill_tokens = int(max_prefill_tokens)
@@ -757,8 +760,10 @@ class EmbeddedEngine(Engine):
             return
         if not isinstance(cols, slice) and int(cols[-1] - cols[0]) + 1 == len(cols):  # contiguous: slices copy faster
             cols = slice(int(cols[0]), int(cols[-1]) + 1)
+        # per layer [2, kv_heads, tokens, d]: one copy of the keys and values (an index already copies)
         kv = [
-            (k[slot][:, cols].clone(), v[slot][:, cols].clone()) for k, v in zip(store.keys, store.values, strict=True)
+            pair[:, slot, :, cols].clone() if isinstance(cols, slice) else pair[:, slot][:, :, cols]
+            for pair in store.pairs
         ]
         self._prefix[tokens] = (kv, np.asarray(tokens))
         self._prefix_size += len(tokens)
@@ -769,7 +774,8 @@ class EmbeddedEngine(Engine):
     def _lookup_prefix(self, ids: list[int]):
         """Longest common prefix of ``ids`` with any cached sequence (KV of a causal model depends only
         on the tokens before it, so any shared prefix is reusable: the system prompt, a GRPO group's
-        prompt, the conversation so far). Returns ``(length, per-layer (K, V) or None)``."""
+        prompt, the conversation so far). Returns ``(length, per layer its keys and values
+        [2, kv_heads, length, d], or None)``."""
         if not self._prefix and not self._running:
             return 0, None
         query = np.asarray(ids[: len(ids) - 1])  # keep at least one token to prefill (its logits)
@@ -791,12 +797,9 @@ class EmbeddedEngine(Engine):
         if running_best is not None:
             st = self._store
             cols = (st.mask[running_best, st.lo : st.hi].nonzero().flatten() + st.lo)[:best_len]
-            return best_len, [
-                (k[running_best][:, cols], v[running_best][:, cols]) for k, v in zip(st.keys, st.values, strict=True)
-            ]
+            return best_len, [pair[:, running_best][:, :, cols] for pair in st.pairs]
         self._prefix.move_to_end(best)
-        kv = self._prefix[best][0]
-        return best_len, [(k[:, :best_len], v[:, :best_len]) for k, v in kv]
+        return best_len, [pair[:, :, :best_len] for pair in self._prefix[best][0]]
 
     def _shared_stems(self, take: list[_Request], cached: list[int]) -> list[list[int]]:
         """Prefixes that two or more of ``take`` share beyond their ``cached`` tokens (independent
@@ -885,8 +888,7 @@ class EmbeddedEngine(Engine):
         sources = sources[torch.tensor(order, device=self._device)]
         new_slots, columns = slice(store.slots, store.slots + len(requests)), slice(store.hi - width, store.hi)
         for layer in range(store.num_layers):
-            store.keys[layer][new_slots, :, columns] = prefilled.keys[layer][sources, :, :width]
-            store.values[layer][new_slots, :, columns] = prefilled.values[layer][sources, :, :width]
+            store.pairs[layer][:, new_slots, :, columns] = prefilled.pairs[layer][:, sources, :, :width]
         store.mask[new_slots] = False
         store.mask[new_slots, columns] = prefilled.mask[sources, :width]
         store.slots += len(requests)
@@ -951,9 +953,8 @@ class EmbeddedEngine(Engine):
         """Write the prefill store's first ``len(hits)`` rows before their forward: row ``j``'s cached
         prefix (``hits[j]``: its length and per-layer keys and values) ending at column
         ``prefix_end[j]``, and the mask of that prefix and of its ``new[j]`` tokens ending at
-        ``width``. One mask copy and, per layer, one write of every row's prefix keys and one of
-        its values (on a GPU a write per row and layer was a kernel each: 1,024 for 64 rows of
-        8 layers)."""
+        ``width``. One mask copy and, per layer, one write of every row's prefix keys and values
+        (on a GPU a write per row and layer was a kernel each: 1,024 for 64 rows of 8 layers)."""
         rows, device = len(hits), store.mask.device
         allowed = np.zeros((rows, width), dtype=bool)
         cached = [(row, prefix_end[row] - length, length, kv) for row, (length, kv) in enumerate(hits) if length]
@@ -970,9 +971,9 @@ class EmbeddedEngine(Engine):
         columns = np.concatenate([np.arange(start, start + length) for _, start, length, _ in cached])
         token_columns = torch.from_numpy(columns).to(device)
         for layer in range(store.num_layers):
-            for buffers, part in ((store.keys, 0), (store.values, 1)):
-                pieces = torch.cat([kv[layer][part] for _, _, _, kv in cached], dim=1)  # [kv_heads, tokens, d]
-                buffers[layer][token_rows, :, token_columns] = pieces.transpose(0, 1)
+            pieces = torch.cat([kv[layer] for _, _, _, kv in cached], dim=2)  # [2, kv_heads, tokens, d]
+            # two index tensors apart: the indexed dimensions come first, [tokens, 2, kv_heads, d]
+            store.pairs[layer][:, token_rows, :, token_columns] = pieces.permute(2, 0, 1, 3)
 
     def _append_tokens(self, reqs: list[_Request], tokens: list[list[int]], logprobs: list[list[float]]):
         """Give each request its sampled tokens, ``tokens[k][i]`` the ``k``-th of ``reqs[i]``, step

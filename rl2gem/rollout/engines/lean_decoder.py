@@ -25,9 +25,13 @@ embedding, so weight updates in place and biases are picked up) with four change
   kernels on CUDA, 8 for the module), the rotary embedding a roll and a sign-flipped sin (4, not
   5), the attention's scaling and mask one add and its softmax in the scores' dtype (4, not 6),
   the residual added by the GEMMs of ``o_proj`` and ``down_proj`` (in-place ``addmm_``), the
-  q/k/v projections one GEMM and the gate and up projections another (:class:`FusedLinears`):
-  about 24 kernels per Llama layer where there were 45 (bf16 on CUDA, counted from the
-  operations).
+  q/k/v projections one GEMM and the gate and up projections another (:class:`FusedLinears`).
+  With the projections fused, the queries and keys are rotated together, in place in the GEMM's
+  output (4 kernels for both), and the new keys and values written to the store together (the
+  store keeps each layer's keys and values in one buffer): about 20 kernels per Llama layer where
+  there were 45 (bf16 on CUDA, counted from the operations). The rotary embedding's cos and sin
+  are read from a table built once (:data:`STATIC_ROPE_TYPES`; the module computes them with
+  about ten kernels per step).
 
 Packed prefill is also lean: one ``[tokens, hidden]`` matrix without padding goes through the
 linear layers; attention runs per group of requests (similar lengths, padded to the group's
@@ -49,6 +53,12 @@ from rl2gem.models import not_full_causal_attention
 __all__ = ["SUPPORTED_MODEL_TYPES", "LeanDecoder", "unsupported_reason"]
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+# rotary embeddings whose cos and sin at a position depend on that position only (transformers'
+# "dynamic" and "longrope" change their frequencies with the longest position seen): read from a
+# table of every position (:meth:`LeanDecoder._rotation`)
+STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+ROPE_TABLE_ELEMENTS = 1 << 24  # the largest table built (64 MiB in float32); longer contexts compute per step
 
 
 def unsupported_reason(model, context_length: int) -> str | None:
@@ -117,6 +127,14 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
+def _rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """:func:`_rope` written into ``x`` (a view, e.g. the queries and keys of one fused GEMM's
+    output), with the same roundings: ``roll(x) * signed_sin`` is computed first, then ``x * cos``
+    in place and the sum."""
+    rolled = x.roll(x.shape[-1] // 2, -1).mul_(signed_sin)
+    return x.mul_(cos).add_(rolled)
+
+
 class FusedLinears:
     """Linear layers that read one input (a layer's q/k/v projections, its gate and up
     projections) made one GEMM: their weights, and biases, become row blocks (views) of one
@@ -180,9 +198,13 @@ class FusedLinears:
         """Whether every module is still in place and reads its block of the fused buffers."""
         return self._current_state() == self._state
 
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [t, in] -> the modules' outputs side by side, ``[t, sum(out)]``, one GEMM."""
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each module's output for ``x`` [t, in]: views of one ``[t, sum(out)]`` product."""
-        return torch.nn.functional.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return self.product(x).split(self.sizes, dim=-1)
 
 
 class LeanDecoder:
@@ -202,6 +224,9 @@ class LeanDecoder:
             those parameters of ``model`` views of one buffer per layer (their values unchanged;
             ``save_pretrained`` and in-place weight updates work as before). A layer whose modules
             or parameters are replaced later runs them one by one (:meth:`check_fused`).
+        max_positions: positions the rotary table covers (the engine's context length; ``None``:
+            the config's ``max_position_embeddings``); a larger position reads the last entry
+            (only a decode step past a row's stop does: its output is dropped).
     """
 
     def __init__(
@@ -213,6 +238,7 @@ class LeanDecoder:
         prefill_scores: int = 1 << 26,
         prefill_padding: float | None = None,
         fuse_projections: bool = True,
+        max_positions: int | None = None,
     ):
         self.model = model
         config = model.config
@@ -226,6 +252,8 @@ class LeanDecoder:
         if prefill_padding is None:
             prefill_padding = 2.0 if next(model.parameters()).device.type == "cuda" else 1.0
         self.prefill_padding = float(prefill_padding)
+        self.max_positions = int(max_positions or getattr(config, "max_position_embeddings", None) or 4096)
+        self._rotations: torch.Tensor | None = None  # [positions, 2, d]: cos, signed sin (:meth:`_rotation`)
         layers = model.model.layers
         self._qkv: list[FusedLinears | None] = [None] * len(layers)  # per layer, None: the modules
         self._gate_up: list[FusedLinears | None] = [None] * len(layers)
@@ -258,8 +286,18 @@ class LeanDecoder:
 
     def _project(self, index: int, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor):
         """``x`` [t, H] of layer ``index`` -> rotated queries [t, heads, d], rotated keys and values
-        [t, kv_heads, d] (the values a strided view when the projections are fused)."""
+        [t, kv_heads, d], and the keys and values side by side, ``[t, 2, kv_heads, d]`` (one write
+        to the store's pair buffer), or None when they are not adjacent. With fused projections
+        (and no per-head norm) these are strided views of the GEMM's output, the queries and keys
+        rotated in place together."""
         t, attention, fused = x.shape[0], self.model.model.layers[index].self_attn, self._qkv[index]
+        qk_norm = getattr(attention, "q_norm", None) is not None  # Qwen3: RMSNorm over each head
+        if fused is not None and not qk_norm:
+            heads, kv_heads = self.num_heads, self.kv_heads
+            out = fused.product(x).view(t, heads + 2 * kv_heads, self.head_dim)
+            _rope_(out[:, : heads + kv_heads], cos, signed_sin)
+            pair = out[:, heads:].view(t, 2, kv_heads, self.head_dim)
+            return out[:, :heads], pair[:, 0], pair[:, 1], pair
         if fused is not None:
             query, key, value = fused(x)
         else:
@@ -267,19 +305,46 @@ class LeanDecoder:
         query = query.view(t, self.num_heads, self.head_dim)
         key = key.view(t, self.kv_heads, self.head_dim)
         value = value.view(t, self.kv_heads, self.head_dim)
-        if getattr(attention, "q_norm", None) is not None:  # Qwen3: RMSNorm over each head
+        if qk_norm:
             query, key = _norm(attention.q_norm, query), _norm(attention.k_norm, key)
-        return _rope(query, cos, signed_sin), _rope(key, cos, signed_sin), value
+        return _rope(query, cos, signed_sin), _rope(key, cos, signed_sin), value, None
 
     def _embed(self, tokens: torch.Tensor, positions: torch.Tensor):
         """``tokens``, ``positions`` [t] int64 -> (hidden [t, H], cos and the signed sin [t, 1, d]
         of :func:`_rope`) for :meth:`_project`, built once per forward for every layer."""
-        inner = self.model.model
-        hidden = inner.embed_tokens(tokens)
-        cos, sin = inner.rotary_emb(hidden, positions[None])  # [1, t, d]
+        hidden = self.model.model.embed_tokens(tokens)
+        table = self.rotation_table(hidden.dtype, hidden.device)
+        if table is None:
+            cos, signed_sin = self._rotate(hidden, positions[None])  # [1, t, d]
+            return hidden, cos[0, :, None], signed_sin[0, :, None]
+        rows = table[positions.clamp(max=table.shape[0] - 1)]  # [t, 2, d]
+        return hidden, rows[:, 0, None], rows[:, 1, None]
+
+    def _rotate(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's rotary embedding at ``positions`` [1, t] -> cos and the signed sin of
+        :func:`_rope` [1, t, d] in ``hidden``'s dtype."""
+        cos, sin = self.model.model.rotary_emb(hidden, positions)
         half = sin.shape[-1] // 2
-        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), -1)
-        return hidden, cos[0, :, None], signed_sin[0, :, None]
+        return cos, torch.cat((-sin[..., :half], sin[..., half:]), -1)
+
+    def rotation_table(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """The table ``[max_positions, 2, d]`` of cos and signed sin at every position in
+        ``dtype`` on ``device`` (built on first use and again when they change: a compiled or
+        captured step must find it built, :class:`~rl2gem.rollout.engines.cuda_graphs.DecodeGraphs`
+        builds it first), or None when the rotary embedding is not of :data:`STATIC_ROPE_TYPES` or
+        the table would exceed :data:`ROPE_TABLE_ELEMENTS`. Built by the module itself, whose
+        values at a position do not depend on the other positions: read from it, they are the
+        module's bit for bit."""
+        table = self._rotations
+        if table is not None and table.dtype == dtype and table.device == torch.device(device):
+            return table
+        rope_type = getattr(self.model.model.rotary_emb, "rope_type", None)
+        if rope_type not in STATIC_ROPE_TYPES or self.max_positions * 2 * self.head_dim > ROPE_TABLE_ELEMENTS:
+            return None
+        positions = torch.arange(self.max_positions, device=device)[None]
+        cos, signed_sin = self._rotate(torch.empty(0, dtype=dtype, device=device), positions)
+        self._rotations = torch.stack((cos[0], signed_sin[0]), dim=1)
+        return self._rotations
 
     def _residual(self, index: int, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """The rest of decoder layer ``index`` after attention: ``attended`` [t, heads * d] through
@@ -317,7 +382,7 @@ class LeanDecoder:
     def _bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The additive attention mask of ``allowed`` (bool): 0 where a query reads a column, -inf
         elsewhere, in ``dtype`` (the queries': 0 and -inf are exact in any float dtype)."""
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+        return torch.full(allowed.shape, float("-inf"), dtype=dtype, device=allowed.device).masked_fill_(allowed, 0)
 
     # ------------------------------------------------------------------ decode
     def plan_chunks(self, spans: list[int]) -> list[tuple[int, int, int]]:
@@ -358,9 +423,12 @@ class LeanDecoder:
             chunks.append((a, b, start, self._bias(store.mask[a:b, None, start : column + 1], hidden.dtype)))
         for index, layer in enumerate(inner.layers):
             attention = layer.self_attn
-            query, key, value = self._project(index, _norm(layer.input_layernorm, hidden), cos, signed_sin)
-            store.keys[index][:n, :, column] = key
-            store.values[index][:n, :, column] = value
+            query, key, value, pair = self._project(index, _norm(layer.input_layernorm, hidden), cos, signed_sin)
+            if pair is not None:
+                store.pairs[index][:, :n, :, column] = pair.transpose(0, 1)
+            else:
+                store.keys[index][:n, :, column] = key
+                store.values[index][:n, :, column] = value
             parts = [
                 self._attend(
                     query[a:b, None],
@@ -378,8 +446,7 @@ class LeanDecoder:
     @torch.no_grad()
     def decode_all_columns(
         self,
-        keys: list[torch.Tensor],
-        values: list[torch.Tensor],
+        pairs: list[torch.Tensor],
         mask: torch.Tensor,
         tokens: torch.Tensor,
         positions: torch.Tensor,
@@ -390,7 +457,8 @@ class LeanDecoder:
         (:class:`~rl2gem.rollout.engines.cuda_graphs.DecodeGraphs`).
 
         Args:
-            keys, values: per layer ``[b, kv_heads, C, head_dim]`` (the store's first ``b`` rows).
+            pairs: per layer ``[2, b, kv_heads, C, head_dim]``, its keys and values (the store's
+                first ``b`` rows).
             mask: ``[b, C]`` bool, the columns each row reads, the new column included (a row
                 with none would give NaN: the caller marks the new column of every row).
             tokens: ``[b]`` int64, the last sampled token of each row.
@@ -407,10 +475,14 @@ class LeanDecoder:
         bias = self._bias(mask, hidden.dtype)[:, None]  # [b, 1, C]
         for index, layer in enumerate(inner.layers):
             attention = layer.self_attn
-            query, key, value = self._project(index, _norm(layer.input_layernorm, hidden), cos, signed_sin)
-            keys[index].index_copy_(2, column, key[:, :, None])
-            values[index].index_copy_(2, column, value[:, :, None])
-            attended = self._attend(query[:, None], keys[index], values[index], bias, attention.scaling)
+            query, key, value, pair = self._project(index, _norm(layer.input_layernorm, hidden), cos, signed_sin)
+            keys, values = pairs[index]
+            if pair is not None:  # [2, b, kv_heads, 1, d]: the keys and values in one write
+                pairs[index].index_copy_(3, column, pair.transpose(0, 1)[:, :, :, None])
+            else:
+                keys.index_copy_(2, column, key[:, :, None])
+                values.index_copy_(2, column, value[:, :, None])
+            attended = self._attend(query[:, None], keys, values, bias, attention.scaling)
             hidden = self._residual(index, hidden, attended.view(rows, -1))
         return self._logits(_norm(inner.norm, hidden))
 
@@ -478,10 +550,13 @@ class LeanDecoder:
         hidden, cos, signed_sin = self._embed(tokens, positions)  # [T, H], [T, 1, d]
         for index, layer in enumerate(inner.layers):
             attention = layer.self_attn
-            query, key, value = self._project(index, _norm(layer.input_layernorm, hidden), cos, signed_sin)
+            query, key, value, pair = self._project(index, _norm(layer.input_layernorm, hidden), cos, signed_sin)
             keys, values = store.keys[index], store.values[index]
-            keys[token_rows, :, token_columns] = key
-            values[token_rows, :, token_columns] = value
+            if pair is not None:  # two index tensors apart: the indexed dimensions first, [T, 2, kv_heads, d]
+                store.pairs[index][:, token_rows, :, token_columns] = pair
+            else:
+                keys[token_rows, :, token_columns] = key
+                values[token_rows, :, token_columns] = value
             attended = torch.empty(hidden.shape[0], self.num_heads * self.head_dim, dtype=query.dtype, device=device)
             for group_rows, gather, scatter, first, bias in groups:
                 out = self._attend(
