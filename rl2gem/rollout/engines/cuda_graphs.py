@@ -278,22 +278,23 @@ class DecodeGraphs:
             # ones until staged: the warm-up before a capture samples greedily at temperature 1
             floats = torch.ones((2 + steps) * bucket, dtype=torch.float32, device=device)
             float_staging = torch.zeros((2 + steps) * bucket, dtype=torch.float32, pin_memory=self.capture)
-            sampled = torch.zeros(steps, bucket, dtype=torch.long, device=device)
-            logprobs = torch.zeros(steps, bucket, dtype=torch.float32, device=device)
 
             def run() -> tuple[torch.Tensor, torch.Tensor]:
+                """-> tokens and log-probabilities ``[steps, bucket]``: stacked once (a captured
+                graph's outputs keep their addresses), not copied out step by step."""
                 token, position, column = inputs()
                 divisors, greedy = floats[:bucket], floats[bucket : 2 * bucket] > 0.5
                 uniforms = floats[2 * bucket :].view(steps, bucket)
+                tokens, logprobs = [], []
                 for k in range(steps):
                     mask.index_fill_(1, column, True)
                     logits = self._decode_columns(pairs, mask, token, position, column)
                     token, logprob = self._sample_rows(logits, divisors, greedy, uniforms[k])
-                    sampled[k].copy_(token)
-                    logprobs[k].copy_(logprob)
+                    tokens.append(token)
+                    logprobs.append(logprob)
                     if k + 1 < steps:
                         position, column = position + 1, column + 1
-                return sampled, logprobs
+                return torch.stack(tokens), torch.stack(logprobs)
 
         step = _Step(ints, int_staging, floats, float_staging, run)
         self._warm_up_and_capture(step, store, bucket, steps)
