@@ -29,15 +29,16 @@ def test_row_bucket_by_hand():
 @pytest.mark.parametrize("kind,backend", [("llama", None), ("qwen3", None), ("llama", "inductor")])
 @torch.no_grad()
 def test_all_column_step_equals_the_windowed_decode(kind, backend):
-    """Five rows (bucket 8 in a store of 8 rows) with staggered prompts, six steps: the logits and
-    the keys written equal the windowed decode's, and the padding rows stay finite; also with the
-    step compiled by Inductor (``EmbeddedEngine(decode_compile=True)``; C++ kernels on the CPU)."""
+    """Five rows (bucket 8 in a store of 12 rows: the step reads views of fewer rows than the
+    buffers hold) with staggered prompts, six steps: the logits and the keys written equal the
+    windowed decode's, and the padding rows stay finite; also with the step compiled by Inductor
+    (``EmbeddedEngine(decode_compile=True)``; C++ kernels on the CPU)."""
     model = build(kind)
     decoder = LeanDecoder(model, chunk_rows=2)
     generator = torch.Generator().manual_seed(3)
     lengths = [3, 9, 4, 17, 6]
     sequences = [torch.randint(0, 256, (n + 6,), generator=generator).tolist() for n in lengths]
-    windowed, fixed = new_store(model, 8, 64), new_store(model, 8, 64)
+    windowed, fixed = new_store(model, 12, 64), new_store(model, 12, 64)
     end = max(lengths)
     for store in (windowed, fixed):
         store.slots = len(lengths)
@@ -67,6 +68,41 @@ def test_all_column_step_equals_the_windowed_decode(kind, backend):
         for store in (windowed, fixed):
             store.hi += 1
     assert list(graphs._steps) == [(8, 0)] and graphs.captures == 0
+
+
+@torch.no_grad()
+def test_one_compilation_serves_every_bucket_and_store_size():
+    """A compiled step (dynamic shapes) reads views of all the store's rows or of fewer (a strided
+    view), from stores whose rows equal ``head_dim`` (64) or their columns (96) or neither: one
+    compilation for all, the
+    logits equal to the windowed decode's. Dynamo would otherwise compile again for a view's other
+    layout or for a guard that two equal sizes stay equal (tens of seconds each on a GPU).
+    ``aot_eager``: dynamo's trace without Inductor's code generation."""
+    model = build("llama", hidden_size=256)  # 4 heads of 64
+    compiled = []
+
+    def counting_backend(graph_module, example_inputs):
+        if any(node.op == "call_function" for node in graph_module.graph.nodes):
+            compiled.append(graph_module)
+        return aot_eager(graph_module, example_inputs)
+
+    torch._dynamo.reset()
+    decoder = LeanDecoder(model)
+    graphs = DecodeGraphs(decoder, capture=False, compile_backend=counting_backend)
+    generator = torch.Generator().manual_seed(4)
+    # buckets of 8 of 96 (as many rows as columns), of 64 and of 32, then 32 of 32
+    for capacity, rows in [(96, 5), (64, 5), (32, 5), (32, 30)]:
+        windowed, fixed = new_store(model, capacity, 64), new_store(model, capacity, 64)
+        for pair_a, pair_b in zip(windowed.pairs, fixed.pairs, strict=True):
+            pair_a.copy_(torch.randn(pair_a.shape, generator=generator))
+            pair_b.copy_(pair_a)
+        for store in (windowed, fixed):
+            store.slots, store.hi = rows, 10
+            store.mask[:rows, 5:11] = True
+        tokens, positions = list(range(1, rows + 1)), [5] * rows
+        expected = decoder.decode(windowed, torch.tensor(tokens), torch.tensor(positions), [6] * rows)
+        torch.testing.assert_close(graphs.decode(fixed, tokens, positions), expected, atol=1e-5, rtol=1e-5)
+    assert len(compiled) == 1
 
 
 @torch.no_grad()

@@ -7,6 +7,7 @@ import collections
 import copy
 import os
 import time
+import weakref
 
 import pytest
 import torch
@@ -159,6 +160,28 @@ def test_one_prefill_of_requests_with_and_without_cached_prefixes_equals_the_ful
     assert decoder.plan_prefill_groups(queries, widths) == expected
 
 
+@torch.no_grad()
+def test_a_position_past_the_rotary_table_is_refused_in_prefill():
+    """The table covers ``max_positions``; a prefill reaching past it raises (it would read the
+    last entry's rotation), one within it equals the full forward; a dynamic rotary embedding
+    (no table) is computed at any position."""
+    model = build("llama")
+    decoder = LeanDecoder(model, max_positions=16)
+    sequence = list(range(1, 21))
+    store = new_store(model, 1, 32)
+    store.mask[0, :20] = True
+    with pytest.raises(ValueError, match="position 19 is past the rotary table's 16"):
+        decoder.prefill(store, [(0, sequence, 0)], 20)
+    logits = decoder.prefill(store, [(0, sequence[:16], 0)], 16)
+    expected = model(input_ids=torch.tensor([sequence[:16]])).logits[0, -1]
+    torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=1e-4)
+    dynamic = build("llama-dynamic")
+    logits = LeanDecoder(dynamic, max_positions=16).prefill(store, [(0, sequence, 0)], 20)
+    torch.testing.assert_close(
+        logits[0], dynamic(input_ids=torch.tensor([sequence])).logits[0, -1], atol=1e-4, rtol=1e-4
+    )
+
+
 def test_plan_prefill_groups_by_hand():
     assert LeanDecoder(build("llama")).prefill_padding == 1.0  # on the CPU: equal lengths only
     decoder = LeanDecoder(build("llama"), prefill_padding=2.0)  # 4 heads
@@ -195,7 +218,7 @@ def test_norms_and_rotary_embedding_equal_the_models_own_bit_for_bit(dtype):
             assert torch.equal(_norm(module, x), module(x))
         positions = torch.tensor([0, 3, 9, 100, 511, 2, 7])
         _, cos, signed_sin = decoder._embed(torch.arange(7), positions)
-        assert decoder._rotations is not None  # read from the table
+        assert decoder._rotations.table is not None  # read from the table
         full_cos, full_sin = model.model.rotary_emb(hidden, positions[None])
         query = torch.randn(1, decoder.num_heads, 7, decoder.head_dim, generator=generator).to(dtype)
         key = torch.randn(1, decoder.kv_heads, 7, decoder.head_dim, generator=generator).to(dtype)
@@ -204,7 +227,7 @@ def test_norms_and_rotary_embedding_equal_the_models_own_bit_for_bit(dtype):
         assert torch.equal(_rope(key[0].transpose(0, 1), cos, signed_sin), expected_key[0].transpose(0, 1))
         # the fused path: queries and keys rotated together, in place in one buffer (strided views)
         fused = torch.cat([query[0].transpose(0, 1), key[0].transpose(0, 1), key[0].transpose(0, 1)], dim=1)
-        _rope_(fused[:, : decoder.num_heads + decoder.kv_heads], cos, signed_sin)
+        _rope_(fused, decoder.num_heads + decoder.kv_heads, cos, signed_sin)
         assert torch.equal(fused[:, : decoder.num_heads], expected_query[0].transpose(0, 1))
         assert torch.equal(
             fused[:, decoder.num_heads : decoder.num_heads + decoder.kv_heads], expected_key[0].transpose(0, 1)
@@ -234,8 +257,8 @@ def test_fused_projections_share_the_models_parameters_and_fall_back_when_one_is
     attention, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
     fused = decoder._qkv[1]
     assert fused is not None and decoder._gate_up[1] is not None
-    assert attention.k_proj.weight.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr()
-    assert attention.v_proj.bias.untyped_storage().data_ptr() == fused.bias.untyped_storage().data_ptr()
+    assert attention.k_proj.weight.untyped_storage().data_ptr() == fused.held.weight.untyped_storage().data_ptr()
+    assert attention.v_proj.bias.untyped_storage().data_ptr() == fused.held.bias.untyped_storage().data_ptr()
     sequence = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(6)).tolist()
 
     def check():
@@ -290,7 +313,9 @@ def test_a_fused_decode_step_rotates_and_stores_keys_together(kind):
     ones = torch.ones(4, dtype=torch.long)
     assert decoder.rotation_table(torch.float32, torch.device("cpu")) is not None  # built once, before
     with _Operations() as operations:
-        logits = decoder.decode_all_columns(store.pairs, store.mask, ones, 5 * ones, torch.tensor([5]))
+        logits = decoder.decode_all_columns(
+            store.keys, store.values, store.mask, ones, 5 * ones, torch.tensor([5]), store.pairs
+        )
     per_layer = 2 if kind == "qwen3" else 1
     assert operations.counts["aten.roll"] == operations.counts["aten.index_copy_"] == per_layer * layers
     assert operations.counts["aten.cos"] == operations.counts["aten.sin"] == 0
@@ -425,6 +450,35 @@ def test_kv_store_slides_inside_its_buffers_and_keeps_the_window():
     assert slides >= 2
     with pytest.raises(ValueError, match="exceed"):
         store.reserve(4, 0, 1)
+
+
+def test_kv_store_frees_each_old_layer_before_allocating_the_next(monkeypatch):
+    """Growing the store copies it layer by layer, each old layer freed before the next new one
+    is allocated (at most one layer more than the store at its peak, not two stores), and the
+    window's keys and values come along."""
+    store = _KVStore(4, 1, 2, torch.float32, "cpu")
+    store.reserve(2, 0, 8)
+    store.slots, store.lo, store.hi = 2, 0, 3
+    for layer, pair in enumerate(store.pairs):
+        pair[:, :2, :, :3] = layer + 1
+    old = [weakref.ref(pair) for pair in store.pairs]
+    alive, zeros = [], torch.zeros
+
+    def counting_zeros(*args, **kwargs):
+        if isinstance(args[0], tuple) and len(args[0]) == 5:  # a layer's [2, rows, kv_heads, columns, d]
+            alive.append(sum(ref() is not None for ref in old))
+        return zeros(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "zeros", counting_zeros)
+    store.reserve(2, 0, 200)  # more columns than the buffers hold: allocated again
+    assert alive == [4, 3, 2, 1]
+    for layer in range(4):
+        window = store.keys[layer][:2, :, store.lo : store.hi]
+        assert (
+            window.shape[-2] == 3
+            and (window == layer + 1).all()
+            and (store.values[layer][:2, :, store.lo : store.hi] == layer + 1).all()
+        )
 
 
 def test_kv_store_allocates_what_the_last_rollout_needed_at_once():

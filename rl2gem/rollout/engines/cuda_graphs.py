@@ -80,6 +80,26 @@ def row_bucket(rows: int, capacity: int) -> int:
     return min(bucket, capacity)
 
 
+def _constant_numbers(compiled: Callable) -> Callable:
+    """``compiled`` (a ``torch.compile``'d function with dynamic shapes) traced with the Python
+    ints and floats it reads as constants (the head counts and ``head_dim``, a norm's epsilon, the
+    attention's scaling) and without duck shaping. Otherwise dynamo makes those numbers symbols
+    and 0-d tensor inputs (and traced the step twice on its first call), and gives equal sizes one
+    symbol with a guard that they stay equal: a first store whose rows equal ``head_dim`` or its
+    own columns would compile the step again for every later store. Only the tensors' sizes stay
+    dynamic. The settings matter only while dynamo traces, at a graph's warm-up; a replay calls
+    nothing."""
+
+    def call(*args):
+        with (
+            torch._dynamo.config.patch(specialize_int=True, specialize_float=True),
+            torch.fx.experimental._config.patch(use_duck_shape=False),
+        ):
+            return compiled(*args)
+
+    return call
+
+
 @dataclass
 class _Step:
     """One fixed-shape step of a bucket: its device inputs (``ints`` ``[2b + 1]`` int64: tokens,
@@ -136,8 +156,8 @@ class DecodeGraphs:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_VARIANTS)
             step = types.MethodType(inspect.unwrap(LeanDecoder.decode_all_columns), decoder)
             options = {"backend": compile_backend, "fullgraph": True, "dynamic": True}
-            self._decode_columns = torch.compile(step, **options)
-            self._sample_rows = torch.compile(sample_rows, **options)
+            self._decode_columns = _constant_numbers(torch.compile(step, **options))
+            self._sample_rows = _constant_numbers(torch.compile(sample_rows, **options))
         # (each module's parameter table, a name in it) for every parameter (tied ones once)
         self._parameter_slots = [
             (module._parameters, name)
@@ -259,7 +279,10 @@ class DecodeGraphs:
         device = store.mask.device
         ints = torch.zeros(2 * bucket + 1, dtype=torch.long, device=device)
         int_staging = torch.zeros(2 * bucket + 1, dtype=torch.long, pin_memory=self.capture)
-        pairs = [pair[:, :bucket] for pair in store.pairs]
+        keys = [k[:bucket] for k in store.keys]
+        values = [v[:bucket] for v in store.values]
+        # one write of a layer's keys and values when eager (decode_all_columns: not compiled)
+        pairs = [pair[:, :bucket] for pair in store.pairs] if self.compile_backend is None else None
         mask = store.mask[:bucket]
         # built before a step that a compilation traces or a graph captures reads it
         self.decoder.rotation_table(self.decoder.model.model.embed_tokens.weight.dtype, device)
@@ -271,7 +294,7 @@ class DecodeGraphs:
             return ints[:bucket].clone(), ints[bucket : 2 * bucket].clone(), ints[2 * bucket :].clone()
 
         def logits_only() -> tuple[torch.Tensor]:
-            return (self._decode_columns(pairs, mask, *inputs()),)
+            return (self._decode_columns(keys, values, mask, *inputs(), pairs),)
 
         run = logits_only
         if steps:
@@ -288,7 +311,7 @@ class DecodeGraphs:
                 tokens, logprobs = [], []
                 for k in range(steps):
                     mask.index_fill_(1, column, True)
-                    logits = self._decode_columns(pairs, mask, token, position, column)
+                    logits = self._decode_columns(keys, values, mask, token, position, column, pairs)
                     token, logprob = self._sample_rows(logits, divisors, greedy, uniforms[k])
                     tokens.append(token)
                     logprobs.append(logprob)

@@ -166,6 +166,7 @@ class _KVStore:
             if old is not None and self.slots and w:
                 pair[:, : self.slots, :, lo : lo + w] = old[:, : self.slots, :, self.lo : self.hi]
             self.pairs[i] = pair
+            del old, pair  # nothing holds the old layer now: it is freed before the next is allocated
         self.keys, self.values = [pair[0] for pair in self.pairs], [pair[1] for pair in self.pairs]
         mask = torch.zeros(new_s, new_c, dtype=torch.bool, device=self.device)
         if self.slots and w:

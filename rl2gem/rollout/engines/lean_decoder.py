@@ -27,9 +27,10 @@ embedding, so weight updates in place and biases are picked up) with four change
   the residual added by the GEMMs of ``o_proj`` and ``down_proj`` (in-place ``addmm_``), the
   q/k/v projections one GEMM and the gate and up projections another (:class:`FusedLinears`).
   With the projections fused, the queries and keys are rotated together, in place in the GEMM's
-  output (4 kernels for both), and the new keys and values written to the store together (the
-  store keeps each layer's keys and values in one buffer): about 20 kernels per Llama layer where
-  there were 45 (bf16 on CUDA, counted from the operations). The rotary embedding's cos and sin
+  output (4 kernels for both, where there were 8; the rotated queries are then a strided view,
+  which the attention's batched matmul copies once), and the new keys and values written to the
+  store together (the store keeps each layer's keys and values in one buffer): about 21 kernels
+  per Llama layer where there were 45 (bf16 on CUDA, counted from the operations). The rotary embedding's cos and sin
   are read from a table built once (:data:`STATIC_ROPE_TYPES`; the module computes them with
   about ten kernels per step).
 
@@ -127,12 +128,26 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
-def _rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """:func:`_rope` written into ``x`` (a view, e.g. the queries and keys of one fused GEMM's
-    output), with the same roundings: ``roll(x) * signed_sin`` is computed first, then ``x * cos``
-    in place and the sum."""
-    rolled = x.roll(x.shape[-1] // 2, -1).mul_(signed_sin)
-    return x.mul_(cos).add_(rolled)
+def _rope_(x: torch.Tensor, heads: int, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """:func:`_rope` of the first ``heads`` heads of ``x`` ``[t, all heads, d]`` (one fused GEMM's
+    queries, keys and values) written into them, with the same roundings: ``roll(x) * signed_sin``
+    is computed first, then ``x * cos`` in place and the sum. The roll is of all of ``x`` (on CUDA
+    a roll of a strided view copies it first: one kernel more than rolling the values too)."""
+    rolled = x.roll(x.shape[-1] // 2, -1)[:, :heads].mul_(signed_sin)
+    return x[:, :heads].mul_(cos).add_(rolled)
+
+
+class _Held(torch.nn.Module):
+    """Tensors of the decoder (a fused weight, the rotary table) held as a module's buffers (not
+    saved, moved by nothing): a compiled step (``decode_compile``, dynamic shapes) reads a
+    module's tensors with static shapes, where a plain attribute's sizes would be symbols that
+    dynamo ties to any equal size (the store's rows and ``head_dim``, say) with a guard that a
+    later store breaks, compiling the step again."""
+
+    def __init__(self, **tensors: torch.Tensor | None):
+        super().__init__()
+        for name, tensor in tensors.items():
+            self.register_buffer(name, tensor, persistent=False)
 
 
 class FusedLinears:
@@ -152,7 +167,7 @@ class FusedLinears:
         self.layer = layers[index]
         self.owner = getattr(self.layer, part)
         self.modules = tuple(getattr(self.owner, name) for name in names)
-        self.weight, self.bias = weight, bias
+        self.held = _Held(weight=weight, bias=bias)
         self.sizes = [module.out_features for module in self.modules]
         self._state = self._current_state()
 
@@ -200,7 +215,7 @@ class FusedLinears:
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [t, in] -> the modules' outputs side by side, ``[t, sum(out)]``, one GEMM."""
-        return torch.nn.functional.linear(x, self.weight, self.bias)
+        return torch.nn.functional.linear(x, self.held.weight, self.held.bias)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each module's output for ``x`` [t, in]: views of one ``[t, sum(out)]`` product."""
@@ -225,8 +240,10 @@ class LeanDecoder:
             ``save_pretrained`` and in-place weight updates work as before). A layer whose modules
             or parameters are replaced later runs them one by one (:meth:`check_fused`).
         max_positions: positions the rotary table covers (the engine's context length; ``None``:
-            the config's ``max_position_embeddings``); a larger position reads the last entry
-            (only a decode step past a row's stop does: its output is dropped).
+            the config's ``max_position_embeddings``). Positions must stay below it: :meth:`prefill`
+            raises ``ValueError`` otherwise; a decode step reads the last entry for a larger one
+            (no host check per step), which only the padding rows of a captured step reach (their
+            staged positions are stale, their outputs dropped).
     """
 
     def __init__(
@@ -253,7 +270,8 @@ class LeanDecoder:
             prefill_padding = 2.0 if next(model.parameters()).device.type == "cuda" else 1.0
         self.prefill_padding = float(prefill_padding)
         self.max_positions = int(max_positions or getattr(config, "max_position_embeddings", None) or 4096)
-        self._rotations: torch.Tensor | None = None  # [positions, 2, d]: cos, signed sin (:meth:`_rotation`)
+        # [positions, 2, d]: cos, signed sin (:meth:`rotation_table`)
+        self._rotations = _Held(table=None)
         layers = model.model.layers
         self._qkv: list[FusedLinears | None] = [None] * len(layers)  # per layer, None: the modules
         self._gate_up: list[FusedLinears | None] = [None] * len(layers)
@@ -295,7 +313,7 @@ class LeanDecoder:
         if fused is not None and not qk_norm:
             heads, kv_heads = self.num_heads, self.kv_heads
             out = fused.product(x).view(t, heads + 2 * kv_heads, self.head_dim)
-            _rope_(out[:, : heads + kv_heads], cos, signed_sin)
+            _rope_(out, heads + kv_heads, cos, signed_sin)
             pair = out[:, heads:].view(t, 2, kv_heads, self.head_dim)
             return out[:, :heads], pair[:, 0], pair[:, 1], pair
         if fused is not None:
@@ -335,16 +353,19 @@ class LeanDecoder:
         the table would exceed :data:`ROPE_TABLE_ELEMENTS`. Built by the module itself, whose
         values at a position do not depend on the other positions: read from it, they are the
         module's bit for bit."""
-        table = self._rotations
-        if table is not None and table.dtype == dtype and table.device == torch.device(device):
+        table = self._rotations.table
+        if table is not None and table.dtype == dtype and table.device == device:
+            return table
+        device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", as a tensor's device reads
+        if table is not None and table.dtype == dtype and table.device == device:
             return table
         rope_type = getattr(self.model.model.rotary_emb, "rope_type", None)
         if rope_type not in STATIC_ROPE_TYPES or self.max_positions * 2 * self.head_dim > ROPE_TABLE_ELEMENTS:
             return None
         positions = torch.arange(self.max_positions, device=device)[None]
         cos, signed_sin = self._rotate(torch.empty(0, dtype=dtype, device=device), positions)
-        self._rotations = torch.stack((cos[0], signed_sin[0]), dim=1)
-        return self._rotations
+        self._rotations.table = torch.stack((cos[0], signed_sin[0]), dim=1)
+        return self._rotations.table
 
     def _residual(self, index: int, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """The rest of decoder layer ``index`` after attention: ``attended`` [t, heads * d] through
@@ -407,7 +428,7 @@ class LeanDecoder:
                 mask entry the caller has set; row ``i`` reads columns ``[store.hi + 1 - spans[i],
                 store.hi + 1)``.
             tokens: [n] int64, the last sampled token of each row.
-            positions: [n] int64, its position id.
+            positions: [n] int64, its position id, below ``max_positions``.
             spans: columns each row reads, the new one included.
 
         Returns:
@@ -446,24 +467,31 @@ class LeanDecoder:
     @torch.no_grad()
     def decode_all_columns(
         self,
-        pairs: list[torch.Tensor],
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
         mask: torch.Tensor,
         tokens: torch.Tensor,
         positions: torch.Tensor,
         column: torch.Tensor,
+        pairs: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """One decode step of ``b`` rows over every column of the buffers, with no host data and
         no shape that changes from step to step: the step a CUDA graph captures
         (:class:`~rl2gem.rollout.engines.cuda_graphs.DecodeGraphs`).
 
         Args:
-            pairs: per layer ``[2, b, kv_heads, C, head_dim]``, its keys and values (the store's
-                first ``b`` rows).
+            keys, values: per layer ``[b, kv_heads, C, head_dim]`` (the store's first ``b`` rows).
             mask: ``[b, C]`` bool, the columns each row reads, the new column included (a row
                 with none would give NaN: the caller marks the new column of every row).
             tokens: ``[b]`` int64, the last sampled token of each row.
             positions: ``[b]`` int64, its position id.
             column: ``[1]`` int64, the column the new keys and values go to.
+            pairs: per layer the ``[2, b, kv_heads, C, head_dim]`` buffer whose halves are
+                ``keys`` and ``values`` (the store's ``pairs``), or None: with it a fused layer
+                writes its keys and values with one ``index_copy_`` instead of two. A compiled
+                step is given none: Inductor fuses both writes into the rotation's kernel, and
+                a view of fewer rows than the store holds is strided where one of all rows is
+                not, which would be a second compiled variant.
 
         Returns:
             logits ``[b, V]`` float32, all on the buffers' device. Equal to :meth:`decode` on the
@@ -476,13 +504,12 @@ class LeanDecoder:
         for index, layer in enumerate(inner.layers):
             attention = layer.self_attn
             query, key, value, pair = self._project(index, _norm(layer.input_layernorm, hidden), cos, signed_sin)
-            keys, values = pairs[index]
-            if pair is not None:  # [2, b, kv_heads, 1, d]: the keys and values in one write
+            if pair is not None and pairs is not None:  # [2, b, kv_heads, 1, d]: one write
                 pairs[index].index_copy_(3, column, pair.transpose(0, 1)[:, :, :, None])
             else:
-                keys.index_copy_(2, column, key[:, :, None])
-                values.index_copy_(2, column, value[:, :, None])
-            attended = self._attend(query[:, None], keys, values, bias, attention.scaling)
+                keys[index].index_copy_(2, column, key[:, :, None])
+                values[index].index_copy_(2, column, value[:, :, None])
+            attended = self._attend(query[:, None], keys[index], values[index], bias, attention.scaling)
             hidden = self._residual(index, hidden, attended.view(rows, -1))
         return self._logits(_norm(inner.norm, hidden))
 
@@ -523,6 +550,9 @@ class LeanDecoder:
 
         Returns:
             logits [len(rows), V] float32 after each row's last new token.
+
+        Raises:
+            ValueError: a position at or past ``max_positions`` when the rotary table is used.
         """
         inner = self.model.model
         self.check_fused()
@@ -532,6 +562,9 @@ class LeanDecoder:
         for count in queries:
             offsets.append(offsets[-1] + count)
         tokens = torch.tensor([t for _, ids, _ in rows for t in ids], dtype=torch.long, device=device)
+        last = max(p + len(ids) for _, ids, p in rows) - 1
+        if last >= self.max_positions and self.rotation_table(inner.embed_tokens.weight.dtype, device) is not None:
+            raise ValueError(f"position {last} is past the rotary table's {self.max_positions} (max_positions)")
         positions = torch.cat([torch.arange(p, p + len(ids)) for _, ids, p in rows]).to(device)
         store_rows = torch.tensor([row for row, _, _ in rows], device=device)
         # each request's first column: its cached prefix's first, else its first new one
