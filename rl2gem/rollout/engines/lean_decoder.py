@@ -30,9 +30,9 @@ embedding, so weight updates in place and biases are picked up) with four change
   output (4 kernels for both, where there were 8; the rotated queries are then a strided view,
   which the attention's batched matmul copies once), and the new keys and values written to the
   store together (the store keeps each layer's keys and values in one buffer): about 21 kernels
-  per Llama layer where there were 45 (bf16 on CUDA, counted from the operations). The rotary embedding's cos and sin
-  are read from a table built once (:data:`STATIC_ROPE_TYPES`; the module computes them with
-  about ten kernels per step).
+  per Llama layer where there were 45 (bf16 on CUDA, counted from the operations). The rotary
+  embedding's cos and sin are read from a table built once (:data:`STATIC_ROPE_TYPES`; the
+  module computes them with about ten kernels per step).
 
 Packed prefill is also lean: one ``[tokens, hidden]`` matrix without padding goes through the
 linear layers; attention runs per group of requests (similar lengths, padded to the group's
@@ -57,7 +57,7 @@ SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 # rotary embeddings whose cos and sin at a position depend on that position only (transformers'
 # "dynamic" and "longrope" change their frequencies with the longest position seen): read from a
-# table of every position (:meth:`LeanDecoder._rotation`)
+# table of every position (:meth:`LeanDecoder.rotation_table`)
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 ROPE_TABLE_ELEMENTS = 1 << 24  # the largest table built (64 MiB in float32); longer contexts compute per step
 
