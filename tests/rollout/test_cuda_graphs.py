@@ -5,7 +5,9 @@ The capture itself runs under ``pytest -m gpu`` (tests/test_gpu.py)."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import gc
+import itertools
 import weakref
 
 import pytest
@@ -107,10 +109,12 @@ def test_one_compilation_serves_every_bucket_and_store_size():
 
 @torch.no_grad()
 def test_a_replaced_parameter_rebuilds_the_steps_without_walking_the_modules_each_step(monkeypatch):
-    """The steps are tied to every parameter's storage, read from slots found once: a parameter
-    replaced in its module, or given other data, builds the steps again and they compute with it
-    (equal to the windowed decode), and a step reads no ``model.parameters()`` (a walk of every
-    module, half the host time of a decode round on the CPU)."""
+    """The steps are tied to the model's modules and every parameter's storage, read from slots
+    found once: a parameter replaced in its module, or given other data, a module replaced (new
+    weights), or one wrapped with its own parameters kept (an adapter's way), builds the steps
+    again and they compute with it (equal to the windowed decode), and a step reads no
+    ``model.parameters()`` (a walk of every module, half the host time of a decode round on the
+    CPU)."""
     model = build("llama")
     decoder = LeanDecoder(model)
     windowed, fixed = new_store(model, 8, 64), new_store(model, 8, 64)
@@ -125,10 +129,13 @@ def test_a_replaced_parameter_rebuilds_the_steps_without_walking_the_modules_eac
     original = torch.nn.Module.named_modules
     monkeypatch.setattr(torch.nn.Module, "named_modules", lambda *a, **k: walks.append(1) or original(*a, **k))
     layer = model.model.layers[1]
+    scaled_mlp = copy.deepcopy(layer.mlp).apply(lambda m: [p.mul_(-1.5) for p in m.parameters(recurse=False)])
     changes = [
         lambda: None,
         lambda: setattr(layer.mlp.up_proj, "weight", torch.nn.Parameter(layer.mlp.up_proj.weight * 3)),
         lambda: setattr(layer.self_attn.o_proj.weight, "data", layer.self_attn.o_proj.weight.data * -2),
+        lambda: setattr(layer, "mlp", scaled_mlp),
+        lambda: setattr(layer.self_attn, "o_proj", _Halved(layer.self_attn.o_proj)),
     ]
     built = []
     for step, change in enumerate(changes):
@@ -140,12 +147,23 @@ def test_a_replaced_parameter_rebuilds_the_steps_without_walking_the_modules_eac
         )
         walks.clear()
         got = graphs.decode(fixed, [3, 4], [3 + step, 5 + step])
-        assert not walks  # no module walk in a step
+        assert bool(walks) == (step >= 3)  # a module walk only where a module was replaced
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
         built.append(graphs._steps[(8, 0)])  # 2 rows: the smallest bucket
         for store in (windowed, fixed):
             store.hi += 1
-    assert built[0] is not built[1] and built[1] is not built[2]  # each change built the step again
+    assert all(a is not b for a, b in itertools.pairwise(built))  # each change built the step again
+
+
+class _Halved(torch.nn.Module):
+    """A projection wrapped with its parameters kept (an adapter's way), its output halved."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x) / 2
 
 
 @pytest.mark.parametrize("decode_steps,decode_compile", [(1, False), (4, False), (4, "aot_eager")])

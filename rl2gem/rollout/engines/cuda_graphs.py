@@ -158,13 +158,8 @@ class DecodeGraphs:
             options = {"backend": compile_backend, "fullgraph": True, "dynamic": True}
             self._decode_columns = _constant_numbers(torch.compile(step, **options))
             self._sample_rows = _constant_numbers(torch.compile(sample_rows, **options))
-        # (each module's parameter table, a name in it) for every parameter (tied ones once)
-        self._parameter_slots = [
-            (module._parameters, name)
-            for module in decoder.model.modules()
-            for name, parameter in module._parameters.items()
-            if parameter is not None
-        ]
+        self._generation = 0  # how many times the model's modules were found replaced
+        self._find_slots()
         self.captures = 0  # graphs captured so far (the engine's ``decode_graph_captures``)
         self.capture_seconds = 0.0  # their warm-up and capture, device synchronised (``time_capture_ms``)
         self._steps: dict[tuple[int, int], _Step] = {}
@@ -177,15 +172,34 @@ class DecodeGraphs:
         self._key = None
         self._pool = None
 
+    def _find_slots(self) -> None:
+        """Walk the model once: (each module's table of submodules, a name in it, the submodule)
+        for every submodule, and (each module's parameter table, a name in it) for every
+        parameter (tied ones once)."""
+        modules = list(self.decoder.model.modules())
+        self._module_slots = [
+            (module._modules, name, child) for module in modules for name, child in module._modules.items()
+        ]
+        self._parameter_slots = [
+            (module._parameters, name)
+            for module in modules
+            for name, parameter in module._parameters.items()
+            if parameter is not None
+        ]
+
     def _addresses(self, store) -> tuple:
-        """What the captured steps are tied to: the store's size and buffers and every parameter's
-        storage. Read from the parameter slots found once (``model.parameters()`` walks every
-        module: about 0.5 ms per round on the 2-core CPU for an 8-layer model, a host cost in
-        every decode round), so a parameter replaced in its module, or given other data, is
-        still seen."""
+        """What the captured steps are tied to: the store's size and buffers, the model's modules
+        and every parameter's storage. Read from the slots found once (``model.parameters()``
+        walks every module: about 0.5 ms per round on the 2-core CPU for an 8-layer model, a host
+        cost in every decode round), so a parameter replaced in its module, or given other data,
+        is still seen; a module replaced (a layer, an adapter wrapping a projection, which may
+        keep its parameters) finds the slots again and counts a new generation."""
+        if any(table.get(name) is not child for table, name, child in self._module_slots):
+            self._find_slots()
+            self._generation += 1
         parameters = tuple(table[name].data_ptr() for table, name in self._parameter_slots)
         buffers = tuple(t.data_ptr() for t in (*store.pairs, store.mask))
-        return (store.capacity, buffers, parameters)
+        return (store.capacity, buffers, self._generation, parameters)
 
     def _step(self, store, rows: int, steps: int) -> tuple[_Step, int]:
         """The step of ``rows`` rows (``steps`` 0: logits out), built on first use -> (it, bucket)."""
