@@ -476,6 +476,7 @@ def engine_sides(device: torch.device) -> list[tuple[dict, str]]:
             ({}, "EmbeddedEngine"),
             ({"decode_steps": 1}, "EmbeddedEngine decode_steps=1"),
             ({"decode_compile": True}, "EmbeddedEngine decode_compile=True"),
+            ({"decode_compile": True, "decode_steps": 1}, "EmbeddedEngine decode_compile=True decode_steps=1"),
             ({"decode_graphs": False}, "EmbeddedEngine decode_graphs=False"),
         ]
     return [({}, "EmbeddedEngine"), ({"decode_graphs": True, "decode_steps": 4}, "EmbeddedEngine decode_steps=4")]
