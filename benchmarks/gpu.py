@@ -482,7 +482,7 @@ def engine_sides(device: torch.device) -> list[tuple[dict, str]]:
     return [({}, "EmbeddedEngine"), ({"decode_graphs": True, "decode_steps": 4}, "EmbeddedEngine decode_steps=4")]
 
 
-def decode_section(model_dir: Path, row_counts: list[int], new_tokens: int) -> None:
+def decode_section(model_dir: Path, row_counts: list[int], new_tokens: int, names: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -512,7 +512,12 @@ def decode_section(model_dir: Path, row_counts: list[int], new_tokens: int) -> N
         seconds -= timed(lambda p=prompts: static_generate(model, p, pad, 1), device)  # its prefill
         baseline = rows * new_tokens / max(seconds, 1e-9)
         print(f"| {rows} | model.generate (warm, static batch) | {baseline:.0f} | 1.00x | - | - | - | - | - | - | - |")
+        known = [name for _, name in engine_sides(device)]
+        if set(names or ()) - set(known):
+            raise ValueError(f"--decode-sides: no side named {sorted(set(names) - set(known))} (the sides: {known})")
         for options, name in engine_sides(device):
+            if names is not None and name not in names:
+                continue
             warm, stats, profiled = engine_decode(model, tokenizer, prompts, new_tokens, **options)
             rate = stats["decode_tokens"] / max(stats["time_decode_ms"] / 1000, 1e-9)
             captured = f"{warm.get('decode_graph_captures', 0)} in {warm.get('time_capture_ms', 0) / 1000:.2f} s"
@@ -550,6 +555,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="64,256", help="decode: rows in flight, comma-separated")
     parser.add_argument("--new-tokens", type=int, default=128, help="decode: new tokens per row")
     parser.add_argument(
+        "--decode-sides", default=None, help="decode: the engine sides to run, by name, ';'-separated (default: all)"
+    )
+    parser.add_argument(
         "--scale", type=float, default=1.0 if cuda else 0.25, help="row lengths times this (CPU: a quarter)"
     )
     parser.add_argument("--tokenizer", default=None, help="a folder with SmolLM2's tokenizer (default: the built-in)")
@@ -573,7 +581,8 @@ def main(argv: list[str] | None = None) -> int:
                     offline_section(trainer, model_dir, tmp, args.steps, args.ours.split(";"), peak, args.scale)
                     print()
             if "decode" in sections:
-                decode_section(model_dir, [int(n) for n in args.rows.split(",")], args.new_tokens)
+                sides = args.decode_sides.split(";") if args.decode_sides else None
+                decode_section(model_dir, [int(n) for n in args.rows.split(",")], args.new_tokens, sides)
                 print()
             if "mask" in sections and spec == args.models.split(",")[0]:  # once, before the longest section
                 print("## FlexAttention block masks\n", flush=True)

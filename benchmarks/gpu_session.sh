@@ -12,7 +12,8 @@
 # SmolLM2's tokenizer into .tok/ (both folders ignored by git through .git/info/exclude). run:
 # installs .whl/ into /tmp/site, makes the tree importable as the package (envs/ and trainers/
 # linked into rl2gem/, as the editable install maps them), then runs `pytest -m gpu` (in
-# parallel, TEST_WORKERS processes, at most TEST_SECONDS; 0 skips them) and benchmarks/gpu.py (at
+# parallel, TEST_WORKERS processes, at most TEST_SECONDS; 0 skips them; TEST_FILTER: pytest's -k
+# expression, default all) and benchmarks/gpu.py (at
 # most BENCH_SECONDS), logs under $OUT (the device tool's folder) or gpu-logs/ (a failed trainer
 # run's whole output in failures.log); exits non-zero if either failed.
 set -uo pipefail
@@ -74,7 +75,7 @@ AutoTokenizer.from_pretrained(resolve_model('smollm2-135m-instruct')).save_pretr
       # first, a trainer run and a light test (tests/conftest.py alternates them), so the 14 trainer
       # runs start at once; two compile threads a process (up to ten compile at once on 16 cores)
       TORCHINDUCTOR_COMPILE_THREADS=2 timeout -s INT -k 15 "${TEST_SECONDS:-300}" "$PYTHON" -m pytest -v -m gpu \
-        -p no:cacheprovider -n "${TEST_WORKERS:-10}" --dist load -rfE tests/test_gpu.py 2>&1 \
+        -p no:cacheprovider -n "${TEST_WORKERS:-10}" --dist load -rfE ${TEST_FILTER:+-k "$TEST_FILTER"} tests/test_gpu.py 2>&1 \
         | tee "$out/pytest-gpu.log"
       tests=${PIPESTATUS[0]}
       stop_leftovers

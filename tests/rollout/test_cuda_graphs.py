@@ -244,6 +244,12 @@ def test_engine_with_the_fixed_shape_step_gives_the_same_tokens(tokenizer, monke
     if decode_compile:  # the decode step and the sampling, each compiled once for every bucket and size
         computing = [g for g in compiled if any(node.op == "call_function" for node in g.graph.nodes)]
         assert len(computing) == 2 and fixed_engine.stats["decode_compile_failed"] == 0
+        # the sampling's logits: rows dynamic, the vocabulary static (a symbolic one fails
+        # Inductor's split argmax on CUDA)
+        (sampling,) = [g for g in computing if any(node.target == "argmax" for node in g.graph.nodes)]
+        logits = next(n for n in sampling.graph.nodes if n.op == "placeholder" and n.name.startswith("l_logits"))
+        rows, vocabulary = logits.meta["example_value"].shape
+        assert isinstance(rows, torch.SymInt) and type(vocabulary) is int and vocabulary == tokenizer.vocab_size
     # host round trips (how many steps each ran depends on when the engine thread admitted the
     # requests, so it is not compared between the two engines)
     fixed, window = fixed_engine.stats, window_engine.stats

@@ -100,6 +100,20 @@ def _constant_numbers(compiled: Callable) -> Callable:
     return call
 
 
+def _static_vocabulary(compiled: Callable) -> Callable:
+    """``compiled`` (the sampling, ``torch.compile``'d with dynamic shapes) with the vocabulary
+    dimension of its logits ``[n, V]`` static: only the rows are dynamic. With a symbolic ``V``,
+    Inductor's split reduction of the argmax over ``V`` fails in code generation on CUDA
+    (``TypeError: list indices must be integers or slices, not NoneType``, torch 2.11, H100,
+    2026-11-28), and the vocabulary never changes for an engine anyway."""
+
+    def call(logits: torch.Tensor, *rest):
+        torch._dynamo.mark_static(logits, 1)
+        return compiled(logits, *rest)
+
+    return call
+
+
 @dataclass
 class _Step:
     """One fixed-shape step of a bucket: its device inputs (``ints`` ``[2b + 1]`` int64: tokens,
@@ -157,7 +171,7 @@ class DecodeGraphs:
             step = types.MethodType(inspect.unwrap(LeanDecoder.decode_all_columns), decoder)
             options = {"backend": compile_backend, "fullgraph": True, "dynamic": True}
             self._decode_columns = _constant_numbers(torch.compile(step, **options))
-            self._sample_rows = _constant_numbers(torch.compile(sample_rows, **options))
+            self._sample_rows = _constant_numbers(_static_vocabulary(torch.compile(sample_rows, **options)))
         self._generation = 0  # how many times the model's modules were found replaced
         self._find_slots()
         self.captures = 0  # graphs captured so far (the engine's ``decode_graph_captures``)
