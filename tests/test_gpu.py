@@ -290,6 +290,7 @@ def test_engine_decode_graphs_equal_the_windowed_decode(decode_steps, kept_kv_by
         outs = [*first, stopped, long, single, *seeded]
         if decode_compile and decode_graphs:  # compiled throughout: not turned off for the uncompiled step
             assert engine.stats["decode_compile_failed"] == 0 and engine._graphs.compile_backend is not None
+            assert engine._graphs._sample_rows.error is None  # the sampling compiled too
         return [o.output_ids for o in outs], [o.output_logprobs for o in outs], engine.stats["decode_graph_captures"]
 
     graph_tokens, graph_logprobs, captures = asyncio.run(run(True))

@@ -318,6 +318,40 @@ def test_a_step_that_fails_to_compile_goes_on_uncompiled(tokenizer):
     assert engine.stats["decode_rounds"] < engine.stats["decode_steps"]  # four steps per replay after it
 
 
+def test_a_sampling_that_fails_to_compile_runs_eagerly_in_the_compiled_step(tokenizer):
+    """A compile error in the sampling alone (as Inductor's argmax gave on the H100) leaves the
+    decode step compiled and the sampling eager, with a warning: greedy and seeded tokens and
+    log-probabilities equal the windowed engine's."""
+    model = build("llama", vocab_size=tokenizer.vocab_size)
+    compiled = []
+
+    def backend(graph_module, example_inputs):
+        if any(node.target == "argmax" for node in graph_module.graph.nodes):
+            raise RuntimeError("no code for this reduction")
+        compiled.append(graph_module)
+        return aot_eager(graph_module, example_inputs)
+
+    async def run(**options):
+        engine = EmbeddedEngine(copy.deepcopy(model), **options)
+        prompts = [list(range(10, 10 + n)) for n in (20, 7, 13)]
+        outs = await asyncio.gather(
+            *(engine.generate(p, {"temperature": 0.0, "max_new_tokens": 9, "ignore_eos": True}) for p in prompts),
+            *(engine.generate(p, {"temperature": 0.8, "max_new_tokens": 9, "sampling_seed": 3}) for p in prompts),
+        )
+        await engine.close()
+        return [o.output_ids for o in outs], [o.output_logprobs for o in outs], engine
+
+    tokens, logprobs, _ = asyncio.run(run(decode_graphs=False))
+    with pytest.warns(UserWarning, match="the sampling's compilation failed, it runs eagerly in the compiled step"):
+        got_tokens, got_logprobs, engine = asyncio.run(run(decode_graphs=True, decode_steps=4, decode_compile=backend))
+    assert got_tokens == tokens
+    for a, b in zip(got_logprobs, logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=1e-4)
+    assert engine.stats["decode_compile_failed"] == 0 and engine._graphs.compile_backend is backend
+    assert isinstance(engine._graphs._sample_rows.error, torch._dynamo.exc.BackendCompilerFailed)
+    assert len(compiled) == 1  # the decode step, once
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 @pytest.mark.parametrize("steps", [0, 3])
 def test_the_captured_steps_read_no_host_data(kind, steps):

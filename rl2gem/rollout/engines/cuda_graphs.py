@@ -49,6 +49,7 @@ import contextlib
 import inspect
 import time
 import types
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -100,18 +101,34 @@ def _constant_numbers(compiled: Callable) -> Callable:
     return call
 
 
-def _static_vocabulary(compiled: Callable) -> Callable:
-    """``compiled`` (the sampling, ``torch.compile``'d with dynamic shapes) with the vocabulary
-    dimension of its logits ``[n, V]`` static: only the rows are dynamic. With a symbolic ``V``,
-    Inductor's split reduction of the argmax over ``V`` fails in code generation on CUDA
-    (``TypeError: list indices must be integers or slices, not NoneType``, torch 2.11, H100,
-    2026-11-28), and the vocabulary never changes for an engine anyway."""
+class _CompiledSampling:
+    """:func:`~rl2gem.rollout.engines.sampling.sample_rows` compiled with dynamic rows, or eager
+    once its compilation failed (a warning; ``error`` keeps why), so that the compiled decode step
+    goes on without it rather than the whole compilation being turned off.
 
-    def call(logits: torch.Tensor, *rest):
-        torch._dynamo.mark_static(logits, 1)
-        return compiled(logits, *rest)
+    The compilation reads the logits ``[n, V]`` with ``V`` static and Inductor's split
+    reductions off. On the H100 (torch 2.11, 2026-11-28) Inductor's code generation failed on the
+    argmax over ``V``, split for few rows (``TypeError: list indices must be integers or slices,
+    not NoneType``), with ``V`` symbolic and again with ``V`` static; whether unsplit reductions
+    avoid it was not yet run on a GPU. A compilation fails before anything runs, so the eager
+    sampling then reads the same logits."""
 
-    return call
+    def __init__(self, backend: str | Callable):
+        self.compiled = _constant_numbers(torch.compile(sample_rows, backend=backend, fullgraph=True, dynamic=True))
+        self.error: Exception | None = None
+
+    def __call__(self, logits: torch.Tensor, *rest) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.error is None:
+            torch._dynamo.mark_static(logits, 1)
+            try:
+                with torch._inductor.config.patch(split_reductions=False):
+                    return self.compiled(logits, *rest)
+            except torch._dynamo.exc.BackendCompilerFailed as error:
+                warnings.warn(
+                    f"the sampling's compilation failed, it runs eagerly in the compiled step: {error}", stacklevel=2
+                )
+                self.error = error
+        return sample_rows(logits, *rest)
 
 
 @dataclass
@@ -153,7 +170,9 @@ class DecodeGraphs:
             H200 a 1024 x 8 Llama's step of some 400 small kernels took about 1.1 ms of GPU time
             at 64 rows, the kernels' own latency rather than their work
             (``benchmarks/RESULTS.md``); fusing the norms, rotary embedding, MLP activation and
-            softmax cuts their count.
+            softmax cuts their count. A sampling whose compilation fails runs eagerly in the
+            compiled step (:class:`_CompiledSampling`); a decode step whose compilation fails
+            turns the compilation off (the engine's ``decode_compile_failed``).
     """
 
     def __init__(self, decoder: LeanDecoder, capture: bool, compile_backend: str | Callable | None = None):
@@ -171,7 +190,7 @@ class DecodeGraphs:
             step = types.MethodType(inspect.unwrap(LeanDecoder.decode_all_columns), decoder)
             options = {"backend": compile_backend, "fullgraph": True, "dynamic": True}
             self._decode_columns = _constant_numbers(torch.compile(step, **options))
-            self._sample_rows = _constant_numbers(_static_vocabulary(torch.compile(sample_rows, **options)))
+            self._sample_rows = _CompiledSampling(compile_backend)
         self._generation = 0  # how many times the model's modules were found replaced
         self._find_slots()
         self.captures = 0  # graphs captured so far (the engine's ``decode_graph_captures``)
