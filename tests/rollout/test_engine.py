@@ -561,3 +561,42 @@ def test_settled_stats_hold_the_last_round_s_times(model):
     stats = run(main())
     assert stats["decode_rounds"] == 5
     assert stats["time_decode_ms"] >= stats["time_decode_forward_ms"] > 0
+
+
+def test_rows_finishing_in_one_round_move_each_row_that_goes_on_at_most_once(model, monkeypatch):
+    """Six of eight rows finish in the same decode round (5 tokens), two go on (9): each of those
+    two moves at most once, from a slot past the two kept into a freed one (one finish at a time
+    moved a row once per finish below it: five moves here), and every row's tokens, its next
+    turn's cached prefix and that turn's tokens are what they would be alone."""
+    from rl2gem.rollout.engines.embedded import _KVStore
+
+    moves = []
+    original = _KVStore.move
+    monkeypatch.setattr(_KVStore, "move", lambda self, src, dst: moves.append((src, dst)) or original(self, src, dst))
+    prompts = [list(range(10, 10 + 6 + i)) for i in range(8)]
+    budgets = [5, 9, 5, 5, 9, 5, 5, 5]
+    greedy = {"temperature": 0, "ignore_eos": True}
+
+    async def main():
+        eng = EmbeddedEngine(model, max_batch_size=8)
+        outs = await asyncio.gather(
+            *(eng.generate(p, {**greedy, "max_new_tokens": n}) for p, n in zip(prompts, budgets, strict=True))
+        )
+        turns = [
+            await eng.generate(p + o.output_ids + [7], {**greedy, "max_new_tokens": 2})
+            for p, o in zip(prompts, outs, strict=True)
+        ]
+        await eng.close()
+        return outs, turns
+
+    outs, turns = run(main())
+    assert 0 < len(moves) <= 2 and len({src for src, _ in moves}) == len(moves)  # the single turns move nothing
+    assert all(dst < 2 <= src for src, dst in moves)
+    for p, o, n, t in zip(prompts, outs, budgets, turns, strict=True):
+        ref = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=2)
+        assert o.output_ids == ref[0, len(p) :].tolist()
+        turn = p + o.output_ids + [7]
+        # the finished row's KV, all but its last sampled token (never written)
+        assert t.meta["cached_tokens"] == len(p) + n - 1
+        ref = model.generate(torch.tensor([turn]), max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=2)
+        assert t.output_ids == ref[0, len(turn) :].tolist()

@@ -614,6 +614,32 @@ class EmbeddedEngine(Engine):
                 self._waiting.remove(r)
                 self._finish(r, {"type": "abort", "message": message})
 
+    def _narrow_window(self) -> None:
+        """The store's window: the columns of its longest running row."""
+        if self._running:
+            self._store.lo = self._store.hi - max(r.span for r in self._running)
+
+    def _finish_rows(self, finished: list[tuple[_Request, dict]]) -> None:
+        """Finish several running rows of one decode round (each with its reason): their KV to
+        the prefix cache, then the rows that go on compacted into the freed slots, each moved at
+        most once (one finished at a time, a row could be moved once per finish below it), and
+        the store's window narrowed once."""
+        slots = [self._running.index(r) for r, _ in finished]
+        for (r, _), slot in zip(finished, slots, strict=True):
+            self._save_prefix(r, slot)
+        keep = len(self._running) - len(slots)
+        freed = set(slots)
+        holes = sorted(slot for slot in freed if slot < keep)
+        movers = [slot for slot in range(keep, len(self._running)) if slot not in freed]
+        for source, hole in zip(movers, holes, strict=True):
+            self._store.move(source, hole)
+            self._running[hole] = self._running[source]
+        del self._running[keep:]
+        self._store.slots -= len(slots)
+        self._narrow_window()
+        for r, reason in finished:  # settled once the engine's state no longer holds them
+            self._settle_output(r, reason)
+
     def _finish(self, req: _Request, reason: dict):
         if req in self._running:
             i = self._running.index(req)
@@ -624,8 +650,11 @@ class EmbeddedEngine(Engine):
                 self._running[i] = self._running[last]
             self._running.pop()
             self._store.slots -= 1
-            if self._running:
-                self._store.lo = self._store.hi - max(r.span for r in self._running)
+            self._narrow_window()
+        self._settle_output(req, reason)
+
+    def _settle_output(self, req: _Request, reason: dict) -> None:
+        """Resolve ``req``'s future with its output (on its event loop)."""
         out = GenerateOutput(
             output_ids=req.out_ids,
             output_logprobs=req.out_lp,
@@ -977,37 +1006,42 @@ class EmbeddedEngine(Engine):
             store.pairs[layer][:, token_rows, :, token_columns] = pieces.permute(2, 0, 1, 3)
 
     def _append_tokens(self, reqs: list[_Request], tokens: list[list[int]], logprobs: list[list[float]]):
-        """Give each request its sampled tokens, ``tokens[k][i]`` the ``k``-th of ``reqs[i]``, step
-        by step, and finish those that stop (a stop token, their length limit or the context's).
+        """Give each request its sampled tokens, ``tokens[k][i]`` the ``k``-th of ``reqs[i]``, and
+        finish those that stop (a stop token, their length limit or the context's).
 
         Every request's ``length`` and the store already count all ``len(tokens)`` steps; a request
         that stops at step ``k`` gives back the ``overrun = len(tokens) - 1 - k`` columns after it
-        (their tokens are dropped and their mask cleared), so its cached prefix is exact."""
+        (their tokens are dropped and their mask cleared), so its cached prefix is exact. Row by
+        row, each row's tokens appended at once (a host cost in every decode round); the rows that
+        stop finish together (:meth:`_finish_rows`)."""
         steps = len(tokens)
-        alive = list(range(len(reqs)))
-        for k in range(steps):
-            overrun = steps - 1 - k
-            still = []
-            for i in alive:
-                r, t, lp = reqs[i], tokens[k][i], logprobs[k][i]
-                r.out_ids.append(t)
-                r.out_lp.append(lp)
-                if r.on_token is not None:
-                    r.loop.call_soon_threadsafe(r.on_token, (t, lp))
-                if t in r.stop_ids:
-                    reason = {"type": "stop", "matched": t}
-                elif len(r.out_ids) >= r.params.max_new_tokens or r.length - overrun + 1 >= self.context_length:
-                    reason = {"type": "length", "length": len(r.out_ids)}
-                else:
-                    still.append(i)
-                    continue
-                if overrun:
-                    r.length -= overrun
-                    r.overrun = overrun
-                    store = self._store
-                    store.mask[self._running.index(r), store.hi - overrun : store.hi] = False
-                self._finish(r, reason)
-            alive = still
+        finished = []  # (request, reason)
+        rows, row_logprobs_all = zip(*tokens, strict=True), zip(*logprobs, strict=True)
+        for r, row, row_logprobs in zip(reqs, rows, row_logprobs_all, strict=True):
+            # the first step at which r stops: a stop token, its token budget, or the context
+            # (at step k the row holds length - (steps - 1 - k) tokens)
+            end = min(r.params.max_new_tokens - len(r.out_ids) - 1, self.context_length - r.length + steps - 2)
+            stop = next((k for k, t in enumerate(row) if t in r.stop_ids), steps) if r.stop_ids else steps
+            end = min(max(end, 0), stop)
+            taken = row if end >= steps else row[: end + 1]
+            r.out_ids.extend(taken)
+            r.out_lp.extend(row_logprobs[: len(taken)])
+            if r.on_token is not None:
+                for item in zip(taken, row_logprobs[: len(taken)], strict=True):
+                    r.loop.call_soon_threadsafe(r.on_token, item)
+            if end >= steps:
+                continue
+            reason = (
+                {"type": "stop", "matched": row[end]} if end == stop else {"type": "length", "length": len(r.out_ids)}
+            )
+            overrun = steps - 1 - end
+            if overrun:
+                r.length -= overrun
+                r.overrun = overrun
+                self._store.mask[self._running.index(r), self._store.hi - overrun : self._store.hi] = False
+            finished.append((r, reason))
+        if finished:
+            self._finish_rows(finished)
 
     def _growth(self, reqs: list[_Request]) -> int:
         """Columns the longest of ``reqs`` may still add to the KV store."""
