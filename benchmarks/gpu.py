@@ -477,6 +477,11 @@ def engine_sides(device: torch.device) -> list[tuple[dict, str]]:
             ({"decode_steps": 1}, "EmbeddedEngine decode_steps=1"),
             ({"decode_compile": True}, "EmbeddedEngine decode_compile=True"),
             ({"decode_compile": True, "decode_steps": 1}, "EmbeddedEngine decode_compile=True decode_steps=1"),
+            ({"decode_overlap": True}, "EmbeddedEngine decode_overlap=True"),
+            (
+                {"decode_overlap": True, "decode_compile": True},
+                "EmbeddedEngine decode_overlap=True decode_compile=True",
+            ),
             ({"decode_graphs": False}, "EmbeddedEngine decode_graphs=False"),
         ]
     return [({}, "EmbeddedEngine"), ({"decode_graphs": True, "decode_steps": 4}, "EmbeddedEngine decode_steps=4")]

@@ -235,9 +235,16 @@ def test_lean_bf16_logits_on_cuda_are_as_close_to_float32_as_transformers_own():
 
 
 @pytest.mark.parametrize(
-    "decode_steps,kept_kv_bytes,decode_compile", [(1, None, False), (4, None, False), (4, 0, False), (4, None, True)]
+    "decode_steps,kept_kv_bytes,decode_compile,decode_overlap",
+    [
+        (1, None, False, False),
+        (4, None, False, False),
+        (4, 0, False, False),
+        (4, None, True, False),
+        (4, None, False, True),
+    ],
 )
-def test_engine_decode_graphs_equal_the_windowed_decode(decode_steps, kept_kv_bytes, decode_compile):
+def test_engine_decode_graphs_equal_the_windowed_decode(decode_steps, kept_kv_bytes, decode_compile, decode_overlap):
     """Captured decode steps, sampled on the device one or four steps per replay, give the tokens
     and log-probabilities of the windowed decode, greedy and seeded: twelve rows finishing one by
     one (buckets of 12 and 8 rows), a stop token met within a replay, a long request that
@@ -245,7 +252,8 @@ def test_engine_decode_graphs_equal_the_windowed_decode(decode_steps, kept_kv_by
     small store and the graphs captured before it (``kept_kv_bytes`` by default, 5% of the GPU),
     whose replays then read the updated weights; with ``kept_kv_bytes=0`` the store is freed and
     the graphs are captured again. With ``decode_compile`` the captured steps are Inductor's
-    compiled ones."""
+    compiled ones; with ``decode_overlap`` each round is launched before the last one's tokens are
+    handed out."""
     from rl2gem.rollout.engines.embedded import EmbeddedEngine
 
     model = tiny_model().float().to(CUDA)
@@ -261,6 +269,7 @@ def test_engine_decode_graphs_equal_the_windowed_decode(decode_steps, kept_kv_by
             decode_graphs=decode_graphs,
             decode_steps=decode_steps,
             decode_compile=decode_compile and decode_graphs,
+            decode_overlap=decode_overlap and decode_graphs,
             kept_kv_bytes=kept_kv_bytes,
         )
         greedy = {"temperature": 0.0, "ignore_eos": True}
@@ -288,6 +297,8 @@ def test_engine_decode_graphs_equal_the_windowed_decode(decode_steps, kept_kv_by
         )
         await engine.close()
         outs = [*first, stopped, long, single, *seeded]
+        if decode_overlap and decode_graphs:  # rounds launched ahead, read through their CUDA events
+            assert engine.stats["decode_rounds_ahead"] > 0
         if decode_compile and decode_graphs:  # compiled throughout: not turned off for the uncompiled step
             assert engine.stats["decode_compile_failed"] == 0 and engine._graphs.compile_backend is not None
             assert engine._graphs._sample_rows.error is None  # the sampling compiled too

@@ -166,15 +166,21 @@ class _Halved(torch.nn.Module):
         return self.inner(x) / 2
 
 
-@pytest.mark.parametrize("decode_steps,decode_compile", [(1, False), (4, False), (4, "aot_eager")])
-def test_engine_with_the_fixed_shape_step_gives_the_same_tokens(tokenizer, monkeypatch, decode_steps, decode_compile):
+@pytest.mark.parametrize(
+    "decode_steps,decode_compile,decode_overlap",
+    [(1, False, False), (4, False, False), (4, "aot_eager", False), (4, False, True), (1, False, True)],
+)
+def test_engine_with_the_fixed_shape_step_gives_the_same_tokens(
+    tokenizer, monkeypatch, decode_steps, decode_compile, decode_overlap
+):
     """Staggered requests over 1, 3, 5 and 6 running rows, a GRPO group, a second
     turn through the prefix cache, a store that re-allocates as generations grow, a weight update
     copied in place, a request that meets its stop token within a chunk of steps, a streamed
     request and a top-k request: the engine with ``decode_graphs=True`` (eager on the CPU),
     sampling on the device one or four steps per round trip, gives the greedy tokens and
     log-probabilities of the windowed engine, sampled tokens with the same seeds too, and the
-    same cached prefixes. With ``decode_compile`` the step goes through ``torch.compile`` first
+    same cached prefixes, also with ``decode_overlap`` (each round launched before the last
+    one's tokens are handed out). With ``decode_compile`` the step goes through ``torch.compile`` first
     (``aot_eager`` here: dynamo's whole-graph trace and its functionalised in-place writes to the
     store, without Inductor's code generation, which the next test runs)."""
     model = build("llama", vocab_size=tokenizer.vocab_size)
@@ -193,6 +199,7 @@ def test_engine_with_the_fixed_shape_step_gives_the_same_tokens(tokenizer, monke
             decode_graphs=decode_graphs,
             decode_steps=decode_steps,
             decode_compile=counting_backend if decode_graphs and decode_compile else False,
+            decode_overlap=decode_overlap and decode_graphs,
         )
         greedy = {"temperature": 0.0, "max_new_tokens": 40, "ignore_eos": True}
         prompts = [list(range(10, 10 + n)) for n in (7, 19, 3, 30, 11, 11)]
@@ -253,6 +260,9 @@ def test_engine_with_the_fixed_shape_step_gives_the_same_tokens(tokenizer, monke
     # host round trips (how many steps each ran depends on when the engine thread admitted the
     # requests, so it is not compared between the two engines)
     fixed, window = fixed_engine.stats, window_engine.stats
+    # with decode_overlap, most rounds were launched before the tokens of the one before were
+    # handed out (not while requests waited to be admitted, nor for the top-k request's rows)
+    assert (fixed["decode_rounds_ahead"] > 0.5 * fixed["decode_rounds"]) == decode_overlap
     assert window["decode_rounds"] == window["decode_steps"]
     if decode_steps == 1:
         assert fixed["decode_rounds"] == fixed["decode_steps"]
@@ -286,7 +296,7 @@ def test_a_step_that_cannot_be_captured_falls_back_to_the_windowed_decode(tokeni
 
     expected, _ = asyncio.run(run(False))
     monkeypatch.setattr(DecodeGraphs, "decode", fail)
-    monkeypatch.setattr(DecodeGraphs, "decode_and_sample", fail)
+    monkeypatch.setattr(DecodeGraphs, "launch_sample", fail)
     with pytest.warns(UserWarning, match="decode_graphs turned off"):
         got, engine = asyncio.run(run(True))
     assert got == expected

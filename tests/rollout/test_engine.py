@@ -579,9 +579,15 @@ def test_rows_finishing_in_one_round_move_each_row_that_goes_on_at_most_once(mod
 
     async def main():
         eng = EmbeddedEngine(model, max_batch_size=8)
-        outs = await asyncio.gather(
-            *(eng.generate(p, {**greedy, "max_new_tokens": n}) for p, n in zip(prompts, budgets, strict=True))
-        )
+        await eng.pause("in_place")  # all eight queued first, admitted at once: six finish in one round
+        tasks = [
+            asyncio.ensure_future(eng.generate(p, {**greedy, "max_new_tokens": n}))
+            for p, n in zip(prompts, budgets, strict=True)
+        ]
+        while len(eng._waiting) < len(prompts):
+            await asyncio.sleep(0.005)
+        await eng.resume()
+        outs = await asyncio.gather(*tasks)
         turns = [
             await eng.generate(p + o.output_ids + [7], {**greedy, "max_new_tokens": 2})
             for p, o in zip(prompts, outs, strict=True)

@@ -145,6 +145,7 @@ class _Step:
     run: Any
     outputs: tuple[torch.Tensor, ...] = ()
     host_outputs: tuple[torch.Tensor, ...] = ()
+    done: Any = None  # a CUDA event recorded after a launch's copies to the host
     graph: Any = None
 
 
@@ -153,10 +154,10 @@ class DecodeGraphs:
     docstring).
 
     Two kinds of step are captured, each per row bucket: :meth:`decode` (one step, logits out:
-    rows with top-k or top-p are sampled eagerly after it) and :meth:`decode_and_sample` (``steps``
-    decode steps, each followed by :func:`~rl2gem.rollout.engines.sampling.sample_rows` and fed
-    the token it sampled, tokens and log-probabilities out: one launch and one host round trip
-    for ``steps`` tokens per row).
+    rows with top-k or top-p are sampled eagerly after it) and :meth:`launch_sample` with
+    :meth:`collect` (``steps`` decode steps, each followed by
+    :func:`~rl2gem.rollout.engines.sampling.sample_rows` and fed the token it sampled, tokens and
+    log-probabilities out: one launch and one host round trip for ``steps`` tokens per row).
 
     Args:
         decoder: the engine's :class:`~rl2gem.rollout.engines.lean_decoder.LeanDecoder`.
@@ -279,7 +280,7 @@ class DecodeGraphs:
         return logits[:rows]
 
     @torch.no_grad()
-    def decode_and_sample(
+    def launch_sample(
         self,
         store,
         tokens: list[int],
@@ -287,9 +288,10 @@ class DecodeGraphs:
         divisors: list[float],
         greedy: list[bool],
         uniforms: np.ndarray,
-    ) -> tuple[list[list[int]], list[list[float]]]:
-        """``steps = len(uniforms)`` decode steps of the store's ``n = store.slots`` running rows,
-        each sampling the token the next one reads.
+    ) -> tuple[_Step, int, tuple | None]:
+        """Launch ``steps = len(uniforms)`` decode steps of the store's ``n = store.slots``
+        running rows, each sampling the token the next one reads: staged and replayed, their
+        tokens' copies to the host queued behind them, not waited for (:meth:`collect` waits).
 
         Args:
             store: the engine's KV store; step ``k`` writes column ``store.hi + k`` and masks it in
@@ -301,7 +303,8 @@ class DecodeGraphs:
                 (:func:`~rl2gem.rollout.engines.sampling.draw_uniforms`).
 
         Returns:
-            tokens and log-probabilities ``[steps][n]`` as host lists (one synchronisation).
+            what :meth:`collect` takes. The step's staging and outputs are reused by the next
+            launch of its bucket: collect this one first.
         """
         rows, steps = store.slots, len(uniforms)
         step, bucket = self._step(store, rows, steps)
@@ -313,12 +316,21 @@ class DecodeGraphs:
         staging[2 * bucket :].reshape(steps, bucket)[:, :rows] = uniforms
         step.floats.copy_(step.float_staging, non_blocking=True)
         if step.graph is None:
-            sampled, logprobs = step.run()
+            return step, rows, step.run()
+        step.graph.replay()
+        for host, device in zip(step.host_outputs, step.outputs, strict=True):
+            host.copy_(device, non_blocking=True)
+        step.done.record()  # what collect waits for: not the work queued after the launch
+        return step, rows, None
+
+    def collect(self, launched: tuple[_Step, int, tuple | None]) -> tuple[list[list[int]], list[list[float]]]:
+        """The tokens and log-probabilities ``[steps][n]`` of a :meth:`launch_sample`, as host
+        lists: waits for that launch's replay and copies only."""
+        step, rows, eager = launched
+        if eager is not None:
+            sampled, logprobs = eager
         else:
-            step.graph.replay()
-            for host, device in zip(step.host_outputs, step.outputs, strict=True):
-                host.copy_(device, non_blocking=True)
-            torch.cuda.current_stream(store.mask.device).synchronize()
+            step.done.synchronize()
             sampled, logprobs = step.host_outputs
         return sampled[:, :rows].tolist(), logprobs[:, :rows].tolist()
 
@@ -370,6 +382,7 @@ class DecodeGraphs:
         self._warm_up_and_capture(step, store, bucket, steps)
         if step.graph is not None and steps:
             step.host_outputs = tuple(torch.empty_like(t, device="cpu").pin_memory() for t in step.outputs)
+            step.done = torch.cuda.Event()
         self._steps[(bucket, steps)] = step
         return step
 

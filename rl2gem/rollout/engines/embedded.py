@@ -309,6 +309,10 @@ class EmbeddedEngine(Engine):
             ``False`` (the default until a GPU run has measured it against the uncompiled graphs:
             ``benchmarks/gpu.py``'s decode table). A step that fails to compile turns the
             compilation off (a warning, ``stats["decode_compile_failed"]``), not the graphs.
+        decode_overlap: with decode graphs, launch each round of sampled steps before the last
+            round's tokens are handed out and its stopped rows finished, so the host's work per
+            round overlaps the device's (a stopped row runs one round more, dropped). ``False``
+            (the default until a GPU run has measured it: ``benchmarks/gpu.py``'s decode table).
         kept_kv_bytes: :meth:`release_memory` and weight updates keep the KV stores allocated
             (emptied) while they hold at most this many bytes together, and with them the
             captured decode graphs, which a trainer's next rollout would otherwise capture again;
@@ -318,7 +322,9 @@ class EmbeddedEngine(Engine):
     Attributes:
         stats: counters since the engine started (a ``collections.Counter``): ``requests``,
             ``finished``, ``prefill_forwards``, ``prefill_tokens``, ``cached_tokens``,
-            ``decode_steps``, ``decode_rounds`` (host round trips), ``decode_tokens`` (rows x steps,
+            ``decode_steps``, ``decode_rounds`` (host round trips), ``decode_rounds_ahead`` (of
+            them, launched before the last round's tokens were handed out: ``decode_overlap``),
+            ``decode_tokens`` (rows x steps,
             dropped tokens included), ``decode_graph_captures``, ``decode_graphs_failed``,
             ``kv_allocations`` and ``prefill_kv_allocations`` (the KV stores' buffer allocations), and
             times in ms (floats, summed unrounded: a decode round can take under a millisecond):
@@ -328,7 +334,7 @@ class EmbeddedEngine(Engine):
 
     Raises:
         ValueError: ``decode_graphs=True`` for a model the lean path cannot run;
-            ``decode_compile`` without decode graphs.
+            ``decode_compile`` or ``decode_overlap`` without decode graphs.
     """
 
     def __init__(
@@ -347,6 +353,7 @@ class EmbeddedEngine(Engine):
         decode_graphs: bool | None = None,
         decode_steps: int | None = None,
         decode_compile: bool | str | Callable = False,
+        decode_overlap: bool = False,
         kept_kv_bytes: int | None = None,
     ):
         if isinstance(model, (str, Path)):
@@ -405,6 +412,9 @@ class EmbeddedEngine(Engine):
         if int(decode_steps) < 1:
             raise ValueError(f"decode_steps must be at least 1, got {decode_steps}")
         self.decode_steps = int(decode_steps)
+        if decode_overlap and not decode_graphs:
+            raise ValueError("decode_overlap needs decode_graphs (it launches the sampled steps ahead)")
+        self.decode_overlap = bool(decode_overlap)
         if kept_kv_bytes is None:
             cuda = p.device.type == "cuda"
             kept_kv_bytes = torch.cuda.get_device_properties(p.device).total_memory // 20 if cuda else 0
@@ -1005,7 +1015,9 @@ class EmbeddedEngine(Engine):
             # two index tensors apart: the indexed dimensions come first, [tokens, 2, kv_heads, d]
             store.pairs[layer][:, token_rows, :, token_columns] = pieces.permute(2, 0, 1, 3)
 
-    def _append_tokens(self, reqs: list[_Request], tokens: list[list[int]], logprobs: list[list[float]]):
+    def _append_tokens(
+        self, reqs: list[_Request], tokens: list[list[int]], logprobs: list[list[float]], ahead: int = 0
+    ):
         """Give each request its sampled tokens, ``tokens[k][i]`` the ``k``-th of ``reqs[i]``, and
         finish those that stop (a stop token, their length limit or the context's).
 
@@ -1013,14 +1025,16 @@ class EmbeddedEngine(Engine):
         that stops at step ``k`` gives back the ``overrun = len(tokens) - 1 - k`` columns after it
         (their tokens are dropped and their mask cleared), so its cached prefix is exact. Row by
         row, each row's tokens appended at once (a host cost in every decode round); the rows that
-        stop finish together (:meth:`_finish_rows`)."""
+        stop finish together (:meth:`_finish_rows`). ``ahead``: steps of a round launched after
+        these (``decode_overlap``), which the rows' lengths and the store count too: a row that
+        stops gives those columns back as well."""
         steps = len(tokens)
         finished = []  # (request, reason)
         rows, row_logprobs_all = zip(*tokens, strict=True), zip(*logprobs, strict=True)
         for r, row, row_logprobs in zip(reqs, rows, row_logprobs_all, strict=True):
             # the first step at which r stops: a stop token, its token budget, or the context
             # (at step k the row holds length - (steps - 1 - k) tokens)
-            end = min(r.params.max_new_tokens - len(r.out_ids) - 1, self.context_length - r.length + steps - 2)
+            end = min(r.params.max_new_tokens - len(r.out_ids) - 1, self.context_length - r.length + ahead + steps - 2)
             stop = next((k for k, t in enumerate(row) if t in r.stop_ids), steps) if r.stop_ids else steps
             end = min(max(end, 0), stop)
             taken = row if end >= steps else row[: end + 1]
@@ -1034,7 +1048,7 @@ class EmbeddedEngine(Engine):
             reason = (
                 {"type": "stop", "matched": row[end]} if end == stop else {"type": "length", "length": len(r.out_ids)}
             )
-            overrun = steps - 1 - end
+            overrun = steps - 1 - end + ahead
             if overrun:
                 r.length -= overrun
                 r.overrun = overrun
@@ -1094,19 +1108,25 @@ class EmbeddedEngine(Engine):
     def _sample_on_device(self, st: _KVStore, reqs: list[_Request], steps: int):
         """``steps`` decode steps sampled in the captured graph -> tokens and log-probs
         ``[steps][n]``, or None when the graphs failed (they are off from then on)."""
+        launched = self._launch_sample(st, reqs, steps, [r.out_ids[-1] for r in reqs], 0)
+        return None if launched is None else self._graphs.collect(launched)
+
+    def _launch_sample(self, st: _KVStore, reqs: list[_Request], steps: int, last: list[int], pending: int):
+        """Launch ``steps`` sampled decode steps of the store's rows ``reqs`` (their last tokens
+        ``last``; ``pending``: tokens each has sampled that are not in its ``out_ids`` yet, for
+        the seeded uniforms) -> :meth:`DecodeGraphs.collect`'s argument, or None when the graphs
+        failed (they are off from then on)."""
         params = [r.params for r in reqs]
         divisors, greedy = row_settings(params)
-        uniforms = draw_uniforms(params, [len(r.out_ids) for r in reqs], self._gen, steps)
+        uniforms = draw_uniforms(params, [len(r.out_ids) + pending for r in reqs], self._gen, steps)
         before = self._graphs.captures, self._graphs.capture_seconds
         try:
-            tokens, logprobs = self._graphs.decode_and_sample(
-                st, [r.out_ids[-1] for r in reqs], [r.length for r in reqs], divisors, greedy, uniforms
-            )
+            launched = self._graphs.launch_sample(st, last, [r.length for r in reqs], divisors, greedy, uniforms)
         except Exception as error:  # CUDA's capture errors, and dynamo's and Inductor's
             self._graphs_failed(error)
             return None
         self._count_captures(*before)
-        return tokens, logprobs
+        return launched
 
     def _count_captures(self, captures: int, seconds: float) -> None:
         """Add the graphs captured since ``(captures, seconds)`` to the stats."""
@@ -1133,6 +1153,9 @@ class EmbeddedEngine(Engine):
         st = self._store
         reqs = list(self._running)
         steps = self._chunk_steps(reqs)
+        if steps and self.decode_overlap:
+            self._decode_overlapped(reqs, steps)
+            return
         st.reserve(st.slots, 0, max(steps, 1), self._growth(reqs))
         n = st.slots
         st.mask[:n, st.hi] = True
@@ -1152,6 +1175,69 @@ class EmbeddedEngine(Engine):
         self.stats["decode_rounds"] += 1  # host round trips
         self.stats["decode_tokens"] += n * steps
         self._append_tokens(reqs, *sampled)
+
+    def _launch_round(self, reqs: list[_Request], steps: int, last: list[int], pending: int):
+        """Reserve the store's next ``steps`` columns for ``reqs`` (the running rows, in slot
+        order) and launch their sampled steps; the rows, the store and the stats count the steps
+        at once. -> ``(reqs, steps, launched)``, or None when the graphs failed (nothing counted)."""
+        st = self._store
+        st.reserve(st.slots, 0, steps, self._growth(reqs))
+        st.mask[: st.slots, st.hi] = True
+        t0 = time.perf_counter()
+        launched = self._launch_sample(st, reqs, steps, last, pending)
+        self.stats["time_decode_forward_ms"] += 1000 * (time.perf_counter() - t0)
+        if launched is None:
+            return None
+        st.hi += steps
+        for r in reqs:
+            r.length += steps
+            r.span += steps
+        self.stats["decode_steps"] += steps
+        self.stats["decode_rounds"] += 1
+        self.stats["decode_tokens"] += len(reqs) * steps
+        return reqs, steps, launched
+
+    def _overlap_goes_on(self, reqs: list[_Request]) -> int:
+        """Steps of a round to launch before the last one's tokens are handed out, or 0: not when
+        the engine has other work (a command, a pause, a request it could admit), a row samples
+        on the host, or a row's context ends within ``decode_steps``."""
+        with self._cv:
+            busy = self._commands or self._paused or self._closed
+            busy = busy or (self._waiting and len(self._running) < self.max_batch_size)
+        if busy or not reqs:
+            return 0
+        steps = self._chunk_steps(reqs)
+        return steps if steps == self.decode_steps else 0
+
+    def _decode_overlapped(self, reqs: list[_Request], steps: int) -> None:
+        """Decode rounds whose host work overlaps the device (``decode_overlap``): once a round's
+        tokens are read, the next round is launched for the same rows before the tokens are
+        handed out and stopped rows finished, so the device computes while the host does that.
+        A row that stopped runs one launched round more, whose tokens are dropped and whose
+        columns are given back (its ``overrun``); its slot is freed behind that round on the
+        device's queue. Rounds go on while nothing else waits for the engine; the last is read
+        with nothing launched behind it. The windowed decode runs a round whose graphs fail."""
+        running = self._launch_round(reqs, steps, [r.out_ids[-1] for r in reqs], 0)
+        while running is not None:
+            reqs, steps, launched = running
+            t0 = time.perf_counter()
+            tokens, logprobs = self._graphs.collect(launched)
+            self.stats["time_decode_forward_ms"] += 1000 * (time.perf_counter() - t0)
+            # the rows still running (a row that stopped in the round before ran this one too)
+            alive = set(map(id, self._running))
+            kept = [i for i, r in enumerate(reqs) if id(r) in alive]
+            if len(kept) < len(reqs):
+                reqs = [reqs[i] for i in kept]
+                tokens = [[row[i] for i in kept] for row in tokens]
+                logprobs = [[row[i] for i in kept] for row in logprobs]
+            running = None
+            following = self._overlap_goes_on(self._running)
+            if following:
+                last = dict(zip(map(id, reqs), tokens[-1], strict=True))
+                nxt = list(self._running)
+                running = self._launch_round(nxt, following, [last[id(r)] for r in nxt], steps)
+                self.stats["decode_rounds_ahead"] += running is not None
+            self._append_tokens(reqs, tokens, logprobs, running[1] if running else 0)
 
 
 def _settle(fut: asyncio.Future, res, err):
