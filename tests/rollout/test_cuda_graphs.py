@@ -270,6 +270,72 @@ def test_engine_with_the_fixed_shape_step_gives_the_same_tokens(
         assert fixed["decode_rounds"] < 0.4 * fixed["decode_steps"]
 
 
+def test_an_overlapped_wave_runs_no_round_after_its_last(tokenizer):
+    """Four rows with one budget stop in the same round: with ``decode_overlap`` nothing is
+    launched after it, so the wave takes the rounds and decode tokens it takes without (the
+    first rounds were launched ahead); the tokens are the same."""
+    model = build("llama", vocab_size=tokenizer.vocab_size)
+
+    async def run(overlap: bool):
+        engine = EmbeddedEngine(copy.deepcopy(model), decode_graphs=True, decode_steps=4, decode_overlap=overlap)
+        await engine.pause("in_place")  # queued first, admitted together
+        greedy = {"temperature": 0, "max_new_tokens": 13, "ignore_eos": True}
+        tasks = [asyncio.ensure_future(engine.generate(list(range(10, 20 + i)), greedy)) for i in range(4)]
+        while len(engine._waiting) < 4:
+            await asyncio.sleep(0.005)
+        await engine.resume()
+        outs = await asyncio.gather(*tasks)
+        stats = await engine.settled_stats()
+        await engine.close()
+        return [o.output_ids for o in outs], stats
+
+    (tokens, plain), (overlapped_tokens, overlapped) = asyncio.run(run(False)), asyncio.run(run(True))
+    assert overlapped_tokens == tokens
+    assert overlapped["decode_rounds"] == plain["decode_rounds"] == 3  # 12 tokens after the prefill's one
+    assert overlapped["decode_tokens"] == plain["decode_tokens"] and overlapped["decode_rounds_ahead"] == 2
+
+
+def test_a_request_whose_event_loop_closed_does_not_stop_the_others(tokenizer):
+    """A requester's event loop closes while its request runs (its ``asyncio.run`` ended): the
+    request's answer goes nowhere, and the rows finishing in the same round, the windowed
+    engine's tokens, still get theirs (an error settling one had left the others unsettled)."""
+    import threading
+
+    model = build("llama", vocab_size=tokenizer.vocab_size)
+    greedy = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
+    prompts = [list(range(10, 10 + n)) for n in (12, 8)]
+
+    async def main(overlap: bool):
+        engine = EmbeddedEngine(copy.deepcopy(model), decode_graphs=True, decode_steps=4, decode_overlap=overlap)
+        await engine.pause("in_place")
+        other = asyncio.new_event_loop()
+        thread = threading.Thread(target=other.run_forever)
+        thread.start()
+        asyncio.run_coroutine_threadsafe(engine.generate(list(range(10, 40)), greedy), other)
+        while len(engine._waiting) < 1:
+            await asyncio.sleep(0.005)
+        other.call_soon_threadsafe(other.stop)
+        thread.join()
+        other.close()
+        tasks = [asyncio.ensure_future(engine.generate(p, greedy)) for p in prompts]
+        while len(engine._waiting) < 3:
+            await asyncio.sleep(0.005)
+        await engine.resume()
+        outs = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        await engine.close()
+        return [o.output_ids for o in outs], [o.finish_reason["type"] for o in outs]
+
+    async def alone():
+        engine = EmbeddedEngine(copy.deepcopy(model))
+        outs = [await engine.generate(p, greedy) for p in prompts]
+        await engine.close()
+        return [o.output_ids for o in outs]
+
+    expected = asyncio.run(alone())
+    for overlap in (False, True):
+        assert asyncio.run(main(overlap)) == (expected, ["length", "length"])
+
+
 def test_decode_graphs_need_the_lean_decoder():
     with pytest.raises(ValueError, match="lean decoder"):
         EmbeddedEngine(build("llama"), lean=False, decode_graphs=True)

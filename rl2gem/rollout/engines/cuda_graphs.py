@@ -304,7 +304,7 @@ class DecodeGraphs:
 
         Returns:
             what :meth:`collect` takes. The step's staging and outputs are reused by the next
-            launch of its bucket: collect this one first.
+            launch of its (bucket, steps): collect this one first.
         """
         rows, steps = store.slots, len(uniforms)
         step, bucket = self._step(store, rows, steps)

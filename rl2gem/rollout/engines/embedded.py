@@ -311,8 +311,11 @@ class EmbeddedEngine(Engine):
             compilation off (a warning, ``stats["decode_compile_failed"]``), not the graphs.
         decode_overlap: with decode graphs, launch each round of sampled steps before the last
             round's tokens are handed out and its stopped rows finished, so the host's work per
-            round overlaps the device's (a stopped row runs one round more, dropped). ``False``
-            (the default until a GPU run has measured it: ``benchmarks/gpu.py``'s decode table).
+            round overlaps the device's (a stopped row runs one round more, dropped; no round
+            is launched after one that every row stops in). Greedy and seeded tokens are the
+            same as without it; unseeded ones differ (the dropped rows draw uniforms too).
+            ``False`` (the default until a GPU run has measured it: ``benchmarks/gpu.py``'s
+            decode table).
         kept_kv_bytes: :meth:`release_memory` and weight updates keep the KV stores allocated
             (emptied) while they hold at most this many bytes together, and with them the
             captured decode graphs, which a trainer's next rollout would otherwise capture again;
@@ -613,7 +616,7 @@ class EmbeddedEngine(Engine):
             except BaseException as e:  # report to the caller
                 res, err = None, e
             if fut is not None:
-                loop.call_soon_threadsafe(_settle, fut, res, err)
+                _call_soon(loop, _settle, fut, res, err)
 
     def _abort_rid(self, rid, message):
         for r in list(self._running):
@@ -676,7 +679,7 @@ class EmbeddedEngine(Engine):
         )
         self.stats["finished"] += 1
         self.stats[f"finish_{reason['type']}"] += 1
-        req.loop.call_soon_threadsafe(_settle, req.future, out, None)
+        _call_soon(req.loop, _settle, req.future, out, None)
 
     def _loop(self):
         torch.set_grad_enabled(False)
@@ -1042,7 +1045,7 @@ class EmbeddedEngine(Engine):
             r.out_lp.extend(row_logprobs[: len(taken)])
             if r.on_token is not None:
                 for item in zip(taken, row_logprobs[: len(taken)], strict=True):
-                    r.loop.call_soon_threadsafe(r.on_token, item)
+                    _call_soon(r.loop, r.on_token, item)
             if end >= steps:
                 continue
             reason = (
@@ -1209,6 +1212,18 @@ class EmbeddedEngine(Engine):
         steps = self._chunk_steps(reqs)
         return steps if steps == self.decode_steps else 0
 
+    @staticmethod
+    def _any_goes_on(reqs: list[_Request], tokens: list[list[int]]) -> bool:
+        """Whether a row of ``reqs`` goes on after its ``tokens[k][i]`` of a round (its budget
+        and stop tokens; the context is :meth:`_overlap_goes_on`'s)."""
+        steps = len(tokens)
+        for i, r in enumerate(reqs):
+            if len(r.out_ids) + steps < r.params.max_new_tokens and not (
+                r.stop_ids and any(row[i] in r.stop_ids for row in tokens)
+            ):
+                return True
+        return False
+
     def _decode_overlapped(self, reqs: list[_Request], steps: int) -> None:
         """Decode rounds whose host work overlaps the device (``decode_overlap``): once a round's
         tokens are read, the next round is launched for the same rows before the tokens are
@@ -1231,13 +1246,24 @@ class EmbeddedEngine(Engine):
                 tokens = [[row[i] for i in kept] for row in tokens]
                 logprobs = [[row[i] for i in kept] for row in logprobs]
             running = None
-            following = self._overlap_goes_on(self._running)
+            # ahead only if a row goes on past this round (the last round of a wave is not doubled)
+            following = self._overlap_goes_on(self._running) if self._any_goes_on(reqs, tokens) else 0
             if following:
                 last = dict(zip(map(id, reqs), tokens[-1], strict=True))
                 nxt = list(self._running)
                 running = self._launch_round(nxt, following, [last[id(r)] for r in nxt], steps)
                 self.stats["decode_rounds_ahead"] += running is not None
             self._append_tokens(reqs, tokens, logprobs, running[1] if running else 0)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
+    """``callback(*args)`` on ``loop`` from the engine thread; nothing when the caller closed
+    its loop (no one awaits the answer: the engine goes on with the other requests)."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:  # "Event loop is closed" (also when it closes between a check and the call)
+        if not loop.is_closed():
+            raise
 
 
 def _settle(fut: asyncio.Future, res, err):
