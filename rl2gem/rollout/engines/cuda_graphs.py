@@ -113,8 +113,8 @@ class _CompiledSampling:
     avoid it was not yet run on a GPU. A compilation fails before anything runs, so the eager
     sampling then reads the same logits."""
 
-    def __init__(self, backend: str | Callable):
-        self.compiled = _constant_numbers(torch.compile(sample_rows, backend=backend, fullgraph=True, dynamic=True))
+    def __init__(self, compile_options: dict):
+        self.compiled = _constant_numbers(torch.compile(sample_rows, **compile_options))
         self.error: Exception | None = None
 
     def __call__(self, logits: torch.Tensor, *rest) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,7 +191,7 @@ class DecodeGraphs:
             step = types.MethodType(inspect.unwrap(LeanDecoder.decode_all_columns), decoder)
             options = {"backend": compile_backend, "fullgraph": True, "dynamic": True}
             self._decode_columns = _constant_numbers(torch.compile(step, **options))
-            self._sample_rows = _CompiledSampling(compile_backend)
+            self._sample_rows = _CompiledSampling(options)
         self._generation = 0  # how many times the model's modules were found replaced
         self._find_slots()
         self.captures = 0  # graphs captured so far (the engine's ``decode_graph_captures``)

@@ -654,17 +654,11 @@ class EmbeddedEngine(Engine):
             self._settle_output(r, reason)
 
     def _finish(self, req: _Request, reason: dict):
+        """Settle ``req`` with ``reason``; a running row is finished as :meth:`_finish_rows` does."""
         if req in self._running:
-            i = self._running.index(req)
-            self._save_prefix(req, i)
-            last = len(self._running) - 1
-            if i != last:
-                self._store.move(last, i)
-                self._running[i] = self._running[last]
-            self._running.pop()
-            self._store.slots -= 1
-            self._narrow_window()
-        self._settle_output(req, reason)
+            self._finish_rows([(req, reason)])
+        else:
+            self._settle_output(req, reason)
 
     def _settle_output(self, req: _Request, reason: dict) -> None:
         """Resolve ``req``'s future with its output (on its event loop)."""
@@ -1108,12 +1102,6 @@ class EmbeddedEngine(Engine):
         context = min(self.context_length - 1 - r.length for r in reqs)
         return max(1, min(self.decode_steps, context))
 
-    def _sample_on_device(self, st: _KVStore, reqs: list[_Request], steps: int):
-        """``steps`` decode steps sampled in the captured graph -> tokens and log-probs
-        ``[steps][n]``, or None when the graphs failed (they are off from then on)."""
-        launched = self._launch_sample(st, reqs, steps, [r.out_ids[-1] for r in reqs], 0)
-        return None if launched is None else self._graphs.collect(launched)
-
     def _launch_sample(self, st: _KVStore, reqs: list[_Request], steps: int, last: list[int], pending: int):
         """Launch ``steps`` sampled decode steps of the store's rows ``reqs`` (their last tokens
         ``last``; ``pending``: tokens each has sampled that are not in its ``out_ids`` yet, for
@@ -1153,31 +1141,33 @@ class EmbeddedEngine(Engine):
         self.stats["decode_graphs_failed"] += 1
 
     def _decode(self):
+        """One decode round: sampled on the device (:meth:`_decode_on_device`), or else one step
+        sampled on the host (top-k / top-p rows, no graphs, graphs that failed)."""
         st = self._store
         reqs = list(self._running)
         steps = self._chunk_steps(reqs)
-        if steps and self.decode_overlap:
-            self._decode_overlapped(reqs, steps)
+        if steps and self._decode_on_device(reqs, steps):
             return
-        st.reserve(st.slots, 0, max(steps, 1), self._growth(reqs))
-        n = st.slots
-        st.mask[:n, st.hi] = True
+        st.reserve(st.slots, 0, 1, self._growth(reqs))
+        st.mask[: st.slots, st.hi] = True
         t0 = time.perf_counter()
-        sampled = self._sample_on_device(st, reqs, steps) if steps else None
-        if sampled is None:
-            steps = 1
-            logits = self._decode_logits(st, reqs)
-            tokens, logprobs = sample(logits, [r.params for r in reqs], self._gen, [len(r.out_ids) for r in reqs])
-            sampled = [tokens.tolist()], [logprobs.tolist()]
+        logits = self._decode_logits(st, reqs)
+        tokens, logprobs = sample(logits, [r.params for r in reqs], self._gen, [len(r.out_ids) for r in reqs])
+        sampled = [tokens.tolist()], [logprobs.tolist()]
         self.stats["time_decode_forward_ms"] += 1000 * (time.perf_counter() - t0)
-        st.hi += steps
+        self._advance(reqs, 1)
+        self._append_tokens(reqs, *sampled)
+
+    def _advance(self, reqs: list[_Request], steps: int) -> None:
+        """Count ``steps`` decode steps of the store's rows ``reqs`` (one host round trip): the
+        store's columns, the rows' lengths and spans, the stats."""
+        self._store.hi += steps
         for r in reqs:
             r.length += steps
             r.span += steps
         self.stats["decode_steps"] += steps
         self.stats["decode_rounds"] += 1  # host round trips
-        self.stats["decode_tokens"] += n * steps
-        self._append_tokens(reqs, *sampled)
+        self.stats["decode_tokens"] += len(reqs) * steps
 
     def _launch_round(self, reqs: list[_Request], steps: int, last: list[int], pending: int):
         """Reserve the store's next ``steps`` columns for ``reqs`` (the running rows, in slot
@@ -1191,13 +1181,7 @@ class EmbeddedEngine(Engine):
         self.stats["time_decode_forward_ms"] += 1000 * (time.perf_counter() - t0)
         if launched is None:
             return None
-        st.hi += steps
-        for r in reqs:
-            r.length += steps
-            r.span += steps
-        self.stats["decode_steps"] += steps
-        self.stats["decode_rounds"] += 1
-        self.stats["decode_tokens"] += len(reqs) * steps
+        self._advance(reqs, steps)
         return reqs, steps, launched
 
     def _overlap_goes_on(self, reqs: list[_Request]) -> int:
@@ -1224,15 +1208,18 @@ class EmbeddedEngine(Engine):
                 return True
         return False
 
-    def _decode_overlapped(self, reqs: list[_Request], steps: int) -> None:
-        """Decode rounds whose host work overlaps the device (``decode_overlap``): once a round's
-        tokens are read, the next round is launched for the same rows before the tokens are
-        handed out and stopped rows finished, so the device computes while the host does that.
-        A row that stopped runs one launched round more, whose tokens are dropped and whose
-        columns are given back (its ``overrun``); its slot is freed behind that round on the
-        device's queue. Rounds go on while nothing else waits for the engine; the last is read
-        with nothing launched behind it. The windowed decode runs a round whose graphs fail."""
+    def _decode_on_device(self, reqs: list[_Request], steps: int) -> bool:
+        """``steps`` decode steps of ``reqs`` sampled in the graphs, then, with ``decode_overlap``,
+        rounds whose host work overlaps the device: once a round's tokens are read, the next
+        round is launched for the same rows before the tokens are handed out and stopped rows
+        finished, so the device computes while the host does that. A row that stopped runs one
+        launched round more, whose tokens are dropped and whose columns are given back (its
+        ``overrun``); its slot is freed behind that round on the device's queue. Rounds go on
+        while nothing else waits for the engine; the last is read with nothing launched behind
+        it. -> False when the first round's graphs failed (the caller decodes windowed)."""
         running = self._launch_round(reqs, steps, [r.out_ids[-1] for r in reqs], 0)
+        if running is None:
+            return False
         while running is not None:
             reqs, steps, launched = running
             t0 = time.perf_counter()
@@ -1247,13 +1234,15 @@ class EmbeddedEngine(Engine):
                 logprobs = [[row[i] for i in kept] for row in logprobs]
             running = None
             # ahead only if a row goes on past this round (the last round of a wave is not doubled)
-            following = self._overlap_goes_on(self._running) if self._any_goes_on(reqs, tokens) else 0
+            overlap = self.decode_overlap and self._any_goes_on(reqs, tokens)
+            following = self._overlap_goes_on(self._running) if overlap else 0
             if following:
                 last = dict(zip(map(id, reqs), tokens[-1], strict=True))
                 nxt = list(self._running)
                 running = self._launch_round(nxt, following, [last[id(r)] for r in nxt], steps)
                 self.stats["decode_rounds_ahead"] += running is not None
             self._append_tokens(reqs, tokens, logprobs, running[1] if running else 0)
+        return True
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
