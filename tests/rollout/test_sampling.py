@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from rl2gem.rollout.engines.base import SamplingParams, seeded_uniform, seeded_uniforms
-from rl2gem.rollout.engines.sampling import draw_uniforms, sample, sample_rows
+from rl2gem.rollout.engines.cuda_graphs import _sample_rows_opaque_scan
+from rl2gem.rollout.engines.sampling import cumulative_sum, draw_uniforms, sample, sample_rows
 
 
 def reference(logits: torch.Tensor, temperature: float, uniform: float, top_k: int = 0) -> tuple[int, float]:
@@ -29,12 +30,20 @@ def reference(logits: torch.Tensor, temperature: float, uniform: float, top_k: i
     return token, float(logprobs[token])
 
 
-def test_sample_rows_follows_the_inverse_cdf_by_hand():
+@pytest.mark.parametrize("way", ["eager", "opaque scan", "inductor"])
+def test_sample_rows_follows_the_inverse_cdf_by_hand(way):
+    """Eager, with the cumulative sum the opaque operator, and that compiled by Inductor (the
+    engine's compiled sampling; C++ kernels on the CPU)."""
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 50, generator=generator) * 3
     temperatures = [0.0, 1.0, 0.7, 0.0, 1.3, 0.5]
     uniforms = [0.0, 0.31, 0.77, 0.5, 0.999, 0.05]
-    tokens, logprobs = sample_rows(
+    function = {
+        "eager": sample_rows,
+        "opaque scan": _sample_rows_opaque_scan,
+        "inductor": torch.compile(_sample_rows_opaque_scan, backend="inductor", fullgraph=True, dynamic=True),
+    }[way]
+    tokens, logprobs = function(
         logits.clone(),
         torch.tensor([t or 1.0 for t in temperatures]),
         torch.tensor([t == 0 for t in temperatures]),
@@ -45,6 +54,16 @@ def test_sample_rows_follows_the_inverse_cdf_by_hand():
         token, logprob = reference(logits[row], temperature, uniform)
         assert int(tokens[row]) == token
         assert float(logprobs[row]) == pytest.approx(logprob, abs=1e-5)
+
+
+def test_the_opaque_cumulative_sum_is_a_registered_operator_equal_to_cumsum():
+    """Its fake (meta) kernel, autograd registration and schema pass ``torch.library.opcheck``;
+    values equal ``cumsum`` and the input is left as it was."""
+    values = torch.rand(3, 7, generator=torch.Generator().manual_seed(1))
+    before = values.clone()
+    torch.testing.assert_close(cumulative_sum(values), before.cumsum(-1), rtol=0, atol=0)
+    assert torch.equal(values, before)
+    torch.library.opcheck(cumulative_sum, (values,))
 
 
 def test_sample_keeps_top_k_rows_within_their_k_tokens():

@@ -101,28 +101,32 @@ def _constant_numbers(compiled: Callable) -> Callable:
     return call
 
 
+def _sample_rows_opaque_scan(logits, divisors, greedy, uniforms):
+    """:func:`~rl2gem.rollout.engines.sampling.sample_rows` with its cumulative sum an opaque
+    operator (what :class:`_CompiledSampling` compiles)."""
+    return sample_rows(logits, divisors, greedy, uniforms, opaque_scan=True)
+
+
 class _CompiledSampling:
     """:func:`~rl2gem.rollout.engines.sampling.sample_rows` compiled with dynamic rows, or eager
     once its compilation failed (a warning; ``error`` keeps why), so that the compiled decode step
     goes on without it rather than the whole compilation being turned off.
 
-    The compilation reads the logits ``[n, V]`` with ``V`` static and Inductor's split
-    reductions off. On the H100 (torch 2.11, 2026-11-28) Inductor's code generation failed on the
-    argmax over ``V``, split for few rows (``TypeError: list indices must be integers or slices,
-    not NoneType``), with ``V`` symbolic and again with ``V`` static; whether unsplit reductions
-    avoid it was not yet run on a GPU. A compilation fails before anything runs, so the eager
-    sampling then reads the same logits."""
+    The compilation reads the logits ``[n, V]`` with ``V`` static, and the cumulative sum over
+    ``V`` stays ATen's kernel (:func:`~rl2gem.rollout.engines.sampling.cumulative_sum`): on the
+    H100 (torch 2.11, 2026-11-28) Inductor's code generation failed on the scan it generated
+    (``TypeError: list indices must be integers or slices, not NoneType``). A compilation fails
+    before anything runs, so the eager sampling then reads the same logits."""
 
     def __init__(self, compile_options: dict):
-        self.compiled = _constant_numbers(torch.compile(sample_rows, **compile_options))
+        self.compiled = _constant_numbers(torch.compile(_sample_rows_opaque_scan, **compile_options))
         self.error: Exception | None = None
 
     def __call__(self, logits: torch.Tensor, *rest) -> tuple[torch.Tensor, torch.Tensor]:
         if self.error is None:
             torch._dynamo.mark_static(logits, 1)
             try:
-                with torch._inductor.config.patch(split_reductions=False):
-                    return self.compiled(logits, *rest)
+                return self.compiled(logits, *rest)
             except torch._dynamo.exc.BackendCompilerFailed as error:
                 warnings.warn(
                     f"the sampling's compilation failed, it runs eagerly in the compiled step: {error}", stacklevel=2

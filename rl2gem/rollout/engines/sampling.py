@@ -23,7 +23,7 @@ import torch
 
 from rl2gem.rollout.engines.base import SamplingParams, seeded_uniforms
 
-__all__ = ["draw_uniforms", "filtered", "sample", "sample_rows", "row_settings"]
+__all__ = ["cumulative_sum", "draw_uniforms", "filtered", "sample", "sample_rows", "row_settings"]
 
 _BELOW_ONE = np.nextafter(np.float32(1), np.float32(0))  # the largest float32 uniform
 
@@ -67,6 +67,25 @@ def draw_uniforms(
     return np.minimum(out, _BELOW_ONE, out=out)
 
 
+@torch.library.custom_op("rl2gem::cumulative_sum", mutates_args=())
+def cumulative_sum(values: torch.Tensor) -> torch.Tensor:
+    """``values.cumsum(-1)`` (a new tensor of the same shape, dtype and device) as an operator that
+    ``torch.compile`` calls as ATen's kernel instead of generating its code: the compiled
+    :func:`sample_rows` (``opaque_scan=True``) scans through it. Inductor of torch 2.11 splits a
+    scan over the vocabulary across blocks for few rows and then fused it with the row's other
+    reductions and per-row loads (the missing ``return False`` after "Split scan cannot fuse with
+    reductions" in ``SIMDScheduling.can_fuse``, fixed by 2.13), and its code generation failed:
+    ``TypeError: list indices must be integers or slices, not NoneType`` on the H100 (2026-11-28),
+    reproduced on the CPU with torch 2.11's Triton code generation; split reductions off do not
+    avoid it, since a scan splits regardless."""
+    return values.cumsum(-1)
+
+
+@cumulative_sum.register_fake
+def _(values: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(values)
+
+
 def _scale(logits: torch.Tensor, divisors: torch.Tensor):
     """-> ``logits / divisors`` (in place), its unnormalised probabilities and log-normaliser."""
     scaled = logits.div_(divisors[:, None])
@@ -76,11 +95,12 @@ def _scale(logits: torch.Tensor, divisors: torch.Tensor):
     return scaled, weights, log_total
 
 
-def _pick(scaled, weights, log_total, greedy, uniforms, any_greedy: bool, any_sampled: bool):
+def _pick(scaled, weights, log_total, greedy, uniforms, any_greedy: bool, any_sampled: bool, opaque_scan: bool = False):
     """Argmax rows and inverse-CDF rows -> (tokens [n] int64, log-probabilities [n] float32)."""
     tokens = scaled.argmax(-1) if any_greedy else None
     if any_sampled:
-        cumulative = weights.cumsum_(-1)  # weights are not read after this
+        # weights are not read after this
+        cumulative = cumulative_sum(weights) if opaque_scan else weights.cumsum_(-1)
         index = torch.searchsorted(cumulative, uniforms[:, None] * cumulative[:, -1:], right=True)
         index = index.clamp_(max=cumulative.shape[-1] - 1).flatten()
         tokens = index if tokens is None else torch.where(greedy, tokens, index)
@@ -111,6 +131,7 @@ def sample_rows(
     *,
     any_greedy: bool = True,
     any_sampled: bool = True,
+    opaque_scan: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row with no host data (what a CUDA graph captures).
 
@@ -121,11 +142,13 @@ def sample_rows(
         uniforms: ``[n]`` float32 in [0, 1), each sampled row's draw.
         any_greedy, any_sampled: host knowledge that lets an eager caller skip the argmax or the
             cumulative sum (a captured step keeps both).
+        opaque_scan: the cumulative sum through :func:`cumulative_sum`, which ``torch.compile``
+            does not generate code for (the compiled sampling's; same values).
 
     Returns:
         tokens ``[n]`` int64 and their log-probabilities ``[n]`` float32, on the logits' device.
     """
-    return _pick(*_scale(logits, divisors), greedy, uniforms, any_greedy, any_sampled)
+    return _pick(*_scale(logits, divisors), greedy, uniforms, any_greedy, any_sampled, opaque_scan)
 
 
 def sample(
