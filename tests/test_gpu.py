@@ -150,7 +150,8 @@ def test_algorithms_run_on_the_inputs_device():
 
 def test_a_checkpoint_restores_the_cuda_random_state(cuda_model_dir, tmp_path, monkeypatch):
     """A resumed run draws the random numbers the run it resumes would have drawn on the GPU too
-    (dropout, LoRA's included, draws from the device's generator)."""
+    (dropout, LoRA's included, draws from the device's generator); its optimizer is the fused
+    AdamW before and after."""
     import torch.distributed as dist
 
     from rl2gem.procs import free_port
@@ -163,13 +164,16 @@ def test_a_checkpoint_restores_the_cuda_random_state(cuda_model_dir, tmp_path, m
     _, _, device, mesh = setup_distributed(0, {})
     try:
         assert device.type == "cuda"
-        checkpointer = Checkpointer(tmp_path, {"actor": Worker({"model": str(cuda_model_dir)}, mesh, device)})
+        worker = Worker({"model": str(cuda_model_dir)}, mesh, device)
+        checkpointer = Checkpointer(tmp_path, {"actor": worker})
         torch.cuda.manual_seed(5)
         checkpointer.save(1)
         expected = torch.rand(4, device=device)
         torch.rand(100, device=device)
         checkpointer.load()
         assert torch.equal(torch.rand(4, device=device), expected)
+        # the fused AdamW on CUDA, kept through the restore
+        assert all(group["fused"] for group in worker.optimizer.param_groups)
     finally:
         dist.destroy_process_group()
 

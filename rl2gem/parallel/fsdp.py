@@ -410,6 +410,5 @@ def clip_grad_norm(parameters, max_norm: float) -> float:
     coefficient = float(max_norm) / (total + 1e-6)
     if coefficient < 1.0:
         for grads in groups.values():
-            for g in grads:
-                g.mul_(coefficient)
+            torch._foreach_mul_(grads, coefficient)  # one dispatch per group, not per DTensor
     return total

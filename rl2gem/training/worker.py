@@ -139,10 +139,12 @@ class Worker:
         self.optimizer = self.scheduler = None
         self.optimizer_steps = 0  # in this process (a resumed run counts from 0)
         if trainable:
+            trained = [p for p in self.model.parameters() if p.requires_grad]
+            # on CUDA the fused AdamW: one kernel for every parameter's update where foreach
+            # takes several passes over the weights and moments (DTensors included)
+            fused = bool(trained) and all(p.is_cuda for p in trained)
             self.optimizer = torch.optim.AdamW(
-                [p for p in self.model.parameters() if p.requires_grad],
-                lr=float(settings.lr),
-                weight_decay=float(settings.weight_decay),
+                trained, lr=float(settings.lr), weight_decay=float(settings.weight_decay), fused=fused or None
             )
             factor = _schedule(settings.scheduler, max(0, int(settings.warmup_steps)), int(total_steps))
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)

@@ -105,3 +105,37 @@ def test_a_bf16_critic_computes_its_values_in_float32(tiny_dir, monkeypatch, hea
             assert grad is not None and float(_whole(grad).abs().sum()) > 0
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.skipif(dist.is_initialized(), reason="a process group of this process exists")
+@pytest.mark.parametrize("max_norm", [0.5, 1e3])
+def test_clip_grad_norm_of_dtensors_and_tensors_equals_torchs(monkeypatch, max_norm):
+    """Gradients as DTensors (one rank's shards) beside plain tensors: the norm returned and the
+    gradients after clipping equal ``torch.nn.utils.clip_grad_norm_`` on plain copies, clipped
+    (0.5) and left as they were (1e3)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from rl2gem.parallel.fsdp import clip_grad_norm
+    from rl2gem.parallel.mesh import build_mesh
+    from rl2gem.procs import free_port
+
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(name, value)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        mesh = build_mesh().data_mesh
+        generator = torch.Generator().manual_seed(7)
+        shapes = [(6, 4), (5,), (3, 3), (8,)]
+        grads = [torch.randn(shape, generator=generator) for shape in shapes]
+        ours = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
+        reference = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
+        for i, (mine, theirs, grad) in enumerate(zip(ours, reference, grads, strict=True)):
+            mine.grad = distribute_tensor(grad.clone(), mesh, [Shard(0)]) if i % 2 == 0 else grad.clone()
+            theirs.grad = grad.clone()
+        expected = float(torch.nn.utils.clip_grad_norm_(reference, max_norm))
+        assert clip_grad_norm(ours, max_norm) == pytest.approx(expected, rel=1e-6)
+        for mine, theirs in zip(ours, reference, strict=True):
+            torch.testing.assert_close(_whole(mine.grad), theirs.grad)
+        assert (expected > max_norm) == (max_norm == 0.5)
+    finally:
+        dist.destroy_process_group()
