@@ -443,27 +443,38 @@ def engine_decode(model, tokenizer, prompts: list[list[int]], new: int, **option
     ``decode_steps``) on ``prompts``, ``new`` tokens each, three times on one engine: a warm-up
     (its graphs captured), a measured run and a profiled one. Returns the warm-up's and the
     measured run's counters and the profiled run's: ``busy`` (the GPU-busy share of its wall
-    time), ``kernels`` and ``kernel_ms`` per decode step (prefill's few kernels included), empty
-    off CUDA."""
+    time), ``busy_unprofiled`` (its kernels' time over the measured run's wall time: the same
+    prompts and lengths without the profiler's own cost per kernel), ``kernels`` and
+    ``kernel_ms`` per decode step (prefill's few kernels included), empty off CUDA."""
     engine = EmbeddedEngine(model, tokenizer, max_batch_size=len(prompts), **options)
     params = {"max_new_tokens": new, "temperature": 1.0, "ignore_eos": True}
+    device = next(model.parameters()).device
 
     async def batch():
         await asyncio.gather(*(engine.generate(p, params) for p in prompts))
 
-    async def batch_and_stats() -> dict:
-        await batch()
-        return await engine.settled_stats()  # the last round's times included
+    def synchronize():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
 
-    warm = asyncio.run(batch_and_stats())
-    after = asyncio.run(batch_and_stats())
+    async def batch_and_stats() -> tuple[dict, float]:
+        synchronize()
+        start = time.perf_counter()
+        await batch()
+        synchronize()
+        wall = time.perf_counter() - start
+        return await engine.settled_stats(), wall  # the last round's times included
+
+    warm, _ = asyncio.run(batch_and_stats())
+    after, wall = asyncio.run(batch_and_stats())
     measured = {key: value - warm.get(key, 0) for key, value in after.items()}
     profile = kernel_profile(lambda: asyncio.run(batch()))
     profiled = {}
     if profile is not None:
         steps = max(asyncio.run(engine.settled_stats())["decode_steps"] - after.get("decode_steps", 0), 1)
         busy, kernels, seconds = profile
-        profiled = {"busy": busy, "kernels": kernels / steps, "kernel_ms": 1000 * seconds / steps}
+        profiled = {"busy": busy, "busy_unprofiled": seconds / wall}
+        profiled |= {"kernels": kernels / steps, "kernel_ms": 1000 * seconds / steps}
     asyncio.run(engine.close())
     return warm, measured, profiled
 
@@ -506,17 +517,19 @@ def decode_section(model_dir: Path, row_counts: list[int], new_tokens: int, name
     # per host round trip: the step (staging, graph replay or forward, waiting for its tokens) and
     # the rest of the round (the tokens handed to their requests, finished rows, the scheduler)
     print(
-        "| rows | side | decode tokens/s | vs model.generate | GPU busy | graphs captured "
+        "| rows | side | decode tokens/s | vs model.generate | GPU busy | GPU busy, unprofiled wall | graphs captured "
         "| steps per round | step ms per round | rest ms per round | kernels per step | kernel ms per step |"
     )
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for rows in row_counts:
         prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(32, 96))] for _ in range(rows)]
         static_generate(model, prompts, pad, new_tokens)  # warm
         seconds = timed(lambda p=prompts: static_generate(model, p, pad, new_tokens + 1), device)
         seconds -= timed(lambda p=prompts: static_generate(model, p, pad, 1), device)  # its prefill
         baseline = rows * new_tokens / max(seconds, 1e-9)
-        print(f"| {rows} | model.generate (warm, static batch) | {baseline:.0f} | 1.00x | - | - | - | - | - | - | - |")
+        print(
+            f"| {rows} | model.generate (warm, static batch) | {baseline:.0f} | 1.00x | - | - | - | - | - | - | - | - |"
+        )
         known = [name for _, name in engine_sides(device)]
         if set(names or ()) - set(known):
             raise ValueError(f"--decode-sides: no side named {sorted(set(names) - set(known))} (the sides: {known})")
@@ -526,7 +539,7 @@ def decode_section(model_dir: Path, row_counts: list[int], new_tokens: int, name
             warm, stats, profiled = engine_decode(model, tokenizer, prompts, new_tokens, **options)
             rate = stats["decode_tokens"] / max(stats["time_decode_ms"] / 1000, 1e-9)
             captured = f"{warm.get('decode_graph_captures', 0)} in {warm.get('time_capture_ms', 0) / 1000:.2f} s"
-            busy_text = f"{profiled['busy']:.0%}" if profiled else "-"
+            busy_text = f"{profiled['busy']:.0%} | {profiled['busy_unprofiled']:.0%}" if profiled else "- | -"
             kernels = f"{profiled['kernels']:.0f} | {profiled['kernel_ms']:.3f}" if profiled else "- | -"
             if stats.get("decode_graph_captures"):  # graphs captured again after the warm-up: in the times
                 captured += f", {stats['decode_graph_captures']} in the measured run"
