@@ -515,12 +515,14 @@ def decode_section(model_dir: Path, row_counts: list[int], new_tokens: int, name
     pad, rng = tokenizer.pad_token_id, random.Random(0)
     # the engine's second batch on the same engine (graphs captured by the first: "graphs captured")
     # per host round trip: the step (staging, graph replay or forward, waiting for its tokens) and
-    # the rest of the round (the tokens handed to their requests, finished rows, the scheduler)
+    # the rest of the round (the tokens handed to their requests and finished rows: "hand-out"; the
+    # columns reserved, the scheduler)
     print(
         "| rows | side | decode tokens/s | vs model.generate | GPU busy | GPU busy, unprofiled wall | graphs captured "
-        "| steps per round | step ms per round | rest ms per round | kernels per step | kernel ms per step |"
+        "| steps per round | step ms per round | rest ms per round | of it hand-out ms | kernels per step "
+        "| kernel ms per step |"
     )
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for rows in row_counts:
         prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(32, 96))] for _ in range(rows)]
         static_generate(model, prompts, pad, new_tokens)  # warm
@@ -528,7 +530,7 @@ def decode_section(model_dir: Path, row_counts: list[int], new_tokens: int, name
         seconds -= timed(lambda p=prompts: static_generate(model, p, pad, 1), device)  # its prefill
         baseline = rows * new_tokens / max(seconds, 1e-9)
         print(
-            f"| {rows} | model.generate (warm, static batch) | {baseline:.0f} | 1.00x | - | - | - | - | - | - | - | - |"
+            f"| {rows} | model.generate (warm, static batch) | {baseline:.0f} | 1.00x | - | - | - | - | - | - | - | - | - |"
         )
         known = [name for _, name in engine_sides(device)]
         if set(names or ()) - set(known):
@@ -549,9 +551,10 @@ def decode_section(model_dir: Path, row_counts: list[int], new_tokens: int, name
             rounds = max(stats.get("decode_rounds", 0), 1)
             step_ms = stats.get("time_decode_forward_ms", 0) / rounds
             rest_ms = stats.get("time_decode_ms", 0) / rounds - step_ms
+            handout_ms = stats.get("time_decode_handout_ms", 0) / rounds
             print(
                 f"| {rows} | rl2gem {name} | {rate:.0f} | {rate / baseline:.2f}x | {busy_text} | {captured} "
-                f"| {stats.get('decode_steps', 0) / rounds:.1f} | {step_ms:.2f} | {rest_ms:.2f} | {kernels} |",
+                f"| {stats.get('decode_steps', 0) / rounds:.1f} | {step_ms:.2f} | {rest_ms:.2f} | {handout_ms:.2f} | {kernels} |",
                 flush=True,
             )
 

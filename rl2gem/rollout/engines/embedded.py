@@ -331,8 +331,10 @@ class EmbeddedEngine(Engine):
             dropped tokens included), ``decode_graph_captures``, ``decode_graphs_failed``,
             ``kv_allocations`` and ``prefill_kv_allocations`` (the KV stores' buffer allocations), and
             times in ms (floats, summed unrounded: a decode round can take under a millisecond):
-            ``time_admit_ms`` (prefills), ``time_decode_ms``, ``time_decode_forward_ms``,
-            ``time_capture_ms`` (graph warm-ups and captures).
+            ``time_admit_ms`` (prefills), ``time_decode_ms``, of it ``time_decode_forward_ms``
+            (the steps: staging, launch, waiting for their tokens) and ``time_decode_handout_ms``
+            (the tokens handed to their requests, stopped rows finished), ``time_capture_ms``
+            (graph warm-ups and captures).
             PPO logs them per step under ``engine/`` (:class:`rl2gem.training.online.OnlineTrainer`).
 
     Raises:
@@ -1025,20 +1027,26 @@ class EmbeddedEngine(Engine):
         stop finish together (:meth:`_finish_rows`). ``ahead``: steps of a round launched after
         these (``decode_overlap``), which the rows' lengths and the store count too: a row that
         stops gives those columns back as well."""
+        start = time.perf_counter()
         steps = len(tokens)
         finished = []  # (request, reason)
         rows, row_logprobs_all = zip(*tokens, strict=True), zip(*logprobs, strict=True)
+        context_room = self.context_length + ahead + steps - 2
+        slots = None  # the running rows' slots, once a row that stops gives columns back
         for r, row, row_logprobs in zip(reqs, rows, row_logprobs_all, strict=True):
             # the first step at which r stops: a stop token, its token budget, or the context
             # (at step k the row holds length - (steps - 1 - k) tokens)
-            end = min(r.params.max_new_tokens - len(r.out_ids) - 1, self.context_length - r.length + ahead + steps - 2)
-            stop = next((k for k, t in enumerate(row) if t in r.stop_ids), steps) if r.stop_ids else steps
+            end = min(r.params.max_new_tokens - len(r.out_ids) - 1, context_room - r.length)
+            stop = steps
+            if r.stop_ids and not r.stop_ids.isdisjoint(row):
+                stop = next(k for k, t in enumerate(row) if t in r.stop_ids)
             end = min(max(end, 0), stop)
-            taken = row if end >= steps else row[: end + 1]
-            r.out_ids.extend(taken)
-            r.out_lp.extend(row_logprobs[: len(taken)])
+            if end < steps:
+                row, row_logprobs = row[: end + 1], row_logprobs[: end + 1]
+            r.out_ids.extend(row)
+            r.out_lp.extend(row_logprobs)
             if r.on_token is not None:
-                for item in zip(taken, row_logprobs[: len(taken)], strict=True):
+                for item in zip(row, row_logprobs, strict=True):
                     _call_soon(r.loop, r.on_token, item)
             if end >= steps:
                 continue
@@ -1049,10 +1057,12 @@ class EmbeddedEngine(Engine):
             if overrun:
                 r.length -= overrun
                 r.overrun = overrun
-                self._store.mask[self._running.index(r), self._store.hi - overrun : self._store.hi] = False
+                slots = slots or {id(running): i for i, running in enumerate(self._running)}
+                self._store.mask[slots[id(r)], self._store.hi - overrun : self._store.hi] = False
             finished.append((r, reason))
         if finished:
             self._finish_rows(finished)
+        self.stats["time_decode_handout_ms"] += 1000 * (time.perf_counter() - start)
 
     def _growth(self, reqs: list[_Request]) -> int:
         """Columns the longest of ``reqs`` may still add to the KV store."""
