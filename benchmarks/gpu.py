@@ -443,8 +443,9 @@ def engine_decode(model, tokenizer, prompts: list[list[int]], new: int, **option
     ``decode_steps``) on ``prompts``, ``new`` tokens each, three times on one engine: a warm-up
     (its graphs captured), a measured run and a profiled one. Returns the warm-up's and the
     measured run's counters and the profiled run's: ``busy`` (the GPU-busy share of its wall
-    time), ``busy_unprofiled`` (its kernels' time over the measured run's wall time: the same
-    prompts and lengths without the profiler's own cost per kernel), ``kernels`` and
+    time), ``busy_unprofiled`` (its kernels' time, per decode step times the measured run's steps,
+    over the measured run's wall time: the same prompts and lengths without the profiler's own
+    cost per kernel), ``kernels`` and
     ``kernel_ms`` per decode step (prefill's few kernels included), empty off CUDA."""
     engine = EmbeddedEngine(model, tokenizer, max_batch_size=len(prompts), **options)
     params = {"max_new_tokens": new, "temperature": 1.0, "ignore_eos": True}
@@ -473,7 +474,10 @@ def engine_decode(model, tokenizer, prompts: list[list[int]], new: int, **option
     if profile is not None:
         steps = max(asyncio.run(engine.settled_stats())["decode_steps"] - after.get("decode_steps", 0), 1)
         busy, kernels, seconds = profile
-        profiled = {"busy": busy, "busy_unprofiled": seconds / wall}
+        # the profiled run's kernel time scaled to the measured run's decode steps (equal unless
+        # a round's steps differ), over the measured run's wall time
+        unprofiled = seconds * measured.get("decode_steps", 0) / steps / wall
+        profiled = {"busy": busy, "busy_unprofiled": unprofiled}
         profiled |= {"kernels": kernels / steps, "kernel_ms": 1000 * seconds / steps}
     asyncio.run(engine.close())
     return warm, measured, profiled

@@ -72,6 +72,15 @@ def _schedule(kind: str, warmup: int, total: int):
     return factor
 
 
+def fused_adamw(parameters: list[torch.nn.Parameter], mesh: ParallelMesh) -> bool:
+    """Whether the trainers' AdamW is the fused one: on CUDA (every trained parameter there) and
+    without tensor parallelism. The fused kernel updates every parameter in one launch where the
+    foreach one passes over the weights and moments several times; with TP the parameters sit on
+    two meshes (FSDP x TP weights beside FSDP-only norms), which one fused call over DTensors may
+    not accept in every torch release."""
+    return bool(parameters) and mesh.tp_mesh is None and all(p.is_cuda for p in parameters)
+
+
 class Worker:
     """A model sharded over ``mesh`` and, when ``trainable``, its AdamW optimizer and scheduler.
 
@@ -137,14 +146,16 @@ class Worker:
             compile_layers=resolve_compile(settings, device.type),
         )
         self.optimizer = self.scheduler = None
+        self.fused_optimizer = False  # the fused AdamW (:func:`fused_adamw`)
         self.optimizer_steps = 0  # in this process (a resumed run counts from 0)
         if trainable:
             trained = [p for p in self.model.parameters() if p.requires_grad]
-            # on CUDA the fused AdamW: one kernel for every parameter's update where foreach
-            # takes several passes over the weights and moments (DTensors included)
-            fused = bool(trained) and all(p.is_cuda for p in trained)
+            self.fused_optimizer = fused_adamw(trained, mesh)
             self.optimizer = torch.optim.AdamW(
-                trained, lr=float(settings.lr), weight_decay=float(settings.weight_decay), fused=fused or None
+                trained,
+                lr=float(settings.lr),
+                weight_decay=float(settings.weight_decay),
+                fused=self.fused_optimizer or None,
             )
             factor = _schedule(settings.scheduler, max(0, int(settings.warmup_steps)), int(total_steps))
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
@@ -188,9 +199,19 @@ class Worker:
         return {"model": model_sd, "optim": optim_sd} if self.optimizer else {"model": model_sd}
 
     def load_sharded_state(self, state: Mapping[str, Any]) -> None:
-        """Load what :meth:`sharded_state` gave (after ``dcp.load`` filled it)."""
+        """Load what :meth:`sharded_state` gave (after ``dcp.load`` filled it). The optimizer keeps
+        its own implementation (fused or not): a checkpoint's parameter groups carry the one of
+        the run that wrote it, and each step count goes where this one reads it (the parameter's
+        device for the fused AdamW, else the host)."""
         if self.optimizer:
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            for group in self.optimizer.param_groups:
+                group["fused"] = self.fused_optimizer or None
+                for parameter in group["params"]:
+                    step = self.optimizer.state.get(parameter, {}).get("step")
+                    if isinstance(step, torch.Tensor):
+                        where = parameter.device if self.fused_optimizer else "cpu"
+                        self.optimizer.state[parameter]["step"] = step.to(where, torch.float32)
         else:
             set_state_dict(self.model, [], model_state_dict=state["model"], optim_state_dict={})
 

@@ -217,3 +217,35 @@ def test_out_of_memory_under_fsdp_is_retried_and_the_retry_trains(group, tiny_di
         torch.testing.assert_close(_full_float32(have), _full_float32(want), msg=name)
     passes(worker)  # and the next step trains too
     assert sum(p.grad is not None for p in worker.model.parameters()) == len(list(worker.model.parameters()))
+
+
+def test_a_restored_optimizer_keeps_its_own_implementation(group, tiny_dir, tmp_path, monkeypatch):
+    """A checkpoint written by a foreach AdamW, loaded into a fused one (the CPU's fused kernel
+    standing in for CUDA's), and back: the loaded groups keep the loading worker's ``fused``
+    (a checkpoint's groups carry the writer's), its step counts sit where it reads them (float32
+    on the parameter's device when fused, the host otherwise), and the next step equals the
+    writer's own next step."""
+    device, mesh = group
+    section = {"model": str(tiny_dir), "lr": 1e-2}
+    plain = Worker(section, mesh, device)
+    assert plain.fused_optimizer is False and all(g["fused"] is None for g in plain.optimizer.param_groups)
+    train_once(plain, device)
+    Checkpointer(tmp_path / "plain", {"actor": plain}).save(1)
+    monkeypatch.setattr("rl2gem.training.worker.fused_adamw", lambda parameters, mesh: True)
+    fused = Worker(section, mesh, device)
+    assert fused.fused_optimizer is True
+    Checkpointer(tmp_path / "plain", {"actor": fused}).load()
+    assert all(g["fused"] is True for g in fused.optimizer.param_groups)
+    steps = [state["step"] for state in fused.optimizer.state.values()]
+    assert steps and all(s.dtype == torch.float32 and s.device == device and float(s) == 1 for s in steps)
+    expected = train_once(plain, device)
+    assert train_once(fused, device) == pytest.approx(expected, rel=1e-5)
+    for (name, a), b in zip(plain.full_state_dict().items(), fused.full_state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    # and back: a fused run's checkpoint into a foreach worker leaves it foreach
+    Checkpointer(tmp_path / "fused", {"actor": fused}).save(2)
+    monkeypatch.undo()
+    again = Worker(section, mesh, device)
+    Checkpointer(tmp_path / "fused", {"actor": again}).load()
+    assert all(g["fused"] is None for g in again.optimizer.param_groups)
+    assert all(state["step"].device.type == "cpu" for state in again.optimizer.state.values())

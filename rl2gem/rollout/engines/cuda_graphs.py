@@ -127,7 +127,7 @@ class _CompiledSampling:
             torch._dynamo.mark_static(logits, 1)
             try:
                 return self.compiled(logits, *rest)
-            except torch._dynamo.exc.BackendCompilerFailed as error:
+            except Exception as error:  # dynamo's and Inductor's (not all wrapped in BackendCompilerFailed)
                 warnings.warn(
                     f"the sampling's compilation failed, it runs eagerly in the compiled step: {error}", stacklevel=2
                 )

@@ -1027,7 +1027,6 @@ class EmbeddedEngine(Engine):
         stop finish together (:meth:`_finish_rows`). ``ahead``: steps of a round launched after
         these (``decode_overlap``), which the rows' lengths and the store count too: a row that
         stops gives those columns back as well."""
-        start = time.perf_counter()
         steps = len(tokens)
         finished = []  # (request, reason)
         rows, row_logprobs_all = zip(*tokens, strict=True), zip(*logprobs, strict=True)
@@ -1062,6 +1061,12 @@ class EmbeddedEngine(Engine):
             finished.append((r, reason))
         if finished:
             self._finish_rows(finished)
+
+    def _hand_out(self, *args) -> None:
+        """:meth:`_append_tokens` of a decode round, its time counted (``time_decode_handout_ms``;
+        a prefill's first tokens count as admission)."""
+        start = time.perf_counter()
+        self._append_tokens(*args)
         self.stats["time_decode_handout_ms"] += 1000 * (time.perf_counter() - start)
 
     def _growth(self, reqs: list[_Request]) -> int:
@@ -1166,7 +1171,7 @@ class EmbeddedEngine(Engine):
         sampled = [tokens.tolist()], [logprobs.tolist()]
         self.stats["time_decode_forward_ms"] += 1000 * (time.perf_counter() - t0)
         self._advance(reqs, 1)
-        self._append_tokens(reqs, *sampled)
+        self._hand_out(reqs, *sampled)
 
     def _advance(self, reqs: list[_Request], steps: int) -> None:
         """Count ``steps`` decode steps of the store's rows ``reqs`` (one host round trip): the
@@ -1251,7 +1256,7 @@ class EmbeddedEngine(Engine):
                 nxt = list(self._running)
                 running = self._launch_round(nxt, following, [last[id(r)] for r in nxt], steps)
                 self.stats["decode_rounds_ahead"] += running is not None
-            self._append_tokens(reqs, tokens, logprobs, running[1] if running else 0)
+            self._hand_out(reqs, tokens, logprobs, running[1] if running else 0)
         return True
 
 

@@ -69,21 +69,22 @@ def draw_uniforms(
 
 @torch.library.custom_op("rl2gem::cumulative_sum", mutates_args=())
 def cumulative_sum(values: torch.Tensor) -> torch.Tensor:
-    """``values.cumsum(-1)`` (a new tensor of the same shape, dtype and device) as an operator that
-    ``torch.compile`` calls as ATen's kernel instead of generating its code: the compiled
-    :func:`sample_rows` (``opaque_scan=True``) scans through it. Inductor of torch 2.11 splits a
-    scan over the vocabulary across blocks for few rows and then fused it with the row's other
-    reductions and per-row loads (the missing ``return False`` after "Split scan cannot fuse with
-    reductions" in ``SIMDScheduling.can_fuse``, fixed by 2.13), and its code generation failed:
-    ``TypeError: list indices must be integers or slices, not NoneType`` on the H100 (2026-11-28),
-    reproduced on the CPU with torch 2.11's Triton code generation; split reductions off do not
-    avoid it, since a scan splits regardless."""
+    """``values.cumsum(-1)`` (floating ``values``; a new contiguous tensor of the same shape,
+    dtype and device) as an operator that ``torch.compile`` calls as ATen's kernel instead of
+    generating its code: the compiled :func:`sample_rows` (``opaque_scan=True``) scans through it.
+    Inductor of torch 2.11 splits a scan over the vocabulary across blocks for few rows, then
+    fused it with the row's other reductions and per-row loads (the missing ``return False``
+    after "Split scan cannot fuse with reductions" in ``SIMDScheduling.can_fuse``, fixed by
+    2.13), and its code generation failed: ``TypeError: list indices must be integers or slices,
+    not NoneType`` on the H100 (2026-11-28), reproduced on the CPU with torch 2.11's Triton code
+    generation (``benchmarks/gpu_codegen.py``); split reductions off do not avoid it, since a
+    scan splits regardless."""
     return values.cumsum(-1)
 
 
 @cumulative_sum.register_fake
 def _(values: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(values)
+    return values.new_empty(values.shape)  # contiguous, as cumsum's result (floating input)
 
 
 def _scale(logits: torch.Tensor, divisors: torch.Tensor):
