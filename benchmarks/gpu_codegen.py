@@ -5,22 +5,22 @@ The lent GPU machines run torch 2.11 (``benchmarks/gpu_image.txt``); this machin
 torch. Inductor's code generation is Python, and most of its Triton path runs without a GPU: with
 ``torch._inductor.config.cpu_backend = "triton"`` it generates Triton kernels for CPU tensors,
 through the same scheduler, fusion and kernel code as for CUDA, and split decisions read the
-device's SM count (set here to the H100's 132). A compilation then stops when its module loads,
-because Triton has no CPU target to compile for: by then every kernel's code was generated, so
-an error before that point is a code-generation error the GPU would meet too (on 2026-11-28 this
-reproduced the H100's ``TypeError: list indices must be integers or slices, not NoneType`` in the
-sampling's scan, then confirmed the fix, ``rl2gem.rollout.engines.sampling.cumulative_sum``).
-What it cannot see: Triton's own compilation of the generated kernels (its front end, PTX), and
-choices Inductor makes from the real device (autotuning, a few heuristics); its kernel counts are
-an estimate of the GPU's.
+device's SM count (set here to the H100's 132). As the generated module loads, Triton compiles
+each kernel for the GPU (``sm_90``: its front end, its GPU passes and ``ptxas``, which need no
+device), and the first kernel launch ends the compilation (``EmulationEnd``). An error before that
+is one the GPU would meet too: on 2026-11-28 this reproduced the H100's ``TypeError: list indices
+must be integers or slices, not NoneType`` in the sampling's scan, then confirmed the fix
+(``rl2gem.rollout.engines.sampling.cumulative_sum``). What it cannot see: choices Inductor makes
+from the real device (autotuning among configs, a few heuristics) and anything at run time; its
+kernel counts are an estimate of the GPU's.
 
     python benchmarks/gpu_codegen.py [--venv DIR] [--layers 8] [--rows 8,256]
 
 builds (once) a virtual environment in ``--venv`` with the image's torch and transformers (PyPI's
 CUDA build of torch, about 3 GB) and the lock's other packages, then runs the check in it on a
 random Llama of the 1024 x 8 shape (bf16, SmolLM2's vocabulary) at each ``--rows`` as the first
-(compiling) bucket. Prints one line per compilation, and the Triton kernels and extern calls of the
-decode step's generated code; exits 1 if one failed to generate its code.
+(compiling) bucket. Prints one line per compilation, the Triton kernels and extern calls of the
+decode step's generated code and the distinct kernels Triton compiled; exits 1 if one failed.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE_VERSIONS = {"torch": "2.11.0", "transformers": "5.17.0"}  # benchmarks/gpu_image.txt's header
-LOAD_ERROR = "compatible backends for target (cpu)"  # Triton's, as the generated module loads
 
 
 def build_environment(venv: Path) -> Path:
@@ -58,12 +57,27 @@ def build_environment(venv: Path) -> Path:
     return python
 
 
-def emulate_gpu_codegen(multiprocessors: int) -> None:
+class EmulationEnd(RuntimeError):
+    """Raised at a generated Triton kernel's first launch: its code was generated and compiled."""
+
+
+#: Triton kernels compiled for the GPU target so far (their names), and that target
+COMPILED: list[str] = []
+TARGET: list = []
+
+
+def emulate_gpu_codegen(multiprocessors: int, target: tuple[str, int, int]) -> None:
     """Inductor generates Triton code for CPU tensors, splits as on a GPU of ``multiprocessors``
-    SMs, and names a fixed backend hash (Triton's needs an active driver)."""
+    SMs, and names a fixed backend hash (Triton's needs an active driver). Each generated kernel
+    is compiled by Triton for ``target`` (backend, compute capability, warp size: Triton's front
+    end, its GPU passes and ``ptxas``, no device needed) as its module loads, and its first
+    launch raises :class:`EmulationEnd`."""
     import torch._inductor.config as inductor_config
     import torch.utils._triton as triton_utils
+    import triton
+    from torch._inductor.runtime import triton_heuristics
     from torch._inductor.runtime.hints import DeviceProperties
+    from triton.backends.compiler import GPUTarget
 
     create = DeviceProperties.create.__func__
     DeviceProperties.create = classmethod(
@@ -72,18 +86,39 @@ def emulate_gpu_codegen(multiprocessors: int) -> None:
     inductor_config.cpu_backend = "triton"
     inductor_config.compile_threads = 1
     triton_utils.triton_hash_with_backend = lambda: "emulated"
+    TARGET[:] = target
+    if getattr(triton.compile, "emulated", False):
+        return
+    compile_for_cpu = triton.compile
+
+    def compile_for_gpu(source, target=None, options=None):
+        return compile_for_cpu(source, target=GPUTarget(*TARGET), options=options)
+
+    compile_for_gpu.emulated = True
+    triton.compile = compile_for_gpu
+
+    def precompile(self, *args, **kwargs):
+        for config in self.configs:
+            self._precompile_config(config)
+        COMPILED.append(self.inductor_meta.get("kernel_name", self.fn.__name__))
+
+    def run(self, *args, **kwargs):
+        raise EmulationEnd(f"the kernels were generated and compiled for {tuple(TARGET)} ({len(COMPILED)} so far)")
+
+    triton_heuristics.CachingAutotuner.precompile = precompile
+    triton_heuristics.CachingAutotuner.run = run
 
 
 def generated(error: BaseException | None) -> bool:
-    """Whether a compilation got as far as loading its module: Triton's missing CPU target."""
-    return error is not None and LOAD_ERROR in str(error)
+    """Whether a compilation's kernels were generated and compiled: their first launch came."""
+    return error is not None and EmulationEnd.__name__ in f"{type(error).__name__}: {error}"
 
 
 def outcome(error: BaseException | None) -> str:
     if error is None:
-        return "FAILED: it ran (no Triton CPU target was expected here: the emulation did not hold)"
+        return "FAILED: it ran without launching a generated kernel (the emulation did not hold)"
     if generated(error):
-        return "code generated"
+        return "code generated, compiled for the GPU"
     lines = [line for line in str(error).splitlines() if line.strip()]
     return f"FAILED: {type(error).__name__}: {' / '.join(lines[:3])[:300]}"
 
@@ -143,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--rows", default="8,256", help="the compiling bucket's rows, comma-separated")
     parser.add_argument("--multiprocessors", type=int, default=132, help="SMs (H100 SXM: 132)")
+    parser.add_argument("--capability", type=int, default=90, help="the GPU's compute capability (H100/H200: 90)")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if not args.inside:
@@ -153,15 +189,22 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     ok = True
-    print(f"torch {torch.__version__}, Triton code generated for CPU tensors, {args.multiprocessors} SMs\n")
+    print(
+        f"torch {torch.__version__}, Triton code generated for CPU tensors as for {args.multiprocessors} SMs, "
+        f"compiled for sm_{args.capability}\n"
+    )
     print("| rows first | compiled | outcome |\n|---:|---|---|")
     for rows in [int(r) for r in args.rows.split(",")]:
         with tempfile.TemporaryDirectory() as cache:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # a fresh cache: every kernel generated again
-            emulate_gpu_codegen(args.multiprocessors)
+            emulate_gpu_codegen(args.multiprocessors, ("cuda", args.capability, 32))
             ok &= check(args.layers, rows)
             counts = kernel_counts(Path(cache))
-        print(f"\ndecode step at {rows} rows first: {counts} per step\n", flush=True)
+        print(
+            f"\ndecode step at {rows} rows first: {counts} per step; {len(COMPILED)} distinct kernels compiled by Triton"
+        )
+        print(flush=True)
+        COMPILED.clear()
     return 0 if ok else 1
 
 
