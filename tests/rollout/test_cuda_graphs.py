@@ -297,6 +297,44 @@ def test_an_overlapped_wave_runs_no_round_after_its_last(tokenizer):
     assert overlapped["decode_tokens"] == plain["decode_tokens"] and overlapped["decode_rounds_ahead"] == 2
 
 
+def test_an_overlapped_round_clears_a_stopped_row_s_columns_in_its_own_slot(tokenizer, monkeypatch):
+    """Four rows (budgets 30, 11, 7, 30), four steps a round, each round launched before the last
+    one's hand-out: the 7-token row stops in round 2 and the last row moves into its slot; the
+    11-token row stops in round 3, whose launch lists the rows in their old order, so its place
+    in that list is not its slot (checked). The columns it gives back must be cleared in its own
+    slot, not in the moved row's: every row's tokens equal the plain engine's."""
+    model = build("llama", vocab_size=tokenizer.vocab_size)
+    reordered = []  # hand-outs whose rows are not in slot order
+    original = EmbeddedEngine._append_tokens
+
+    def append_tokens(self, reqs, *args):
+        reordered.append([id(r) for r in reqs] != [id(r) for r in self._running])
+        return original(self, reqs, *args)
+
+    monkeypatch.setattr(EmbeddedEngine, "_append_tokens", append_tokens)
+
+    async def run(overlap: bool):
+        engine = EmbeddedEngine(copy.deepcopy(model), decode_graphs=True, decode_steps=4, decode_overlap=overlap)
+        await engine.pause("in_place")  # queued first, admitted together
+        greedy = {"temperature": 0, "ignore_eos": True}
+        tasks = [
+            asyncio.ensure_future(engine.generate(list(range(10 + i, 24 + 3 * i)), {**greedy, "max_new_tokens": n}))
+            for i, n in enumerate((30, 11, 7, 30))
+        ]
+        while len(engine._waiting) < 4:
+            await asyncio.sleep(0.005)
+        await engine.resume()
+        outs = await asyncio.gather(*tasks)
+        await engine.close()
+        return [o.output_ids for o in outs]
+
+    tokens = asyncio.run(run(False))
+    reordered.clear()
+    overlapped_tokens = asyncio.run(run(True))
+    assert any(reordered)  # the case this test is about happened
+    assert overlapped_tokens == tokens
+
+
 def test_a_request_whose_event_loop_closed_does_not_stop_the_others(tokenizer):
     """A requester's event loop closes while its request runs (its ``asyncio.run`` ended): the
     request's answer goes nowhere, and the rows finishing in the same round, the windowed
