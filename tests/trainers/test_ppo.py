@@ -449,6 +449,8 @@ def test_on_policy_steps_use_the_rollout_logprobs_and_equal_recomputing_them(tin
         engine = {k.removeprefix("engine/"): v for k, v in auto[step].items() if k.startswith("engine/")}
         assert engine["decode_steps"] == engine["decode_rounds"] >= 1 and engine["prefill_forwards"] >= 1
         assert engine["decode_graph_captures"] == 0 and engine["time_decode_s"] >= 0  # no graphs on the CPU
+        parts = engine["time_decode_forward_s"] + engine["time_decode_handout_s"]
+        assert engine["time_decode_handout_s"] > 0 and parts <= engine["time_decode_s"] + 1e-9
     assert 0.0 <= auto[1]["actor/old_logprob_max_diff"] <= 1e-3  # the engine's log-probs are the trainer's
     assert 0.0 <= auto[1]["actor/old_logprob_mismatch_kl"] <= 1e-6
     assert all(recompute[s]["actor/old_logprobs_from_rollout"] == 0.0 for s in (1, 2, 3))

@@ -156,4 +156,5 @@ def test_engine_metrics_are_the_counts_between_two_snapshots():
     assert metrics["engine/decode_steps"] == 40.0 and metrics["engine/decode_rounds"] == 10.0
     assert metrics["engine/time_decode_s"] == 2.0 and metrics["engine/prefill_forwards"] == 4.0
     assert metrics["engine/decode_graph_captures"] == 0.0 and "engine/requests" not in metrics
+    assert metrics["engine/time_decode_forward_s"] == metrics["engine/time_decode_handout_s"] == 0.0
     assert engine_metrics({}, {}) == {}  # an engine without counters (HTTP)
