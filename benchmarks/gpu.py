@@ -445,8 +445,8 @@ def engine_decode(model, tokenizer, prompts: list[list[int]], new: int, **option
     measured run's counters and the profiled run's: ``busy`` (the GPU-busy share of its wall
     time), ``busy_unprofiled`` (its kernels' time, per decode step times the measured run's steps,
     over the measured run's wall time: the same prompts and lengths without the profiler's own
-    cost per kernel), ``kernels`` and
-    ``kernel_ms`` per decode step (prefill's few kernels included), empty off CUDA."""
+    cost per kernel), ``kernels`` and ``kernel_ms`` per decode step (prefill's few kernels
+    included), empty off CUDA."""
     engine = EmbeddedEngine(model, tokenizer, max_batch_size=len(prompts), **options)
     params = {"max_new_tokens": new, "temperature": 1.0, "ignore_eos": True}
     device = next(model.parameters()).device
