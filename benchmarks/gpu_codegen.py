@@ -11,7 +11,8 @@ device), and the first kernel launch ends the compilation (``EmulationEnd``). An
 is one the GPU would meet too: on 2026-11-28 this reproduced the H100's ``TypeError: list indices
 must be integers or slices, not NoneType`` in the sampling's scan, then confirmed the fix
 (``rl2gem.rollout.engines.sampling.cumulative_sum``). What it cannot see: choices Inductor makes
-from the real device (autotuning among configs, a few heuristics) and anything at run time; its
+from the real device (autotuning among configs, a few heuristics), anything at run time, and
+variants compiled again on later calls (only each compilation's first variant is checked); its
 kernel counts are an estimate of the GPU's.
 
     python benchmarks/gpu_codegen.py [--venv DIR] [--layers 8] [--rows 8,256]
@@ -103,6 +104,9 @@ def emulate_gpu_codegen(multiprocessors: int, target: tuple[str, int, int]) -> N
         COMPILED.append(self.inductor_meta.get("kernel_name", self.fn.__name__))
 
     def run(self, *args, **kwargs):
+        name = self.inductor_meta.get("kernel_name", self.fn.__name__)
+        if name not in COMPILED:
+            raise RuntimeError(f"kernel {name} launched without being compiled for the GPU")
         raise EmulationEnd(f"the kernels were generated and compiled for {tuple(TARGET)} ({len(COMPILED)} so far)")
 
     triton_heuristics.CachingAutotuner.precompile = precompile
@@ -154,8 +158,13 @@ def check(layers: int, rows: int) -> bool:
         except Exception as error:  # the step's compile error propagates (capture=False)
             results.append(("decode step", error))
         logits = torch.randn(rows, config.vocab_size)
-        graphs._sample_rows(logits, torch.ones(rows), torch.zeros(rows, dtype=torch.bool), torch.rand(rows))
-        results.append(("sampling", graphs._sample_rows.error))
+        arguments = (logits, torch.ones(rows), torch.zeros(rows, dtype=torch.bool), torch.rand(rows))
+        try:  # the compiled sampling itself: the engine's wrapper would fall back to eager
+            torch._dynamo.mark_static(logits, 1)
+            graphs._sample_rows.compiled(*arguments)
+            results.append(("sampling", None))
+        except Exception as error:
+            results.append(("sampling", error))
     ok = True
     for name, error in results:
         print(f"| {rows} | {name} | {outcome(error)} |", flush=True)
@@ -197,12 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     for rows in [int(r) for r in args.rows.split(",")]:
         with tempfile.TemporaryDirectory() as cache:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # a fresh cache: every kernel generated again
+            os.environ["TRITON_CACHE_DIR"] = os.path.join(cache, "triton")  # Triton's too, removed with it
             emulate_gpu_codegen(args.multiprocessors, ("cuda", args.capability, 32))
             ok &= check(args.layers, rows)
             counts = kernel_counts(Path(cache))
-        print(
-            f"\ndecode step at {rows} rows first: {counts} per step; {len(COMPILED)} distinct kernels compiled by Triton"
-        )
+        print(f"\ndecode step at {rows} rows first: {counts} per step")
+        print(f"step and sampling: {len(COMPILED)} distinct kernels compiled by Triton")
         print(flush=True)
         COMPILED.clear()
     return 0 if ok else 1

@@ -304,14 +304,14 @@ def test_an_overlapped_round_clears_a_stopped_row_s_columns_in_its_own_slot(toke
     in that list is not its slot (checked). The columns it gives back must be cleared in its own
     slot, not in the moved row's: every row's tokens equal the plain engine's."""
     model = build("llama", vocab_size=tokenizer.vocab_size)
-    reordered = []  # hand-outs whose rows are not in slot order
-    original = EmbeddedEngine._append_tokens
+    reordered = []  # decode rounds' hand-outs whose rows are not in slot order
+    original = EmbeddedEngine._hand_out
 
-    def append_tokens(self, reqs, *args):
+    def hand_out(self, reqs, *args):
         reordered.append([id(r) for r in reqs] != [id(r) for r in self._running])
         return original(self, reqs, *args)
 
-    monkeypatch.setattr(EmbeddedEngine, "_append_tokens", append_tokens)
+    monkeypatch.setattr(EmbeddedEngine, "_hand_out", hand_out)
 
     async def run(overlap: bool):
         engine = EmbeddedEngine(copy.deepcopy(model), decode_graphs=True, decode_steps=4, decode_overlap=overlap)

@@ -115,8 +115,10 @@ class _CompiledSampling:
     The compilation reads the logits ``[n, V]`` with ``V`` static, and the cumulative sum over
     ``V`` stays ATen's kernel (:func:`~rl2gem.rollout.engines.sampling.cumulative_sum`): on the
     H100 (torch 2.11, 2026-11-28) Inductor's code generation failed on the scan it generated
-    (``TypeError: list indices must be integers or slices, not NoneType``). A compilation fails
-    before anything runs, so the eager sampling then reads the same logits."""
+    (``TypeError: list indices must be integers or slices, not NoneType``). Dynamo's and
+    Inductor's errors (``TorchDynamoException``) outside a capture turn to the eager sampling,
+    which reads the same logits (a compilation fails before anything runs); other errors (out of
+    memory, a capture's) propagate."""
 
     def __init__(self, compile_options: dict):
         self.compiled = _constant_numbers(torch.compile(_sample_rows_opaque_scan, **compile_options))
@@ -127,7 +129,9 @@ class _CompiledSampling:
             torch._dynamo.mark_static(logits, 1)
             try:
                 return self.compiled(logits, *rest)
-            except Exception as error:  # dynamo's and Inductor's (not all wrapped in BackendCompilerFailed)
+            except torch._dynamo.exc.TorchDynamoException as error:  # dynamo's and Inductor's
+                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                    raise  # a capture's own error: the engine turns the graphs off
                 warnings.warn(
                     f"the sampling's compilation failed, it runs eagerly in the compiled step: {error}", stacklevel=2
                 )
