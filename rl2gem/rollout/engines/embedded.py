@@ -639,7 +639,8 @@ class EmbeddedEngine(Engine):
         the prefix cache, then the rows that go on compacted into the freed slots, each moved at
         most once (one finished at a time, a row could be moved once per finish below it), and
         the store's window narrowed once."""
-        slots = [self._running.index(r) for r, _ in finished]
+        position = {id(r): slot for slot, r in enumerate(self._running)}  # not list.index per row
+        slots = [position[id(r)] for r, _ in finished]
         for (r, _), slot in zip(finished, slots, strict=True):
             self._save_prefix(r, slot)
         keep = len(self._running) - len(slots)
