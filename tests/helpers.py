@@ -247,6 +247,16 @@ def fork_servers(parent: int | None = None) -> list[int]:
     )
 
 
+def lasting_sandbox_pids(seconds: float = 2.0) -> list[int]:
+    """:func:`sandbox_pids` once they have had ``seconds`` to exit: a sandboxed process that was
+    just killed can still be listed (exiting, not yet a zombie) on a loaded machine; one that
+    escaped (``sleep 100 &``) is still there after."""
+    deadline = time.monotonic() + seconds
+    while (pids := sandbox_pids()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return pids
+
+
 def sandbox_pids() -> list[int]:
     """Live (not zombie) sandboxed processes: interpreters running the boot script, and every
     descendant of a fork server (its children and anything they started), but not the servers

@@ -7,7 +7,7 @@ import tempfile
 import time
 
 import pytest
-from helpers import sandbox_pids
+from helpers import lasting_sandbox_pids, sandbox_pids
 
 from rl2gem.tools import PythonTool, SandboxConfig, run_python, sandbox_mode
 
@@ -70,7 +70,7 @@ def test_memory_bomb_hits_the_address_space_limit(mode, code):
 def test_fork_bomb_and_process_creation_are_refused(mode, code):
     r = run(code, timeout_s=5, **mode)
     assert not r.ok and not r.timed_out and "creating processes is disabled" in r.stderr
-    assert sandbox_pids() == []
+    assert lasting_sandbox_pids() == []
 
 
 @pytest.mark.parametrize("mode", MODES)
