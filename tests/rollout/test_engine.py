@@ -4,6 +4,7 @@ import time
 import pytest
 import torch
 from tiny import tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rl2gem.rollout.engines.base import SamplingParams
 from rl2gem.rollout.engines.embedded import EmbeddedEngine
@@ -321,6 +322,78 @@ def test_prefix_cache_serves_the_next_turn_with_identical_results(model):
     assert b.output_ids == greedy[0, len(turn2) :].tolist()
 
 
+class _CountOps(TorchDispatchMode):
+    """Counts the tensor operations dispatched in the thread that enters it."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_wave_finishing_together_dispatches_as_many_tensor_operations_for_8_rows_as_for_2(model):
+    """The rows of a wave that end together go to the prefix cache in one copy per layer (on a GPU
+    each operation is a kernel launch or more: one copy per row and layer was host time the device
+    waited for), so finishing dispatches the same operations for 8 rows as for 2; every row's next
+    turn is then served from the cache with the tokens of an engine without one."""
+    params = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+
+    async def main(rows, cache_tokens):
+        prompts = [PROMPTS[i] + [500 + i] * 8 for i in range(rows)]
+        eng = EmbeddedEngine(model, prefix_cache_tokens=cache_tokens)
+        counts = []
+        finish_rows = eng._finish_rows
+
+        def counted(finished):
+            with _CountOps() as ops:
+                finish_rows(finished)
+            counts.append((len(finished), ops.count))
+
+        eng._finish_rows = counted
+        await eng.pause("in_place")  # admitted together, so they finish together
+        tasks = [asyncio.ensure_future(eng.generate(p, params)) for p in prompts]
+        while len(eng._waiting) < rows:
+            await asyncio.sleep(0.005)
+        await eng.resume()
+        first = await asyncio.gather(*tasks)
+        turns = [p + o.output_ids + [900] for p, o in zip(prompts, first, strict=True)]
+        second = await asyncio.gather(*(eng.generate(t, params) for t in turns))
+        await eng.close()
+        return counts[0], [o.output_ids for o in first + second], [o.meta["cached_tokens"] for o in second], turns
+
+    operations = {}
+    for rows in (2, 8):
+        (finished, operations[rows]), tokens, cached, turns = run(main(rows, 1 << 15))
+        _, plain_tokens, _, _ = run(main(rows, 0))
+        assert finished == rows and tokens == plain_tokens
+        assert cached == [len(turn) - 2 for turn in turns]  # every prefix but the last two tokens
+    assert operations[2] == operations[8], operations
+
+
+def test_the_prefix_cache_keeps_the_newest_turns_within_its_budget(model):
+    """A budget that holds about two finished episodes: the next turn of the newest is served
+    from the cache, that of the oldest prefills again; tokens equal an engine without a cache."""
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    prompts = [PROMPTS[9] + [600 + i] * 10 for i in range(3)]  # 20 tokens each, 26 with the answer
+
+    async def main(cache_tokens):
+        eng = EmbeddedEngine(model, prefix_cache_tokens=cache_tokens)
+        first = [await eng.generate(p, params) for p in prompts]  # one after the other
+        turns = [p + o.output_ids + [901] for p, o in zip(prompts, first, strict=True)]
+        newest = await eng.generate(turns[2], params)
+        oldest = await eng.generate(turns[0], params)
+        await eng.close()
+        return newest, oldest
+
+    newest, oldest = run(main(60))
+    plain_newest, plain_oldest = run(main(0))
+    assert newest.meta["cached_tokens"] == 26 and oldest.meta["cached_tokens"] < 26
+    assert newest.output_ids == plain_newest.output_ids and oldest.output_ids == plain_oldest.output_ids
+
+
 def test_a_groups_identical_prompts_are_prefilled_once(model):
     async def main():
         eng = EmbeddedEngine(model, seed=4)
@@ -407,9 +480,10 @@ def test_release_memory_frees_the_kv_buffers_and_the_engine_serves_the_same_afte
     async def main():
         eng = EmbeddedEngine(model)
         a = await eng.generate(PROMPTS[2], greedy)
-        held = (eng._store.capacity, eng._prefill_store.capacity, eng._prefix_size)
+        held = (eng._store.capacity, eng._prefill_store.capacity, eng._prefix_cache.size)
         await eng.release_memory()
-        freed = (eng._store.capacity, eng._prefill_store.capacity, eng._prefix_size, eng._store.keys)
+        freed = (eng._store.capacity, eng._prefill_store.capacity, eng._prefix_cache.size, eng._store.keys)
+        freed += (eng._prefix_cache.capacity,)  # the pool of cached prefixes too
         b = await eng.generate(PROMPTS[2], greedy)
         long = asyncio.ensure_future(eng.generate(PROMPTS[3], {**greedy, "max_new_tokens": 200}))
         while not eng._running:
@@ -422,7 +496,7 @@ def test_release_memory_frees_the_kv_buffers_and_the_engine_serves_the_same_afte
 
     a, b, c, held, freed, kept = run(main())
     assert held[0][0] > 0 and held[0][1] > 0 and held[1][1] > 0 and held[2] > 0
-    assert freed == ((0, 0), (0, 0), 0, [])
+    assert freed == ((0, 0), (0, 0), 0, [], 0)
     assert b.output_ids == a.output_ids and b.output_logprobs == a.output_logprobs
     assert kept[0] > 0 and len(c.output_ids) == 200
 

@@ -57,6 +57,7 @@ from rl2gem.openmp import release_thread_team
 from rl2gem.rollout.engines.base import Engine, EngineError, GenerateOutput, SamplingParams
 from rl2gem.rollout.engines.cuda_graphs import DecodeGraphs
 from rl2gem.rollout.engines.lean_decoder import LeanDecoder, unsupported_reason
+from rl2gem.rollout.engines.prefix_cache import PrefixCache, TokenTrie
 from rl2gem.rollout.engines.sampling import draw_uniforms, filtered, row_settings, sample
 from rl2gem.rollout.tito import common_prefix_length
 
@@ -389,10 +390,11 @@ class EmbeddedEngine(Engine):
         self.max_cached_tokens = int(max_cached_tokens)
         self.prefix_cache_tokens = int(prefix_cache_tokens)
         self.min_prefix_match = 8  # shorter shared prefixes are not worth the copy
-        self._prefix: collections.OrderedDict[tuple[int, ...], list] = collections.OrderedDict()
-        self._prefix_size = 0
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+        layout = (cfg.num_hidden_layers, kv_heads, head_dim, p.dtype, p.device)
+        self._prefix_cache = PrefixCache(self.prefix_cache_tokens, *layout)
+        self._running_prompts = TokenTrie()  # the running rows' prompts, under their requests
         self._store = _KVStore(cfg.num_hidden_layers, kv_heads, head_dim, p.dtype, p.device, int(max_batch_size))
         self._prefill_store = _KVStore(cfg.num_hidden_layers, kv_heads, head_dim, p.dtype, p.device)
         self._device = p.device
@@ -495,8 +497,7 @@ class EmbeddedEngine(Engine):
         def do():
             self._paused = True
             if mode == "abort":
-                for r in list(self._running):
-                    self._finish(r, {"type": "abort", "message": "paused"})
+                self._abort_running(self._running, "paused")
                 self._store.clear()
 
         await self._acommand(do)
@@ -516,8 +517,7 @@ class EmbeddedEngine(Engine):
         items = list(weights.items() if isinstance(weights, Mapping) else weights)
 
         def do():
-            for r in list(self._running):
-                self._finish(r, {"type": "abort", "message": "weight update"})
+            self._abort_running(self._running, "weight update")
             self._release_memory(keep_small=True)
             params = self.model.state_dict(keep_vars=True)  # tied weights appear under every name
             unknown = [n for n, _ in items if n not in params]
@@ -582,8 +582,9 @@ class EmbeddedEngine(Engine):
             return
 
         def do():
-            for r in list(self._running) + list(self._waiting):
-                self._finish(r, {"type": "abort", "message": "engine closed"})
+            self._abort_running(self._running, "engine closed")
+            for r in self._waiting:
+                self._settle_output(r, {"type": "abort", "message": "engine closed"})
             self._waiting.clear()
             self._closed = True
 
@@ -620,14 +621,17 @@ class EmbeddedEngine(Engine):
             if fut is not None:
                 _call_soon(loop, _settle, fut, res, err)
 
+    def _abort_running(self, requests: list[_Request], message: str) -> None:
+        """Finish the running ``requests`` together, each with an abort reason."""
+        if requests:
+            self._finish_rows([(r, {"type": "abort", "message": message}) for r in requests])
+
     def _abort_rid(self, rid, message):
-        for r in list(self._running):
-            if rid is None or r.rid == rid:
-                self._finish(r, {"type": "abort", "message": message})
+        self._abort_running([r for r in self._running if rid is None or r.rid == rid], message)
         for r in list(self._waiting):
             if rid is None or r.rid == rid:
                 self._waiting.remove(r)
-                self._finish(r, {"type": "abort", "message": message})
+                self._settle_output(r, {"type": "abort", "message": message})
 
     def _narrow_window(self) -> None:
         """The store's window: the columns of its longest running row."""
@@ -636,13 +640,14 @@ class EmbeddedEngine(Engine):
 
     def _finish_rows(self, finished: list[tuple[_Request, dict]]) -> None:
         """Finish several running rows of one decode round (each with its reason): their KV to
-        the prefix cache, then the rows that go on compacted into the freed slots, each moved at
-        most once (one finished at a time, a row could be moved once per finish below it), and
-        the store's window narrowed once."""
+        the prefix cache (one copy per layer for all of them), then the rows that go on compacted
+        into the freed slots, each moved at most once (one finished at a time, a row could be
+        moved once per finish below it), and the store's window narrowed once."""
         position = {id(r): slot for slot, r in enumerate(self._running)}  # not list.index per row
         slots = [position[id(r)] for r, _ in finished]
-        for (r, _), slot in zip(finished, slots, strict=True):
-            self._save_prefix(r, slot)
+        self._save_prefixes([(r, slot) for (r, _), slot in zip(finished, slots, strict=True)])
+        for r, _ in finished:
+            self._running_prompts.remove(r)
         keep = len(self._running) - len(slots)
         freed = set(slots)
         holes = sorted(slot for slot in freed if slot < keep)
@@ -655,13 +660,6 @@ class EmbeddedEngine(Engine):
         self._narrow_window()
         for r, reason in finished:  # settled once the engine's state no longer holds them
             self._settle_output(r, reason)
-
-    def _finish(self, req: _Request, reason: dict):
-        """Settle ``req`` with ``reason``; a running row is finished as :meth:`_finish_rows` does."""
-        if req in self._running:
-            self._finish_rows([(req, reason)])
-        else:
-            self._settle_output(req, reason)
 
     def _settle_output(self, req: _Request, reason: dict) -> None:
         """Resolve ``req``'s future with its output (on its event loop)."""
@@ -710,19 +708,20 @@ class EmbeddedEngine(Engine):
                 # the store may be half re-allocated (out of memory): drop it, the graphs that read it
                 # and the cached prefixes before the requests end
                 self._running, self._admitting = [], []
+                self._running_prompts.clear()
                 self._release_memory()
                 for r in failed:
-                    self._finish(r, {"type": "abort", "message": f"engine error: {type(e).__name__}: {e}"})
+                    self._settle_output(r, {"type": "abort", "message": f"engine error: {type(e).__name__}: {e}"})
 
     def _admit(self):
         take: list[_Request] = []
-        tokens = 0
+        tokens = longest = 0  # prompt tokens taken, the longest prompt taken
         st = self._store
         with self._cv:
             while self._waiting and len(self._running) + len(take) < self.max_batch_size:
                 r = self._waiting[0]
                 n = len(r.input_ids) + len(r.out_ids)
-                window = max(st.window if self._running else 0, max((len(t.input_ids) for t in take), default=0), n)
+                window = max(st.window if self._running else 0, longest, n)
                 if take and tokens + n > self.max_prefill_tokens:
                     break
                 if (self._running or take) and (len(self._running) + len(take) + 1) * (
@@ -731,6 +730,7 @@ class EmbeddedEngine(Engine):
                     break
                 take.append(self._waiting.popleft())
                 tokens += n
+                longest = max(longest, len(r.input_ids))
         if not take:
             return
         for r in take:
@@ -741,7 +741,7 @@ class EmbeddedEngine(Engine):
             if r.logprob_start_len >= 0:
                 self._input_logprobs(r)
         for r in zero:
-            self._finish(r, {"type": "length", "length": 0})
+            self._settle_output(r, {"type": "length", "length": 0})
         take = self._admitting = [r for r in take if r.params.max_new_tokens > 0]
         if not take:
             return
@@ -774,72 +774,56 @@ class EmbeddedEngine(Engine):
         r.input_lp = ([None] if r.logprob_start_len == 0 else []) + lp
 
     # ------------------------------------------------------------------ prefix cache
-    def _save_prefix(self, req: _Request, slot: int) -> None:
-        """Keep the KV of a finished row so a later request that extends it (the next turn of the
-        episode, or a partial rollout resuming) prefills only its new tokens."""
-        if req.length >= 2:
-            # a row without holes holds its tokens in the last `span` columns, before any overrun
-            st = self._store
-            end = st.hi - req.overrun
-            columns = slice(st.hi - req.span, end) if req.span - req.overrun == req.length else None
-            self._keep_kv(tuple((req.input_ids + req.out_ids)[: req.length]), st, slot, columns)
+    def _save_prefixes(self, rows: list[tuple[_Request, int]]) -> None:
+        """Keep the KV of finished rows ``(request, slot)`` so a later request that extends one (the
+        next turn of the episode, or a partial rollout resuming) prefills only its new tokens."""
+        st = self._store
+        kept = []
+        for req, slot in rows:
+            if req.length >= 2:
+                # a row without holes holds its tokens in the last `span` columns, before any overrun
+                end = st.hi - req.overrun
+                columns = slice(end - req.length, end) if req.span - req.overrun == req.length else None
+                kept.append((tuple((req.input_ids + req.out_ids)[: req.length]), slot, columns))
+        self._keep_kv(st, kept)
 
-    def _keep_kv(self, tokens: tuple[int, ...], store: _KVStore, slot: int, columns: slice | None = None) -> None:
-        """Copy row ``slot`` of ``store`` (its masked-in columns hold ``tokens``) into the LRU cache.
-        ``columns``: where they are, when the caller knows (no host read of the mask: on CUDA each
-        ``nonzero`` waits for the device)."""
-        if self.prefix_cache_tokens <= 0:
+    def _keep_kv(self, store: _KVStore, rows: list[tuple[tuple[int, ...], int, slice | None]]) -> None:
+        """Copy rows of ``store`` into the prefix cache, one copy per layer for all of them:
+        ``(tokens, slot, columns)``, row ``slot``'s masked-in columns hold ``tokens``; ``columns``:
+        where they are when the caller knows, else None (the mask of every such row is read in one
+        host copy: on CUDA each read waits for the device)."""
+        if self.prefix_cache_tokens <= 0 or not rows:
             return
-        cols = columns
-        if cols is None:
-            cols = store.mask[slot, store.lo : store.hi].nonzero().flatten() + store.lo
-            if len(cols) != len(tokens):
-                return
-        if tokens in self._prefix:
-            self._prefix.move_to_end(tokens)
-            return
-        if not isinstance(cols, slice) and int(cols[-1] - cols[0]) + 1 == len(cols):  # contiguous: slices copy faster
-            cols = slice(int(cols[0]), int(cols[-1]) + 1)
-        # per layer [2, kv_heads, tokens, d]: one copy of the keys and values (an index already copies)
-        kv = [
-            pair[:, slot, :, cols].clone() if isinstance(cols, slice) else pair[:, slot][:, :, cols]
-            for pair in store.pairs
-        ]
-        self._prefix[tokens] = (kv, np.asarray(tokens))
-        self._prefix_size += len(tokens)
-        while self._prefix_size > self.prefix_cache_tokens and self._prefix:
-            old, _ = self._prefix.popitem(last=False)
-            self._prefix_size -= len(old)
+        unknown = [slot for _, slot, columns in rows if columns is None]
+        found = {}
+        if unknown:
+            masks = store.mask[unknown, store.lo : store.hi].cpu().numpy()
+            found = {slot: np.flatnonzero(mask) + store.lo for slot, mask in zip(unknown, masks, strict=True)}
+        located = []
+        for tokens, slot, columns in rows:
+            where = found[slot] if columns is None else np.arange(columns.start, columns.stop)
+            if len(where) == len(tokens):
+                located.append((tokens, slot, where))
+        self._prefix_cache.keep(store.pairs, located)
 
-    def _lookup_prefix(self, ids: list[int]):
-        """Longest common prefix of ``ids`` with any cached sequence (KV of a causal model depends only
-        on the tokens before it, so any shared prefix is reusable: the system prompt, a GRPO group's
-        prompt, the conversation so far). Returns ``(length, per layer its keys and values
-        [2, kv_heads, length, d], or None)``."""
-        if not self._prefix and not self._running:
+    def _lookup_prefix(self, ids: list[int]) -> tuple[int, tuple | None]:
+        """Longest common prefix of ``ids`` (but its last token, prefilled for its logits) with a
+        cached sequence or a running row's prompt (a causal model's KV depends only on the tokens
+        before it, so any shared prefix is reusable: the system prompt, a GRPO group's prompt
+        whose first request is decoding, the conversation so far). -> ``(length, source)``:
+        ``("cache", pool positions)`` or ``("running", slot, store columns)`` (int64 host arrays
+        of ``length``), or ``(0, None)`` under ``min_prefix_match`` tokens."""
+        query = ids[: len(ids) - 1]
+        length, positions = self._prefix_cache.lookup(query)
+        source = ("cache", positions)
+        running_length, request = self._running_prompts.longest(query)
+        if running_length > length:
+            slot, st = self._running.index(request), self._store
+            columns = np.flatnonzero(st.mask[slot, st.lo : st.hi].cpu().numpy())[:running_length] + st.lo
+            length, source = running_length, ("running", slot, columns)
+        if length < self.min_prefix_match:
             return 0, None
-        query = np.asarray(ids[: len(ids) - 1])  # keep at least one token to prefill (its logits)
-        best, best_len = None, 0
-        for tokens, entry in reversed(self._prefix.items()):
-            if min(len(entry[1]), len(query)) > best_len:
-                lcp = common_prefix_length(entry[1], query)
-                if lcp > best_len:
-                    best, best_len = tokens, lcp
-        # running sequences too: a GRPO group's first request may already be decoding
-        running_best = None
-        for slot, r in enumerate(self._running):
-            if min(len(r.input_ids), len(query)) > best_len:
-                lcp = common_prefix_length(r.input_ids, query)
-                if lcp > best_len:
-                    running_best, best_len = slot, lcp
-        if best_len < self.min_prefix_match:
-            return 0, None
-        if running_best is not None:
-            st = self._store
-            cols = (st.mask[running_best, st.lo : st.hi].nonzero().flatten() + st.lo)[:best_len]
-            return best_len, [pair[:, running_best][:, :, cols] for pair in st.pairs]
-        self._prefix.move_to_end(best)
-        return best_len, [pair[:, :, :best_len] for pair in self._prefix[best][0]]
+        return length, source
 
     def _shared_stems(self, take: list[_Request], cached: list[int]) -> list[list[int]]:
         """Prefixes that two or more of ``take`` share beyond their ``cached`` tokens (independent
@@ -857,8 +841,7 @@ class EmbeddedEngine(Engine):
         return [list(stem) for stem in stems]
 
     def _clear_prefix(self) -> None:
-        self._prefix.clear()
-        self._prefix_size = 0
+        self._prefix_cache.clear()
 
     def _release_memory(self, keep_small: bool = False) -> None:
         """Free the KV buffers and the prefix cache (nothing is running). A trainer updates the
@@ -870,7 +853,7 @@ class EmbeddedEngine(Engine):
         keep = keep_small and self._store.nbytes + self._prefill_store.nbytes <= self.kept_kv_bytes
         self._store.release(keep)
         self._prefill_store.release(keep)
-        self._clear_prefix()
+        self._prefix_cache.release()
         if self._graphs is not None and not keep:
             self._graphs.reset()
 
@@ -891,8 +874,7 @@ class EmbeddedEngine(Engine):
         stems = self._shared_stems(take, [hit[0] for hit in hits])
         if stems:
             self._prefill_rows(stems, [self._lookup_prefix(stem) for stem in stems])
-            for row, stem in enumerate(stems):
-                self._keep_kv(tuple(stem), self._prefill_store, row)
+            self._keep_kv(self._prefill_store, [(tuple(stem), row, None) for row, stem in enumerate(stems)])
             hits = [self._lookup_prefix(request.input_ids) for request in take]
         # rows in the order the lean prefill groups them (most new tokens first), so each group's
         # rows are consecutive and its attention reads a view of the store
@@ -935,6 +917,7 @@ class EmbeddedEngine(Engine):
         for index in order:
             request = requests[index]
             self._running.append(request)
+            self._running_prompts.insert(request, request.input_ids)
             request.length = len(request.input_ids)
             request.span = spans[index]
             request.cached = cached[source_rows[index]] if original[index] == index else len(request.input_ids)
@@ -991,13 +974,18 @@ class EmbeddedEngine(Engine):
 
     def _place_prefixes(self, store: _KVStore, hits: list, prefix_end: list[int], new: list[int], width: int) -> None:
         """Write the prefill store's first ``len(hits)`` rows before their forward: row ``j``'s cached
-        prefix (``hits[j]``: its length and per-layer keys and values) ending at column
+        prefix (``hits[j]``: its length and source, :meth:`_lookup_prefix`) ending at column
         ``prefix_end[j]``, and the mask of that prefix and of its ``new[j]`` tokens ending at
-        ``width``. One mask copy and, per layer, one write of every row's prefix keys and values
-        (on a GPU a write per row and layer was a kernel each: 1,024 for 64 rows of 8 layers)."""
+        ``width``. One mask copy, one copy of the index arrays and, per layer, one gather from the
+        prefix cache's pool, one from the running rows and one write of every row's prefix (on a
+        GPU a write per row and layer was a kernel each: 1,024 for 64 rows of 8 layers)."""
         rows, device = len(hits), store.mask.device
         allowed = np.zeros((rows, width), dtype=bool)
-        cached = [(row, prefix_end[row] - length, length, kv) for row, (length, kv) in enumerate(hits) if length]
+        # (row, first column, length, source): the pool's prefixes first, then the running rows'
+        cached = [
+            (row, prefix_end[row] - length, length, source) for row, (length, source) in enumerate(hits) if length
+        ]
+        cached.sort(key=lambda item: item[3][0] != "cache")
         for row, start, length, _ in cached:
             allowed[row, start : start + length] = True
         for row, count in enumerate(new):
@@ -1007,13 +995,21 @@ class EmbeddedEngine(Engine):
         if not cached:
             return
         lengths = [length for _, _, length, _ in cached]
-        token_rows = torch.from_numpy(np.repeat([row for row, _, _, _ in cached], lengths)).to(device)
-        columns = np.concatenate([np.arange(start, start + length) for _, start, length, _ in cached])
-        token_columns = torch.from_numpy(columns).to(device)
+        running = [(source[1], source[2]) for _, _, _, source in cached if source[0] == "running"]
+        arrays = [
+            np.repeat([row for row, _, _, _ in cached], lengths),  # the prefill store's rows and columns
+            np.concatenate([np.arange(start, start + length) for _, start, length, _ in cached]),
+            np.concatenate([source[1] for _, _, _, source in cached if source[0] == "cache"] or [np.zeros(0)]),
+            np.repeat([slot for slot, _ in running], [len(columns) for _, columns in running]).astype(np.int64),
+            np.concatenate([columns for _, columns in running] or [np.zeros(0)]),
+        ]
+        flat = torch.from_numpy(np.concatenate(arrays).astype(np.int64)).to(device)
+        token_rows, token_columns, positions, running_rows, running_columns = flat.split(list(map(len, arrays)))
         for layer in range(store.num_layers):
-            pieces = torch.cat([kv[layer] for _, _, _, kv in cached], dim=2)  # [2, kv_heads, tokens, d]
-            # two index tensors apart: the indexed dimensions come first, [tokens, 2, kv_heads, d]
-            store.pairs[layer][:, token_rows, :, token_columns] = pieces.permute(2, 0, 1, 3)
+            pieces = [self._prefix_cache.read(layer, positions)] if len(positions) else []
+            if running:  # the two index tensors apart: [tokens, 2, kv_heads, d]
+                pieces.append(self._store.pairs[layer][:, running_rows, :, running_columns])
+            store.pairs[layer][:, token_rows, :, token_columns] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def _append_tokens(
         self, reqs: list[_Request], tokens: list[list[int]], logprobs: list[list[float]], ahead: int = 0
@@ -1032,7 +1028,7 @@ class EmbeddedEngine(Engine):
         finished = []  # (request, reason)
         rows, row_logprobs_all = zip(*tokens, strict=True), zip(*logprobs, strict=True)
         context_room = self.context_length + ahead + steps - 2
-        slots = None  # the running rows' slots, once a row that stops gives columns back
+        given_back: dict[int, list[_Request]] = {}  # the rows that stop, by the columns they give back
         for r, row, row_logprobs in zip(reqs, rows, row_logprobs_all, strict=True):
             # the first step at which r stops: a stop token, its token budget, or the context
             # (at step k the row holds length - (steps - 1 - k) tokens)
@@ -1057,9 +1053,13 @@ class EmbeddedEngine(Engine):
             if overrun:
                 r.length -= overrun
                 r.overrun = overrun
-                slots = slots or {id(running): i for i, running in enumerate(self._running)}
-                self._store.mask[slots[id(r)], self._store.hi - overrun : self._store.hi] = False
+                given_back.setdefault(overrun, []).append(r)
             finished.append((r, reason))
+        if given_back:  # their mask cleared: one write per count of columns, not per row
+            slots = {id(running): i for i, running in enumerate(self._running)}
+            hi = self._store.hi
+            for overrun, stopped in given_back.items():
+                self._store.mask[[slots[id(r)] for r in stopped], hi - overrun : hi] = False
         if finished:
             self._finish_rows(finished)
 
