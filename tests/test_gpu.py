@@ -223,6 +223,38 @@ def test_engine_greedy_equals_model_generate():
     assert asyncio.run(run()) == expected
 
 
+def test_the_prefix_cache_pool_on_cuda_reads_back_the_rows_it_kept():
+    """Rows of a bf16 KV store on CUDA kept in the engine's prefix cache in batches (columns with
+    holes, a budget that evicts, a pool that grows): every sequence held reads back bit for bit
+    what the store held, from a pool on the GPU."""
+    import numpy as np
+
+    from rl2gem.rollout.engines.prefix_cache import PrefixCache
+
+    rng = np.random.default_rng(0)
+    cache = PrefixCache(200, 2, 2, 8, torch.bfloat16, CUDA)
+    truth = {}
+    for wave in range(12):
+        pairs = [torch.randn(2, 4, 2, 30, 8, device=CUDA, dtype=torch.bfloat16) for _ in range(2)]
+        rows = []
+        for slot in range(4):
+            columns = np.sort(rng.choice(30, size=int(rng.integers(2, 30)), replace=False))
+            tokens = (wave, slot, *rng.integers(0, 9, len(columns) - 2).tolist())
+            rows.append((tokens, slot, columns))
+            truth[tokens] = [
+                pair[:, slot][:, :, torch.from_numpy(columns).to(CUDA)].permute(2, 0, 1, 3) for pair in pairs
+            ]
+        cache.keep(pairs, rows)
+        assert cache.size <= 200 and cache.pool[0].device.type == "cuda"
+        for tokens in list(cache._entries):
+            length, positions = cache.lookup(list(tokens) + [99])
+            index = torch.from_numpy(positions).to(CUDA)
+            assert length == len(tokens)
+            for layer in range(2):
+                assert torch.equal(cache.read(layer, index), truth[tokens][layer])
+    assert len(cache) >= 2 and cache.capacity == 200
+
+
 def test_lean_bf16_logits_on_cuda_are_as_close_to_float32_as_transformers_own():
     """On CUDA in bf16 (torch's fused ``rms_norm``, the roll rotary embedding, the in-place
     ``addmm_`` residual) the lean prefill and decode stray from the float32 logits no more than

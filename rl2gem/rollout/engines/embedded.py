@@ -288,9 +288,11 @@ class EmbeddedEngine(Engine):
         seed: seed of the sampling generator.
         prefix_cache_tokens: tokens of finished requests' KV kept (LRU) so a request that extends
             one (the next turn of an episode, a resumed partial rollout) prefills only its new
-            tokens; 0 disables it. Flushed by weight updates and :meth:`flush_cache`. It also
-            holds the prefixes that prompts admitted together share (a system prompt), prefilled
-            once before them.
+            tokens; 0 disables it. It also holds the prefixes that prompts admitted together share
+            (a system prompt), prefilled once before them. The KV lives in a pool of at most this
+            many tokens (:class:`~rl2gem.rollout.engines.prefix_cache.PrefixCache`), allocated as
+            it fills; :meth:`flush_cache` empties it, weight updates and :meth:`release_memory`
+            free it.
         lean: run prefill and decode through :class:`~rl2gem.rollout.engines.lean_decoder.LeanDecoder`
             (packed prefill without padding, row-chunked attention, sliced LM head) when the
             model is Llama-family; ``False``, or another architecture, calls ``model(...)`` with
