@@ -151,7 +151,7 @@ def test_algorithms_run_on_the_inputs_device():
 def test_a_checkpoint_restores_the_cuda_random_state(cuda_model_dir, tmp_path, monkeypatch):
     """A resumed run draws the random numbers the run it resumes would have drawn on the GPU too
     (dropout, LoRA's included, draws from the device's generator); its optimizer is the fused
-    AdamW before and after."""
+    AdamW before and after, its restored step counts where the fused kernel reads them."""
     import torch.distributed as dist
 
     from rl2gem.procs import free_port
@@ -166,14 +166,27 @@ def test_a_checkpoint_restores_the_cuda_random_state(cuda_model_dir, tmp_path, m
         assert device.type == "cuda"
         worker = Worker({"model": str(cuda_model_dir)}, mesh, device)
         checkpointer = Checkpointer(tmp_path, {"actor": worker})
+        parameters = [p for group in worker.optimizer.param_groups for p in group["params"]]
+
+        def optimizer_step():  # zero gradients: the state (moments, step counts) exists after it
+            for parameter in parameters:
+                parameter.grad = torch.zeros_like(parameter)
+            worker.optimizer.step()
+
+        optimizer_step()
         torch.cuda.manual_seed(5)
         checkpointer.save(1)
         expected = torch.rand(4, device=device)
         torch.rand(100, device=device)
         checkpointer.load()
         assert torch.equal(torch.rand(4, device=device), expected)
-        # the fused AdamW on CUDA, kept through the restore
+        # the fused AdamW on CUDA, kept through the restore, its step counts on the parameters'
+        # device (the fused kernel refuses them on the host), and it steps again
         assert all(group["fused"] for group in worker.optimizer.param_groups)
+        steps = [worker.optimizer.state[p]["step"] for p in parameters]
+        assert all(step.device.type == "cuda" and float(step) == 1 for step in steps)
+        optimizer_step()
+        assert all(float(worker.optimizer.state[p]["step"]) == 2 for p in parameters)
     finally:
         dist.destroy_process_group()
 
