@@ -6,6 +6,7 @@ import torch
 from tiny import tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from rl2gem.rollout.engines import embedded
 from rl2gem.rollout.engines.base import SamplingParams
 from rl2gem.rollout.engines.embedded import EmbeddedEngine
 
@@ -345,12 +346,17 @@ def test_a_wave_finishing_together_dispatches_as_many_tensor_operations_for_8_ro
         prompts = [PROMPTS[i] + [500 + i] * 8 for i in range(rows)]
         eng = EmbeddedEngine(model, prefix_cache_tokens=cache_tokens)
         counts = []
-        finish_rows = eng._finish_rows
+        finish_rows, call_soon = eng._finish_rows, embedded._call_soon
 
-        def counted(finished):
-            with _CountOps() as ops:
-                finish_rows(finished)
-            counts.append((len(finished), ops.count))
+        def counted(finished):  # on the engine thread, the only one that calls _call_soon
+            wakeups = []
+            embedded._call_soon = lambda *args: wakeups.append(args) or call_soon(*args)
+            try:
+                with _CountOps() as ops:
+                    finish_rows(finished)
+            finally:
+                embedded._call_soon = call_soon
+            counts.append((len(finished), ops.count, len(wakeups)))
 
         eng._finish_rows = counted
         await eng.pause("in_place")  # admitted together, so they finish together
@@ -366,9 +372,10 @@ def test_a_wave_finishing_together_dispatches_as_many_tensor_operations_for_8_ro
 
     operations = {}
     for rows in (2, 8):
-        (finished, operations[rows]), tokens, cached, turns = run(main(rows, 1 << 15))
+        (finished, operations[rows], wakeups), tokens, cached, turns = run(main(rows, 1 << 15))
         _, plain_tokens, _, _ = run(main(rows, 0))
         assert finished == rows and tokens == plain_tokens
+        assert wakeups == 1  # the requester's event loop is woken once for the wave, not once per row
         assert cached == [len(turn) - 2 for turn in turns]  # every prefix but the last two tokens
     assert operations[2] == operations[8], operations
 
@@ -640,14 +647,20 @@ def test_settled_stats_hold_the_last_round_s_times(model):
 
 def test_rows_finishing_in_one_round_move_each_row_that_goes_on_at_most_once(model, monkeypatch):
     """Six of eight rows finish in the same decode round (5 tokens), two go on (9): each of those
-    two moves at most once, from a slot past the two kept into a freed one (one finish at a time
-    moved a row once per finish below it: five moves here), and every row's tokens, its next
+    two moves at most once, from a slot past the two kept into a freed one, both in one copy (one
+    finish at a time moved a row once per finish below it: five moves here), and every row's tokens, its next
     turn's cached prefix and that turn's tokens are what they would be alone."""
     from rl2gem.rollout.engines.embedded import _KVStore
 
-    moves = []
+    moves, calls = [], []
     original = _KVStore.move
-    monkeypatch.setattr(_KVStore, "move", lambda self, src, dst: moves.append((src, dst)) or original(self, src, dst))
+
+    def move(self, sources, destinations):
+        calls.append(len(sources))
+        moves.extend(zip(sources, destinations, strict=True))
+        original(self, sources, destinations)
+
+    monkeypatch.setattr(_KVStore, "move", move)
     prompts = [list(range(10, 10 + 6 + i)) for i in range(8)]
     budgets = [5, 9, 5, 5, 9, 5, 5, 5]
     greedy = {"temperature": 0, "ignore_eos": True}
@@ -672,6 +685,7 @@ def test_rows_finishing_in_one_round_move_each_row_that_goes_on_at_most_once(mod
 
     outs, turns = run(main())
     assert 0 < len(moves) <= 2 and len({src for src, _ in moves}) == len(moves)  # the single turns move nothing
+    assert len(calls) == 1  # the rows that go on move in one indexed copy per layer
     assert all(dst < 2 <= src for src, dst in moves)
     for p, o, n, t in zip(prompts, outs, budgets, turns, strict=True):
         ref = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=2)

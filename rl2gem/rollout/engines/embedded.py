@@ -177,11 +177,14 @@ class _KVStore:
         if self.on_allocate is not None:
             self.on_allocate()
 
-    def move(self, src: int, dst: int) -> None:
+    def move(self, sources: list[int], destinations: list[int]) -> None:
+        """Copy the window of rows ``sources`` into rows ``destinations`` (disjoint): one indexed
+        copy per layer and one of the mask, whatever the number of rows."""
         lo, hi = self.lo, self.hi
+        index = torch.tensor([sources, destinations], device=self.mask.device)
         for pair in self.pairs:
-            pair[:, dst, :, lo:hi] = pair[:, src, :, lo:hi]
-        self.mask[dst] = self.mask[src]
+            pair[:, index[1], :, lo:hi] = pair[:, index[0], :, lo:hi]
+        self.mask[index[1]] = self.mask[index[0]]
 
     def clear(self) -> None:
         self.slots = 0
@@ -654,17 +657,30 @@ class EmbeddedEngine(Engine):
         freed = set(slots)
         holes = sorted(slot for slot in freed if slot < keep)
         movers = [slot for slot in range(keep, len(self._running)) if slot not in freed]
+        if movers:
+            self._store.move(movers, holes)
         for source, hole in zip(movers, holes, strict=True):
-            self._store.move(source, hole)
             self._running[hole] = self._running[source]
         del self._running[keep:]
         self._store.slots -= len(slots)
         self._narrow_window()
-        for r, reason in finished:  # settled once the engine's state no longer holds them
-            self._settle_output(r, reason)
+        self._settle_outputs(finished)  # once the engine's state no longer holds them
+
+    def _settle_outputs(self, finished: list[tuple[_Request, dict]]) -> None:
+        """Resolve the requests' futures with their outputs: one call into each event loop (a
+        wave's rows wake their loop once, not once per row)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for req, reason in finished:
+            by_loop.setdefault(req.loop, []).append((req.future, self._output(req, reason), None))
+        for loop, settled in by_loop.items():
+            _call_soon(loop, _settle_all, settled)
 
     def _settle_output(self, req: _Request, reason: dict) -> None:
         """Resolve ``req``'s future with its output (on its event loop)."""
+        _call_soon(req.loop, _settle, req.future, self._output(req, reason), None)
+
+    def _output(self, req: _Request, reason: dict) -> GenerateOutput:
+        """``req``'s answer, counted in the stats."""
         out = GenerateOutput(
             output_ids=req.out_ids,
             output_logprobs=req.out_lp,
@@ -676,7 +692,7 @@ class EmbeddedEngine(Engine):
         )
         self.stats["finished"] += 1
         self.stats[f"finish_{reason['type']}"] += 1
-        _call_soon(req.loop, _settle, req.future, out, None)
+        return out
 
     def _loop(self):
         torch.set_grad_enabled(False)
@@ -1271,6 +1287,11 @@ def _call_soon(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
     except RuntimeError:  # "Event loop is closed" (also when it closes between a check and the call)
         if not loop.is_closed():
             raise
+
+
+def _settle_all(settled: list[tuple[asyncio.Future, Any, BaseException | None]]) -> None:
+    for fut, res, err in settled:
+        _settle(fut, res, err)
 
 
 def _settle(fut: asyncio.Future, res, err):
