@@ -22,8 +22,8 @@ from helpers import ROOT, grouped, lean_bf16_errors, logged_steps, one_at_a_time
 from tiny import tiny_model
 
 from rl2gem.algorithms.losses import importance_weights, packed_loss_weights, policy_loss
+from rl2gem.devices import to_device
 from rl2gem.parallel.attention import enable_attention, flash_attn_available
-from rl2gem.parallel.packing import to_device
 from rl2gem.training import token_logprobs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -260,8 +260,8 @@ def test_the_prefix_cache_pool_on_cuda_reads_back_the_rows_it_kept():
         cache.keep(pairs, rows)
         assert cache.size <= 200 and cache.pool[0].device.type == "cuda"
         for tokens in list(cache._entries):
-            length, positions = cache.lookup(list(tokens) + [99])
-            index = torch.from_numpy(positions).to(CUDA)
+            length, key = cache.lookup(list(tokens) + [99])
+            index = torch.from_numpy(cache.use(key, length)).to(CUDA)
             assert length == len(tokens)
             for layer in range(2):
                 assert torch.equal(cache.read(layer, index), truth[tokens][layer])
@@ -359,6 +359,46 @@ def test_engine_decode_graphs_equal_the_windowed_decode(decode_steps, kept_kv_by
     assert graph_tokens == window_tokens
     for a, b in zip(graph_logprobs, window_logprobs, strict=True):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=1e-4)
+
+
+def test_the_hand_out_of_an_overlapped_round_never_waits_for_the_gpu():
+    """With ``decode_overlap`` the next round runs on the GPU while the host hands out the last
+    one's tokens and finishes the rows that stopped (their KV kept in the prefix cache, the rows
+    that go on moved into freed slots, given-back columns cleared): nothing there synchronises
+    with the device (``torch.cuda.set_sync_debug_mode("error")`` raises on a copy from pageable
+    memory, a ``nonzero`` or an ``item``), so that work overlaps the round. Rows stop at random
+    steps (a tenth of the vocabulary are stop tokens, seeded sampling)."""
+    from rl2gem.rollout.engines.embedded import EmbeddedEngine
+
+    model = tiny_model().float().to(CUDA)
+    prompts = [list(range(10, 10 + n)) for n in (7, 19, 3, 30, 11, 11, 5, 23, 9, 14, 2, 17)]
+    stops = list(range(0, model.config.vocab_size, 10))
+
+    async def run():
+        engine = EmbeddedEngine(model, None, max_batch_size=12, decode_overlap=True)
+        hand_out, finishes = engine._hand_out, []
+
+        def strict(reqs, tokens, logprobs, ahead=0):
+            finishes.append(ahead)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                hand_out(reqs, tokens, logprobs, ahead)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        engine._hand_out = strict
+        params = [
+            {"temperature": 8.0, "max_new_tokens": 40, "stop_token_ids": stops, "sampling_seed": i}
+            for i in range(len(prompts))
+        ]
+        outs = await asyncio.gather(*(engine.generate(p, q) for p, q in zip(prompts, params, strict=True)))
+        stats = dict(engine.stats)
+        await engine.close()
+        return outs, stats, finishes
+
+    outs, stats, finishes = asyncio.run(run())
+    assert all(o.finish_reason["type"] in ("stop", "length") for o in outs), [o.finish_reason for o in outs]
+    assert stats["finish_stop"] >= 6 and stats["decode_rounds_ahead"] > 0 and any(finishes)
 
 
 def write_data(folder):

@@ -19,6 +19,7 @@ LAYERS = [
         "foundations",
         [
             "rl2gem._lazy",
+            "rl2gem.devices",
             "rl2gem.aio",
             "rl2gem.procs",
             "rl2gem.openmp",

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from rl2gem.algorithms import DPO_LOSS_TYPES, dpo_loss
 from rl2gem.config import ConfigError
 from rl2gem.data import load_preferences
+from rl2gem.devices import to_device
 from rl2gem.parallel.packing import plan_pair_micro_batches
 from rl2gem.procs import run_main
 from rl2gem.training.forward import (
@@ -38,7 +39,6 @@ from rl2gem.training.forward import (
     check_attention,
     check_packing,
     sequence_sums,
-    to_device,
     token_logprobs,
 )
 from rl2gem.training.metrics import Averager

@@ -48,7 +48,8 @@ from rl2gem.algorithms import (
     policy_loss,
     value_loss,
 )
-from rl2gem.parallel.packing import MicroBatch, plan_minibatches, regroup_scores, to_device, tree_size
+from rl2gem.devices import to_device
+from rl2gem.parallel.packing import MicroBatch, plan_minibatches, regroup_scores, tree_size
 from rl2gem.procs import run_main
 from rl2gem.training.forward import token_logprobs, token_values
 from rl2gem.training.metrics import Averager, reduce_mean, throughput_metrics, train_flops

@@ -29,7 +29,8 @@ import torch.distributed as dist
 from rl2gem.algorithms import LOSS_AGGREGATIONS, packed_loss_weights
 from rl2gem.config import ConfigError
 from rl2gem.data import load_conversations
-from rl2gem.parallel.packing import plan_micro_batches, to_device
+from rl2gem.devices import to_device
+from rl2gem.parallel.packing import plan_micro_batches
 from rl2gem.procs import run_main
 from rl2gem.rollout.tito import ChatRenderer
 from rl2gem.training.forward import check_actor, check_attention, token_logprobs

@@ -56,7 +56,6 @@ __all__ = [
     "plan_micro_batches",
     "plan_pair_micro_batches",
     "regroup_scores",
-    "to_device",
 ]
 
 
@@ -476,13 +475,3 @@ def plan_pair_micro_batches(
     else:
         sizes = [len(chosen) + len(rejected) for chosen, rejected in pairs]
     return plan_micro_batches(sizes, dp_rank, dp_size, max_tokens)
-
-
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``tensor`` (on the host) on ``device``: through pinned memory and without waiting on CUDA,
-    a plain copy elsewhere. A copy from pageable memory (``torch.tensor(values, device="cuda")``,
-    ``.to("cuda")``) first waits for the stream's queued work, so one made after a forward stops
-    the host from queueing the backward until the GPU is done."""
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)

@@ -38,9 +38,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from rl2gem.devices import to_device
 from rl2gem.models import not_full_causal_attention
 from rl2gem.parallel.block_attention import switch_attention
-from rl2gem.parallel.packing import to_device
 
 __all__ = [
     "ZigZagLayout",

@@ -24,9 +24,10 @@ import torch
 import torch.distributed as dist
 
 from rl2gem.algorithms import entropy_from_logits
+from rl2gem.devices import to_device
 from rl2gem.models import resolve_dtype, resolve_master_dtype
 from rl2gem.parallel.attention import IMPLEMENTATIONS, attention_mask, reads_sequence_boundaries, resolve_attention
-from rl2gem.parallel.packing import packed_batch, to_device, tree_batch
+from rl2gem.parallel.packing import packed_batch, tree_batch
 from rl2gem.parallel.ring_attention import gather_sequence_parallel, ring_context, zigzag_layout
 from rl2gem.parallel.tensor_parallel import vocab_parallel_logprobs
 from rl2gem.training.metrics import SavedTensorBytes, simulated_memory_bytes

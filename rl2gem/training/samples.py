@@ -20,7 +20,7 @@ from rl2gem.algorithms import (
     kl_estimate,
     turn_rloo,
 )
-from rl2gem.parallel.packing import to_device
+from rl2gem.devices import to_device
 from rl2gem.rewards.objectives import FILTERED_REWARD, apply_objectives
 from rl2gem.rollout.rollout import reward_metrics
 

@@ -340,7 +340,7 @@ def test_a_wave_finishing_together_dispatches_as_many_tensor_operations_for_8_ro
     each operation is a kernel launch or more: one copy per row and layer was host time the device
     waited for), so finishing dispatches the same operations for 8 rows as for 2; every row's next
     turn is then served from the cache with the tokens of an engine without one."""
-    params = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+    params = {"max_new_tokens": 5, "temperature": 8.0, "ignore_eos": True, "sampling_seed": 3}  # reads every key
 
     async def main(rows, cache_tokens):
         prompts = [PROMPTS[i] + [500 + i] * 8 for i in range(rows)]
@@ -368,6 +368,9 @@ def test_a_wave_finishing_together_dispatches_as_many_tensor_operations_for_8_ro
         turns = [p + o.output_ids + [900] for p, o in zip(prompts, first, strict=True)]
         second = await asyncio.gather(*(eng.generate(t, params) for t in turns))
         await eng.close()
+        for turn, out in zip(turns, second, strict=True):  # the next turn read the cached keys right
+            expected = teacher_logprobs(model, turn, out.output_ids, 8.0)
+            assert torch.allclose(torch.tensor(out.output_logprobs), expected, atol=1e-4)
         return counts[0], [o.output_ids for o in first + second], [o.meta["cached_tokens"] for o in second], turns
 
     operations = {}
@@ -383,7 +386,7 @@ def test_a_wave_finishing_together_dispatches_as_many_tensor_operations_for_8_ro
 def test_the_prefix_cache_keeps_the_newest_turns_within_its_budget(model):
     """A budget that holds about two finished episodes: the next turn of the newest is served
     from the cache, that of the oldest prefills again; tokens equal an engine without a cache."""
-    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    params = {"max_new_tokens": 6, "temperature": 8.0, "ignore_eos": True, "sampling_seed": 5}
     prompts = [PROMPTS[9] + [600 + i] * 10 for i in range(3)]  # 20 tokens each, 26 with the answer
 
     async def main(cache_tokens):
@@ -393,12 +396,54 @@ def test_the_prefix_cache_keeps_the_newest_turns_within_its_budget(model):
         newest = await eng.generate(turns[2], params)
         oldest = await eng.generate(turns[0], params)
         await eng.close()
+        for turn, out in ((turns[2], newest), (turns[0], oldest)):
+            expected = teacher_logprobs(model, turn, out.output_ids, 8.0)
+            assert torch.allclose(torch.tensor(out.output_logprobs), expected, atol=1e-4)
         return newest, oldest
 
     newest, oldest = run(main(60))
     plain_newest, plain_oldest = run(main(0))
     assert newest.meta["cached_tokens"] == 26 and oldest.meta["cached_tokens"] < 26
     assert newest.output_ids == plain_newest.output_ids and oldest.output_ids == plain_oldest.output_ids
+
+
+def test_a_prompt_extending_a_running_row_s_prompt_reads_that_row_s_keys(model, monkeypatch):
+    """A request whose prompt extends that of a row still decoding (a GRPO group's later request)
+    takes its prefix from the running row's columns, after that row moved to another slot, in the
+    same prefill as a request served from the prefix cache (the two sources gathered apart):
+    both requests' sampled log-probs equal teacher forcing."""
+    from rl2gem.rollout.engines.embedded import _KVStore
+
+    moves, move = [], _KVStore.move
+    monkeypatch.setattr(_KVStore, "move", lambda self, *rows: moves.append(rows) or move(self, *rows))
+    params = {"max_new_tokens": 6, "temperature": 8.0, "ignore_eos": True, "sampling_seed": 7}
+    shared = PROMPTS[9] + [700] * 6  # 15 tokens
+    first_prompt = PROMPTS[8] + [800] * 20  # the longer prompt: the first slot, its row finishes first
+
+    async def main():
+        eng = EmbeddedEngine(model)
+        short = asyncio.ensure_future(eng.generate(first_prompt, {**params, "max_new_tokens": 2}))
+        long = asyncio.ensure_future(eng.generate(shared, {**params, "max_new_tokens": 60}))
+        first = await short  # its slot freed: the long row moved into it, its KV in the cache
+        await eng.pause("in_place")  # both queued, then admitted in one prefill
+        # two new tokens after the running row's prompt; one after the cached sequence: the rows
+        # with more new tokens come first, so the running row's prefix precedes the cached one
+        requests = [shared + [701, 702], first_prompt + first.output_ids]
+        tasks = [asyncio.ensure_future(eng.generate(r, params)) for r in requests]
+        while len(eng._waiting) < 2:
+            await asyncio.sleep(0.005)
+        await eng.resume()
+        outs = await asyncio.gather(*tasks)
+        await long
+        await eng.close()
+        return requests, outs
+
+    requests, outs = run(main())
+    assert moves == [([1], [0])]  # the long row moved before the two prompts were admitted
+    assert [o.meta["cached_tokens"] for o in outs] == [len(shared), len(requests[1]) - 1]
+    for request, out in zip(requests, outs, strict=True):
+        expected = teacher_logprobs(model, request, out.output_ids, 8.0)
+        assert torch.allclose(torch.tensor(out.output_logprobs), expected, atol=1e-4)
 
 
 def test_a_groups_identical_prompts_are_prefilled_once(model):
@@ -429,9 +474,11 @@ def test_a_prefix_shared_by_different_prompts_is_prefilled_once(model):
 
     async def main(cache_tokens):
         eng = EmbeddedEngine(model, prefix_cache_tokens=cache_tokens)
-        params = {"max_new_tokens": 8, "ignore_eos": True, "temperature": 0}
+        # seeded at temperature 8: the tokens and log-probs read every cached key (greedy tokens
+        # of this model would not notice wrong ones)
+        params = [{"max_new_tokens": 8, "ignore_eos": True, "temperature": 8.0, "sampling_seed": i} for i in range(6)]
         await eng.pause("in_place")  # all six queued, then admitted in one prefill
-        tasks = [asyncio.ensure_future(eng.generate(p, params)) for p in prompts]
+        tasks = [asyncio.ensure_future(eng.generate(p, q)) for p, q in zip(prompts, params, strict=True)]
         while len(eng._waiting) < len(prompts):
             await asyncio.sleep(0.005)
         await eng.resume()
@@ -451,7 +498,8 @@ def test_a_prefix_shared_by_different_prompts_is_prefilled_once(model):
     assert stats["cached_tokens"] == len(prompts) * len(system)
     assert [o.output_ids for o in outs] == [o.output_ids for o in plain]
     for o, p in zip(outs, prompts, strict=True):
-        assert torch.allclose(torch.tensor(o.output_logprobs), teacher_logprobs(model, p, o.output_ids), atol=1e-4)
+        expected = teacher_logprobs(model, p, o.output_ids, 8.0)
+        assert torch.allclose(torch.tensor(o.output_logprobs), expected, atol=1e-4)
 
 
 def test_state_dict_restores_unseeded_sampling(model):

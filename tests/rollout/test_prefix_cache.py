@@ -107,14 +107,15 @@ def test_kept_rows_read_back_as_the_store_held_them_through_evictions_and_growth
             kept.append(tokens)
             total += len(tokens)
         order = kept[::-1]
-        assert sorted(cache._entries) == sorted(order) and cache.size == total <= 300
+        assert list(cache._entries) == order and cache.size == total <= 300  # as if kept one at a time
         assert cache.capacity <= 300
-        for tokens in order:
-            length, positions = cache.lookup(list(tokens) + [99])
-            assert length == len(tokens)
-            for got, want in zip(read_all(cache, positions), truth[tokens], strict=True):
+        for tokens in rng.permutation(len(order)).tolist():  # used in a random order
+            length, key = cache.lookup(list(order[tokens]) + [99])
+            assert length == len(order[tokens]) and key == order[tokens]
+            for got, want in zip(read_all(cache, cache.use(key, length)), truth[key], strict=True):
                 torch.testing.assert_close(got, want, rtol=0, atol=0)
-        order = list(cache._entries)  # the lookups made them the most recent, in this order
+            order = [held for held in order if held != key] + [key]
+        assert list(cache._entries) == order  # each use made its sequence the most recent
 
 
 def test_a_batch_keeps_its_newest_rows_and_skips_those_it_would_evict_at_once():
@@ -134,6 +135,11 @@ def test_a_batch_keeps_its_newest_rows_and_skips_those_it_would_evict_at_once():
     assert list(cache._entries) == [(9, 9, 9, 9), (4, 4, 4, 4)]
     cache.keep(pairs, [((3, 3, 3, 3), 1, columns), ((2, 2, 2, 2), 2, columns), ((3, 3, 3, 3), 1, columns)])
     assert list(cache._entries) == [(2, 2, 2, 2), (3, 3, 3, 3)]  # a batch's repeated row counts where it comes last
+    cache.keep(pairs, [((1, 1), 0, columns[:2])])
+    # six and five tokens overflow the budget: the five stay, and everything before them goes,
+    # the held (3, 3, 3, 3) kept in the middle of the batch included, as one row at a time would
+    cache.keep(pairs, [((3, 3, 3, 3), 1, columns), ((6,) * 6, 0, np.arange(6)), ((5,) * 5, 1, np.arange(5))])
+    assert list(cache._entries) == [(5,) * 5] and cache.size == 5
 
 
 def test_clear_keeps_the_pool_and_release_frees_it():

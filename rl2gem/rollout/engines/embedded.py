@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rl2gem.devices import to_device
 from rl2gem.openmp import release_thread_team
 from rl2gem.rollout.engines.base import Engine, EngineError, GenerateOutput, SamplingParams
 from rl2gem.rollout.engines.cuda_graphs import DecodeGraphs
@@ -181,7 +182,7 @@ class _KVStore:
         """Copy the window of rows ``sources`` into rows ``destinations`` (disjoint): one indexed
         copy per layer and one of the mask, whatever the number of rows."""
         lo, hi = self.lo, self.hi
-        index = torch.tensor([sources, destinations], device=self.mask.device)
+        index = to_device(torch.tensor([sources, destinations]), self.mask.device)
         for pair in self.pairs:
             pair[:, index[1], :, lo:hi] = pair[:, index[0], :, lo:hi]
         self.mask[index[1]] = self.mask[index[0]]
@@ -651,8 +652,6 @@ class EmbeddedEngine(Engine):
         position = {id(r): slot for slot, r in enumerate(self._running)}  # not list.index per row
         slots = [position[id(r)] for r, _ in finished]
         self._save_prefixes([(r, slot) for (r, _), slot in zip(finished, slots, strict=True)])
-        for r, _ in finished:
-            self._running_prompts.remove(r)
         keep = len(self._running) - len(slots)
         freed = set(slots)
         holes = sorted(slot for slot in freed if slot < keep)
@@ -662,6 +661,8 @@ class EmbeddedEngine(Engine):
         for source, hole in zip(movers, holes, strict=True):
             self._running[hole] = self._running[source]
         del self._running[keep:]
+        for r, _ in finished:  # out of the running rows' index with them (after anything that can fail)
+            self._running_prompts.remove(r)
         self._store.slots -= len(slots)
         self._narrow_window()
         self._settle_outputs(finished)  # once the engine's state no longer holds them
@@ -832,16 +833,15 @@ class EmbeddedEngine(Engine):
         ``("cache", pool positions)`` or ``("running", slot, store columns)`` (int64 host arrays
         of ``length``), or ``(0, None)`` under ``min_prefix_match`` tokens."""
         query = ids[: len(ids) - 1]
-        length, positions = self._prefix_cache.lookup(query)
-        source = ("cache", positions)
+        length, cached = self._prefix_cache.lookup(query)
         running_length, request = self._running_prompts.longest(query)
+        if max(length, running_length) < self.min_prefix_match:
+            return 0, None
         if running_length > length:
             slot, st = self._running.index(request), self._store
             columns = np.flatnonzero(st.mask[slot, st.lo : st.hi].cpu().numpy())[:running_length] + st.lo
-            length, source = running_length, ("running", slot, columns)
-        if length < self.min_prefix_match:
-            return 0, None
-        return length, source
+            return running_length, ("running", slot, columns)
+        return length, ("cache", self._prefix_cache.use(cached, length))
 
     def _shared_stems(self, take: list[_Request], cached: list[int]) -> list[list[int]]:
         """Prefixes that two or more of ``take`` share beyond their ``cached`` tokens (independent
@@ -1021,7 +1021,7 @@ class EmbeddedEngine(Engine):
             np.repeat([slot for slot, _ in running], [len(columns) for _, columns in running]).astype(np.int64),
             np.concatenate([columns for _, columns in running] or [np.zeros(0)]),
         ]
-        flat = torch.from_numpy(np.concatenate(arrays).astype(np.int64)).to(device)
+        flat = to_device(torch.from_numpy(np.concatenate(arrays).astype(np.int64)), device)
         token_rows, token_columns, positions, running_rows, running_columns = flat.split(list(map(len, arrays)))
         for layer in range(store.num_layers):
             pieces = [self._prefix_cache.read(layer, positions)] if len(positions) else []
@@ -1075,9 +1075,10 @@ class EmbeddedEngine(Engine):
             finished.append((r, reason))
         if given_back:  # their mask cleared: one write per count of columns, not per row
             slots = {id(running): i for i, running in enumerate(self._running)}
-            hi = self._store.hi
-            for overrun, stopped in given_back.items():
-                self._store.mask[[slots[id(r)] for r in stopped], hi - overrun : hi] = False
+            hi, device = self._store.hi, self._store.mask.device
+            for overrun, stopped in given_back.items():  # indexes copied without waiting for a launched round
+                rows = to_device(torch.tensor([slots[id(r)] for r in stopped]), device)
+                self._store.mask[rows, hi - overrun : hi] = False
         if finished:
             self._finish_rows(finished)
 

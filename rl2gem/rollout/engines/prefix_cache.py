@@ -24,6 +24,8 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 import torch
 
+from rl2gem.devices import to_device
+
 __all__ = ["PrefixCache", "TokenTrie"]
 
 
@@ -201,16 +203,19 @@ class PrefixCache:
         self.pool: list[torch.Tensor] = []
         self.clear()
 
-    def lookup(self, query: Sequence[int]) -> tuple[int, np.ndarray | None]:
-        """-> ``(length, positions)``: the longest prefix of ``query`` that a held sequence shares
-        and the pool positions of its first ``length`` tokens (int64, host; that sequence becomes
-        the most recently used), or ``(0, None)``. The positions stay valid until the next
-        :meth:`keep`, :meth:`clear` or :meth:`release`."""
+    def lookup(self, query: Sequence[int]) -> tuple[int, tuple[int, ...] | None]:
+        """-> ``(length, sequence)``: the longest prefix of ``query`` that a held sequence shares
+        and that sequence (its key for :meth:`use`), or ``(0, None)``. Nothing is refreshed: a
+        caller that discards the match (too short, a better one elsewhere) leaves the order."""
         length, tokens = self._trie.longest(query)
-        if tokens is None:
-            return 0, None
+        return (length, tokens) if tokens is not None else (0, None)
+
+    def use(self, tokens: tuple[int, ...], length: int) -> np.ndarray:
+        """The pool positions of the first ``length`` tokens of the held sequence ``tokens``
+        (int64, host), which becomes the most recently used. They stay valid until the next
+        :meth:`keep`, :meth:`clear` or :meth:`release`."""
         self._entries.move_to_end(tokens)
-        return length, self._entries[tokens][:length]
+        return self._entries[tokens][:length]
 
     def read(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
         """Layer ``layer``'s keys and values at ``positions`` (int64 ``[n]`` on the pool's device)
@@ -218,43 +223,57 @@ class PrefixCache:
         return self.pool[layer][positions]
 
     def keep(self, pairs: Sequence[torch.Tensor], rows: Sequence[tuple[tuple[int, ...], int, np.ndarray]]) -> None:
-        """Keep rows of a KV store, in order (the last is the most recently used).
+        """Keep rows of a KV store, in order: afterwards the rows' sequences are the most recently
+        used, the last row's most, as if kept one at a time.
 
         Args:
             pairs: the store's buffers, per layer ``[2, slots, kv_heads, columns, head_dim]`` on the
                 pool's device and dtype.
             rows: ``(tokens, slot, columns)``: the row ``slot`` holds ``tokens``' keys and values
-                in ``columns`` (int64 ``[len(tokens)]``, host). A sequence already held becomes
-                the most recently used (not copied again); one longer than the budget is not
-                kept; rows that later ones would evict at once are not copied.
+                in ``columns`` (int64 ``[len(tokens)]``, host). A sequence already held is not
+                copied again; one longer than the budget is not kept (nor does it evict others);
+                rows that later ones would evict at once are not copied.
         """
         if self.budget <= 0:
             return
-        new: dict[tuple[int, ...], tuple[int, np.ndarray]] = {}
+        batch: dict[tuple[int, ...], tuple[int, np.ndarray] | None] = {}  # None: held already
         for tokens, slot, columns in rows:
-            if tokens in self._entries:
-                self._entries.move_to_end(tokens)
-            elif len(tokens) <= self.budget:
-                new.pop(tokens, None)  # the later row of the same tokens is the more recent
-                new[tokens] = (slot, columns)
-        chosen, total = [], 0
-        for tokens in reversed(new):  # the newest that fit the budget together
+            if len(tokens) <= self.budget:
+                batch.pop(tokens, None)  # where it comes last counts
+                batch[tokens] = None if tokens in self._entries else (slot, columns)
+        kept, total = [], 0
+        for tokens in reversed(batch):  # the newest that fit the budget together
             if total + len(tokens) > self.budget:
                 break
-            chosen.append(tokens)
+            kept.append(tokens)
             total += len(tokens)
-        if not chosen:
-            return
-        chosen.reverse()
-        while self.size + total > self.budget:
-            self._evict()
-        positions = self._allocate(total)
+        kept.reverse()
+        if len(kept) < len(batch):  # the batch alone fills the budget: everything older goes
+            for tokens in [held for held in self._entries if held not in kept]:
+                self._evict(tokens)
+        for tokens in kept:  # held ones behind every sequence the batch leaves out
+            if batch[tokens] is None:
+                self._entries.move_to_end(tokens)
+        chosen = [tokens for tokens in kept if batch[tokens] is not None]
+        if chosen:
+            self._copy(pairs, chosen, [batch[tokens] for tokens in chosen])
+        for tokens in kept:  # the batch's order
+            self._entries.move_to_end(tokens)
+
+    def _copy(self, pairs: Sequence[torch.Tensor], chosen: list[tuple[int, ...]], rows: list) -> None:
+        """Copy the store rows ``rows`` (``(slot, columns)``) of the new sequences ``chosen`` into
+        the pool, after evicting the least recently used sequences they need room from: one
+        host-to-device copy of the indexes, one gather and one scatter per layer."""
         lengths = [len(tokens) for tokens in chosen]
+        total = sum(lengths)
+        while self.size + total > self.budget:
+            self._evict(next(iter(self._entries)))
+        positions = self._allocate(total)
         index = np.empty((3, total), dtype=np.int64)  # pool positions, store rows, store columns
         index[0] = positions
-        index[1] = np.repeat([new[tokens][0] for tokens in chosen], lengths)
-        index[2] = np.concatenate([new[tokens][1] for tokens in chosen])
-        on_device = torch.from_numpy(index).to(self.device, non_blocking=True)
+        index[1] = np.repeat([slot for slot, _ in rows], lengths)
+        index[2] = np.concatenate([columns for _, columns in rows])
+        on_device = to_device(torch.from_numpy(index), self.device)  # not waiting for a launched round
         for layer, pair in enumerate(pairs):  # the two index tensors apart: [tokens, 2, kv_heads, d]
             self.pool[layer][on_device[0]] = pair[:, on_device[1], :, on_device[2]]
         start = 0
@@ -264,8 +283,8 @@ class PrefixCache:
             start += length
         self.size += total
 
-    def _evict(self) -> None:
-        tokens, positions = self._entries.popitem(last=False)
+    def _evict(self, tokens: tuple[int, ...]) -> None:
+        positions = self._entries.pop(tokens)
         self._trie.remove(tokens)
         self._free = np.concatenate([self._free, positions])
         self.size -= len(tokens)
