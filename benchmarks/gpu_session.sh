@@ -13,8 +13,8 @@
 # installs .whl/ into /tmp/site, makes the tree importable as the package (envs/ and trainers/
 # linked into rl2gem/, as the editable install maps them), then runs `pytest -m gpu` (in
 # parallel, TEST_WORKERS processes, at most TEST_SECONDS; 0 skips them; TEST_FILTER: pytest's -k
-# expression, default all) and benchmarks/gpu.py (at
-# most BENCH_SECONDS), logs under $OUT (the device tool's folder) or gpu-logs/ (a failed trainer
+# expression, default all), benchmarks/engine_host.py when HOST_SECONDS is set (at most that), and
+# benchmarks/gpu.py (at most BENCH_SECONDS), logs under $OUT (the device tool's folder) or gpu-logs/ (a failed trainer
 # run's whole output in failures.log); exits non-zero if either failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -79,6 +79,9 @@ AutoTokenizer.from_pretrained(resolve_model('smollm2-135m-instruct')).save_pretr
         | tee "$out/pytest-gpu.log"
       tests=${PIPESTATUS[0]}
       stop_leftovers
+    fi
+    if [ "${HOST_SECONDS:-0}" != 0 ]; then  # the engine's host work at admission and a wave's end
+      timeout "$HOST_SECONDS" "$PYTHON" benchmarks/engine_host.py 2>&1 | tee "$out/engine-host.log"
     fi
     timeout "${BENCH_SECONDS:-3000}" "$PYTHON" benchmarks/gpu.py --tokenizer "$PWD/.tok" "$@" 2>&1 \
       | tee -a "$out/gpu-benchmark.log"

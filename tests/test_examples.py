@@ -187,6 +187,15 @@ def test_sandbox_benchmark_smoke():
     assert latency == ["pool", "session, next call", "session, first call", "fresh"]
 
 
+def test_engine_host_benchmark_smoke():
+    """The engine's host-work benchmark at 32 rows: its table, the cache serving every row's
+    prompt but the last token, and a wave's end dispatching fewer tensor operations than rows."""
+    stdout = run("benchmarks/engine_host.py", "--rows", "32", "--group", "1", "--repeat", "1", "--device", "cpu")
+    figures = dict(re.findall(r"^\| ([a-z ]+) \| ([\d.]+) \|", stdout, re.M))
+    assert set(figures) == {"admit ms per row", "wave end ms per row", "wave end ops", "cached tokens per row"}
+    assert float(figures["cached tokens per row"]) == 99.0 and float(figures["wave end ops"]) < 32
+
+
 def readme_blocks(lang):
     return re.findall(rf"```{lang}\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
 

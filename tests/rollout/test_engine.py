@@ -422,17 +422,27 @@ def test_a_prompt_extending_a_running_row_s_prompt_reads_that_row_s_keys(model, 
 
     async def main():
         eng = EmbeddedEngine(model)
+        finish_rows = eng._finish_rows
+
+        def finish_then_pause(finished):  # on the engine thread: the long row waits after the short one
+            finish_rows(finished)
+            eng._paused = eng._paused or any(r.input_ids == first_prompt for r, _ in finished)
+
+        eng._finish_rows = finish_then_pause
+        await eng.pause("in_place")  # both admitted in one prefill: the short one in the first slot
         short = asyncio.ensure_future(eng.generate(first_prompt, {**params, "max_new_tokens": 2}))
         long = asyncio.ensure_future(eng.generate(shared, {**params, "max_new_tokens": 60}))
+        while len(eng._waiting) < 2:
+            await asyncio.sleep(0.005)
+        await eng.resume()
         first = await short  # its slot freed: the long row moved into it, its KV in the cache
-        await eng.pause("in_place")  # both queued, then admitted in one prefill
         # two new tokens after the running row's prompt; one after the cached sequence: the rows
         # with more new tokens come first, so the running row's prefix precedes the cached one
         requests = [shared + [701, 702], first_prompt + first.output_ids]
         tasks = [asyncio.ensure_future(eng.generate(r, params)) for r in requests]
         while len(eng._waiting) < 2:
             await asyncio.sleep(0.005)
-        await eng.resume()
+        await eng.resume()  # both admitted in one prefill, the long row still running
         outs = await asyncio.gather(*tasks)
         await long
         await eng.close()
