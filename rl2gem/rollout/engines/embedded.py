@@ -1077,8 +1077,8 @@ class EmbeddedEngine(Engine):
             slots = {id(running): i for i, running in enumerate(self._running)}
             hi, device = self._store.hi, self._store.mask.device
             for overrun, stopped in given_back.items():  # indexes copied without waiting for a launched round
-                rows = to_device(torch.tensor([slots[id(r)] for r in stopped]), device)
-                self._store.mask[rows, hi - overrun : hi] = False
+                stopped_slots = to_device(torch.tensor([slots[id(r)] for r in stopped]), device)
+                self._store.mask[stopped_slots, hi - overrun : hi] = False
         if finished:
             self._finish_rows(finished)
 

@@ -249,7 +249,8 @@ class PrefixCache:
             total += len(tokens)
         kept.reverse()
         if len(kept) < len(batch):  # the batch alone fills the budget: everything older goes
-            for tokens in [held for held in self._entries if held not in kept]:
+            keeping = set(kept)
+            for tokens in [held for held in self._entries if held not in keeping]:
                 self._evict(tokens)
         for tokens in kept:  # held ones behind every sequence the batch leaves out
             if batch[tokens] is None:
