@@ -27,22 +27,10 @@ import time
 
 import numpy as np
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from rl2gem.devices import OperationCounter
 from rl2gem.rollout import EmbeddedEngine
-
-
-class _CountOps(TorchDispatchMode):
-    """Counts the ATen operations dispatched in the entering thread."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def tiny_model(device: str) -> LlamaForCausalLM:
@@ -72,7 +60,7 @@ def measure(args) -> dict[str, list[float]]:
     finish_rows = engine._finish_rows
 
     def timed_finish(finished):
-        with _CountOps() as ops:
+        with OperationCounter() as ops:
             start = time.perf_counter()
             finish_rows(finished)
             wave_end.append((len(finished), time.perf_counter() - start, ops.count))

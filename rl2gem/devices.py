@@ -1,10 +1,12 @@
-"""Host-to-device copies that do not wait for the device."""
+"""Host-to-device copies that do not wait for the device, and a count of the tensor operations a
+piece of code dispatches (each a kernel launch or more on a GPU: host time the device may wait for)."""
 
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["to_device"]
+__all__ = ["OperationCounter", "to_device"]
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -17,3 +19,16 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
+
+
+class OperationCounter(TorchDispatchMode):
+    """``with OperationCounter() as counter:``: ``counter.count`` is the number of ATen operations
+    dispatched in the entering thread inside the block (views included), on any device."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))

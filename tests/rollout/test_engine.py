@@ -4,8 +4,8 @@ import time
 import pytest
 import torch
 from tiny import tiny_model
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from rl2gem.devices import OperationCounter
 from rl2gem.rollout.engines import embedded
 from rl2gem.rollout.engines.base import SamplingParams
 from rl2gem.rollout.engines.embedded import EmbeddedEngine
@@ -323,18 +323,6 @@ def test_prefix_cache_serves_the_next_turn_with_identical_results(model):
     assert b.output_ids == greedy[0, len(turn2) :].tolist()
 
 
-class _CountOps(TorchDispatchMode):
-    """Counts the tensor operations dispatched in the thread that enters it."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_a_wave_finishing_together_dispatches_as_many_tensor_operations_for_8_rows_as_for_2(model):
     """The rows of a wave that end together go to the prefix cache in one copy per layer (on a GPU
     each operation is a kernel launch or more: one copy per row and layer was host time the device
@@ -352,7 +340,7 @@ def test_a_wave_finishing_together_dispatches_as_many_tensor_operations_for_8_ro
             wakeups = []
             embedded._call_soon = lambda *args: wakeups.append(args) or call_soon(*args)
             try:
-                with _CountOps() as ops:
+                with OperationCounter() as ops:
                     finish_rows(finished)
             finally:
                 embedded._call_soon = call_soon
