@@ -561,10 +561,11 @@ def test_four_steps_per_round_stop_at_the_context_and_length_limits(tokenizer):
 @pytest.mark.parametrize("kept_kv_bytes", [0, 1 << 30])
 def test_rollouts_after_the_first_reuse_the_store_and_its_steps(tokenizer, monkeypatch, kept_kv_bytes):
     """Three rollouts of two-turn episodes, each followed by what a trainer does (release the
-    memory, update the weights in place): with a store under ``kept_kv_bytes`` the buffers and the
-    built steps survive, so the later rollouts allocate and build (capture, on CUDA) nothing; freed,
-    each later rollout allocates once, at the size the previous one needed. Tokens and
-    log-probabilities equal those of a windowed engine built afresh with each rollout's weights."""
+    memory, update the weights in place): with a store under ``kept_kv_bytes`` the buffers, the
+    prefix cache's pool and the built steps survive, so the later rollouts allocate and build
+    (capture, on CUDA) nothing; freed, each later rollout allocates each once, at the size the
+    previous one needed. Tokens and log-probabilities equal those of a windowed engine built afresh
+    with each rollout's weights (so no key cached under older weights is read)."""
     model = build("llama", vocab_size=tokenizer.vocab_size)
     updates = [
         {name: p.detach() * scale for name, p in model.named_parameters() if name.endswith("mlp.up_proj.weight")}
@@ -598,16 +599,17 @@ def test_rollouts_after_the_first_reuse_the_store_and_its_steps(tokenizer, monke
             decode_steps=4,
             kept_kv_bytes=kept_kv_bytes,
         )
-        outs, allocations, builds = [], [], []
+        outs, allocations, builds, pools = [], [], [], []
         for index, update in enumerate(updates):
             await engine.update_weights(update)
-            before = engine.stats["kv_allocations"], len(built)
+            before = engine.stats["kv_allocations"], len(built), engine._prefix_cache.allocations
             outs.append(await rollout(engine, 100 * index))
             allocations.append(engine.stats["kv_allocations"] - before[0])
             builds.append(len(built) - before[1])
+            pools.append((engine._prefix_cache.allocations - before[2], engine._prefix_cache.capacity))
             await engine.release_memory()
         await engine.close()
-        return outs, allocations, builds
+        return outs, allocations, builds, pools
 
     async def fresh_engine(update, seed):
         engine = EmbeddedEngine(build("llama", vocab_size=tokenizer.vocab_size))
@@ -616,14 +618,17 @@ def test_rollouts_after_the_first_reuse_the_store_and_its_steps(tokenizer, monke
         await engine.close()
         return out
 
-    outs, allocations, builds = asyncio.run(kept_engine())
+    outs, allocations, builds, pools = asyncio.run(kept_engine())
     for index, update in enumerate(updates):
         expected = asyncio.run(fresh_engine(update, 100 * index))
         assert [tokens for tokens, _ in outs[index]] == [tokens for tokens, _ in expected]
         for (_, a), (_, b) in zip(outs[index], expected, strict=True):
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=1e-4)
     assert allocations[0] >= 2 and builds[0] >= 2  # the second turn's longer window re-allocates
+    assert pools[0][0] >= 2 and pools[1][1] == pools[2][1] == pools[0][1]  # the pool grew in the first
     if kept_kv_bytes:
         assert allocations[1:] == [0, 0] and builds[1:] == [0, 0]
+        assert [count for count, _ in pools[1:]] == [0, 0]
     else:
         assert allocations[1:] == [1, 1] and all(count >= 1 for count in builds[1:])
+        assert [count for count, _ in pools[1:]] == [1, 1]

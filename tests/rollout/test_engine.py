@@ -371,6 +371,42 @@ def test_a_wave_finishing_together_dispatches_as_many_tensor_operations_for_8_ro
     assert operations[2] == operations[8], operations
 
 
+def test_streams_get_a_round_s_tokens_in_one_wake_up_of_their_loop(model, monkeypatch):
+    """Four requests streamed at once, four decode steps per round: each round's tokens reach the
+    event loop in one call (one wake-up per token and row before, 16 per round), as the rounds
+    go (more calls than one), every token once, in order, before the answer that repeats them."""
+    calls, call_soon = [], embedded._call_soon
+    monkeypatch.setattr(embedded, "_call_soon", lambda *args: calls.append(args[1]) or call_soon(*args))
+    params = {"max_new_tokens": 13, "temperature": 8.0, "ignore_eos": True}
+
+    async def consume(stream):
+        return [item async for item in stream]
+
+    async def main():
+        eng = EmbeddedEngine(model, decode_graphs=True, decode_steps=4)
+        await eng.pause("in_place")  # admitted together: one wave of rounds
+        tasks = [asyncio.ensure_future(consume(eng.generate_stream(PROMPTS[i], params))) for i in range(4)]
+        while len(eng._waiting) < 4:
+            await asyncio.sleep(0.005)
+        await eng.resume()
+        streams = await asyncio.gather(*tasks)
+        stats = await eng.settled_stats()
+        await eng.close()
+        return streams, stats
+
+    streams, stats = run(main())
+    for prompt, items in zip(PROMPTS, streams, strict=False):
+        out = items[-1]
+        assert [token for token, _ in items[:-1]] == out.output_ids and len(out.output_ids) == 13
+        assert [logprob for _, logprob in items[:-1]] == out.output_logprobs
+        assert torch.allclose(
+            torch.tensor(out.output_logprobs), teacher_logprobs(model, prompt, out.output_ids, 8.0), atol=1e-4
+        )
+    stream_calls = sum(callback is embedded._stream_all for callback in calls)
+    # the prefill's first tokens, then 12 tokens in rounds of 4 steps
+    assert stats["decode_rounds"] == 3 and stream_calls == 1 + stats["decode_rounds"], (stream_calls, stats)
+
+
 def test_the_prefix_cache_keeps_the_newest_turns_within_its_budget(model):
     """A budget that holds about two finished episodes: the next turn of the newest is served
     from the cache, that of the oldest prefills again; tokens equal an engine without a cache."""

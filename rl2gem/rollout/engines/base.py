@@ -213,7 +213,8 @@ class Engine(abc.ABC):
         """:meth:`generate`, streamed: yields ``(token_id, logprob)`` as tokens are sampled, then
         the :class:`GenerateOutput`. This default yields every token once the completion is done
         (an engine without token streaming, e.g. a remote server behind ``/generate``);
-        :class:`~rl2gem.rollout.engines.embedded.EmbeddedEngine` yields each as it decodes it.
+        :class:`~rl2gem.rollout.engines.embedded.EmbeddedEngine` yields each decode round's tokens as
+        the round ends.
 
         Raises:
             as :meth:`generate`.

@@ -271,7 +271,7 @@ class _Request:
         self.input_lp = None
         self.t_submit = time.perf_counter()
         self.version = 0
-        self.on_token = None  # called on the requester's loop with (token, logprob) as each is sampled
+        self.on_token = None  # called on the requester's loop with a round's [(token, logprob), ...]
         self.overrun = 0  # columns after its stop that a chunk of decode steps wrote (masked out)
 
 
@@ -325,8 +325,8 @@ class EmbeddedEngine(Engine):
             decode table).
         kept_kv_bytes: :meth:`release_memory` and weight updates keep the KV stores allocated
             (emptied) while they hold at most this many bytes together, and with them the
-            captured decode graphs, which a trainer's next rollout would otherwise capture again;
-            larger stores are freed. ``None``: 5% of the device's memory on CUDA (the update's
+            captured decode graphs, which a trainer's next rollout would otherwise capture again,
+            and the prefix cache's pool if it fits too; larger stores are freed. ``None``: 5% of the device's memory on CUDA (the update's
             ``actor.memory_fraction`` leaves more than that free), 0 elsewhere.
 
     Attributes:
@@ -453,14 +453,16 @@ class EmbeddedEngine(Engine):
         return await self._submit(input_ids, sampling_params, logprob_start_len, rid, None)
 
     async def generate_stream(self, input_ids, sampling_params=None, *, rid=None):
-        """Yields ``(token_id, logprob)`` as each token is sampled, then the
-        :class:`GenerateOutput` (see :meth:`Engine.generate_stream`)."""
-        queue: asyncio.Queue = asyncio.Queue()
+        """Yields ``(token_id, logprob)`` as tokens are sampled, then the :class:`GenerateOutput`
+        (see :meth:`Engine.generate_stream`): a round's tokens (``decode_steps`` on the device)
+        reach the requester's event loop together, one wake-up per round for every stream on it."""
+        queue: asyncio.Queue = asyncio.Queue()  # each round's tokens of the request as one list
         task = asyncio.ensure_future(self._submit(input_ids, sampling_params, -1, rid, queue.put_nowait))
         task.add_done_callback(lambda _: queue.put_nowait(None))
         try:
-            while (item := await queue.get()) is not None:
-                yield item
+            while (items := await queue.get()) is not None:
+                for item in items:
+                    yield item
             yield task.result()
         finally:
             if not task.done():  # the consumer stopped early: the request is cancelled (and aborted)
@@ -867,11 +869,17 @@ class EmbeddedEngine(Engine):
         next rollout allocates what it needs (a store sized for an evaluation's long episodes
         would otherwise stay for the rest of the run). ``keep_small``: KV stores that hold at
         most ``kept_kv_bytes`` together stay allocated, emptied, and so do the decode graphs that
-        read them (a weight update copies in place), so the next rollout captures none again."""
-        keep = keep_small and self._store.nbytes + self._prefill_store.nbytes <= self.kept_kv_bytes
+        read them (a weight update copies in place), so the next rollout captures none again;
+        the prefix cache's pool too, emptied, when it fits in what is left. A freed pool comes
+        back at its last capacity at once."""
+        stores = self._store.nbytes + self._prefill_store.nbytes
+        keep = keep_small and stores <= self.kept_kv_bytes
         self._store.release(keep)
         self._prefill_store.release(keep)
-        self._prefix_cache.release()
+        if keep and stores + self._prefix_cache.nbytes <= self.kept_kv_bytes:
+            self._prefix_cache.clear()  # its sequences' keys are stale after an update: only the pool stays
+        else:
+            self._prefix_cache.release()
         if self._graphs is not None and not keep:
             self._graphs.reset()
 
@@ -1047,6 +1055,7 @@ class EmbeddedEngine(Engine):
         rows, row_logprobs_all = zip(*tokens, strict=True), zip(*logprobs, strict=True)
         context_room = self.context_length + ahead + steps - 2
         given_back: dict[int, list[_Request]] = {}  # the rows that stop, by the columns they give back
+        streamed: dict[asyncio.AbstractEventLoop, list] = {}  # (on_token, the row's new tokens) per loop
         for r, row, row_logprobs in zip(reqs, rows, row_logprobs_all, strict=True):
             # the first step at which r stops: a stop token, its token budget, or the context
             # (at step k the row holds length - (steps - 1 - k) tokens)
@@ -1060,8 +1069,7 @@ class EmbeddedEngine(Engine):
             r.out_ids.extend(row)
             r.out_lp.extend(row_logprobs)
             if r.on_token is not None:
-                for item in zip(row, row_logprobs, strict=True):
-                    _call_soon(r.loop, r.on_token, item)
+                streamed.setdefault(r.loop, []).append((r.on_token, list(zip(row, row_logprobs, strict=True))))
             if end >= steps:
                 continue
             reason = (
@@ -1073,6 +1081,8 @@ class EmbeddedEngine(Engine):
                 r.overrun = overrun
                 given_back.setdefault(overrun, []).append(r)
             finished.append((r, reason))
+        for loop, items in streamed.items():  # one wake-up per loop and round, before any answer
+            _call_soon(loop, _stream_all, items)
         if given_back:  # their mask cleared: one write per count of columns, not per row
             slots = {id(running): i for i, running in enumerate(self._running)}
             hi, device = self._store.hi, self._store.mask.device
@@ -1209,8 +1219,7 @@ class EmbeddedEngine(Engine):
         order) and launch their sampled steps; the rows, the store and the stats count the steps
         at once. -> ``(reqs, steps, launched)``, or None when the graphs failed (nothing counted)."""
         st = self._store
-        st.reserve(st.slots, 0, steps, self._growth(reqs))
-        st.mask[: st.slots, st.hi] = True
+        st.reserve(st.slots, 0, steps, self._growth(reqs))  # each step masks its column in itself
         t0 = time.perf_counter()
         launched = self._launch_sample(st, reqs, steps, last, pending)
         self.stats["time_decode_forward_ms"] += 1000 * (time.perf_counter() - t0)
@@ -1288,6 +1297,12 @@ def _call_soon(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
     except RuntimeError:  # "Event loop is closed" (also when it closes between a check and the call)
         if not loop.is_closed():
             raise
+
+
+def _stream_all(streamed: list[tuple[Callable, list[tuple[int, float]]]]) -> None:
+    """Each streaming request's ``on_token`` with its ``(token, logprob)`` pairs of one round."""
+    for on_token, items in streamed:
+        on_token(items)
 
 
 def _settle_all(settled: list[tuple[asyncio.Future, Any, BaseException | None]]) -> None:

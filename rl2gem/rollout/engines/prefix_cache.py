@@ -164,7 +164,8 @@ class PrefixCache:
         budget: most tokens held (the pool never grows past it); 0 keeps nothing.
         num_layers, kv_heads, head_dim, dtype, device: the model's KV layout; the pool is, per
             layer, ``[capacity, 2, kv_heads, head_dim]`` (a token's keys, then its values) of
-            ``dtype`` on ``device``, allocated as sequences arrive (doubling, up to ``budget``).
+            ``dtype`` on ``device``, allocated as sequences arrive (doubling, up to ``budget``;
+            after :meth:`release`, at once to the capacity it had).
     """
 
     def __init__(self, budget: int, num_layers: int, kv_heads: int, head_dim: int, dtype, device):
@@ -174,6 +175,9 @@ class PrefixCache:
         self._entries: collections.OrderedDict[tuple[int, ...], np.ndarray] = collections.OrderedDict()
         self._trie = TokenTrie()
         self.size = 0  # tokens held
+        self.allocations = 0  # times the pool was allocated or grown
+        self._released_capacity = 0  # the pool's capacity when last freed: where it grows back to at once
+        self.pool: list[torch.Tensor] = []
         self.release()
 
     def __len__(self) -> int:
@@ -199,8 +203,12 @@ class PrefixCache:
         self._free = np.arange(self.capacity, dtype=np.int64)
 
     def release(self) -> None:
-        """Drop every sequence and free the pool."""
-        self.pool: list[torch.Tensor] = []
+        """Drop every sequence and free the pool; its next allocation takes the capacity it had
+        at once (a trainer's next rollout needs about what the last one did), not by doublings
+        that each copy the pool."""
+        if self.pool:
+            self._released_capacity = self.capacity
+        self.pool = []
         self.clear()
 
     def lookup(self, query: Sequence[int]) -> tuple[int, tuple[int, ...] | None]:
@@ -294,7 +302,9 @@ class PrefixCache:
         """``count`` free positions (the pool grows when it has too few)."""
         if len(self._free) < count:
             old = self.capacity
-            new = min(self.budget, max(2 * old, old + count - len(self._free), 256))
+            new = min(self.budget, max(2 * old, old + count - len(self._free), 256, self._released_capacity))
+            self._released_capacity = 0
+            self.allocations += 1
             shape = (2, self.kv_heads, self.head_dim)
             for layer in range(self.num_layers):  # layer by layer: each old one is freed before the next
                 grown = torch.empty((new, *shape), dtype=self.dtype, device=self.device)
