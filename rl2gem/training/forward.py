@@ -321,7 +321,9 @@ def token_logprobs(
     tp_group = getattr(model, "rl2_tp_group", None)
 
     def per_token(output, next_ids, rows):
-        logits = output.logits[0].float() / temperature
+        logits = output.logits[0].float()
+        if temperature != 1.0:  # a [tokens, vocab] float32 pass less each way when it is 1
+            logits = logits / temperature
         entropies = None
         if rows is not None and tp_group is None:  # a tree: normalise each node once, read it per token
             logprobs = torch.log_softmax(logits, -1)[rows, next_ids]

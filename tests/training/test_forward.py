@@ -22,20 +22,21 @@ def test_plan_covers_every_sequence_once_and_pads_with_placeholders():
         plan_micro_batches([], 0, 1, 64)
 
 
-def test_packed_logprobs_equal_one_sequence_at_a_time():
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_packed_logprobs_equal_one_sequence_at_a_time(temperature):
     """A packed row gives each sequence the log-probs (and entropies) it gets alone (reference:
-    a plain forward with log_softmax/gather per sequence)."""
+    a plain forward with log_softmax/gather per sequence), at a temperature and without one."""
     model = tiny_model().float()
     with torch.no_grad():  # undo tiny_model's sharpening so the entropies are far from 0
         model.model.embed_tokens.weight.div_(40.0)
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (6, 11, 4)]
-    logprobs, entropies = token_logprobs(model, seqs, torch.device("cpu"), temperature=0.7, entropy="metric")
+    logprobs, entropies = token_logprobs(model, seqs, torch.device("cpu"), temperature=temperature, entropy="metric")
     assert logprobs.shape == entropies.shape == (21,)
     start = 0
     for s in seqs:
         with torch.no_grad():
-            logits = model(torch.tensor([s])).logits[0] / 0.7
+            logits = model(torch.tensor([s])).logits[0] / temperature
         ref = torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(s[1:])[:, None]).squeeze(1)
         probs = torch.softmax(logits[:-1], -1)
         ref_entropy = -torch.special.xlogy(probs, probs).sum(-1)
