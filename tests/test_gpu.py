@@ -362,31 +362,42 @@ def test_engine_decode_graphs_equal_the_windowed_decode(decode_steps, kept_kv_by
 
 
 def test_the_hand_out_of_an_overlapped_round_never_waits_for_the_gpu():
-    """With ``decode_overlap`` the next round runs on the GPU while the host hands out the last
-    one's tokens and finishes the rows that stopped (their KV kept in the prefix cache, the rows
-    that go on moved into freed slots, given-back columns cleared): nothing there synchronises
-    with the device (``torch.cuda.set_sync_debug_mode("error")`` raises on a copy from pageable
-    memory, a ``nonzero`` or an ``item``), so that work overlaps the round. Rows stop at random
-    steps (a tenth of the vocabulary are stop tokens, seeded sampling)."""
+    """With ``decode_overlap`` the next round is queued on the GPU before the last one's tokens
+    are read (its input tokens taken on the device), and runs while the host hands those out and
+    finishes the rows that stopped (their KV kept in the prefix cache, the rows that go on moved
+    into freed slots, given-back columns cleared): neither the queued launch nor the hand-out
+    synchronises with the device (``torch.cuda.set_sync_debug_mode("error")`` raises on a copy
+    from pageable memory, a ``nonzero`` or an ``item``), so that work overlaps the rounds. Rows
+    stop at random steps (a tenth of the vocabulary are stop tokens, seeded sampling); the
+    tokens equal those of the engine without overlap."""
     from rl2gem.rollout.engines.embedded import EmbeddedEngine
 
     model = tiny_model().float().to(CUDA)
     prompts = [list(range(10, 10 + n)) for n in (7, 19, 3, 30, 11, 11, 5, 23, 9, 14, 2, 17)]
     stops = list(range(0, model.config.vocab_size, 10))
 
-    async def run():
-        engine = EmbeddedEngine(model, None, max_batch_size=12, decode_overlap=True)
-        hand_out, finishes = engine._hand_out, []
+    def strictly(work):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return work()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    async def run(overlap=True):
+        engine = EmbeddedEngine(model, None, max_batch_size=12, decode_overlap=overlap)
+        hand_out, launch_round, finishes, queued = engine._hand_out, engine._launch_round, [], []
 
         def strict(reqs, tokens, logprobs, ahead=0):
             finishes.append(ahead)
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                hand_out(reqs, tokens, logprobs, ahead)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
+            strictly(lambda: hand_out(reqs, tokens, logprobs, ahead))
 
-        engine._hand_out = strict
+        def strict_launch(reqs, steps, last, pending, previous=None):
+            if previous is None:  # a round launched after the last one was read: it may wait
+                return launch_round(reqs, steps, last, pending)
+            queued.append(len(reqs))
+            return strictly(lambda: launch_round(reqs, steps, last, pending, previous))
+
+        engine._hand_out, engine._launch_round = strict, strict_launch
         params = [
             {"temperature": 8.0, "max_new_tokens": 40, "stop_token_ids": stops, "sampling_seed": i}
             for i in range(len(prompts))
@@ -394,11 +405,14 @@ def test_the_hand_out_of_an_overlapped_round_never_waits_for_the_gpu():
         outs = await asyncio.gather(*(engine.generate(p, q) for p, q in zip(prompts, params, strict=True)))
         stats = dict(engine.stats)
         await engine.close()
-        return outs, stats, finishes
+        return outs, stats, finishes, queued
 
-    outs, stats, finishes = asyncio.run(run())
+    outs, stats, finishes, queued = asyncio.run(run())
+    plain, _, _, _ = asyncio.run(run(overlap=False))
     assert all(o.finish_reason["type"] in ("stop", "length") for o in outs), [o.finish_reason for o in outs]
     assert stats["finish_stop"] >= 6 and stats["decode_rounds_ahead"] > 0 and any(finishes)
+    assert len(queued) == stats["decode_rounds_ahead"] > 0
+    assert [o.output_ids for o in outs] == [o.output_ids for o in plain]
 
 
 def write_data(folder):

@@ -141,20 +141,28 @@ class _CompiledSampling:
 
 @dataclass
 class _Step:
-    """One fixed-shape step of a bucket: its device inputs (``ints`` ``[2b + 1]`` int64: tokens,
-    positions, the column; ``floats`` ``[(2 + steps) b]`` float32 for a sampling step: divisors,
+    """One fixed-shape step of a bucket: its device inputs (``ints`` ``[3b + 1]`` int64: tokens,
+    positions, the column, and for a launch that takes its tokens from the one before, each row's
+    place in that launch; ``floats`` ``[(2 + steps) b]`` float32 for a sampling step: divisors,
     greedy flags, uniforms), their pinned host staging, what it writes (logits, or the tokens and
-    log-probabilities of its steps with their pinned host copies) and its graph (None: eager)."""
+    log-probabilities of its steps with their pinned host copies) and its graph (None: eager).
+
+    A sampling step's staging, host copies and events are two sets, used in turn by its launches:
+    a launch may be staged while the one before it (maybe of this step) is still queued on the
+    device (:meth:`DecodeGraphs.launch_sample`'s ``previous``), whose copies must not be
+    overwritten; the set a launch uses was last used two launches of this step before, which the
+    engine has collected by then."""
 
     ints: torch.Tensor
-    int_staging: torch.Tensor
+    int_staging: tuple[torch.Tensor, ...]
     floats: torch.Tensor | None
-    float_staging: torch.Tensor | None
+    float_staging: tuple[torch.Tensor, ...] | None
     run: Any
     outputs: tuple[torch.Tensor, ...] = ()
-    host_outputs: tuple[torch.Tensor, ...] = ()
-    done: Any = None  # a CUDA event recorded after a launch's copies to the host
+    host_outputs: tuple[tuple[torch.Tensor, ...], ...] = ()  # per set
+    done: tuple = ()  # per set, a CUDA event recorded after a launch's copies to the host
     graph: Any = None
+    turn: int = 0  # the set the next launch uses
 
 
 class DecodeGraphs:
@@ -254,13 +262,37 @@ class DecodeGraphs:
         step = self._steps.get((bucket, steps)) or self._build(store, bucket, steps)
         return step, bucket
 
-    def _stage_ints(self, step: _Step, bucket: int, store, tokens: list[int], positions: list[int]) -> None:
-        rows = len(tokens)
-        staging = step.int_staging.numpy()
-        staging[:rows] = tokens
+    def _stage_ints(
+        self, step: _Step, bucket: int, store, tokens: list[int] | None, positions: list[int], turn: int = 0,
+        sources: list[int] | None = None,
+    ) -> None:  # fmt: skip
+        """Stage the rows' tokens (None: taken on the device, see ``sources``), positions and the
+        column in the step's host set ``turn`` and queue its copy to the device."""
+        rows = len(positions)
+        staging = step.int_staging[turn].numpy()
+        if tokens is not None:
+            staging[:rows] = tokens
         staging[bucket : bucket + rows] = positions
         staging[2 * bucket] = store.hi
-        step.ints.copy_(step.int_staging, non_blocking=True)
+        if sources is not None:
+            staging[2 * bucket + 1 : 2 * bucket + 1 + rows] = sources
+        step.ints.copy_(step.int_staging[turn], non_blocking=True)
+
+    @staticmethod
+    def _take_tokens(step: _Step, bucket: int, rows: int, previous: tuple) -> None:
+        """Queue on the device: each row's input token is the last one the launch ``previous``
+        sampled for it (its place there staged in ``ints[2b + 1:]``). Stream order puts it after
+        that launch's steps, before this launch's (and before a replay of the same step overwrites
+        those outputs)."""
+        before, _, eager, _ = previous
+        sampled = (eager[0] if eager is not None else before.outputs[0])[-1]
+        step.ints[:rows] = sampled.index_select(0, step.ints[2 * bucket + 1 : 2 * bucket + 1 + rows])
+
+    def ready(self, store, rows: int, steps: int) -> bool:
+        """Whether a launch of ``rows`` rows and ``steps`` steps would replay a step already built
+        for the store as it is (no capture, nothing freed: what a launch queued behind another
+        needs, so the one before it keeps its graph and memory)."""
+        return self._key == self._addresses(store) and (row_bucket(rows, store.capacity[0]), steps) in self._steps
 
     @torch.no_grad()
     def decode(self, store, tokens: list[int], positions: list[int]) -> torch.Tensor:
@@ -279,7 +311,7 @@ class DecodeGraphs:
         rows = store.slots
         step, bucket = self._step(store, rows, 0)
         store.mask[rows:bucket, store.hi] = True  # padding rows read their own new column only
-        self._stage_ints(step, bucket, store, tokens, positions)
+        self._stage_ints(step, bucket, store, tokens, positions)  # read at once: one set is enough
         if step.graph is None:
             (logits,) = step.run()
         else:
@@ -291,12 +323,14 @@ class DecodeGraphs:
     def launch_sample(
         self,
         store,
-        tokens: list[int],
+        tokens: list[int] | None,
         positions: list[int],
         divisors: list[float],
         greedy: list[bool],
         uniforms: np.ndarray,
-    ) -> tuple[_Step, int, tuple | None]:
+        previous: tuple | None = None,
+        sources: list[int] | None = None,
+    ) -> tuple[_Step, int, tuple | None, int]:
         """Launch ``steps = len(uniforms)`` decode steps of the store's ``n = store.slots``
         running rows, each sampling the token the next one reads: staged and replayed, their
         tokens' copies to the host queued behind them, not waited for (:meth:`collect` waits).
@@ -304,48 +338,62 @@ class DecodeGraphs:
         Args:
             store: the engine's KV store; step ``k`` writes column ``store.hi + k`` and masks it in
                 for every row of the bucket (the caller makes room for ``steps`` columns).
-            tokens, positions: the last sampled token of each running row and its position id.
+            tokens, positions: the last sampled token of each running row and its position id;
+                ``tokens`` None: each row's last token of the launch ``previous`` (not collected
+                yet, maybe still running), row ``i`` being that launch's row ``sources[i]``: read
+                on the device, so this launch is queued behind that one with no host round trip
+                between them (SGLang's overlap scheduling).
             divisors, greedy: each row's temperature (1 for greedy rows) and whether it is greedy
                 (:func:`~rl2gem.rollout.engines.sampling.row_settings`).
             uniforms: ``[steps, n]`` float32, row ``i``'s draw at step ``k``
                 (:func:`~rl2gem.rollout.engines.sampling.draw_uniforms`).
+            previous, sources: see ``tokens``; ``previous`` is what this method returned for it.
 
         Returns:
-            what :meth:`collect` takes. The step's staging and outputs are reused by the next
-            launch of its (bucket, steps): collect this one first.
+            what :meth:`collect` takes. Collect a launch before the launch after next of its
+            (bucket, steps): a step's staging and host copies are two sets used in turn.
+
+        Raises:
+            ValueError: ``tokens`` and ``previous`` both given or both missing.
         """
+        if (tokens is None) == (previous is None):
+            raise ValueError("give the rows' tokens or the launch they come from, not both")
         rows, steps = store.slots, len(uniforms)
         step, bucket = self._step(store, rows, steps)
-        self._stage_ints(step, bucket, store, tokens, positions)
-        staging = step.float_staging.numpy()
+        turn, step.turn = step.turn, 1 - step.turn
+        self._stage_ints(step, bucket, store, tokens, positions, turn, sources)
+        staging = step.float_staging[turn].numpy()
         staging[: 2 * bucket] = 1.0  # padding rows: greedy at temperature 1 (finite, never read)
         staging[:rows] = divisors
         staging[bucket : bucket + rows] = greedy
         staging[2 * bucket :].reshape(steps, bucket)[:, :rows] = uniforms
-        step.floats.copy_(step.float_staging, non_blocking=True)
+        step.floats.copy_(step.float_staging[turn], non_blocking=True)
+        if previous is not None:
+            self._take_tokens(step, bucket, rows, previous)
         if step.graph is None:
-            return step, rows, step.run()
+            return step, rows, step.run(), turn
         step.graph.replay()
-        for host, device in zip(step.host_outputs, step.outputs, strict=True):
+        for host, device in zip(step.host_outputs[turn], step.outputs, strict=True):
             host.copy_(device, non_blocking=True)
-        step.done.record()  # what collect waits for: not the work queued after the launch
-        return step, rows, None
+        step.done[turn].record()  # what collect waits for: not the work queued after the launch
+        return step, rows, None, turn
 
-    def collect(self, launched: tuple[_Step, int, tuple | None]) -> tuple[list[list[int]], list[list[float]]]:
+    @staticmethod
+    def collect(launched: tuple[_Step, int, tuple | None, int]) -> tuple[list[list[int]], list[list[float]]]:
         """The tokens and log-probabilities ``[steps][n]`` of a :meth:`launch_sample`, as host
-        lists: waits for that launch's replay and copies only."""
-        step, rows, eager = launched
+        lists: waits for that launch's replay and copies only (not for a launch queued after it)."""
+        step, rows, eager, turn = launched
         if eager is not None:
             sampled, logprobs = eager
         else:
-            step.done.synchronize()
-            sampled, logprobs = step.host_outputs
+            step.done[turn].synchronize()
+            sampled, logprobs = step.host_outputs[turn]
         return sampled[:, :rows].tolist(), logprobs[:, :rows].tolist()
 
     def _build(self, store, bucket: int, steps: int) -> _Step:
         device = store.mask.device
-        ints = torch.zeros(2 * bucket + 1, dtype=torch.long, device=device)
-        int_staging = torch.zeros(2 * bucket + 1, dtype=torch.long, pin_memory=self.capture)
+        ints = torch.zeros(3 * bucket + 1, dtype=torch.long, device=device)
+        int_staging = tuple(torch.zeros(3 * bucket + 1, dtype=torch.long, pin_memory=self.capture) for _ in range(2))
         keys = [k[:bucket] for k in store.keys]
         values = [v[:bucket] for v in store.values]
         # one write of a layer's keys and values when eager (decode_all_columns: not compiled)
@@ -358,7 +406,7 @@ class DecodeGraphs:
         def inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             """The staged tokens, positions and column as tensors of their own, as the later steps
             of a sampling step get them (views of ``ints`` would be a second compiled variant)."""
-            return ints[:bucket].clone(), ints[bucket : 2 * bucket].clone(), ints[2 * bucket :].clone()
+            return ints[:bucket].clone(), ints[bucket : 2 * bucket].clone(), ints[2 * bucket : 2 * bucket + 1].clone()
 
         def logits_only() -> tuple[torch.Tensor]:
             return (self._decode_columns(keys, values, mask, *inputs(), pairs),)
@@ -367,7 +415,9 @@ class DecodeGraphs:
         if steps:
             # ones until staged: the warm-up before a capture samples greedily at temperature 1
             floats = torch.ones((2 + steps) * bucket, dtype=torch.float32, device=device)
-            float_staging = torch.zeros((2 + steps) * bucket, dtype=torch.float32, pin_memory=self.capture)
+            float_staging = tuple(
+                torch.zeros((2 + steps) * bucket, dtype=torch.float32, pin_memory=self.capture) for _ in range(2)
+            )
 
             def run() -> tuple[torch.Tensor, torch.Tensor]:
                 """-> tokens and log-probabilities ``[steps, bucket]``: stacked once (a captured
@@ -389,8 +439,10 @@ class DecodeGraphs:
         step = _Step(ints, int_staging, floats, float_staging, run)
         self._warm_up_and_capture(step, store, bucket, steps)
         if step.graph is not None and steps:
-            step.host_outputs = tuple(torch.empty_like(t, device="cpu").pin_memory() for t in step.outputs)
-            step.done = torch.cuda.Event()
+            step.host_outputs = tuple(
+                tuple(torch.empty_like(t, device="cpu").pin_memory() for t in step.outputs) for _ in range(2)
+            )
+            step.done = (torch.cuda.Event(), torch.cuda.Event())
         self._steps[(bucket, steps)] = step
         return step
 
@@ -407,7 +459,7 @@ class DecodeGraphs:
         device = store.mask.device
         columns = slice(store.hi, store.hi + steps)
         saved = store.mask[:bucket, columns].clone()
-        step.ints[2 * bucket :].fill_(store.hi)
+        step.ints[2 * bucket : 2 * bucket + 1].fill_(store.hi)
         side = torch.cuda.Stream(device) if self.capture else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(device))

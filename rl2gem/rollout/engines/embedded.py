@@ -118,6 +118,13 @@ class _KVStore:
     def window(self) -> int:
         return self.hi - self.lo
 
+    def fits(self, slots: int, left: int, right: int, growth: int = 0) -> bool:
+        """Whether :meth:`reserve` with these arguments keeps the buffers (at most slides the
+        window inside them): no re-allocation, so what reads them stays valid."""
+        cap_s, cap_c = self.capacity
+        in_place = self.lo >= left and cap_c - self.hi >= right
+        return slots <= cap_s and (in_place or left + self.window + max(right, growth) <= cap_c)
+
     def reserve(self, slots: int, left: int, right: int, growth: int = 0, expect: int = 0) -> None:
         """Make room for ``slots`` rows, ``left`` columns before ``lo`` and ``right`` after ``hi``.
 
@@ -316,18 +323,22 @@ class EmbeddedEngine(Engine):
             ``False`` (the default until a GPU run has measured it against the uncompiled graphs:
             ``benchmarks/gpu.py``'s decode table). A step that fails to compile turns the
             compilation off (a warning, ``stats["decode_compile_failed"]``), not the graphs.
-        decode_overlap: with decode graphs, launch each round of sampled steps before the last
-            round's tokens are handed out and its stopped rows finished, so the host's work per
-            round overlaps the device's (a stopped row runs one round more, dropped; no round
-            is launched after one that every row stops in). Greedy and seeded tokens are the
-            same as without it; unseeded ones differ (the dropped rows draw uniforms too).
-            ``False`` (the default until a GPU run has measured it: ``benchmarks/gpu.py``'s
+        decode_overlap: with decode graphs, queue each round of sampled steps on the device
+            before the last round's tokens are read, its input tokens taken from that round's
+            outputs there (SGLang's overlap scheduling): the device runs it while the host reads
+            the last round, hands its tokens out, finishes its stopped rows and stages the next,
+            so the device need not wait for the host between rounds. A row that stopped runs
+            the queued round too, dropped; no round is queued past every row's token budget, but
+            one is after a round in which every row met a stop token. Greedy and seeded tokens
+            are the same as without it; unseeded ones differ (the dropped rows draw uniforms
+            too). ``False`` (the default until a GPU run has measured it: ``benchmarks/gpu.py``'s
             decode table).
         kept_kv_bytes: :meth:`release_memory` and weight updates keep the KV stores allocated
             (emptied) while they hold at most this many bytes together, and with them the
             captured decode graphs, which a trainer's next rollout would otherwise capture again,
-            and the prefix cache's pool if it fits too; larger stores are freed. ``None``: 5% of the device's memory on CUDA (the update's
-            ``actor.memory_fraction`` leaves more than that free), 0 elsewhere.
+            and the prefix cache's pool if it fits too; larger stores are freed. ``None``: 5% of
+            the device's memory on CUDA (the update's ``actor.memory_fraction`` leaves more than
+            that free), 0 elsewhere.
 
     Attributes:
         stats: counters since the engine started (a ``collections.Counter``): ``requests``,
@@ -1147,17 +1158,27 @@ class EmbeddedEngine(Engine):
         context = min(self.context_length - 1 - r.length for r in reqs)
         return max(1, min(self.decode_steps, context))
 
-    def _launch_sample(self, st: _KVStore, reqs: list[_Request], steps: int, last: list[int], pending: int):
+    def _launch_sample(
+        self, st: _KVStore, reqs: list[_Request], steps: int, last: list[int] | None, pending: int, previous=None
+    ):
         """Launch ``steps`` sampled decode steps of the store's rows ``reqs`` (their last tokens
-        ``last``; ``pending``: tokens each has sampled that are not in its ``out_ids`` yet, for
-        the seeded uniforms) -> :meth:`DecodeGraphs.collect`'s argument, or None when the graphs
-        failed (they are off from then on)."""
+        ``last``, or None: taken on the device from the launch ``previous = (its handle, the
+        rows it ran)``; ``pending``: tokens each has sampled that are not in its ``out_ids`` yet,
+        for the seeded uniforms) -> :meth:`DecodeGraphs.collect`'s argument, or None when the
+        graphs failed (they are off from then on)."""
         params = [r.params for r in reqs]
         divisors, greedy = row_settings(params)
         uniforms = draw_uniforms(params, [len(r.out_ids) + pending for r in reqs], self._gen, steps)
         before = self._graphs.captures, self._graphs.capture_seconds
+        handle = sources = None
+        if previous is not None:
+            handle, ran = previous
+            place = {id(r): i for i, r in enumerate(ran)}
+            sources = [place[id(r)] for r in reqs]
         try:
-            launched = self._graphs.launch_sample(st, last, [r.length for r in reqs], divisors, greedy, uniforms)
+            launched = self._graphs.launch_sample(
+                st, last, [r.length for r in reqs], divisors, greedy, uniforms, previous=handle, sources=sources
+            )
         except Exception as error:  # CUDA's capture errors, and dynamo's and Inductor's
             self._graphs_failed(error)
             return None
@@ -1214,60 +1235,64 @@ class EmbeddedEngine(Engine):
         self.stats["decode_rounds"] += 1  # host round trips
         self.stats["decode_tokens"] += len(reqs) * steps
 
-    def _launch_round(self, reqs: list[_Request], steps: int, last: list[int], pending: int):
+    def _launch_round(self, reqs: list[_Request], steps: int, last: list[int] | None, pending: int, previous=None):
         """Reserve the store's next ``steps`` columns for ``reqs`` (the running rows, in slot
-        order) and launch their sampled steps; the rows, the store and the stats count the steps
-        at once. -> ``(reqs, steps, launched)``, or None when the graphs failed (nothing counted)."""
+        order) and launch their sampled steps (``last``, ``previous``: :meth:`_launch_sample`'s);
+        the rows, the store and the stats count the steps at once. -> ``(reqs, steps,
+        launched)``, or None when the graphs failed (nothing counted)."""
         st = self._store
         st.reserve(st.slots, 0, steps, self._growth(reqs))  # each step masks its column in itself
         t0 = time.perf_counter()
-        launched = self._launch_sample(st, reqs, steps, last, pending)
+        launched = self._launch_sample(st, reqs, steps, last, pending, previous)
         self.stats["time_decode_forward_ms"] += 1000 * (time.perf_counter() - t0)
         if launched is None:
             return None
         self._advance(reqs, steps)
         return reqs, steps, launched
 
-    def _overlap_goes_on(self, reqs: list[_Request]) -> int:
-        """Steps of a round to launch before the last one's tokens are handed out, or 0: not when
-        the engine has other work (a command, a pause, a request it could admit), a row samples
-        on the host, or a row's context ends within ``decode_steps``."""
+    def _overlap_goes_on(self, reqs: list[_Request], pending: int) -> int:
+        """Steps of a round to queue behind the launched one (whose ``pending`` tokens per row are
+        not handed out yet), or 0: not when the engine has other work (a command, a pause, a
+        request it could admit), no row's token budget goes past the launched round (a row that
+        meets a stop token there runs the queued round for nothing, dropped), a row samples on
+        the host or its context ends within ``decode_steps``, or the round would re-allocate the
+        store or build a step (which would free or capture graphs while one runs)."""
         with self._cv:
             busy = self._commands or self._paused or self._closed
             busy = busy or (self._waiting and len(self._running) < self.max_batch_size)
-        if busy or not reqs:
+        if busy or not any(len(r.out_ids) + pending < r.params.max_new_tokens for r in reqs):
             return 0
         steps = self._chunk_steps(reqs)
-        return steps if steps == self.decode_steps else 0
-
-    @staticmethod
-    def _any_goes_on(reqs: list[_Request], tokens: list[list[int]]) -> bool:
-        """Whether a row of ``reqs`` goes on after its ``tokens[k][i]`` of a round (its budget
-        and stop tokens; the context is :meth:`_overlap_goes_on`'s)."""
-        steps = len(tokens)
-        for i, r in enumerate(reqs):
-            if len(r.out_ids) + steps < r.params.max_new_tokens and not (
-                r.stop_ids and any(row[i] in r.stop_ids for row in tokens)
-            ):
-                return True
-        return False
+        st = self._store
+        if steps != self.decode_steps or not st.fits(st.slots, 0, steps, self._growth(reqs)):
+            return 0
+        return steps if self._graphs.ready(st, len(reqs), steps) else 0
 
     def _decode_on_device(self, reqs: list[_Request], steps: int) -> bool:
         """``steps`` decode steps of ``reqs`` sampled in the graphs, then, with ``decode_overlap``,
-        rounds whose host work overlaps the device: once a round's tokens are read, the next
-        round is launched for the same rows before the tokens are handed out and stopped rows
-        finished, so the device computes while the host does that. A row that stopped runs one
-        launched round more, whose tokens are dropped and whose columns are given back (its
-        ``overrun``); its slot is freed behind that round on the device's queue. Rounds go on
-        while nothing else waits for the engine; the last is read with nothing launched behind
-        it. -> False when the first round's graphs failed (the caller decodes windowed)."""
+        rounds queued on the device one ahead (SGLang's overlap scheduling): the next round is
+        launched before the last one's tokens are read, its rows' input tokens taken from that
+        round's outputs on the device, so the device runs it while the host reads those tokens,
+        hands them out, finishes the rows that stopped and stages the round after. A row that
+        stopped runs the queued round too, whose tokens are dropped and whose columns are given
+        back (its ``overrun``); its slot is freed behind that round on the device's queue.
+        Rounds go on while nothing else waits for the engine (:meth:`_overlap_goes_on`); the last
+        is read with nothing queued behind it. -> False when the first round's graphs failed
+        (the caller decodes windowed)."""
         running = self._launch_round(reqs, steps, [r.out_ids[-1] for r in reqs], 0)
         if running is None:
             return False
         while running is not None:
             reqs, steps, launched = running
+            running = None
+            # the rows that go on: those of the launched round that no earlier round stopped
+            following = self._overlap_goes_on(self._running, steps) if self.decode_overlap else 0
+            if following:
+                nxt = list(self._running)
+                running = self._launch_round(nxt, following, None, steps, previous=(launched, reqs))
+                self.stats["decode_rounds_ahead"] += running is not None
             t0 = time.perf_counter()
-            tokens, logprobs = self._graphs.collect(launched)
+            tokens, logprobs = DecodeGraphs.collect(launched)
             self.stats["time_decode_forward_ms"] += 1000 * (time.perf_counter() - t0)
             # the rows still running (a row that stopped in the round before ran this one too)
             alive = set(map(id, self._running))
@@ -1276,15 +1301,6 @@ class EmbeddedEngine(Engine):
                 reqs = [reqs[i] for i in kept]
                 tokens = [[row[i] for i in kept] for row in tokens]
                 logprobs = [[row[i] for i in kept] for row in logprobs]
-            running = None
-            # ahead only if a row goes on past this round (the last round of a wave is not doubled)
-            overlap = self.decode_overlap and self._any_goes_on(reqs, tokens)
-            following = self._overlap_goes_on(self._running) if overlap else 0
-            if following:
-                last = dict(zip(map(id, reqs), tokens[-1], strict=True))
-                nxt = list(self._running)
-                running = self._launch_round(nxt, following, [last[id(r)] for r in nxt], steps)
-                self.stats["decode_rounds_ahead"] += running is not None
             self._hand_out(reqs, tokens, logprobs, running[1] if running else 0)
         return True
 
