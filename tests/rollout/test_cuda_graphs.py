@@ -297,6 +297,82 @@ def test_an_overlapped_wave_runs_no_round_after_its_last(tokenizer):
     assert overlapped["decode_tokens"] == plain["decode_tokens"] and overlapped["decode_rounds_ahead"] == 2
 
 
+def test_a_queued_round_never_meets_a_capture_a_reset_or_a_reallocation(tokenizer, monkeypatch):
+    """With ``decode_overlap`` a round is queued while the one before it is uncollected (on CUDA,
+    maybe still running): nothing may build (capture) a step, drop the graphs or re-allocate the
+    store meanwhile, or the running round's graph and memory would be freed under it, and two
+    launches of one step in flight use their two staging sets in turn. Twelve rows finishing one
+    by one (buckets 16, then 8: a step built mid-wave), then a longer wave (the store grows); the
+    tokens equal the engine's without overlap."""
+    model = build("llama", vocab_size=tokenizer.vocab_size)
+    uncollected, violations, turns = [], [], {}
+    original_launch, original_collect = DecodeGraphs.launch_sample, DecodeGraphs.collect
+    original_build, original_reset, original_reserve = DecodeGraphs._build, DecodeGraphs.reset, _KVStore.reserve
+
+    def launch(self, *args, **kwargs):
+        launched = original_launch(self, *args, **kwargs)
+        step, _, _, turn = launched
+        if turns.get(id(step), 1 - turn) == turn:
+            violations.append("a step's consecutive launches used one set")
+        turns[id(step)] = turn
+        uncollected.append(launched)
+        return launched
+
+    def collect(launched):
+        uncollected.remove(launched)
+        return original_collect(launched)
+
+    def guarded(name, work):
+        def call(self, *args, **kwargs):
+            if uncollected:
+                violations.append(name)
+            return work(self, *args, **kwargs)
+
+        return call
+
+    def reserve(self, *args, **kwargs):
+        before = self.capacity
+        original_reserve(self, *args, **kwargs)
+        if uncollected and self.capacity != before:
+            violations.append("reallocated")
+
+    monkeypatch.setattr(DecodeGraphs, "launch_sample", launch)
+    monkeypatch.setattr(DecodeGraphs, "collect", staticmethod(collect))
+    monkeypatch.setattr(DecodeGraphs, "_build", guarded("built", original_build))
+    monkeypatch.setattr(DecodeGraphs, "reset", guarded("reset", original_reset))
+    monkeypatch.setattr(_KVStore, "reserve", reserve)
+
+    async def run(overlap: bool):
+        engine = EmbeddedEngine(copy.deepcopy(model), decode_graphs=True, decode_steps=4, decode_overlap=overlap)
+        params = {"temperature": 0.8, "ignore_eos": True}
+        first = await asyncio.gather(
+            *(
+                engine.generate(
+                    list(range(10 + i, 20 + 2 * i)), {**params, "max_new_tokens": 6 + 5 * i, "sampling_seed": i}
+                )
+                for i in range(12)
+            )
+        )
+        second = await asyncio.gather(
+            *(
+                engine.generate(list(range(30, 130 + i)), {**params, "max_new_tokens": 70, "sampling_seed": 20 + i})
+                for i in range(3)
+            )
+        )
+        stats = await engine.settled_stats()
+        await engine.close()
+        return [o.output_ids for o in (*first, *second)], stats
+
+    plain, _ = asyncio.run(run(False))
+    turns.clear()
+    overlapped, stats = asyncio.run(run(True))
+    assert overlapped == plain
+    assert violations == [] and not uncollected
+    assert stats["decode_rounds_ahead"] > 0.5 * stats["decode_rounds"] and stats["kv_allocations"] >= 2
+    with pytest.raises(ValueError, match="not both"):
+        original_launch(None, None, None, [], [], [], None)  # neither the tokens nor their launch
+
+
 def test_an_overlapped_round_clears_a_stopped_row_s_columns_in_its_own_slot(tokenizer, monkeypatch):
     """Four rows (budgets 30, 11, 7, 30), four steps a round, each round launched before the last
     one's hand-out: the 7-token row stops in round 2 and the last row moves into its slot; the
@@ -391,7 +467,7 @@ def test_a_step_that_cannot_be_captured_falls_back_to_the_windowed_decode(tokeni
     engine's tokens."""
     model = build("llama", vocab_size=tokenizer.vocab_size)
 
-    def fail(self, *args):
+    def fail(self, *args, **kwargs):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     async def run(decode_graphs: bool):
@@ -403,7 +479,7 @@ def test_a_step_that_cannot_be_captured_falls_back_to_the_windowed_decode(tokeni
     expected, _ = asyncio.run(run(False))
     monkeypatch.setattr(DecodeGraphs, "decode", fail)
     monkeypatch.setattr(DecodeGraphs, "launch_sample", fail)
-    with pytest.warns(UserWarning, match="decode_graphs turned off"):
+    with pytest.warns(UserWarning, match="decode_graphs turned off, the decode runs windowed: operation not permitted"):
         got, engine = asyncio.run(run(True))
     assert got == expected
     assert engine._graphs is None and engine.stats["decode_graphs_failed"] == 1

@@ -344,9 +344,8 @@ class EmbeddedEngine(Engine):
         stats: counters since the engine started (a ``collections.Counter``): ``requests``,
             ``finished``, ``prefill_forwards``, ``prefill_tokens``, ``cached_tokens``,
             ``decode_steps``, ``decode_rounds`` (host round trips), ``decode_rounds_ahead`` (of
-            them, launched before the last round's tokens were handed out: ``decode_overlap``),
-            ``decode_tokens`` (rows x steps,
-            dropped tokens included), ``decode_graph_captures``, ``decode_graphs_failed``,
+            them, queued before the last round's tokens were read: ``decode_overlap``),
+            ``decode_tokens`` (rows x steps, dropped tokens included), ``decode_graph_captures``, ``decode_graphs_failed``,
             ``kv_allocations`` and ``prefill_kv_allocations`` (the KV stores' buffer allocations), and
             times in ms (floats, summed unrounded: a decode round can take under a millisecond):
             ``time_admit_ms`` (prefills), ``time_decode_ms``, of it ``time_decode_forward_ms``
