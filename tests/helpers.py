@@ -343,3 +343,15 @@ def lean_bf16_errors(model, device) -> tuple[float, float]:
     lean_error = max(float((got - at(truth, step)).abs().max()) for step, got in enumerate(lean))
     own_error = max(float((at(own, step) - at(truth, step)).abs().max()) for step in range(steps + 1))
     return lean_error, own_error
+
+
+async def admitted_together(engine, requests) -> list:
+    """Run ``requests`` (coroutines of ``engine``'s ``generate`` or a stream's consumer) admitted
+    in one prefill: queued while the engine is paused in place, then resumed. -> their results,
+    in order."""
+    await engine.pause("in_place")
+    tasks = [asyncio.ensure_future(request) for request in requests]
+    while len(engine._waiting) < len(tasks):
+        await asyncio.sleep(0.005)
+    await engine.resume()
+    return await asyncio.gather(*tasks)

@@ -12,6 +12,7 @@ import weakref
 
 import pytest
 import torch
+from helpers import admitted_together
 from test_lean_decoder import build, new_store
 from torch._dynamo.backends.debugging import aot_eager
 
@@ -280,13 +281,8 @@ def test_an_overlapped_wave_runs_no_round_after_its_last(tokenizer):
 
     async def run(overlap: bool):
         engine = EmbeddedEngine(copy.deepcopy(model), decode_graphs=True, decode_steps=4, decode_overlap=overlap)
-        await engine.pause("in_place")  # queued first, admitted together
         greedy = {"temperature": 0, "max_new_tokens": 13, "ignore_eos": True}
-        tasks = [asyncio.ensure_future(engine.generate(list(range(10, 20 + i)), greedy)) for i in range(4)]
-        while len(engine._waiting) < 4:
-            await asyncio.sleep(0.005)
-        await engine.resume()
-        outs = await asyncio.gather(*tasks)
+        outs = await admitted_together(engine, [engine.generate(list(range(10, 20 + i)), greedy) for i in range(4)])
         stats = await engine.settled_stats()
         await engine.close()
         return [o.output_ids for o in outs], stats
@@ -391,16 +387,12 @@ def test_an_overlapped_round_clears_a_stopped_row_s_columns_in_its_own_slot(toke
 
     async def run(overlap: bool):
         engine = EmbeddedEngine(copy.deepcopy(model), decode_graphs=True, decode_steps=4, decode_overlap=overlap)
-        await engine.pause("in_place")  # queued first, admitted together
         greedy = {"temperature": 0, "ignore_eos": True}
-        tasks = [
-            asyncio.ensure_future(engine.generate(list(range(10 + i, 24 + 3 * i)), {**greedy, "max_new_tokens": n}))
+        requests = [
+            engine.generate(list(range(10 + i, 24 + 3 * i)), {**greedy, "max_new_tokens": n})
             for i, n in enumerate((30, 11, 7, 30))
         ]
-        while len(engine._waiting) < 4:
-            await asyncio.sleep(0.005)
-        await engine.resume()
-        outs = await asyncio.gather(*tasks)
+        outs = await admitted_together(engine, requests)
         await engine.close()
         return [o.output_ids for o in outs]
 

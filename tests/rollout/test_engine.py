@@ -3,6 +3,7 @@ import time
 
 import pytest
 import torch
+from helpers import admitted_together
 from tiny import tiny_model
 
 from rl2gem.devices import OperationCounter
@@ -347,12 +348,7 @@ def test_a_wave_finishing_together_dispatches_as_many_tensor_operations_for_8_ro
             counts.append((len(finished), ops.count, len(wakeups)))
 
         eng._finish_rows = counted
-        await eng.pause("in_place")  # admitted together, so they finish together
-        tasks = [asyncio.ensure_future(eng.generate(p, params)) for p in prompts]
-        while len(eng._waiting) < rows:
-            await asyncio.sleep(0.005)
-        await eng.resume()
-        first = await asyncio.gather(*tasks)
+        first = await admitted_together(eng, [eng.generate(p, params) for p in prompts])  # they finish together
         turns = [p + o.output_ids + [900] for p, o in zip(prompts, first, strict=True)]
         second = await asyncio.gather(*(eng.generate(t, params) for t in turns))
         await eng.close()
@@ -384,12 +380,7 @@ def test_streams_get_a_round_s_tokens_in_one_wake_up_of_their_loop(model, monkey
 
     async def main():
         eng = EmbeddedEngine(model, decode_graphs=True, decode_steps=4)
-        await eng.pause("in_place")  # admitted together: one wave of rounds
-        tasks = [asyncio.ensure_future(consume(eng.generate_stream(PROMPTS[i], params))) for i in range(4)]
-        while len(eng._waiting) < 4:
-            await asyncio.sleep(0.005)
-        await eng.resume()
-        streams = await asyncio.gather(*tasks)
+        streams = await admitted_together(eng, [consume(eng.generate_stream(PROMPTS[i], params)) for i in range(4)])
         stats = await eng.settled_stats()
         await eng.close()
         return streams, stats
@@ -511,12 +502,7 @@ def test_a_prefix_shared_by_different_prompts_is_prefilled_once(model):
         # seeded at temperature 8: the tokens and log-probs read every cached key (greedy tokens
         # of this model would not notice wrong ones)
         params = [{"max_new_tokens": 8, "ignore_eos": True, "temperature": 8.0, "sampling_seed": i} for i in range(6)]
-        await eng.pause("in_place")  # all six queued, then admitted in one prefill
-        tasks = [asyncio.ensure_future(eng.generate(p, q)) for p, q in zip(prompts, params, strict=True)]
-        while len(eng._waiting) < len(prompts):
-            await asyncio.sleep(0.005)
-        await eng.resume()
-        outs = await asyncio.gather(*tasks)
+        outs = await admitted_together(eng, [eng.generate(p, q) for p, q in zip(prompts, params, strict=True)])
         stats = dict(eng.stats)
         await eng.close()
         return outs, stats
@@ -749,15 +735,9 @@ def test_rows_finishing_in_one_round_move_each_row_that_goes_on_at_most_once(mod
 
     async def main():
         eng = EmbeddedEngine(model, max_batch_size=8)
-        await eng.pause("in_place")  # all eight queued first, admitted at once: six finish in one round
-        tasks = [
-            asyncio.ensure_future(eng.generate(p, {**greedy, "max_new_tokens": n}))
-            for p, n in zip(prompts, budgets, strict=True)
-        ]
-        while len(eng._waiting) < len(prompts):
-            await asyncio.sleep(0.005)
-        await eng.resume()
-        outs = await asyncio.gather(*tasks)
+        # all eight admitted at once: six finish in one round
+        requests = [eng.generate(p, {**greedy, "max_new_tokens": n}) for p, n in zip(prompts, budgets, strict=True)]
+        outs = await admitted_together(eng, requests)
         turns = [
             await eng.generate(p + o.output_ids + [7], {**greedy, "max_new_tokens": 2})
             for p, o in zip(prompts, outs, strict=True)
