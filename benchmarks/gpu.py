@@ -55,6 +55,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import psutil
@@ -259,12 +260,20 @@ def plain_loop(trainer: str, model_dir: Path, data: Path, steps: int, peak: floa
 
 
 def offline_section(
-    trainer: str, model_dir: Path, tmp: Path, steps: int, ours: list[str], peak: float, scale: float
+    trainer: str,
+    model_dir: Path,
+    tmp: Path,
+    steps: int,
+    ours: list[str],
+    peak: float,
+    scale: float,
+    kinds: Sequence[str] = ("mixed", "long"),
 ) -> None:
-    """``trainers/<trainer>.py`` (sft, dpo or rm) against its plain padded loop on mixed and long rows."""
+    """``trainers/<trainer>.py`` (sft, dpo or rm) against its plain padded loop on each of
+    ``kinds`` of rows (mixed lengths, equal long ones)."""
     print(f"| {trainer} rows | side | tokens/s | MFU | vs plain loop | last loss |")
     print("|---|---|---:|---:|---:|---:|")
-    for kind in ("mixed", "long"):
+    for kind in kinds:
         data = make_rows(tmp, kind, scale, pairs=trainer != "sft")
         baseline = plain_loop(trainer, model_dir, data, steps, peak)
         print(
@@ -293,7 +302,10 @@ def offline_section(
                 )
                 continue
             rows = [json.loads(line) for line in (out / "metrics.jsonl").open()]
-            counted = [r for r in rows if "perf/tokens_per_second" in r][2:] or rows
+            rated = [r for r in rows if "perf/tokens_per_second" in r]
+            counted = rated[2:] or rated  # past the first two steps (compilation) when there are more
+            if not counted:
+                raise RuntimeError(f"{out / 'metrics.jsonl'} has no perf/tokens_per_second row")
             rate = statistics.median(r["perf/tokens_per_second"] for r in counted)
             mfu = 6 * baseline["parameters"] * rate / peak  # the same model and peak as the plain loop's
             loss = counted[-1].get(LOSS_KEY[trainer], float("nan"))
@@ -576,6 +588,9 @@ def main(argv: list[str] | None = None) -> int:
         default="actor.compile=false;actor.compile=true" if cuda else "actor.attention=auto",
         help="variants of our trainer's overrides, ';'-separated",
     )
+    parser.add_argument(
+        "--row-kinds", default="mixed,long", help="sft, dpo, rm: the rows, comma-separated (mixed, long)"
+    )
     parser.add_argument("--ppo-groups", type=int, default=16 if cuda else 2, help="ppo: GuessTheNumber groups per step")
     parser.add_argument("--rows", default="64,256", help="decode: rows in flight, comma-separated")
     parser.add_argument("--new-tokens", type=int, default=128, help="decode: new tokens per row")
@@ -588,6 +603,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", default=None, help="a folder with SmolLM2's tokenizer (default: the built-in)")
     args = parser.parse_args(argv)
     sections = set(args.sections.split(","))
+    kinds = args.row_kinds.split(",")
+    if set(kinds) - {"mixed", "long"}:
+        raise ValueError(f"--row-kinds: mixed or long, got {args.row_kinds!r}")
     tokenizer = args.tokenizer or str(resolve_model("smollm2-135m-instruct"))
     device = torch.cuda.get_device_name() if cuda else "CPU (fp32)"
     print(f"{device}; torch {torch.__version__}, transformers {transformers.__version__}\n", flush=True)
@@ -603,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n## Llama {hidden} x {layers} ({size / 1e6:.1f}M parameters)\n", flush=True)
             for trainer in ("sft", "dpo", "rm"):
                 if trainer in sections:
-                    offline_section(trainer, model_dir, tmp, args.steps, args.ours.split(";"), peak, args.scale)
+                    offline_section(trainer, model_dir, tmp, args.steps, args.ours.split(";"), peak, args.scale, kinds)
                     print()
             if "decode" in sections:
                 sides = args.decode_sides.split(";") if args.decode_sides else None
