@@ -365,7 +365,7 @@ def test_a_queued_round_never_meets_a_capture_a_reset_or_a_reallocation(tokenize
     assert overlapped == plain
     assert violations == [] and not uncollected
     assert stats["decode_rounds_ahead"] > 0.5 * stats["decode_rounds"] and stats["kv_allocations"] >= 2
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match="exactly one of the rows' tokens and the launch"):
         original_launch(None, None, None, [], [], [], None)  # neither the tokens nor their launch
 
 

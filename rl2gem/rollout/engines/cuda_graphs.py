@@ -357,7 +357,7 @@ class DecodeGraphs:
             ValueError: ``tokens`` and ``previous`` both given or both missing.
         """
         if (tokens is None) == (previous is None):
-            raise ValueError("give the rows' tokens or the launch they come from, not both")
+            raise ValueError("give exactly one of the rows' tokens and the launch they come from")
         rows, steps = store.slots, len(uniforms)
         step, bucket = self._step(store, rows, steps)
         turn, step.turn = step.turn, 1 - step.turn

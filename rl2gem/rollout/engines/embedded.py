@@ -345,9 +345,10 @@ class EmbeddedEngine(Engine):
             ``finished``, ``prefill_forwards``, ``prefill_tokens``, ``cached_tokens``,
             ``decode_steps``, ``decode_rounds`` (host round trips), ``decode_rounds_ahead`` (of
             them, queued before the last round's tokens were read: ``decode_overlap``),
-            ``decode_tokens`` (rows x steps, dropped tokens included), ``decode_graph_captures``, ``decode_graphs_failed``,
-            ``kv_allocations`` and ``prefill_kv_allocations`` (the KV stores' buffer allocations), and
-            times in ms (floats, summed unrounded: a decode round can take under a millisecond):
+            ``decode_tokens`` (rows x steps, dropped tokens included), ``decode_graph_captures``,
+            ``decode_graphs_failed``, ``kv_allocations`` and ``prefill_kv_allocations`` (the KV
+            stores' buffer allocations), and times in ms (floats, summed unrounded: a decode round
+            can take under a millisecond):
             ``time_admit_ms`` (prefills), ``time_decode_ms``, of it ``time_decode_forward_ms``
             (the steps: staging, launch, waiting for their tokens) and ``time_decode_handout_ms``
             (the tokens handed to their requests, stopped rows finished), ``time_capture_ms``
