@@ -196,6 +196,12 @@ def test_engine_host_benchmark_smoke():
     assert float(figures["cached tokens per row"]) == 99.0 and float(figures["wave end ops"]) < 32
 
 
+def test_detokenize_benchmark_smoke():
+    """The detokenization benchmark's table at two short lengths (it checks the two texts agree)."""
+    stdout = run("benchmarks/detokenize.py", "--lengths", "50,100")
+    assert re.findall(r"^\| (\d+) \| [\d.]+ \| [\d.]+ \| [\d.]+x \|$", stdout, re.M) == ["50", "100"]
+
+
 def readme_blocks(lang):
     return re.findall(rf"```{lang}\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
 

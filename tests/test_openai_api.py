@@ -3,6 +3,7 @@
 
 import asyncio
 import json
+import random
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ from rl2gem.evaluation import evaluate
 from rl2gem.rollout.engines.base import Engine, GenerateOutput
 from rl2gem.rollout.tito import ChatRenderer, load_chat_template
 from rl2gem.serving import launch, make_app
-from rl2gem.serving.openai_routes import openai_tool_calls, template_messages
+from rl2gem.serving.openai_routes import IncrementalText, openai_tool_calls, template_messages
 from rl2gem.tools import parse_tool_calls
 from rl2gem.tools.base import hermes_tool_calls
 
@@ -106,6 +107,32 @@ def test_template_messages_render_tool_turns_as_the_model_wrote_them():
     for bad in ([], [{"role": "robot", "content": "x"}], [{"role": "user", "content": [{"type": "image_url"}]}]):
         with pytest.raises(ValueError):
             template_messages(bad)
+
+
+def test_incremental_text_equals_decoding_every_token_again(tokenizer):
+    """A reply's text kept up to date token by token (what a stream sends) equals decoding all its
+    tokens at every step, through multi-byte characters split over tokens (None until complete,
+    as the whole decode then ends in U+FFFD), leading spaces, special tokens and random ids; and
+    each update decodes a bounded number of tokens, not the whole reply."""
+    rng = random.Random(0)
+    text = "Héllo wörld, 世界 🎉🎉 naïve café\n  indented\tcode: x = [1, 2]  " * 3
+    replies = [tokenizer.encode(text, add_special_tokens=False)]
+    replies.append(tokenizer.encode("a" + tokenizer.eos_token + " b 🎉 c", add_special_tokens=False))
+    replies += [[rng.randrange(tokenizer.vocab_size) for _ in range(150)] for _ in range(4)]
+    decoded = []
+
+    class Counted:  # the tokenizer, counting the tokens each decode reads
+        def decode(self, tokens, **kwargs):
+            decoded.append(len(tokens))
+            return tokenizer.decode(tokens, **kwargs)
+
+    for ids in replies:
+        incremental = IncrementalText(Counted())
+        for end in range(1, len(ids) + 1):
+            got, whole = incremental.update(ids[:end]), tokenizer.decode(ids[:end], skip_special_tokens=True)
+            assert got == (None if whole.endswith("\ufffd") else whole), (ids[:end], got, whole)
+        assert max(decoded[2:]) < 12, decoded  # the tokens since the update before last, never the whole
+        decoded.clear()
 
 
 # ----------------------------------------------------------------------------- live embedded server

@@ -41,7 +41,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +53,7 @@ from rl2gem.rollout.tito import ChatRenderer
 from rl2gem.tools.base import hermes_tool_calls, openai_call_arguments, parse_tool_calls, remove_tool_calls
 
 __all__ = [
+    "IncrementalText",
     "add_openai_routes",
     "OpenAIRoutes",
     "OpenAIRequestError",
@@ -152,6 +153,38 @@ class _Choice:
     started: bool = False  # a chunk of it was sent (the first carries the role)
     text: str = ""
     stopped_at: int | None = None  # where a stop string cut the text
+    streamed: Any = None  # an IncrementalText of ids while it streams
+
+
+class IncrementalText:
+    """``tokenizer.decode(ids, skip_special_tokens=True)`` kept up to date as ``ids`` grows, each
+    update decoding only the tokens since the last one and the update before (the context that
+    byte-level merges and leading spaces depend on), as vLLM's incremental detokenization does:
+    a streamed reply of ``n`` tokens costs O(n) decoding, not O(n^2), on the event loop that
+    serves every stream (``benchmarks/detokenize.py``: 0.35 against 0.011 s for a 2,000-token
+    reply, 5.8 against 0.06 s for 8,000, on the 2-core CPU). Where the two decodes of the shared
+    context disagree (a tokenizer whose decoding is not local), the whole text is decoded again.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.text = ""
+        self._context = 0  # where the decoded context starts: the update before last's end
+        self._end = 0  # the tokens ``text`` holds
+
+    def update(self, ids: Sequence[int]) -> str | None:
+        """The text of ``ids`` (the ids given before, extended), or None while its last character
+        is incomplete (a multi-byte character split over tokens: nothing is taken then)."""
+        fresh = self.tokenizer.decode(ids[self._context :], skip_special_tokens=True)
+        if fresh.endswith("\ufffd"):
+            return None
+        known = self.tokenizer.decode(ids[self._context : self._end], skip_special_tokens=True)
+        if fresh.startswith(known):
+            self.text += fresh[len(known) :]
+        else:
+            self.text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        self._context, self._end = self._end, len(ids)
+        return self.text
 
 
 def _stop_strings(value: Any) -> list[str]:
@@ -394,8 +427,9 @@ class OpenAIRoutes:
         async def on_token(choice: _Choice) -> None:
             if choice.stopped_at is not None:
                 return
-            text = self.tokenizer.decode(choice.ids, skip_special_tokens=True)
-            if text.endswith("\ufffd"):  # a multi-byte character is not complete yet
+            choice.streamed = choice.streamed or IncrementalText(self.tokenizer)
+            text = choice.streamed.update(choice.ids)
+            if text is None:  # a multi-byte character is not complete yet
                 return
             cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
             if cut >= 0:  # a stop string: send what precedes it, then nothing more
