@@ -142,6 +142,8 @@ bench: setup
 	$(BIN)/python benchmarks/parallel.py
 	$(BIN)/python benchmarks/sandbox.py
 	$(BIN)/python benchmarks/logprob_mismatch.py
+	$(BIN)/python benchmarks/detokenize.py
+	$(BIN)/python benchmarks/engine_host.py
 	$(MAKE) test-slow
 	$(MAKE) test-soak
 
