@@ -37,7 +37,7 @@ from rl2gem.training.evaluation import evaluate_env
 from rl2gem.training.metrics import peak_flops_from_config
 from rl2gem.training.old_logprobs import OldLogprobs
 from rl2gem.training.reward_model import RewardModel
-from rl2gem.training.rl_config import constraints, kl_controller, reward_objectives
+from rl2gem.training.rl_config import constraints, engine_options, kl_controller, reward_objectives
 from rl2gem.training.samples import Sample, samples_from_batch, shape_rewards
 from rl2gem.training.trainer import Trainer
 from rl2gem.training.worker import Worker, setup_distributed
@@ -45,14 +45,14 @@ from rl2gem.training.worker import Worker, setup_distributed
 __all__ = ["OnlineTrainer", "TRAINER_ROLLOUT_KEYS"]
 
 #: The keys of a trainer's ``rollout:`` section that are not :class:`rl2gem.rollout.RolloutConfig` fields.
-TRAINER_ROLLOUT_KEYS = ("prompts_per_rollout", "chat_template")
+TRAINER_ROLLOUT_KEYS = ("prompts_per_rollout", "chat_template", "engine")
 
 
 #: The embedded engine's counters logged per rollout (``engine/<name>``; times in seconds).
 ENGINE_COUNTERS = (
-    "prefill_forwards", "prefill_tokens", "decode_steps", "decode_rounds", "decode_graph_captures",
-    "decode_graphs_failed", "decode_compile_failed", "kv_allocations", "time_admit_ms", "time_decode_ms",
-    "time_decode_forward_ms", "time_decode_handout_ms", "time_capture_ms",
+    "prefill_forwards", "prefill_tokens", "decode_steps", "decode_rounds", "decode_rounds_ahead",
+    "decode_graph_captures", "decode_graphs_failed", "decode_compile_failed", "kv_allocations", "time_admit_ms",
+    "time_decode_ms", "time_decode_forward_ms", "time_decode_handout_ms", "time_capture_ms",
 )  # fmt: skip
 
 
@@ -124,7 +124,7 @@ class OnlineTrainer(Trainer):
         if self.reward_model is not None:
             self.reward_model.check_tokenizer(self.tokenizer)
         model.load_state_dict(self.engine_weights(), strict=True)
-        self.engine = EmbeddedEngine(model, self.tokenizer, seed=c.seed * 1000 + self.rank)
+        self.engine = EmbeddedEngine(model, self.tokenizer, seed=c.seed * 1000 + self.rank, **engine_options(c))
         env_kwargs = rl2gem.standard_kwargs(
             c.env, OmegaConf.to_container(c.env_kwargs, resolve=True), tools_in_template=c.rollout.tools_in_template
         )

@@ -62,6 +62,7 @@ def check_config(cfg) -> None:
             f"actor.minibatches_per_update=1), got {cfg.actor.update_per_rollout} and "
             f"{cfg.actor.minibatches_per_update}; use actor.old_logprobs=recompute or auto"
         )
+    engine_options(cfg)
     check_packing(cfg.actor)
     check_attention(cfg.actor)
     check_actor(cfg.actor)
@@ -74,6 +75,47 @@ def check_config(cfg) -> None:
         )
     except (ValueError, TypeError) as e:
         raise ConfigError(f"adv.{cfg.adv.estimator}: {e}") from None
+
+
+#: The keys of a trainer's ``rollout.engine`` section, the embedded engine's arguments of the same names.
+ENGINE_KEYS = (
+    "max_batch_size", "prefix_cache_tokens", "decode_graphs", "decode_steps", "decode_compile", "decode_overlap",
+)  # fmt: skip
+
+
+def engine_options(cfg) -> dict:
+    """``rollout.engine`` as :class:`~rl2gem.rollout.EmbeddedEngine`'s keyword arguments (``auto``:
+    the engine's default, None).
+
+    Raises:
+        rl2gem.config.ConfigError: an unknown key or a value out of range, naming the key.
+    """
+    section = OmegaConf.to_container(cfg.rollout.get("engine") or {}, resolve=True)
+    unknown = sorted(set(section) - set(ENGINE_KEYS))
+    if unknown:
+        raise ConfigError(f"rollout.engine: {unknown} are not engine settings (keys: {list(ENGINE_KEYS)})")
+    options = {key: None if value == "auto" else value for key, value in section.items()}
+    for key in ("max_batch_size", "prefix_cache_tokens", "decode_steps"):
+        value, least = options.get(key), 0 if key == "prefix_cache_tokens" else 1
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+            raise ConfigError(
+                f"rollout.engine.{key}={value!r} must be an int >= {least}" + (" or auto" * (key == "decode_steps"))
+            )
+    for key in ("decode_graphs", "decode_compile", "decode_overlap"):
+        value = options.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise ConfigError(
+                f"rollout.engine.{key}={value!r} must be true or false" + (" or auto" * (key == "decode_graphs"))
+            )
+    graphs = options.get("decode_graphs")
+    if graphs is None:  # auto: the engine captures graphs on CUDA (where the trainers run when it is there)
+        graphs = torch.cuda.is_available()
+    for key in ("decode_compile", "decode_overlap"):
+        if options.get(key) and not graphs:
+            raise ConfigError(
+                f"rollout.engine.{key}=true needs decode graphs, off here: set rollout.engine.decode_graphs=true"
+            )
+    return options
 
 
 def constraints(cfg) -> Constraints:

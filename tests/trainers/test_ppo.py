@@ -40,6 +40,10 @@ def test_unknown_config_key_names_the_closest(capsys):
             "reward.objectives.reference needs a value for ['correctness']",
         ),
         (["reward.objectives.pareto={response_tokens: min}"], "hypervolume reference"),
+        (["rollout.engine.decode_step=4"], "did you mean 'rollout.engine.decode_steps'"),
+        (["rollout.engine.decode_steps=0"], "rollout.engine.decode_steps=0 must be an int >= 1 or auto"),
+        (["rollout.engine.decode_graphs=maybe"], "rollout.engine.decode_graphs='maybe' must be true or false or auto"),
+        (["rollout.engine.decode_overlap=true"], "rollout.engine.decode_overlap=true needs decode graphs"),
     ]:
         assert ppo.main(arguments) == 2
         assert message in capsys.readouterr().err, arguments
@@ -412,6 +416,12 @@ def test_on_policy_steps_use_the_rollout_logprobs_and_equal_recomputing_them(tin
         ("auto", "auto"),
         ("recompute", "recompute"),
         ("minibatches", "recompute actor.minibatches_per_update=2"),
+        # the engine's options from the config: graphs (eager on the CPU), 4 steps a round, queued ahead
+        (
+            "engine",
+            "recompute rollout.engine.decode_graphs=true rollout.engine.decode_steps=4 "
+            "rollout.engine.decode_overlap=true rollout.engine.max_batch_size=8",
+        ),
     ]
     for name, option in options:
         out = tmp_path / name
@@ -451,6 +461,10 @@ def test_on_policy_steps_use_the_rollout_logprobs_and_equal_recomputing_them(tin
         assert engine["decode_graph_captures"] == 0 and engine["time_decode_s"] >= 0  # no graphs on the CPU
         parts = engine["time_decode_forward_s"] + engine["time_decode_handout_s"]
         assert engine["time_decode_handout_s"] > 0 and parts <= engine["time_decode_s"] + 1e-9
+    for step in (1, 2, 3):  # rollout.engine reached the engine: 4 steps a round, rounds queued ahead
+        engine = {k.removeprefix("engine/"): v for k, v in runs["engine"][step].items() if k.startswith("engine/")}
+        assert engine["decode_steps"] > engine["decode_rounds"] and engine["decode_rounds_ahead"] > 0, engine
+        assert runs["engine"][step]["actor/mismatch_kl"] < 1e-6  # the decode graphs' log-probs, the trainer's
     assert 0.0 <= auto[1]["actor/old_logprob_max_diff"] <= 1e-3  # the engine's log-probs are the trainer's
     assert 0.0 <= auto[1]["actor/old_logprob_mismatch_kl"] <= 1e-6
     assert all(recompute[s]["actor/old_logprobs_from_rollout"] == 0.0 for s in (1, 2, 3))

@@ -1,6 +1,7 @@
 """The pieces of the online trainer base: the old log-probs' source step by step, rewards shaped
 into the ones trained on (and their statistics recomputed), the PPO config's checks."""
 
+import inspect
 import math
 import statistics
 from types import SimpleNamespace
@@ -11,13 +12,14 @@ from omegaconf import OmegaConf
 from rl2gem.trainers.ppo import CONFIG, computed_token_fraction
 
 from rl2gem.algorithms import turn_rloo
-from rl2gem.config import ConfigError
+from rl2gem.config import ConfigError, load_config
 from rl2gem.parallel.packing import MicroBatch
+from rl2gem.rollout import EmbeddedEngine
 from rl2gem.rollout.rollout import RolloutBatch, reward_metrics
 from rl2gem.rollout.tito import Episode, Sequence
 from rl2gem.training.old_logprobs import OldLogprobs
 from rl2gem.training.online import engine_metrics
-from rl2gem.training.rl_config import check_config
+from rl2gem.training.rl_config import ENGINE_KEYS, check_config, engine_options
 from rl2gem.training.samples import Sample, packed_field, samples_from_batch, shape_rewards
 from tests.rewards.test_objectives import episode
 
@@ -158,3 +160,14 @@ def test_engine_metrics_are_the_counts_between_two_snapshots():
     assert metrics["engine/decode_graph_captures"] == 0.0 and "engine/requests" not in metrics
     assert metrics["engine/time_decode_forward_s"] == metrics["engine/time_decode_handout_s"] == 0.0
     assert engine_metrics({}, {}) == {}  # an engine without counters (HTTP)
+
+
+def test_rollout_engine_keys_are_the_engine_s_arguments_and_auto_is_its_default():
+    """Every key of ppo.yaml's ``rollout.engine`` is an :class:`EmbeddedEngine` argument of that
+    name, and the section as written builds the engine the trainers built before it existed."""
+    cfg = load_config(CONFIG, [])
+    assert tuple(cfg.rollout.engine) == ENGINE_KEYS
+    parameters = inspect.signature(EmbeddedEngine).parameters
+    for key, value in engine_options(cfg).items():
+        assert parameters[key].default == value, key  # auto and the written values are the defaults
+    assert engine_options(load_config(CONFIG, ["rollout.engine.decode_steps=2"]))["decode_steps"] == 2
