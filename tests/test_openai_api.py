@@ -13,10 +13,11 @@ from pathlib import Path
 
 import openai
 import pytest
+import tokenizers
 import torch
 from helpers import serving
 from tiny import tiny_model
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from rl2gem.evaluate import parse_args
 from rl2gem.evaluation import evaluate
@@ -121,18 +122,40 @@ def test_incremental_text_equals_decoding_every_token_again(tokenizer):
     replies += [[rng.randrange(tokenizer.vocab_size) for _ in range(150)] for _ in range(4)]
     decoded = []
 
-    class Counted:  # the tokenizer, counting the tokens each decode reads
+    class Counted:  # a tokenizer, counting the tokens each decode reads; optionally cleaning up spaces
+        def __init__(self, tokenizer, **options):
+            self.tokenizer, self.options = tokenizer, options
+
         def decode(self, tokens, **kwargs):
             decoded.append(len(tokens))
-            return tokenizer.decode(tokens, **kwargs)
+            return self.tokenizer.decode(tokens, **kwargs, **self.options)
+
+    def check(counted, ids):
+        incremental = IncrementalText(counted)
+        for end in range(1, len(ids) + 1):
+            whole = counted.tokenizer.decode(ids[:end], skip_special_tokens=True, **counted.options)
+            got = incremental.update(ids[:end])
+            assert got == (None if whole.endswith("\ufffd") else whole), (ids[:end], got, whole)
 
     for ids in replies:
-        incremental = IncrementalText(Counted())
-        for end in range(1, len(ids) + 1):
-            got, whole = incremental.update(ids[:end]), tokenizer.decode(ids[:end], skip_special_tokens=True)
-            assert got == (None if whole.endswith("\ufffd") else whole), (ids[:end], got, whole)
-        assert max(decoded[2:]) < 12, decoded  # the tokens since the update before last, never the whole
+        check(Counted(tokenizer), ids)
+        assert max(decoded) < 16, decoded  # a few tokens of context and the new ones, never the whole
         decoded.clear()
+    # spaces cleaned up before punctuation and contractions (transformers 4's default for many
+    # tokenizers): patterns of three or four tokens across an update's start
+    pieces = [tokenizer.encode(p, add_special_tokens=False) for p in (" do", " n't", " x", " '", "s", " .", " ,", "!")]
+    pieces += [[tokenizer.eos_token_id], tokenizer.encode(" 's", add_special_tokens=False)]
+    for _ in range(30):
+        check(Counted(tokenizer, clean_up_tokenization_spaces=True), [t for _ in range(25) for t in rng.choice(pieces)])
+    # a SentencePiece decoder drops the space of the first word it decodes, also after a special token
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁Hello": 3, "▁world": 4, "!": 5, "▁it": 6, "'s": 7, ".": 8, "▁": 9}
+    model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    model.pre_tokenizer, model.decoder = tokenizers.pre_tokenizers.Metaspace(), tokenizers.decoders.Metaspace()
+    metaspace = PreTrainedTokenizerFast(tokenizer_object=model, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    check(Counted(metaspace), [3, 2, 4, 5])  # "Hello world!", not "Helloworld!"
+    check(Counted(metaspace), [3] + [2] * 8 + [4, 5])  # a context of special tokens only
+    for _ in range(30):
+        check(Counted(metaspace, clean_up_tokenization_spaces=True), [rng.randrange(1, 10) for _ in range(40)])
 
 
 # ----------------------------------------------------------------------------- live embedded server

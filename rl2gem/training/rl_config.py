@@ -90,16 +90,22 @@ def engine_options(cfg) -> dict:
     Raises:
         rl2gem.config.ConfigError: an unknown key or a value out of range, naming the key.
     """
-    section = OmegaConf.to_container(cfg.rollout.get("engine") or {}, resolve=True)
+    section = cfg.rollout.get("engine")
+    section = {} if section is None else OmegaConf.to_container(section, resolve=True)
     unknown = sorted(set(section) - set(ENGINE_KEYS))
     if unknown:
         raise ConfigError(f"rollout.engine: {unknown} are not engine settings (keys: {list(ENGINE_KEYS)})")
-    options = {key: None if value == "auto" else value for key, value in section.items()}
+    automatic = ("decode_graphs", "decode_steps")  # the only keys whose default is the engine's choice
+    options = {key: None if value == "auto" and key in automatic else value for key, value in section.items()}
     for key in ("max_batch_size", "prefix_cache_tokens", "decode_steps"):
-        value, least = options.get(key), 0 if key == "prefix_cache_tokens" else 1
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+        if key not in options:
+            continue
+        value, least = options[key], 0 if key == "prefix_cache_tokens" else 1
+        if (value is not None or key not in automatic) and (
+            isinstance(value, bool) or not isinstance(value, int) or value < least
+        ):
             raise ConfigError(
-                f"rollout.engine.{key}={value!r} must be an int >= {least}" + (" or auto" * (key == "decode_steps"))
+                f"rollout.engine.{key}={value!r} must be an int >= {least}" + (" or auto" * (key in automatic))
             )
     for key in ("decode_graphs", "decode_compile", "decode_overlap"):
         value = options.get(key)

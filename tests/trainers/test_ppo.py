@@ -43,7 +43,12 @@ def test_unknown_config_key_names_the_closest(capsys):
         (["rollout.engine.decode_step=4"], "did you mean 'rollout.engine.decode_steps'"),
         (["rollout.engine.decode_steps=0"], "rollout.engine.decode_steps=0 must be an int >= 1 or auto"),
         (["rollout.engine.decode_graphs=maybe"], "rollout.engine.decode_graphs='maybe' must be true or false or auto"),
-        (["rollout.engine.decode_overlap=true"], "rollout.engine.decode_overlap=true needs decode graphs"),
+        (
+            ["rollout.engine.decode_graphs=false", "rollout.engine.decode_overlap=true"],
+            "rollout.engine.decode_overlap=true needs decode graphs",
+        ),
+        (["rollout.engine.max_batch_size=auto"], "rollout.engine.max_batch_size='auto' must be an int >= 1"),
+        (["rollout.engine.prefix_cache_tokens=null"], "rollout.engine.prefix_cache_tokens=None must be an int >= 0"),
     ]:
         assert ppo.main(arguments) == 2
         assert message in capsys.readouterr().err, arguments

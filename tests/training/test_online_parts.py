@@ -171,3 +171,4 @@ def test_rollout_engine_keys_are_the_engine_s_arguments_and_auto_is_its_default(
     for key, value in engine_options(cfg).items():
         assert parameters[key].default == value, key  # auto and the written values are the defaults
     assert engine_options(load_config(CONFIG, ["rollout.engine.decode_steps=2"]))["decode_steps"] == 2
+    assert engine_options(load_config(CONFIG, ["rollout.engine=null"])) == {}  # the engine's defaults
