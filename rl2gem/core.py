@@ -37,8 +37,10 @@ evaluation code wants it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import threading
+import weakref
 from collections.abc import Coroutine
 from typing import Any, ClassVar, TypeVar
 
@@ -129,23 +131,42 @@ class TextSpace(spaces.Text):
 
 
 class _PrivateLoop:
-    """An event loop running forever in a daemon thread, for the sync API of async envs."""
+    """An event loop running forever in a daemon thread, for the sync API of async envs.
 
-    def __init__(self) -> None:
+    ``owner`` (the env): when it is garbage-collected without ``close()``, the loop stops, and the
+    thread closes it (its self-pipe and default executor's threads) and ends. Before, every
+    unclosed async env kept a thread, an executor thread and two file descriptors for the life
+    of the process."""
+
+    def __init__(self, owner: object) -> None:
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="rl2gem-env-loop", daemon=True)
+        self.thread = threading.Thread(
+            target=_serve_until_stopped, args=(self.loop,), name="rl2gem-env-loop", daemon=True
+        )
         self.thread.start()
+        weakref.finalize(owner, _request_stop, self.loop)
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     def stop(self) -> None:
-        if self.loop.is_closed():
-            return
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        """Stop the loop and wait up to 5 s for its thread, which closes it."""
+        _request_stop(self.loop)
         self.thread.join(timeout=5)
-        if not self.thread.is_alive():
-            self.loop.close()
+
+
+def _serve_until_stopped(loop: asyncio.AbstractEventLoop) -> None:
+    """The private loop's thread: run ``loop`` until it is stopped, then close it."""
+    loop.run_forever()
+    if not loop.is_closed():
+        loop.run_until_complete(loop.shutdown_default_executor())
+        loop.close()
+
+
+def _request_stop(loop: asyncio.AbstractEventLoop) -> None:
+    """Stop ``loop`` from any thread (its owner was collected); nothing once it is closed."""
+    with contextlib.suppress(RuntimeError):  # closed already
+        loop.call_soon_threadsafe(loop.stop)
 
 
 def _overrides(cls: type, name: str) -> bool:
@@ -407,7 +428,7 @@ class Env(gym.Env[str, str]):
     def _loop_run(self, coro: Coroutine[Any, Any, T]) -> T:
         loop = getattr(self, "_private_loop", None)
         if loop is None:
-            loop = self._private_loop = _PrivateLoop()
+            loop = self._private_loop = _PrivateLoop(self)
         return loop.run(coro)
 
     def _begin_episode(self, seed: int | None, options: dict[str, Any] | None) -> None:

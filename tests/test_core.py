@@ -1,7 +1,10 @@
 """The Env contract: seeding, async twins, invalid actions, order, limits."""
 
 import asyncio
+import gc
+import os
 import threading
+import time
 
 import gymnasium as gym
 import pytest
@@ -180,6 +183,30 @@ def test_async_env_sync_api_works_inside_a_running_loop():
     env.close()
     env.close()
     assert env.closed_async == 1
+
+
+def test_an_unclosed_async_env_gives_back_its_thread_and_descriptors():
+    """The sync API of an async env runs a private loop in a thread; an env dropped without
+    close() stops it (counted on the host: the process's threads and open descriptors)."""
+
+    def loops() -> int:
+        return sum(t.name == "rl2gem-env-loop" for t in threading.enumerate())
+
+    def descriptors() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    threads, fds = loops(), descriptors()
+    for seed in range(20):
+        env = SlowSearchEnv(latency=0)
+        env.reset(seed=seed)
+        env.step("<search>x</search>")
+    assert loops() > threads  # the last one's, while it is referenced
+    del env
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while (loops() > threads or descriptors() > fds) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert loops() <= threads and descriptors() <= fds
 
 
 def test_async_and_sync_agree_for_async_native_env():
