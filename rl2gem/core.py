@@ -133,18 +133,19 @@ class TextSpace(spaces.Text):
 class _PrivateLoop:
     """An event loop running forever in a daemon thread, for the sync API of async envs.
 
-    ``owner`` (the env): when it is garbage-collected without ``close()``, the loop stops, and the
-    thread closes it (its self-pipe and default executor's threads) and ends. Before, every
-    unclosed async env kept a thread, an executor thread and two file descriptors for the life
-    of the process."""
+    ``owner`` (the env, vector env or wrapper that runs it; ``None`` for a loop stopped at once):
+    when it is garbage-collected without ``close()``, the loop stops, and the thread closes it
+    (its self-pipe and its default executor's threads) and ends. Before, every unclosed owner
+    kept a thread and two file descriptors for the life of the process."""
 
-    def __init__(self, owner: object) -> None:
+    def __init__(self, owner: object | None) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(
             target=_serve_until_stopped, args=(self.loop,), name="rl2gem-env-loop", daemon=True
         )
         self.thread.start()
-        weakref.finalize(owner, _request_stop, self.loop)
+        if owner is not None:
+            weakref.finalize(owner, _request_stop, self.loop)
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()

@@ -295,7 +295,7 @@ class AsyncVectorEnv(_TextVectorEnv):
     # -- sync facade
     def _run(self, coro):
         if self._loop is None:
-            self._loop = _PrivateLoop()
+            self._loop = _PrivateLoop(self)
         return self._loop.run(coro)
 
     def reset(self, *, seed=None, options=None, indices: Sequence[int] | None = None):

@@ -11,7 +11,7 @@ import pytest
 from gymnasium.error import ResetNeeded
 from toy_envs import CountEnv, SlowSearchEnv
 
-from rl2gem import Env, TextSpace
+from rl2gem import AsyncVectorEnv, Env, TextSpace
 
 
 def test_text_space_membership():
@@ -185,9 +185,24 @@ def test_async_env_sync_api_works_inside_a_running_loop():
     assert env.closed_async == 1
 
 
-def test_an_unclosed_async_env_gives_back_its_thread_and_descriptors():
-    """The sync API of an async env runs a private loop in a thread; an env dropped without
-    close() stops it (counted on the host: the process's threads and open descriptors)."""
+def play_one_env(seed: int):
+    env = SlowSearchEnv(latency=0)
+    env.reset(seed=seed)
+    env.step("<search>x</search>")
+    return env
+
+
+def play_a_vector(seed: int):
+    envs = AsyncVectorEnv([lambda: SlowSearchEnv(latency=0) for _ in range(2)])
+    envs.reset(seed=seed)
+    envs.step(["<search>x</search>"] * 2)
+    return envs
+
+
+@pytest.mark.parametrize("play", [play_one_env, play_a_vector])
+def test_an_unclosed_async_env_gives_back_its_thread_and_descriptors(play):
+    """The sync API of an async env (or vector env) runs a private loop in a thread; one dropped
+    without close() stops it (counted on the host: the process's threads and open descriptors)."""
 
     def loops() -> int:
         return sum(t.name == "rl2gem-env-loop" for t in threading.enumerate())
@@ -197,9 +212,7 @@ def test_an_unclosed_async_env_gives_back_its_thread_and_descriptors():
 
     threads, fds = loops(), descriptors()
     for seed in range(20):
-        env = SlowSearchEnv(latency=0)
-        env.reset(seed=seed)
-        env.step("<search>x</search>")
+        env = play(seed)
     assert loops() > threads  # the last one's, while it is referenced
     del env
     gc.collect()

@@ -184,7 +184,7 @@ class ToolEnvWrapper(Wrapper):
     # ------------------------------------------------------------------ step
     def step(self, action: str) -> StepResult:
         if self._loop is None:
-            self._loop = _PrivateLoop()
+            self._loop = _PrivateLoop(self)
         return self._loop.run(self.astep(action))
 
     async def astep(self, action: str) -> StepResult:
@@ -273,7 +273,7 @@ class ToolEnvWrapper(Wrapper):
                 loop.stop()
         else:
             if any(hasattr(t, "aclose") for t in self.tools.values()):
-                loop = _PrivateLoop()
+                loop = _PrivateLoop(None)
                 try:
                     loop.run(self._aclose_tools())
                 finally:
