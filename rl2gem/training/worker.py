@@ -41,7 +41,7 @@ def setup_distributed(seed: int, section: Mapping[str, Any]) -> tuple[int, int, 
     node), else the node's CPUs divided by ``LOCAL_WORLD_SIZE``. The number is process-wide: it
     also sizes the OpenMP teams of threads started later (the embedded engine's). More threads
     than free cores make OpenMP's fork and join wait on descheduled threads: with 2 threads on
-    2 cores that another process kept busy, a decode of the tiny test model ran 20-50x slower.
+    2 cores that another process kept busy, a decode of the tiny test model ran up to 70x slower.
 
     Raises:
         ValueError: sizes that do not fit the world size (see :func:`rl2gem.parallel.mesh.build_mesh`).

@@ -35,7 +35,7 @@ def probe(omp: str | None, local: str) -> dict:
 def test_omp_num_threads_where_set_is_every_thread_s_count():
     """A set OMP_NUM_THREADS wins over the node's share: the test workers' 1 thread each stays 1
     (before, a one-process run took all the CPUs, and the engine's thread spun up a team that
-    made another worker's tests 20-70x slower on the 2-core CI machine)."""
+    made tests up to 70x slower on the 2-core CI machine)."""
     got = probe("1", "1")
     assert got["main"] == got["thread"] == 1
 
