@@ -135,7 +135,7 @@ class _PrivateLoop:
 
     ``owner`` (the env, vector env or wrapper that runs it; ``None`` for a loop stopped at once):
     when it is garbage-collected without ``close()``, the loop stops, and the thread closes it
-    (its self-pipe and its default executor's threads) and ends. Before, every unclosed owner
+    (its self-pipe; its default executor's threads end once idle) and ends. Before, every unclosed owner
     kept a thread and two file descriptors for the life of the process."""
 
     def __init__(self, owner: object | None) -> None:
@@ -144,24 +144,27 @@ class _PrivateLoop:
             target=_serve_until_stopped, args=(self.loop,), name="rl2gem-env-loop", daemon=True
         )
         self.thread.start()
+        self._finalizer = None
         if owner is not None:
-            weakref.finalize(owner, _request_stop, self.loop)
+            self._finalizer = weakref.finalize(owner, _request_stop, self.loop)
+            self._finalizer.atexit = False  # at exit the daemon thread just ends
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     def stop(self) -> None:
         """Stop the loop and wait up to 5 s for its thread, which closes it."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
         _request_stop(self.loop)
         self.thread.join(timeout=5)
 
 
 def _serve_until_stopped(loop: asyncio.AbstractEventLoop) -> None:
-    """The private loop's thread: run ``loop`` until it is stopped, then close it."""
+    """The private loop's thread: run ``loop`` until it is stopped, then close it (its default
+    executor is shut down without waiting: a job still running there ends on its own)."""
     loop.run_forever()
-    if not loop.is_closed():
-        loop.run_until_complete(loop.shutdown_default_executor())
-        loop.close()
+    loop.close()
 
 
 def _request_stop(loop: asyncio.AbstractEventLoop) -> None:

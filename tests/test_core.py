@@ -12,6 +12,7 @@ from gymnasium.error import ResetNeeded
 from toy_envs import CountEnv, SlowSearchEnv
 
 from rl2gem import AsyncVectorEnv, Env, TextSpace
+from rl2gem.core import _PrivateLoop
 
 
 def test_text_space_membership():
@@ -220,6 +221,24 @@ def test_an_unclosed_async_env_gives_back_its_thread_and_descriptors(play):
     while (loops() > threads or descriptors() > fds) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert loops() <= threads and descriptors() <= fds
+
+
+def test_closing_a_private_loop_does_not_wait_for_a_job_in_its_executor():
+    """A step interrupted (Ctrl-C) while a compute-only env's job runs in the loop's executor:
+    close() returns at once and the loop's thread ends, the job finishing on its own."""
+    private = _PrivateLoop(None)
+    started = threading.Event()
+
+    def job():
+        started.set()
+        time.sleep(3)
+
+    private.loop.call_soon_threadsafe(private.loop.run_in_executor, None, job)
+    assert started.wait(5)
+    begun = time.monotonic()
+    private.stop()
+    assert time.monotonic() - begun < 1
+    assert not private.thread.is_alive() and private.loop.is_closed()
 
 
 def test_async_and_sync_agree_for_async_native_env():

@@ -37,8 +37,9 @@ def setup_distributed(seed: int, section: Mapping[str, Any]) -> tuple[int, int, 
     its share of the CPU threads, seed torch, and build the mesh from ``section``'s
     ``ddp_size`` / ``tp_size`` / ``sp_size``. Returns ``(rank, world, device, mesh)``.
 
-    CPU threads: ``OMP_NUM_THREADS`` where it is set (torchrun sets 1 for more than one rank per
-    node), else the node's CPUs divided by ``LOCAL_WORLD_SIZE``. The number is process-wide: it
+    CPU threads: with one rank per node, ``OMP_NUM_THREADS`` where it is set, else every CPU; with
+    ``LOCAL_WORLD_SIZE`` ranks, the node's CPUs divided by it (torchrun then sets
+    ``OMP_NUM_THREADS=1`` itself, so that value is not the user's). The number is process-wide: it
     also sizes the OpenMP teams of threads started later (the embedded engine's). More threads
     than free cores make OpenMP's fork and join wait on descheduled threads: with 2 threads on
     2 cores that another process kept busy, a decode of the tiny test model ran up to 70x slower.
@@ -47,8 +48,8 @@ def setup_distributed(seed: int, section: Mapping[str, Any]) -> tuple[int, int, 
         ValueError: sizes that do not fit the world size (see :func:`rl2gem.parallel.mesh.build_mesh`).
     """
     rank, world, device = init_distributed()
-    if device.type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if device.type == "cpu" and (local > 1 or not os.environ.get("OMP_NUM_THREADS")):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     torch.manual_seed(seed)
     settings = WorkerSettings.from_section(section)

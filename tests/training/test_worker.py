@@ -8,8 +8,9 @@ import sys
 # After setup_distributed: the intra-op threads of the main thread and of a thread started later
 # (as the embedded engine's is), once that thread ran a parallel op.
 PROBE = """
-import json, threading, torch
+import json, os, sys, threading, torch
 from rl2gem.training import setup_distributed
+os.cpu_count = lambda: int(sys.argv[1])  # the node's CPUs, as the test says
 setup_distributed(0, {})
 seen = {}
 def compute():
@@ -22,25 +23,29 @@ print(json.dumps({"main": torch.get_num_threads(), **seen}))
 """
 
 
-def probe(omp: str | None, local: str) -> dict:
+def probe(omp: str | None, local: str, cpus: int = 8) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["LOCAL_WORLD_SIZE"] = local
     if omp is not None:
         env["OMP_NUM_THREADS"] = omp
-    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", PROBE, str(cpus)], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_omp_num_threads_where_set_is_every_thread_s_count():
-    """A set OMP_NUM_THREADS wins over the node's share: the test workers' 1 thread each stays 1
-    (before, a one-process run took all the CPUs, and the engine's thread spun up a team that
-    made tests up to 70x slower on the 2-core CI machine)."""
+def test_one_rank_keeps_a_set_omp_num_threads_in_every_thread():
+    """With one rank per node a set OMP_NUM_THREADS wins over the node's CPUs: the test workers'
+    1 thread each stays 1 (before, a one-process run took all the CPUs, and the engine's thread
+    spun up a team that made tests up to 70x slower on the 2-core CI machine)."""
     got = probe("1", "1")
     assert got["main"] == got["thread"] == 1
+    assert probe(None, "1")["main"] == 8  # unset: every CPU
 
 
-def test_without_omp_num_threads_each_local_rank_gets_its_share_of_the_cpus():
-    cpus = os.cpu_count() or 1
-    assert probe(None, "2")["main"] == max(1, cpus // 2)
-    assert probe(None, "1")["main"] == cpus
+def test_each_local_rank_gets_its_share_of_the_cpus():
+    """With several ranks per node, OMP_NUM_THREADS=1 is torchrun's own default: each rank takes
+    its share of the node's CPUs whether it is set or not."""
+    for omp in ("1", None):
+        got = probe(omp, "2")
+        assert got["main"] == got["thread"] == 4
+    assert probe(None, "3", cpus=2)["main"] == 1  # at least one
