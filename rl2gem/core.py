@@ -135,8 +135,8 @@ class _PrivateLoop:
 
     ``owner`` (the env, vector env or wrapper that runs it; ``None`` for a loop stopped at once):
     when it is garbage-collected without ``close()``, the loop stops, and the thread closes it
-    (its self-pipe; its default executor's threads end once idle) and ends. Before, every unclosed owner
-    kept a thread and two file descriptors for the life of the process."""
+    (its self-pipe; its default executor's threads end once idle) and ends. Before, every
+    unclosed owner kept a thread and two file descriptors for the life of the process."""
 
     def __init__(self, owner: object | None) -> None:
         self.loop = asyncio.new_event_loop()
