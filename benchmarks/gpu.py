@@ -450,21 +450,30 @@ def static_generate(model, prompts: list[list[int]], pad: int, new: int) -> None
         )
 
 
-def engine_decode(model, tokenizer, prompts: list[list[int]], new: int, **options) -> tuple[dict, dict, dict]:
+def engine_decode(
+    model, tokenizer, prompts: list[list[int]], new: int | list[int], rows: int | None = None, **options
+) -> tuple[dict, dict, dict]:
     """The embedded engine (as the rollout uses it; ``options``: its ``decode_graphs`` and
-    ``decode_steps``) on ``prompts``, ``new`` tokens each, three times on one engine: a warm-up
-    (its graphs captured), a measured run and a profiled one. Returns the warm-up's and the
-    measured run's counters and the profiled run's: ``busy`` (the GPU-busy share of its wall
+    ``decode_steps``) on ``prompts``, ``new`` tokens each (or ``new[i]`` for prompt ``i``), at
+    most ``rows`` in flight (default: all; the others queue, admitted as rows finish), three times
+    on one engine: a warm-up (its graphs captured), a measured run and a profiled one. Returns the
+    warm-up's and the measured run's counters (with ``wall_s``, the batch's wall seconds) and the
+    profiled run's: ``busy`` (the GPU-busy share of its wall
     time), ``busy_unprofiled`` (its kernels' time, per decode step times the measured run's steps,
     over the measured run's wall time: the same prompts and lengths without the profiler's own
     cost per kernel), ``kernels`` and ``kernel_ms`` per decode step (prefill's few kernels
     included), empty off CUDA."""
-    engine = EmbeddedEngine(model, tokenizer, max_batch_size=len(prompts), **options)
-    params = {"max_new_tokens": new, "temperature": 1.0, "ignore_eos": True}
+    engine = EmbeddedEngine(model, tokenizer, max_batch_size=rows or len(prompts), **options)
+    budgets = new if isinstance(new, list) else [new] * len(prompts)
     device = next(model.parameters()).device
 
     async def batch():
-        await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+        await asyncio.gather(
+            *(
+                engine.generate(p, {"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True})
+                for p, n in zip(prompts, budgets, strict=True)
+            )
+        )
 
     def synchronize():
         if device.type == "cuda":
@@ -480,7 +489,7 @@ def engine_decode(model, tokenizer, prompts: list[list[int]], new: int, **option
 
     warm, _ = asyncio.run(batch_and_stats())
     after, wall = asyncio.run(batch_and_stats())
-    measured = {key: value - warm.get(key, 0) for key, value in after.items()}
+    measured = {key: value - warm.get(key, 0) for key, value in after.items()} | {"wall_s": wall}
     profile = kernel_profile(lambda: asyncio.run(batch()))
     profiled = {}
     if profile is not None:
@@ -575,6 +584,45 @@ def decode_section(model_dir: Path, row_counts: list[int], new_tokens: int, name
             )
 
 
+def queue_section(model_dir: Path, row_counts: list[int], new_tokens: int, queued: int) -> None:
+    """Continuous batching as a rollout drives it: ``queued`` x rows requests for rows in flight,
+    budgets from half to one and a half ``new_tokens`` (rows finish apart, the queue's requests
+    are admitted as they do), the engine as trainers build it against ``decode_overlap=True``
+    (requests prefilled behind a queued round). Tokens per wall second, prefill included."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    rng = random.Random(1)
+    base = {} if device.type == "cuda" else {"decode_graphs": True, "decode_steps": 4}  # CPU: the eager step
+    print(
+        "| rows in flight | requests | side | tokens/s (wall) | vs without overlap | GPU busy | GPU busy, unprofiled wall "
+        "| rounds queued ahead | admissions behind a round | admission ms |"
+    )
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for rows in row_counts:
+        count = rows * queued
+        prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(32, 96))] for _ in range(count)]
+        budgets = [rng.randint(new_tokens // 2, max(new_tokens * 3 // 2, 1)) for _ in range(count)]
+        first = None
+        for overlap in (False, True):
+            _, stats, profiled = engine_decode(model, tokenizer, prompts, budgets, rows, **base, decode_overlap=overlap)
+            rate = sum(budgets) / stats["wall_s"]
+            first = first or rate
+            busy = f"{profiled['busy']:.0%} | {profiled['busy_unprofiled']:.0%}" if profiled else "- | -"
+            rounds = max(stats.get("decode_rounds", 0), 1)
+            admissions = max(stats.get("prefill_forwards", 0), 1)
+            print(
+                f"| {rows} | {count} | rl2gem EmbeddedEngine{' decode_overlap=True' if overlap else ''} | {rate:.0f} "
+                f"| {rate / first:.2f}x | {busy} | {stats.get('decode_rounds_ahead', 0) / rounds:.0%} "
+                f"| {stats.get('admissions_behind', 0)} of {stats.get('prefill_forwards', 0)} "
+                f"| {stats.get('time_admit_ms', 0) / admissions:.2f} |",
+                flush=True,
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     cuda = torch.cuda.is_available()
@@ -594,6 +642,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ppo-groups", type=int, default=16 if cuda else 2, help="ppo: GuessTheNumber groups per step")
     parser.add_argument("--rows", default="64,256", help="decode: rows in flight, comma-separated")
     parser.add_argument("--new-tokens", type=int, default=128, help="decode: new tokens per row")
+    parser.add_argument(
+        "--decode-queue",
+        type=int,
+        default=3,
+        help="decode: also requests for this many times the rows, queued (continuous batching; 0: not run)",
+    )
     parser.add_argument(
         "--decode-sides", default=None, help="decode: the engine sides to run, by name, ';'-separated (default: all)"
     )
@@ -627,6 +681,9 @@ def main(argv: list[str] | None = None) -> int:
                 sides = args.decode_sides.split(";") if args.decode_sides else None
                 decode_section(model_dir, [int(n) for n in args.rows.split(",")], args.new_tokens, sides)
                 print()
+                if args.decode_queue:
+                    queue_section(model_dir, [int(n) for n in args.rows.split(",")], args.new_tokens, args.decode_queue)
+                    print()
             if "mask" in sections and spec == args.models.split(",")[0]:  # once, before the longest section
                 print("## FlexAttention block masks\n", flush=True)
                 mask_section([16384, 65536] if cuda else [4096, 16384])

@@ -467,7 +467,8 @@ def test_the_gpu_session_imports_only_what_the_device_image_has():
 def test_gpu_benchmark_smoke(tiny_dir):
     """benchmarks/gpu.py end to end on the CPU fallback (a tiny model, short rows): the SFT, DPO and
     RM trainers' data paths and their plain padded loops train the same rows to the same loss,
-    and the decode table is printed (the GPU's numbers are in RESULTS.md)."""
+    and the decode tables are printed, a queue of requests too (the GPU's numbers are in
+    RESULTS.md)."""
     stdout = run(
         "benchmarks/gpu.py",
         "--models", "64x2", "--sections", "sft,dpo,rm,decode,mask", "--steps", "3", "--scale", "0.05",
@@ -484,8 +485,11 @@ def test_gpu_benchmark_smoke(tiny_dir):
             assert "plain padded loop" in plain[2] and f"rl2gem {trainer}" in ours[2], stdout
             plain_loss, our_loss = float(plain[6]), float(ours[6])  # the last step's loss, before its update
             assert abs(plain_loss - our_loss) <= 1e-3 * abs(plain_loss), stdout
-    decode = [line for line in lines if line.startswith("| 4 |")]
+    decode = [line for line in lines if line.startswith("| 4 |") and not line.startswith("| 4 | 12 |")]
     assert len(decode) == 3 and all(float(line.split("|")[3]) > 0 for line in decode[1:]), stdout
     assert "decode_steps=4" in decode[2], stdout
+    queue = [line.split("|") for line in lines if line.startswith("| 4 | 12 |")]  # 3 x 4 requests for 4 rows
+    assert [row[3].strip() for row in queue] == ["rl2gem EmbeddedEngine", "rl2gem EmbeddedEngine decode_overlap=True"]
+    assert all(float(row[4]) > 0 for row in queue), stdout
     masks = [line.split("|") for line in lines if line.startswith(("| 4096 |", "| 16384 |"))]
     assert [row[2].strip() for row in masks] == ["create_block_mask", "flex_block_mask (ours)"] * 2, stdout

@@ -51,7 +51,7 @@ TRAINER_ROLLOUT_KEYS = ("prompts_per_rollout", "chat_template", "engine")
 #: The embedded engine's counters logged per rollout (``engine/<name>``; times in seconds).
 ENGINE_COUNTERS = (
     "prefill_forwards", "prefill_tokens", "decode_steps", "decode_rounds", "decode_rounds_ahead",
-    "decode_graph_captures", "decode_graphs_failed", "decode_compile_failed", "kv_allocations", "time_admit_ms",
+    "admissions_behind", "decode_graph_captures", "decode_graphs_failed", "decode_compile_failed", "kv_allocations", "time_admit_ms",
     "time_decode_ms", "time_decode_forward_ms", "time_decode_handout_ms", "time_capture_ms",
 )  # fmt: skip
 

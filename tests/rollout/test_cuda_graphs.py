@@ -242,10 +242,11 @@ def test_engine_with_the_fixed_shape_step_gives_the_same_tokens(
     for a, b in zip(fixed_logprobs, window_logprobs, strict=True):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=1e-4)
     assert fixed_cached == window_cached and min(fixed_cached) > 0  # the stopped turn's prefix is exact
-    # 1 to 6 rows pad to the smallest bucket (8) cut to the store's rows (4, then 6); budgets that
-    # end inside a chunk (9, 15, 21... tokens) build no shorter chunk: one step per bucket (and the
-    # logits-only step of the top-k request), each a capture per rollout on CUDA
-    assert 6 in {bucket for bucket, _ in built} and {bucket for bucket, _ in built} <= {4, 6}
+    # 1 to 6 rows pad to the smallest bucket (8) cut to the store's rows (at least 4, then 6; 5 when
+    # the engine took the first five requests before the sixth arrived); budgets that end inside a
+    # chunk (9, 15, 21... tokens) build no shorter chunk: one step per bucket (and the logits-only
+    # step of the top-k request), each a capture per rollout on CUDA
+    assert 6 in {bucket for bucket, _ in built} and {bucket for bucket, _ in built} <= {4, 5, 6}
     assert {steps for _, steps in built} == {0, decode_steps}
     assert len(resets) >= 3  # the store grew or was freed (weight update) and the steps were built again
     assert fixed_engine.stats["decode_graph_captures"] == 0  # nothing is captured off CUDA
@@ -293,14 +294,11 @@ def test_an_overlapped_wave_runs_no_round_after_its_last(tokenizer):
     assert overlapped["decode_tokens"] == plain["decode_tokens"] and overlapped["decode_rounds_ahead"] == 2
 
 
-def test_a_queued_round_never_meets_a_capture_a_reset_or_a_reallocation(tokenizer, monkeypatch):
-    """With ``decode_overlap`` a round is queued while the one before it is uncollected (on CUDA,
-    maybe still running): nothing may build (capture) a step, drop the graphs or re-allocate the
-    store meanwhile, or the running round's graph and memory would be freed under it, and two
-    launches of one step in flight use their two staging sets in turn. Twelve rows finishing one
-    by one (buckets 16, then 8: a step built mid-wave), then a longer wave (the store grows); the
-    tokens equal the engine's without overlap."""
-    model = build("llama", vocab_size=tokenizer.vocab_size)
+def guard_queued_rounds(monkeypatch) -> tuple[list, list, dict]:
+    """Record what must not happen while a launched round is uncollected (on CUDA, maybe still
+    running): a step built (captured), the graphs dropped, the store re-allocated, or two
+    consecutive launches of one step using one staging set. -> (the uncollected launches, the
+    violations, each step's last set: clear it between engines)."""
     uncollected, violations, turns = [], [], {}
     original_launch, original_collect = DecodeGraphs.launch_sample, DecodeGraphs.collect
     original_build, original_reset, original_reserve = DecodeGraphs._build, DecodeGraphs.reset, _KVStore.reserve
@@ -329,7 +327,8 @@ def test_a_queued_round_never_meets_a_capture_a_reset_or_a_reallocation(tokenize
     def reserve(self, *args, **kwargs):
         before = self.capacity
         original_reserve(self, *args, **kwargs)
-        if uncollected and self.capacity != before:
+        # the store the graphs read (the prefill's own store, read by no graph, may grow)
+        if uncollected and self.capacity != before and self.on_reallocate is not None:
             violations.append("reallocated")
 
     monkeypatch.setattr(DecodeGraphs, "launch_sample", launch)
@@ -337,6 +336,19 @@ def test_a_queued_round_never_meets_a_capture_a_reset_or_a_reallocation(tokenize
     monkeypatch.setattr(DecodeGraphs, "_build", guarded("built", original_build))
     monkeypatch.setattr(DecodeGraphs, "reset", guarded("reset", original_reset))
     monkeypatch.setattr(_KVStore, "reserve", reserve)
+    return uncollected, violations, turns
+
+
+def test_a_queued_round_never_meets_a_capture_a_reset_or_a_reallocation(tokenizer, monkeypatch):
+    """With ``decode_overlap`` a round is queued while the one before it is uncollected (on CUDA,
+    maybe still running): nothing may build (capture) a step, drop the graphs or re-allocate the
+    store meanwhile, or the running round's graph and memory would be freed under it, and two
+    launches of one step in flight use their two staging sets in turn. Twelve rows finishing one
+    by one (buckets 16, then 8: a step built mid-wave), then a longer wave (the store grows); the
+    tokens equal the engine's without overlap."""
+    model = build("llama", vocab_size=tokenizer.vocab_size)
+    original_launch = DecodeGraphs.launch_sample
+    uncollected, violations, turns = guard_queued_rounds(monkeypatch)
 
     async def run(overlap: bool):
         engine = EmbeddedEngine(copy.deepcopy(model), decode_graphs=True, decode_steps=4, decode_overlap=overlap)
@@ -365,8 +377,74 @@ def test_a_queued_round_never_meets_a_capture_a_reset_or_a_reallocation(tokenize
     assert overlapped == plain
     assert violations == [] and not uncollected
     assert stats["decode_rounds_ahead"] > 0.5 * stats["decode_rounds"] and stats["kv_allocations"] >= 2
-    with pytest.raises(ValueError, match="exactly one of the rows' tokens and the launch"):
+    with pytest.raises(ValueError, match="the rows' tokens or the launch"):
         original_launch(None, None, None, [], [], [], None)  # neither the tokens nor their launch
+
+
+def test_requests_admitted_behind_a_queued_round_get_the_tokens_of_the_engine_without_overlap(tokenizer, monkeypatch):
+    """Fourteen requests queued at once for four rows, budgets of 5 to 31 tokens, so rows finish
+    while the next round is queued: with ``decode_overlap`` the waiting requests are prefilled
+    behind it, and the round after takes their first tokens from the host and the others' from
+    that round on the device. Among them a GRPO pair (one prefill), a prompt extending a
+    running row's (its KV read from that row), then a second turn of every first-wave request
+    while a long row runs (the prefix cache), and a prompt wider than the store (admitted only
+    once the queued round is collected: the store grows). Sampled at temperature 8 with seeds, so wrong keys,
+    a wrong input token or a wrong seeded count change the tokens: they and their
+    log-probabilities equal the engine's without overlap, and nothing is captured, dropped or
+    re-allocated while a round is queued."""
+    model = build("llama", vocab_size=tokenizer.vocab_size)
+    uncollected, violations, turns = guard_queued_rounds(monkeypatch)
+    base = list(range(40, 70))
+
+    async def run(overlap: bool):
+        engine = EmbeddedEngine(
+            copy.deepcopy(model), max_batch_size=4, decode_graphs=True, decode_steps=4, decode_overlap=overlap
+        )
+        params = {"temperature": 8.0, "ignore_eos": True}
+        prompts = [list(range(10 + i, 22 + 3 * i)) for i in range(10)]
+        prompts[5] = prompts[4]  # a GRPO pair
+        prompts += [base, base + [7, 8, 9], base[:20] + [5, 6], list(range(100, 140))]
+        budgets = [5 + (7 * i) % 27 for i in range(len(prompts))]
+        budgets[10] = 31  # the row whose prompt the next two extend runs long
+        first = await admitted_together(
+            engine,
+            [
+                engine.generate(p, {**params, "max_new_tokens": n, "sampling_seed": i})
+                for i, (p, n) in enumerate(zip(prompts, budgets, strict=True))
+            ],
+        )
+        long = asyncio.ensure_future(
+            engine.generate(list(range(200, 230)), {**params, "max_new_tokens": 60, "sampling_seed": 99})
+        )
+        order = []  # which of the wide and the long request finished first
+        long.add_done_callback(lambda _: order.append("long"))
+        second, wide = [], None
+        for i, (p, o) in enumerate(zip(prompts, first, strict=True)):  # one by one, while the long row runs
+            second.append(
+                await engine.generate(
+                    p + o.output_ids + [3, 4], {**params, "max_new_tokens": 9, "sampling_seed": 50 + i}
+                )
+            )
+            if i == 0:  # a prompt wider than the store holds, while the long row runs
+                wide = asyncio.ensure_future(
+                    engine.generate(list(range(10, 250)), {**params, "max_new_tokens": 6, "sampling_seed": 77})
+                )
+                wide.add_done_callback(lambda _: order.append("wide"))
+        outs = [*first, *second, await wide, await long]
+        stats = await engine.settled_stats()
+        await engine.close()
+        assert order == ["wide", "long"]  # the wide prompt did not wait for the long row's end
+        return [o.output_ids for o in outs], [o.output_logprobs for o in outs], stats
+
+    plain_tokens, plain_logprobs, plain = asyncio.run(run(False))
+    turns.clear()
+    tokens, logprobs, stats = asyncio.run(run(True))
+    assert tokens == plain_tokens
+    for a, b in zip(logprobs, plain_logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=1e-4)
+    assert violations == [] and not uncollected
+    assert plain.get("admissions_behind", 0) == 0 and stats["admissions_behind"] >= 5
+    assert stats["cached_tokens"] == plain["cached_tokens"] > 0
 
 
 def test_an_overlapped_round_clears_a_stopped_row_s_columns_in_its_own_slot(tokenizer, monkeypatch):

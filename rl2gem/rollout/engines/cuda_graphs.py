@@ -279,13 +279,22 @@ class DecodeGraphs:
         step.ints.copy_(step.int_staging[turn], non_blocking=True)
 
     @staticmethod
-    def _take_tokens(step: _Step, bucket: int, rows: int, previous: tuple) -> None:
-        """Queue on the device: each row's input token is the last one the launch ``previous``
-        sampled for it (its place there staged in ``ints[2b + 1:]``). Stream order puts it after
-        that launch's steps, before this launch's (and before a replay of the same step overwrites
-        those outputs)."""
+    def _last_sampled(previous: tuple) -> torch.Tensor:
+        """The tokens ``[its bucket]`` int64 that the launch ``previous`` sampled at its last step,
+        on the device (maybe not yet written)."""
         before, _, eager, _ = previous
-        sampled = (eager[0] if eager is not None else before.outputs[0])[-1]
+        return (eager[0] if eager is not None else before.outputs[0])[-1]
+
+    @classmethod
+    def _take_tokens(cls, step: _Step, bucket: int, rows: int, previous: tuple, joined: bool) -> None:
+        """Queue on the device: each row's input token is the last one the launch ``previous``
+        sampled for it (its place there staged in ``ints[2b + 1:]``); ``joined``: rows admitted
+        after that launch have their token staged in ``ints[:rows]`` and a place past its bucket
+        (``bucket_previous + row``). Stream order puts it after that launch's steps, before this
+        launch's (and before a replay of the same step overwrites those outputs)."""
+        sampled = cls._last_sampled(previous)
+        if joined:
+            sampled = torch.cat((sampled, step.ints[:rows]))
         step.ints[:rows] = sampled.index_select(0, step.ints[2 * bucket + 1 : 2 * bucket + 1 + rows])
 
     def ready(self, store, rows: int, steps: int) -> bool:
@@ -339,10 +348,11 @@ class DecodeGraphs:
             store: the engine's KV store; step ``k`` writes column ``store.hi + k`` and masks it in
                 for every row of the bucket (the caller makes room for ``steps`` columns).
             tokens, positions: the last sampled token of each running row and its position id;
-                ``tokens`` None: each row's last token of the launch ``previous`` (not collected
-                yet, maybe still running), row ``i`` being that launch's row ``sources[i]``: read
-                on the device, so this launch is queued behind that one with no host round trip
-                between them (SGLang's overlap scheduling).
+                with ``previous``, row ``i``'s token is its last one of the launch ``previous``
+                (not collected yet, maybe still running), being that launch's row ``sources[i]``:
+                read on the device, so this launch is queued behind that one with no host round
+                trip between them (SGLang's overlap scheduling). Rows admitted after that launch
+                have ``sources[i] = -1`` and their token in ``tokens`` (None when there is none).
             divisors, greedy: each row's temperature (1 for greedy rows) and whether it is greedy
                 (:func:`~rl2gem.rollout.engines.sampling.row_settings`).
             uniforms: ``[steps, n]`` float32, row ``i``'s draw at step ``k``
@@ -354,10 +364,17 @@ class DecodeGraphs:
             (bucket, steps): a step's staging and host copies are two sets used in turn.
 
         Raises:
-            ValueError: ``tokens`` and ``previous`` both given or both missing.
+            ValueError: neither ``tokens`` nor ``previous``, or ``tokens`` with ``previous`` and no
+                row admitted after it.
         """
-        if (tokens is None) == (previous is None):
-            raise ValueError("give exactly one of the rows' tokens and the launch they come from")
+        joined = previous is not None and tokens is not None
+        if tokens is None and previous is None:
+            raise ValueError("give the rows' tokens or the launch they come from")
+        if joined:
+            if sources is None or min(sources) >= 0:
+                raise ValueError("tokens with the launch they come from: only for rows admitted after it (source -1)")
+            width = self._last_sampled(previous).shape[0]  # where the staged tokens follow its own
+            sources = [source if source >= 0 else width + row for row, source in enumerate(sources)]
         rows, steps = store.slots, len(uniforms)
         step, bucket = self._step(store, rows, steps)
         turn, step.turn = step.turn, 1 - step.turn
@@ -369,7 +386,7 @@ class DecodeGraphs:
         staging[2 * bucket :].reshape(steps, bucket)[:, :rows] = uniforms
         step.floats.copy_(step.float_staging[turn], non_blocking=True)
         if previous is not None:
-            self._take_tokens(step, bucket, rows, previous)
+            self._take_tokens(step, bucket, rows, previous, joined)
         if step.graph is None:
             return step, rows, step.run(), turn
         step.graph.replay()

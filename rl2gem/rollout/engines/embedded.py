@@ -327,8 +327,10 @@ class EmbeddedEngine(Engine):
             before the last round's tokens are read, its input tokens taken from that round's
             outputs there (SGLang's overlap scheduling): the device runs it while the host reads
             the last round, hands its tokens out, finishes its stopped rows and stages the next,
-            so the device need not wait for the host between rounds. A row that stopped runs
-            the queued round too, dropped; no round is queued past every row's token budget, but
+            so the device need not wait for the host between rounds. Requests that arrive
+            meanwhile are prefilled behind the queued round where they join the KV store without
+            re-allocating it (the next round takes their first tokens from the host), else
+            after it. A row that stopped runs the queued round too, dropped; no round is queued past every row's token budget, but
             one is after a round in which every row met a stop token. Greedy and seeded tokens
             are the same as without it; unseeded ones differ (the dropped rows draw uniforms
             too). ``False`` (the default until a GPU run has measured it: ``benchmarks/gpu.py``'s
@@ -345,6 +347,7 @@ class EmbeddedEngine(Engine):
             ``finished``, ``prefill_forwards``, ``prefill_tokens``, ``cached_tokens``,
             ``decode_steps``, ``decode_rounds`` (host round trips), ``decode_rounds_ahead`` (of
             them, queued before the last round's tokens were read: ``decode_overlap``),
+            ``admissions_behind`` (prefills queued behind such a round),
             ``decode_tokens`` (rows x steps, dropped tokens included), ``decode_graph_captures``,
             ``decode_graphs_failed``, ``kv_allocations`` and ``prefill_kv_allocations`` (the KV
             stores' buffer allocations), and times in ms (floats, summed unrounded: a decode round
@@ -731,10 +734,12 @@ class EmbeddedEngine(Engine):
                 t0 = time.perf_counter()
                 self._admit()
                 t1 = time.perf_counter()
+                self.stats["time_admit_ms"] += 1000 * (t1 - t0)
+                admitted_ms = self.stats["time_admit_ms"]  # and within the decode (_admit_behind)
                 if self._running:
                     self._decode()
-                self.stats["time_admit_ms"] += 1000 * (t1 - t0)
-                self.stats["time_decode_ms"] += 1000 * (time.perf_counter() - t1)
+                behind_ms = self.stats["time_admit_ms"] - admitted_ms
+                self.stats["time_decode_ms"] += 1000 * (time.perf_counter() - t1) - behind_ms
             except Exception as e:  # a model error fails the requests, not the engine
                 failed = self._running + [r for r in self._admitting if r not in self._running]
                 # the store may be half re-allocated (out of memory): drop it, the graphs that read it
@@ -745,26 +750,23 @@ class EmbeddedEngine(Engine):
                 for r in failed:
                     self._settle_output(r, {"type": "abort", "message": f"engine error: {type(e).__name__}: {e}"})
 
-    def _admit(self):
-        take: list[_Request] = []
-        tokens = longest = 0  # prompt tokens taken, the longest prompt taken
-        st = self._store
+    def _admit(self, behind: bool = False) -> bool:
+        """Prefill the waiting requests that fit (``max_batch_size``, ``max_prefill_tokens``,
+        ``max_cached_tokens``) and add them to the running rows (:meth:`_prefill`).
+
+        ``behind``: a decode round is queued on the device, not yet collected
+        (``decode_overlap``): the requests are admitted only where they join the KV store without
+        re-allocating it (nothing may free what that round reads) and rows are running (the
+        store keeps its window), else none is taken. The prefill is then queued behind that
+        round, its host work done while the round runs. -> False when ``behind`` declined."""
         with self._cv:
-            while self._waiting and len(self._running) + len(take) < self.max_batch_size:
-                r = self._waiting[0]
-                n = len(r.input_ids) + len(r.out_ids)
-                window = max(st.window if self._running else 0, longest, n)
-                if take and tokens + n > self.max_prefill_tokens:
-                    break
-                if (self._running or take) and (len(self._running) + len(take) + 1) * (
-                    window + 1
-                ) > self.max_cached_tokens:
-                    break
-                take.append(self._waiting.popleft())
-                tokens += n
-                longest = max(longest, len(r.input_ids))
+            take = self._admittable()
+            if behind and take and not self._joins_in_place(take):
+                return False
+            for _ in take:
+                self._waiting.popleft()
         if not take:
-            return
+            return True
         for r in take:
             r.version = self.weight_version
         self._admitting = take  # out of the queue: an error from here on fails them
@@ -776,9 +778,40 @@ class EmbeddedEngine(Engine):
             self._settle_output(r, {"type": "length", "length": 0})
         take = self._admitting = [r for r in take if r.params.max_new_tokens > 0]
         if not take:
-            return
+            return True
         self._prefill(take)
         self._admitting = []
+        return True
+
+    def _admittable(self) -> list[_Request]:
+        """The waiting requests (from the queue's head, left in it) that :meth:`_admit` would take
+        now. Holds ``self._cv``."""
+        take: list[_Request] = []
+        tokens = longest = 0  # prompt tokens taken, the longest prompt taken
+        window = self._store.window if self._running else 0
+        for r in self._waiting:
+            if len(self._running) + len(take) >= self.max_batch_size:
+                break
+            n = len(r.input_ids) + len(r.out_ids)
+            if take and tokens + n > self.max_prefill_tokens:
+                break
+            if (self._running or take) and (len(self._running) + len(take) + 1) * (
+                max(window, longest, n) + 1
+            ) > self.max_cached_tokens:
+                break
+            take.append(r)
+            tokens += n
+            longest = max(longest, len(r.input_ids))
+        return take
+
+    def _joins_in_place(self, take: list[_Request]) -> bool:
+        """Whether ``take`` prefilled would join the running rows without re-allocating the KV
+        store (:meth:`_prefill`'s reservation, at most a slide of the window)."""
+        if not self._running:  # an empty store is cleared, its window moved
+            return False
+        st = self._store
+        width = max(len(r.input_ids) for r in take)  # the prefill's columns (the lean path's)
+        return st.fits(st.slots + len(take), max(0, width - st.window), 1, self._growth(self._running + take))
 
     def _forward(self, **kw):
         return self.model(**kw, use_cache=True)
@@ -1163,18 +1196,25 @@ class EmbeddedEngine(Engine):
     ):
         """Launch ``steps`` sampled decode steps of the store's rows ``reqs`` (their last tokens
         ``last``, or None: taken on the device from the launch ``previous = (its handle, the
-        rows it ran)``; ``pending``: tokens each has sampled that are not in its ``out_ids`` yet,
-        for the seeded uniforms) -> :meth:`DecodeGraphs.collect`'s argument, or None when the
-        graphs failed (they are off from then on)."""
+        rows it ran)``, except for rows admitted since, whose first tokens are on the host;
+        ``pending``: tokens each row of ``previous`` has sampled that are not in its ``out_ids``
+        yet, for the seeded uniforms) -> :meth:`DecodeGraphs.collect`'s argument, or None when
+        the graphs failed (they are off from then on)."""
         params = [r.params for r in reqs]
         divisors, greedy = row_settings(params)
-        uniforms = draw_uniforms(params, [len(r.out_ids) + pending for r in reqs], self._gen, steps)
-        before = self._graphs.captures, self._graphs.capture_seconds
         handle = sources = None
+        counts = [len(r.out_ids) + pending for r in reqs]
         if previous is not None:
             handle, ran = previous
             place = {id(r): i for i, r in enumerate(ran)}
-            sources = [place[id(r)] for r in reqs]
+            sources = [place.get(id(r), -1) for r in reqs]
+            if -1 in sources:  # rows admitted after that launch: their first token is on the host
+                last = [r.out_ids[-1] if source < 0 else 0 for r, source in zip(reqs, sources, strict=True)]
+                counts = [
+                    len(r.out_ids) + (pending if source >= 0 else 0) for r, source in zip(reqs, sources, strict=True)
+                ]
+        uniforms = draw_uniforms(params, counts, self._gen, steps)
+        before = self._graphs.captures, self._graphs.capture_seconds
         try:
             launched = self._graphs.launch_sample(
                 st, last, [r.length for r in reqs], divisors, greedy, uniforms, previous=handle, sources=sources
@@ -1252,14 +1292,13 @@ class EmbeddedEngine(Engine):
 
     def _overlap_goes_on(self, reqs: list[_Request], pending: int) -> int:
         """Steps of a round to queue behind the launched one (whose ``pending`` tokens per row are
-        not handed out yet), or 0: not when the engine has other work (a command, a pause, a
-        request it could admit), no row's token budget goes past the launched round (a row that
+        not handed out yet), or 0: not when the engine has other work (a command, a pause; a
+        request to admit is prefilled behind the queued round, :meth:`_decode_on_device`), no row's token budget goes past the launched round (a row that
         meets a stop token there runs the queued round for nothing, dropped), a row samples on
         the host or its context ends within ``decode_steps``, or the round would re-allocate the
         store or build a step (which would free or capture graphs while one runs)."""
         with self._cv:
             busy = self._commands or self._paused or self._closed
-            busy = busy or (self._waiting and len(self._running) < self.max_batch_size)
         if busy or not any(len(r.out_ids) + pending < r.params.max_new_tokens for r in reqs):
             return 0
         steps = self._chunk_steps(reqs)
@@ -1282,11 +1321,13 @@ class EmbeddedEngine(Engine):
         running = self._launch_round(reqs, steps, [r.out_ids[-1] for r in reqs], 0)
         if running is None:
             return False
+        drain = False  # no round queued after the launched one: requests wait that must not join behind it
         while running is not None:
             reqs, steps, launched = running
             running = None
-            # the rows that go on: those of the launched round that no earlier round stopped
-            following = self._overlap_goes_on(self._running, steps) if self.decode_overlap else 0
+            # the rows that go on: those of the launched round that no earlier round stopped, and
+            # the rows admitted since (their first token from the host)
+            following = self._overlap_goes_on(self._running, steps) if self.decode_overlap and not drain else 0
             if following:
                 nxt = list(self._running)
                 running = self._launch_round(nxt, following, None, steps, previous=(launched, reqs))
@@ -1302,7 +1343,26 @@ class EmbeddedEngine(Engine):
                 tokens = [[row[i] for i in kept] for row in tokens]
                 logprobs = [[row[i] for i in kept] for row in logprobs]
             self._hand_out(reqs, tokens, logprobs, running[1] if running else 0)
+            if running is not None and self._admission_waits():
+                drain = not self._admit_behind()
         return True
+
+    def _admission_waits(self) -> bool:
+        """Whether a waiting request could join the running rows (room under ``max_batch_size``)."""
+        with self._cv:
+            return bool(self._waiting) and len(self._running) < self.max_batch_size
+
+    def _admit_behind(self) -> bool:
+        """:meth:`_admit` while a decode round is queued (``decode_overlap``): the prefill's host
+        work (prefix lookups, staging, launches) runs while the device runs that round, and
+        the rows join before the next round is launched, which takes their first tokens from
+        the host. Its time counts as admission (``time_admit_ms``, ``admissions_behind``).
+        -> False when the requests must wait for the queued round (:meth:`_admit`'s ``behind``)."""
+        start = time.perf_counter()
+        admitted = self._admit(behind=True)
+        self.stats["time_admit_ms"] += 1000 * (time.perf_counter() - start)
+        self.stats["admissions_behind"] += admitted
+        return admitted
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
