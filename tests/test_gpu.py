@@ -369,21 +369,26 @@ def test_the_hand_out_of_an_overlapped_round_never_waits_for_the_gpu():
     synchronises with the device (``torch.cuda.set_sync_debug_mode("error")`` raises on a copy
     from pageable memory, a ``nonzero`` or an ``item``), so that work overlaps the rounds. Rows
     stop at random steps (a tenth of the vocabulary are stop tokens, seeded sampling); the
-    tokens equal those of the engine without overlap. Twelve requests for four rows: most are
-    prefilled behind a queued round, and the round after, taking their first tokens from the host
-    and the others' from the queued round on the device, does not synchronise either."""
+    tokens equal those of the engine without overlap. Sixteen requests for four rows: most are
+    prefilled behind a queued round, which waits for the device only to read their first tokens
+    (prefix lookups, the prompts' shared stems and the packed forward are queued without a
+    wait), and the round after, taking their first tokens from the host and the others' from the
+    queued round on the device, does not synchronise either."""
     from rl2gem.rollout.engines.embedded import EmbeddedEngine
 
     model = tiny_model().float().to(CUDA)
-    prompts = [list(range(10, 10 + n)) for n in (7, 19, 3, 30, 11, 11, 5, 23, 9, 14, 2, 17)]
+    prompts = [list(range(10, 10 + n)) for n in (30, 19, 3, 7, 11, 11, 5, 23, 9, 14, 2, 17)]
+    # three prompts sharing a stem no cache holds, and one extending the first, which runs long
+    prompts += [list(range(100, 130)) + [i, i + 1] for i in (1, 3, 5)] + [prompts[0] + [7, 8]]
     stops = list(range(0, model.config.vocab_size, 10))
 
-    def strictly(work):
-        torch.cuda.set_sync_debug_mode("error")
+    def strictly(work, mode="error"):
+        before = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode(mode)
         try:
             return work()
         finally:
-            torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.set_sync_debug_mode(before)
 
     async def run(overlap=True):
         engine = EmbeddedEngine(model, None, max_batch_size=4, decode_overlap=overlap)
@@ -399,9 +404,13 @@ def test_the_hand_out_of_an_overlapped_round_never_waits_for_the_gpu():
             queued.append(len(reqs))
             return strictly(lambda: launch_round(reqs, steps, last, pending, previous))
 
+        # a prefill behind a queued round waits for the device only to read its first tokens
+        admit_behind, hand_out_first = engine._admit_behind, engine._hand_out_first
+        engine._admit_behind = lambda: strictly(admit_behind)
+        engine._hand_out_first = lambda *args: strictly(lambda: hand_out_first(*args), "default")
         engine._hand_out, engine._launch_round = strict, strict_launch
         params = [
-            {"temperature": 8.0, "max_new_tokens": 40, "stop_token_ids": stops, "sampling_seed": i}
+            {"temperature": 8.0, "max_new_tokens": 40, "stop_token_ids": stops if i else [], "sampling_seed": i}
             for i in range(len(prompts))
         ]
         outs = await asyncio.gather(*(engine.generate(p, q) for p, q in zip(prompts, params, strict=True)))

@@ -885,7 +885,10 @@ class EmbeddedEngine(Engine):
             return 0, None
         if running_length > length:
             slot, st = self._running.index(request), self._store
-            columns = np.flatnonzero(st.mask[slot, st.lo : st.hi].cpu().numpy())[:running_length] + st.lo
+            if request.span == request.length:  # no hole: its last span columns (no read of the mask)
+                columns = np.arange(st.hi - request.span, st.hi - request.span + running_length)
+            else:
+                columns = np.flatnonzero(st.mask[slot, st.lo : st.hi].cpu().numpy())[:running_length] + st.lo
             return running_length, ("running", slot, columns)
         return length, ("cache", self._prefix_cache.use(cached, length))
 
@@ -943,8 +946,10 @@ class EmbeddedEngine(Engine):
         hits = [self._lookup_prefix(request.input_ids) for request in take]
         stems = self._shared_stems(take, [hit[0] for hit in hits])
         if stems:
-            self._prefill_rows(stems, [self._lookup_prefix(stem) for stem in stems])
-            self._keep_kv(self._prefill_store, [(tuple(stem), row, None) for row, stem in enumerate(stems)])
+            width, _ = self._prefill_rows(stems, [self._lookup_prefix(stem) for stem in stems])
+            lean = self._lean is not None  # each stem ends at width, no hole in it: no read of the mask
+            located = [slice(width - len(stem), width) if lean else None for stem in stems]
+            self._keep_kv(self._prefill_store, [(tuple(stem), row, located[row]) for row, stem in enumerate(stems)])
             hits = [self._lookup_prefix(request.input_ids) for request in take]
         # rows in the order the lean prefill groups them (most new tokens first), so each group's
         # rows are consecutive and its attention reads a view of the store
@@ -973,11 +978,13 @@ class EmbeddedEngine(Engine):
         # and a decode chunk of neighbouring rows reads few columns its rows do not need. The new
         # rows are consecutive slots, copied in with one indexed copy per layer (not one per row)
         source_rows = [row_of[original[index]] for index in range(len(requests))]
-        sources = torch.tensor(source_rows, device=self._device)
-        starts = prefilled.mask[sources, :width].float().argmax(-1).tolist()  # each row's first column
-        spans = [width - start for start in starts]
+        if self._lean is not None:  # each row's prompt ends at width, no hole in it
+            spans = [len(request.input_ids) for request in requests]
+        else:  # from each row's first column (a host read)
+            sources = torch.tensor(source_rows, device=self._device)
+            spans = [width - start for start in prefilled.mask[sources, :width].float().argmax(-1).tolist()]
         order = sorted(range(len(requests)), key=lambda index: -spans[index])
-        sources = sources[torch.tensor(order, device=self._device)]
+        sources = to_device(torch.tensor([source_rows[index] for index in order]), self._device)
         new_slots, columns = slice(store.slots, store.slots + len(requests)), slice(store.hi - width, store.hi)
         for layer in range(store.num_layers):
             store.pairs[layer][:, new_slots, :, columns] = prefilled.pairs[layer][:, sources, :, :width]
@@ -991,7 +998,13 @@ class EmbeddedEngine(Engine):
             request.length = len(request.input_ids)
             request.span = spans[index]
             request.cached = cached[source_rows[index]] if original[index] == index else len(request.input_ids)
-        self._append_tokens(list(requests), [tokens.tolist()], [logprobs.tolist()])
+        self._hand_out_first(list(requests), tokens, logprobs)
+
+    def _hand_out_first(self, requests: list[_Request], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """The prefill's first tokens ``[n]`` (and log-probabilities) to their requests: the
+        prefill's one host read, which waits for the device (for a decode round queued before it
+        too); everything of :meth:`_prefill` before it is queued without waiting (lean path)."""
+        self._append_tokens(requests, [tokens.tolist()], [logprobs.tolist()])
 
     def _prefill_rows(self, prompts: list[list[int]], hits: list) -> tuple[int, torch.Tensor]:
         """One forward over ``prompts`` into the prefill store, row ``j`` = its cached prefix
@@ -1021,7 +1034,7 @@ class EmbeddedEngine(Engine):
         self._place_prefixes(store, hits, prefix_end, new, width)
         if self._lean is not None:
             pieces = [(row, ids[cached[row] :], cached[row]) for row, ids in enumerate(prompts)]
-            logits = self._lean.prefill(store, pieces, width)
+            logits = self._lean.prefill(store, pieces, width, [width - len(ids) for ids in prompts])
         else:
             store.hi = longest_cached
             ids = torch.zeros(rows, longest_new, dtype=torch.long)
@@ -1061,7 +1074,7 @@ class EmbeddedEngine(Engine):
         for row, count in enumerate(new):
             allowed[row, width - count : width] = True  # the new tokens end at width in both layouts
         store.mask[:rows] = False
-        store.mask[:rows, :width] = torch.from_numpy(allowed).to(device)
+        store.mask[:rows, :width] = to_device(torch.from_numpy(allowed), device)
         if not cached:
             return
         lengths = [length for _, _, length, _ in cached]

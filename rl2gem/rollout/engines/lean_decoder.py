@@ -47,8 +47,10 @@ Equality with ``model(...)`` is tested in ``tests/rollout/test_lean_decoder.py``
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from rl2gem.devices import to_device
 from rl2gem.models import not_full_causal_attention
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "LeanDecoder", "unsupported_reason"]
@@ -536,7 +538,9 @@ class LeanDecoder:
         return groups
 
     @torch.no_grad()
-    def prefill(self, store, rows: list[tuple[int, list[int], int]], end: int) -> torch.Tensor:
+    def prefill(
+        self, store, rows: list[tuple[int, list[int], int]], end: int, firsts: list[int] | None = None
+    ) -> torch.Tensor:
         """Extend rows of ``store`` with new tokens in one packed forward (no padding through the
         linear layers); attention per group of requests (:meth:`plan_prefill_groups`), each a
         batched call over the group's queries padded to its longest.
@@ -547,6 +551,10 @@ class LeanDecoder:
                 before ``end - q`` (the caller sets their mask; the new columns' mask too).
             rows: ``(row, new token ids, position id of the first)`` per request.
             end: the column after every row's last token.
+            firsts: each request's first masked-in column, where the caller knows it; None: read
+                from the store's mask (a wait for the device). With it the forward is queued
+                without any host read or wait (its indexes copied from pinned memory), so it can
+                be queued behind a decode round still running.
 
         Returns:
             logits [len(rows), V] float32 after each row's last new token.
@@ -558,22 +566,25 @@ class LeanDecoder:
         self.check_fused()
         device = store.mask.device
         queries = [len(ids) for _, ids, _ in rows]
-        offsets = [0]
-        for count in queries:
-            offsets.append(offsets[-1] + count)
-        tokens = torch.tensor([t for _, ids, _ in rows for t in ids], dtype=torch.long, device=device)
+        offsets = np.cumsum([0, *queries]).tolist()
         last = max(p + len(ids) for _, ids, p in rows) - 1
         if last >= self.max_positions and self.rotation_table(inner.embed_tokens.weight.dtype, device) is not None:
             raise ValueError(f"position {last} is past the rotary table's {self.max_positions} (max_positions)")
-        positions = torch.cat([torch.arange(p, p + len(ids)) for _, ids, p in rows]).to(device)
-        store_rows = torch.tensor([row for row, _, _ in rows], device=device)
-        # each request's first column: its cached prefix's first, else its first new one
-        masked = store.mask[store_rows, :end]
-        firsts = torch.where(masked.any(-1), masked.float().argmax(-1), end).tolist()
+        if firsts is None:  # each request's first column: its cached prefix's first, else its first new one
+            masked = store.mask[torch.tensor([row for row, _, _ in rows], device=device), :end]
+            firsts = torch.where(masked.any(-1), masked.float().argmax(-1), end).tolist()
         firsts = [min(first, end - q) for first, q in zip(firsts, queries, strict=True)]
-        # the new keys and values of every token go to (row, column) in one write per layer
-        token_rows = torch.repeat_interleave(store_rows, torch.tensor(queries, device=device))
-        token_columns = torch.cat([torch.arange(end - q, end) for q in queries]).to(device)
+        # the tokens, their positions, their (row, column) in the store (the new keys and values
+        # of every token go there in one write per layer) and each request's last token: one copy
+        arrays = [
+            np.fromiter((t for _, ids, _ in rows for t in ids), dtype=np.int64, count=offsets[-1]),
+            np.concatenate([np.arange(p, p + len(ids)) for _, ids, p in rows]),
+            np.repeat([row for row, _, _ in rows], queries),
+            np.concatenate([np.arange(end - q, end) for q in queries]),
+            np.asarray(offsets[1:]) - 1,
+        ]
+        flat = to_device(torch.from_numpy(np.concatenate(arrays).astype(np.int64)), device)
+        tokens, positions, token_rows, token_columns, last = flat.split([len(array) for array in arrays])
         groups = [
             self._prefill_group(store, [rows[i][0] for i in group], [queries[i] for i in group],
                                 [offsets[i] for i in group], min(firsts[i] for i in group), end,
@@ -601,7 +612,6 @@ class LeanDecoder:
                 )
                 attended[scatter[1]] = out.flatten(0, 1)[scatter[0]]
             hidden = self._residual(index, hidden, attended)
-        last = torch.tensor([offset - 1 for offset in offsets[1:]], device=device)
         return self._logits(_norm(inner.norm, hidden[last]))
 
     @staticmethod
@@ -609,25 +619,27 @@ class LeanDecoder:
         store, group_rows: list[int], queries: list[int], offsets: list[int], first: int, end: int, dtype: torch.dtype
     ):
         """One group's index tensors and additive mask, built once for all layers, with no host
-        read: its store rows (a slice when consecutive: the engine orders its prefill rows as
-        groups are planned), where each padded query slot reads its token (``[g, most]``), which
-        slots hold real tokens and where they go in the packed output, and ``bias``
-        ``[g, most, end - first]`` in ``dtype``. Queries are right-aligned at ``end``: slot ``j`` is column
-        ``end - most + j``."""
+        read (the indexes built on the host, copied once from pinned memory): its store rows (a
+        slice when consecutive: the engine orders its prefill rows as groups are planned), where
+        each padded query slot reads its token (``[g, most]``), which slots hold real tokens and
+        where they go in the packed output, and ``bias`` ``[g, most, end - first]`` in ``dtype``.
+        Queries are right-aligned at ``end``: slot ``j`` is column ``end - most + j``."""
         device = store.mask.device
         most = max(queries)
-        slots = torch.arange(most, device=device)
-        count = torch.tensor(queries, device=device)[:, None]
-        real = slots[None] >= most - count  # [g, most]
-        gather = torch.tensor(offsets, device=device)[:, None] + slots[None] - (most - count)
-        gather = torch.where(real, gather, 0)
+        slots = np.arange(most)
+        real = slots[None] >= most - np.asarray(queries)[:, None]  # [g, most]
+        gather = np.where(real, np.asarray(offsets)[:, None] + slots[None] - most + np.asarray(queries)[:, None], 0)
+        flat = np.flatnonzero(real)  # the real slots, in packed order
         consecutive = group_rows == list(range(group_rows[0], group_rows[0] + len(group_rows)))
-        rows = slice(group_rows[0], group_rows[-1] + 1) if consecutive else torch.tensor(group_rows, device=device)
+        listed = np.zeros(0, dtype=np.int64) if consecutive else np.asarray(group_rows, dtype=np.int64)
+        arrays = [gather.ravel(), real.ravel(), flat, gather.ravel()[flat], listed]
+        copied = to_device(torch.from_numpy(np.concatenate(arrays).astype(np.int64)), device)
+        gather, real, flat, sources, listed = copied.split([len(array) for array in arrays])
+        gather, real = gather.view(len(queries), most), real.view(len(queries), most).bool()
+        rows = slice(group_rows[0], group_rows[-1] + 1) if consecutive else listed
         columns = torch.arange(first, end, device=device)
-        causal = columns[None] <= (end - most + slots)[:, None]  # [most, width]
+        causal = columns[None] <= torch.arange(end - most, end, device=device)[:, None]  # [most, width]
         allowed = store.mask[rows, first:end][:, None] & causal[None]  # [g, most, width]
         allowed |= ~real[..., None]  # a padding slot reads every column: finite, dropped
         bias = LeanDecoder._bias(allowed, dtype)
-        flat = [g * most + j for g, q in enumerate(queries) for j in range(most - q, most)]
-        flat = torch.tensor(flat, device=device)  # the real slots, in packed order
-        return rows, gather, (flat, gather.flatten()[flat]), first, bias
+        return rows, gather, (flat, sources), first, bias

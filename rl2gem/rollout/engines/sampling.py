@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from rl2gem.devices import to_device
 from rl2gem.rollout.engines.base import SamplingParams, seeded_uniforms
 
 __all__ = ["cumulative_sum", "draw_uniforms", "filtered", "sample", "sample_rows", "row_settings"]
@@ -168,12 +169,11 @@ def sample(
     counts = counts if counts is not None else [0] * len(params)
     divisors, greedy = row_settings(params)
     device = logits.device
-    uniforms = torch.from_numpy(draw_uniforms(params, counts, generator)[0]).to(device, non_blocking=True)
-    scaled, weights, log_total = _scale(
-        logits, torch.tensor(divisors, dtype=logits.dtype).to(device, non_blocking=True)
-    )
+    # the host's values through pinned memory: no wait for the device's queued work
+    uniforms = to_device(torch.from_numpy(draw_uniforms(params, counts, generator)[0]), device)
+    scaled, weights, log_total = _scale(logits, to_device(torch.tensor(divisors, dtype=logits.dtype), device))
     cut = [i for i, p in enumerate(params) if filtered(p)]
     if cut:
         _filter(weights, params, cut)
-    greedy_rows = torch.tensor(greedy).to(device, non_blocking=True)
+    greedy_rows = to_device(torch.tensor(greedy), device)
     return _pick(scaled, weights, log_total, greedy_rows, uniforms, any(greedy), not all(greedy))
