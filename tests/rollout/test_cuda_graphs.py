@@ -447,6 +447,54 @@ def test_requests_admitted_behind_a_queued_round_get_the_tokens_of_the_engine_wi
     assert stats["cached_tokens"] == plain["cached_tokens"] > 0
 
 
+def test_an_error_in_a_prefill_behind_a_queued_round_fails_its_requests_and_the_engine_goes_on(tokenizer):
+    """Out of memory in the prefill of a request admitted behind a queued round: that request and
+    the rows running end with the engine error (none waits forever), and the engine then serves
+    requests exactly as an engine that never failed."""
+    model = build("llama", vocab_size=tokenizer.vocab_size)
+    params = {"temperature": 8.0, "ignore_eos": True, "sampling_seed": 3}
+
+    async def run(fail: bool):
+        engine = EmbeddedEngine(
+            copy.deepcopy(model), max_batch_size=2, decode_graphs=True, decode_steps=4, decode_overlap=True
+        )
+        prefill_rows, admit_behind, failures, behind = engine._prefill_rows, engine._admit_behind, [], []
+
+        def failing(*args):
+            if fail and behind and not failures:
+                failures.append(1)
+                raise RuntimeError("out of memory")
+            return prefill_rows(*args)
+
+        def admitting_behind():  # a round is queued
+            behind.append(1)
+            try:
+                return admit_behind()
+            finally:
+                behind.pop()
+
+        engine._prefill_rows, engine._admit_behind = failing, admitting_behind
+        budgets = (30, 5, 12)  # the third waits for the second's row
+        outs = await admitted_together(
+            engine,
+            [
+                engine.generate(list(range(10 + i, 30 + i)), {**params, "max_new_tokens": n})
+                for i, n in enumerate(budgets)
+            ],
+        )
+        after = await engine.generate(list(range(50, 70)), {**params, "max_new_tokens": 9})
+        await engine.close()
+        return outs, after, failures
+
+    outs, after, failures = asyncio.run(run(True))
+    _, reference, _ = asyncio.run(run(False))
+    assert failures == [1]
+    assert outs[1].finish_reason["type"] == "length"  # finished before the failing admission
+    for output in (outs[0], outs[2]):
+        assert output.aborted and "engine error: RuntimeError: out of memory" in output.finish_reason["message"]
+    assert after.output_ids == reference.output_ids and after.output_logprobs == reference.output_logprobs
+
+
 def test_an_overlapped_round_clears_a_stopped_row_s_columns_in_its_own_slot(tokenizer, monkeypatch):
     """Four rows (budgets 30, 11, 7, 30), four steps a round, each round launched before the last
     one's hand-out: the 7-token row stops in round 2 and the last row moves into its slot; the

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import inspect
 import itertools
 import threading
@@ -741,6 +742,9 @@ class EmbeddedEngine(Engine):
                 behind_ms = self.stats["time_admit_ms"] - admitted_ms
                 self.stats["time_decode_ms"] += 1000 * (time.perf_counter() - t1) - behind_ms
             except Exception as e:  # a model error fails the requests, not the engine
+                if self._device.type == "cuda":  # a queued round may still read what is freed below
+                    with contextlib.suppress(Exception):  # a sticky CUDA error raises here too
+                        torch.cuda.synchronize(self._device)
                 failed = self._running + [r for r in self._admitting if r not in self._running]
                 # the store may be half re-allocated (out of memory): drop it, the graphs that read it
                 # and the cached prefixes before the requests end
