@@ -330,9 +330,10 @@ class EmbeddedEngine(Engine):
             the last round, hands its tokens out, finishes its stopped rows and stages the next,
             so the device need not wait for the host between rounds. Requests that arrive
             meanwhile are prefilled behind the queued round where they join the KV store without
-            re-allocating it (the next round takes their first tokens from the host), else
-            after it. A row that stopped runs the queued round too, dropped; no round is queued past every row's token budget, but
-            one is after a round in which every row met a stop token. Greedy and seeded tokens
+            re-allocating it (the next round takes their first tokens from the host), else after
+            it. A row that stopped runs the queued round too, dropped; no round is queued past
+            every row's token budget, but one is after a round in which every row met a stop
+            token. Greedy and seeded tokens
             are the same as without it; unseeded ones differ (the dropped rows draw uniforms
             too). ``False`` (the default until a GPU run has measured it: ``benchmarks/gpu.py``'s
             decode table).
@@ -1310,10 +1311,11 @@ class EmbeddedEngine(Engine):
     def _overlap_goes_on(self, reqs: list[_Request], pending: int) -> int:
         """Steps of a round to queue behind the launched one (whose ``pending`` tokens per row are
         not handed out yet), or 0: not when the engine has other work (a command, a pause; a
-        request to admit is prefilled behind the queued round, :meth:`_decode_on_device`), no row's token budget goes past the launched round (a row that
-        meets a stop token there runs the queued round for nothing, dropped), a row samples on
-        the host or its context ends within ``decode_steps``, or the round would re-allocate the
-        store or build a step (which would free or capture graphs while one runs)."""
+        request to admit is prefilled behind the queued round, :meth:`_decode_on_device`), no
+        row's token budget goes past the launched round (a row that meets a stop token there runs
+        the queued round for nothing, dropped), a row samples on the host or its context ends
+        within ``decode_steps``, or the round would re-allocate the store or build a step (which
+        would free or capture graphs while one runs)."""
         with self._cv:
             busy = self._commands or self._paused or self._closed
         if busy or not any(len(r.out_ids) + pending < r.params.max_new_tokens for r in reqs):
@@ -1338,7 +1340,7 @@ class EmbeddedEngine(Engine):
         running = self._launch_round(reqs, steps, [r.out_ids[-1] for r in reqs], 0)
         if running is None:
             return False
-        drain = False  # no round queued after the launched one: requests wait that must not join behind it
+        drain = False  # queue no more rounds: a waiting request must not join behind one
         while running is not None:
             reqs, steps, launched = running
             running = None
@@ -1375,10 +1377,10 @@ class EmbeddedEngine(Engine):
         the rows join before the next round is launched, which takes their first tokens from
         the host. Its time counts as admission (``time_admit_ms``, ``admissions_behind``).
         -> False when the requests must wait for the queued round (:meth:`_admit`'s ``behind``)."""
-        start = time.perf_counter()
+        start, prefills = time.perf_counter(), self.stats["prefill_forwards"]
         admitted = self._admit(behind=True)
         self.stats["time_admit_ms"] += 1000 * (time.perf_counter() - start)
-        self.stats["admissions_behind"] += admitted
+        self.stats["admissions_behind"] += self.stats["prefill_forwards"] > prefills
         return admitted
 
 
