@@ -495,6 +495,51 @@ def test_an_error_in_a_prefill_behind_a_queued_round_fails_its_requests_and_the_
     assert after.output_ids == reference.output_ids and after.output_logprobs == reference.output_logprobs
 
 
+def test_a_request_queued_before_a_pause_is_not_admitted_behind_the_queued_round(tokenizer):
+    """A request waits and ``pause("abort")`` is sent while a round is queued and the one before
+    it is handed out: the pause comes first, as without overlap, so the request stays queued
+    (not admitted behind the round and aborted with the running row) and decodes after resume."""
+    import threading
+
+    model = build("llama", vocab_size=tokenizer.vocab_size)
+
+    async def run():
+        engine = EmbeddedEngine(
+            copy.deepcopy(model), max_batch_size=2, decode_graphs=True, decode_steps=4, decode_overlap=True
+        )
+        hand_out, blocked, go = engine._hand_out, threading.Event(), threading.Event()
+
+        def held(*args):  # the second round's hand-out waits (the third is queued by then)
+            if engine.stats["decode_rounds_ahead"] and not go.is_set():
+                blocked.set()
+                go.wait(30)
+            return hand_out(*args)
+
+        engine._hand_out = held
+        greedy = {"temperature": 0.0, "ignore_eos": True}
+        first = asyncio.ensure_future(engine.generate(list(range(10, 30)), {**greedy, "max_new_tokens": 200}))
+        await asyncio.to_thread(blocked.wait, 30)
+        second = asyncio.ensure_future(engine.generate(list(range(40, 60)), {**greedy, "max_new_tokens": 8}))
+        while len(engine._waiting) < 1:
+            await asyncio.sleep(0.005)
+        pause = asyncio.ensure_future(engine.pause("abort"))
+        while not engine._commands:
+            await asyncio.sleep(0.005)
+        go.set()
+        await pause
+        waiting = len(engine._waiting)
+        await engine.resume()
+        outs = await asyncio.gather(first, second)
+        stats = await engine.settled_stats()
+        await engine.close()
+        return outs, waiting, stats
+
+    (first, second), waiting, stats = asyncio.run(run())
+    assert first.aborted and first.finish_reason["message"] == "paused"
+    assert waiting == 1 and second.finish_reason["type"] == "length" and len(second.output_ids) == 8
+    assert stats.get("admissions_behind", 0) == 0
+
+
 def test_an_overlapped_round_clears_a_stopped_row_s_columns_in_its_own_slot(tokenizer, monkeypatch):
     """Four rows (budgets 30, 11, 7, 30), four steps a round, each round launched before the last
     one's hand-out: the 7-token row stops in round 2 and the last row moves into its slot; the

@@ -1367,8 +1367,12 @@ class EmbeddedEngine(Engine):
         return True
 
     def _admission_waits(self) -> bool:
-        """Whether a waiting request could join the running rows (room under ``max_batch_size``)."""
+        """Whether a waiting request could join the running rows (room under ``max_batch_size``)
+        and no command, pause or close comes first (a pause keeps the queue waiting, as it does
+        without overlap: the loop runs the commands before it admits)."""
         with self._cv:
+            if self._commands or self._paused or self._closed:
+                return False
             return bool(self._waiting) and len(self._running) < self.max_batch_size
 
     def _admit_behind(self) -> bool:
