@@ -495,6 +495,82 @@ def test_an_error_in_a_prefill_behind_a_queued_round_fails_its_requests_and_the_
     assert after.output_ids == reference.output_ids and after.output_logprobs == reference.output_logprobs
 
 
+def test_a_prefill_behind_a_queued_round_reads_nothing_from_the_device_before_its_first_tokens(tokenizer, monkeypatch):
+    """The CPU's stand-in for the GPU test's sync debug mode: while a request is admitted behind a
+    queued round, up to the read of its first tokens, no tensor is read on the host (``tolist``,
+    ``item``, ``cpu``, ``bool``, ``nonzero``), indexed with a Python list or built with
+    ``torch.tensor(..., device=...)``; on CUDA each of those waits for the queued round (a list
+    index and a pageable copy synchronise the stream). Copies of a prompt, prompts extending a
+    running row's and cached turns are admitted behind; a top-k request and one asking for its
+    prompt's log-probs wait for the round instead (their reads would wait), and every token equals
+    the engine's without overlap."""
+    model = build("llama", vocab_size=tokenizer.vocab_size)
+    strict, reads = [], []
+
+    def guarded(name, original):
+        def call(*args, **kwargs):
+            index = args[1] if name == "__getitem__" else None
+            listed = any(isinstance(part, list) for part in (index if isinstance(index, tuple) else (index,)))
+            if strict and (name not in ("__getitem__", "tensor") or listed or kwargs.get("device") is not None):
+                reads.append(name)
+            return original(*args, **kwargs)
+
+        return call
+
+    for name in ("tolist", "item", "cpu", "__bool__", "nonzero", "__getitem__"):
+        monkeypatch.setattr(torch.Tensor, name, guarded(name, getattr(torch.Tensor, name)))
+    monkeypatch.setattr(torch, "tensor", guarded("tensor", torch.tensor))
+
+    async def run(overlap: bool):
+        engine = EmbeddedEngine(
+            copy.deepcopy(model), max_batch_size=4, decode_graphs=True, decode_steps=4, decode_overlap=overlap
+        )
+        admit_behind, hand_out_first = engine._admit_behind, engine._hand_out_first
+
+        def admitting_behind():
+            strict.append(1)
+            try:
+                return admit_behind()
+            finally:
+                strict.pop()
+
+        def first_tokens(*args):  # the one read that waits
+            held = strict[:]
+            strict.clear()
+            try:
+                return hand_out_first(*args)
+            finally:
+                strict.extend(held)
+
+        engine._admit_behind, engine._hand_out_first = admitting_behind, first_tokens
+        params = {"temperature": 8.0, "ignore_eos": True}
+        base = list(range(40, 70))
+        prompts = [base, list(range(10, 30)), list(range(100, 125)), list(range(170, 190))]
+        prompts += [base + [1, 2], base + [1, 2], base + [3], list(range(130, 150)), list(range(150, 170))]
+        options = [{}] * len(prompts)
+        options[7] = {"top_k": 5}  # the top-k request; the last asks for its prompt's log-probs
+        budgets = [40, 8, 8, 20, 10, 10, 10, 10, 10]  # two rows end together: the copies join behind together
+        outs = await admitted_together(
+            engine,
+            [
+                engine.generate(
+                    p,
+                    {**params, **option, "max_new_tokens": budget, "sampling_seed": i},
+                    logprob_start_len=0 if i == 8 else -1,
+                )
+                for i, (p, option, budget) in enumerate(zip(prompts, options, budgets, strict=True))
+            ],
+        )
+        stats = await engine.settled_stats()
+        await engine.close()
+        return [o.output_ids for o in outs], [o.input_logprobs for o in outs], stats
+
+    plain_tokens, plain_inputs, _ = asyncio.run(run(False))
+    tokens, inputs, stats = asyncio.run(run(True))
+    assert reads == [] and stats["admissions_behind"] >= 2  # the copies together, then the third turn
+    assert tokens == plain_tokens and inputs == plain_inputs and inputs[8]
+
+
 def test_a_request_queued_before_a_pause_is_not_admitted_behind_the_queued_round(tokenizer):
     """A request waits and ``pause("abort")`` is sent while a round is queued and the one before
     it is handed out: the pause comes first, as without overlap, so the request stays queued

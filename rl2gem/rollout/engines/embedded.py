@@ -762,12 +762,16 @@ class EmbeddedEngine(Engine):
         ``behind``: a decode round is queued on the device, not yet collected
         (``decode_overlap``): the requests are admitted only where they join the KV store without
         re-allocating it (nothing may free what that round reads) and rows are running (the
-        store keeps its window), else none is taken. The prefill is then queued behind that
-        round, its host work done while the round runs. -> False when ``behind`` declined."""
+        store keeps its window) and none asks for its prompt's log-probs or top-k / top-p (whose
+        host reads would wait for that round), else none is taken. The prefill is then queued
+        behind that round, its host work done while the round runs. -> False when ``behind``
+        declined."""
         with self._cv:
             take = self._admittable()
             if behind and take and not self._joins_in_place(take):
                 return False
+            if behind and any(r.logprob_start_len >= 0 or filtered(r.params) for r in take):
+                return False  # the prompt's log-probs and top-k / top-p read the device: after the round
             for _ in take:
                 self._waiting.popleft()
         if not take:
@@ -968,7 +972,10 @@ class EmbeddedEngine(Engine):
         self.stats["cached_tokens"] += sum(cached) + sum(
             len(request.input_ids) for index, request in enumerate(requests) if original[index] != index
         )
-        logits = logits[[row_of[original[index]] for index in range(len(requests))]]
+        # each request's prefill row (copies of a prompt share one)
+        source_rows = [row_of[original[index]] for index in range(len(requests))]
+        if source_rows != list(range(len(source_rows))):  # a list index would wait for the device
+            logits = logits.index_select(0, to_device(torch.tensor(source_rows), logits.device))
         tokens, logprobs = sample(logits, [r.params for r in requests], self._gen, [len(r.out_ids) for r in requests])
         # join the running batch: rows right-aligned at the window's end
         store = self._store
@@ -982,7 +989,6 @@ class EmbeddedEngine(Engine):
         # longest rows first: running rows are older (longer), so slots stay roughly sorted by span
         # and a decode chunk of neighbouring rows reads few columns its rows do not need. The new
         # rows are consecutive slots, copied in with one indexed copy per layer (not one per row)
-        source_rows = [row_of[original[index]] for index in range(len(requests))]
         if self._lean is not None:  # each row's prompt ends at width, no hole in it
             spans = [len(request.input_ids) for request in requests]
         else:  # from each row's first column (a host read)
