@@ -330,8 +330,9 @@ class EmbeddedEngine(Engine):
             the last round, hands its tokens out, finishes its stopped rows and stages the next,
             so the device need not wait for the host between rounds. Requests that arrive
             meanwhile are prefilled behind the queued round where they join the KV store without
-            re-allocating it (the next round takes their first tokens from the host), else after
-            it. A row that stopped runs the queued round too, dropped; no round is queued past
+            re-allocating it and read nothing on the host before their first tokens (no top-k,
+            top-p or prompt log-probs), else after it; they join the round after the queued one
+            (one round later than without overlap), which takes their first tokens from the host. A row that stopped runs the queued round too, dropped; no round is queued past
             every row's token budget, but one is after a round in which every row met a stop
             token. Greedy and seeded tokens
             are the same as without it; unseeded ones differ (the dropped rows draw uniforms
