@@ -571,6 +571,45 @@ def test_a_prefill_behind_a_queued_round_reads_nothing_from_the_device_before_it
     assert tokens == plain_tokens and inputs == plain_inputs and inputs[8]
 
 
+def test_a_prefill_behind_a_queued_round_counts_as_admission_not_decode(tokenizer):
+    """A prefill behind a queued round runs inside the decode loop; its time goes to
+    ``time_admit_ms`` and not also to ``time_decode_ms``: with each such prefill slowed by 0.2 s,
+    the two times still sum to at most the batch's wall time."""
+    import time
+
+    model = build("llama", vocab_size=tokenizer.vocab_size)
+
+    async def run():
+        engine = EmbeddedEngine(
+            copy.deepcopy(model), max_batch_size=2, decode_graphs=True, decode_steps=4, decode_overlap=True
+        )
+        admit = engine._admit
+
+        def slow(behind=False):
+            if behind:
+                time.sleep(0.2)
+            return admit(behind)
+
+        engine._admit = slow
+        greedy = {"temperature": 0.0, "ignore_eos": True}
+        start = time.perf_counter()
+        await admitted_together(
+            engine,
+            [
+                engine.generate(list(range(10 + i, 30 + i)), {**greedy, "max_new_tokens": n})
+                for i, n in enumerate((30, 6, 9))
+            ],
+        )
+        wall = time.perf_counter() - start
+        stats = await engine.settled_stats()
+        await engine.close()
+        return stats, wall
+
+    stats, wall = asyncio.run(run())
+    assert stats["admissions_behind"] >= 1 and stats["time_admit_ms"] >= 200
+    assert stats["time_admit_ms"] + stats["time_decode_ms"] <= 1000 * wall
+
+
 def test_a_request_queued_before_a_pause_is_not_admitted_behind_the_queued_round(tokenizer):
     """A request waits and ``pause("abort")`` is sent while a round is queued and the one before
     it is handed out: the pause comes first, as without overlap, so the request stays queued

@@ -757,3 +757,35 @@ def test_rows_finishing_in_one_round_move_each_row_that_goes_on_at_most_once(mod
         assert t.meta["cached_tokens"] == len(p) + n - 1
         ref = model.generate(torch.tensor([turn]), max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=2)
         assert t.output_ids == ref[0, len(turn) :].tolist()
+
+
+@pytest.mark.parametrize("limit", ["max_prefill_tokens", "max_cached_tokens"])
+def test_admission_keeps_to_the_prefill_and_cached_token_limits(model, limit):
+    """Six 20-token prompts admitted together: ``max_prefill_tokens=45`` prefills two per forward
+    (three would be 60 tokens); ``max_cached_tokens=70`` keeps at most three rows (three rows of
+    the 20-column window and its next column are 63 tokens, four are 84). Greedy tokens equal the
+    unlimited engine's."""
+    greedy = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+    prompts = [list(range(10 + 7 * i, 30 + 7 * i)) for i in range(6)]
+
+    async def main(options):
+        eng = EmbeddedEngine(model, max_batch_size=8, **options)
+        prefill, most = eng._prefill, []
+
+        def counting(take):
+            most.append(len(eng._running) + len(take))
+            return prefill(take)
+
+        eng._prefill = counting
+        outs = await admitted_together(eng, [eng.generate(p, greedy) for p in prompts])
+        stats = await eng.settled_stats()
+        await eng.close()
+        return [o.output_ids for o in outs], stats["prefill_forwards"], max(most)
+
+    limited, forwards, rows = run(main({limit: 45 if limit == "max_prefill_tokens" else 70}))
+    free, free_forwards, free_rows = run(main({}))
+    assert limited == free and free_forwards == 1 and free_rows == 6
+    if limit == "max_prefill_tokens":
+        assert forwards == 3
+    else:
+        assert rows == 3 and forwards >= 2
