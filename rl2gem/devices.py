@@ -3,10 +3,11 @@ piece of code dispatches (each a kernel launch or more on a GPU: host time the d
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["OperationCounter", "to_device"]
+__all__ = ["OperationCounter", "indexes_to_device", "to_device"]
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -19,6 +20,15 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
+
+
+def indexes_to_device(arrays, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Integer host arrays (numpy arrays or lists, any lengths) -> int64 tensors on ``device``,
+    one each, through one :func:`to_device` copy of their concatenation (one copy, not one per
+    array, and no wait for the device's queued work on CUDA): views of one buffer."""
+    lengths = [len(array) for array in arrays]
+    flat = np.concatenate([np.asarray(array, dtype=np.int64) for array in arrays])
+    return to_device(torch.from_numpy(flat), device).split(lengths)
 
 
 class OperationCounter(TorchDispatchMode):

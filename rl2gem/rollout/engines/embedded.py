@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rl2gem.devices import to_device
+from rl2gem.devices import indexes_to_device, to_device
 from rl2gem.openmp import release_thread_team
 from rl2gem.rollout.engines.base import Engine, EngineError, GenerateOutput, SamplingParams
 from rl2gem.rollout.engines.cuda_graphs import DecodeGraphs
@@ -1098,8 +1098,7 @@ class EmbeddedEngine(Engine):
             np.repeat([slot for slot, _ in running], [len(columns) for _, columns in running]).astype(np.int64),
             np.concatenate([columns for _, columns in running] or [np.zeros(0)]),
         ]
-        flat = to_device(torch.from_numpy(np.concatenate(arrays).astype(np.int64)), device)
-        token_rows, token_columns, positions, running_rows, running_columns = flat.split(list(map(len, arrays)))
+        token_rows, token_columns, positions, running_rows, running_columns = indexes_to_device(arrays, device)
         for layer in range(store.num_layers):
             pieces = [self._prefix_cache.read(layer, positions)] if len(positions) else []
             if running:  # the two index tensors apart: [tokens, 2, kv_heads, d]

@@ -50,7 +50,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rl2gem.devices import to_device
+from rl2gem.devices import indexes_to_device
 from rl2gem.models import not_full_causal_attention
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "LeanDecoder", "unsupported_reason"]
@@ -583,8 +583,7 @@ class LeanDecoder:
             np.concatenate([np.arange(end - q, end) for q in queries]),
             np.asarray(offsets[1:]) - 1,
         ]
-        flat = to_device(torch.from_numpy(np.concatenate(arrays).astype(np.int64)), device)
-        tokens, positions, token_rows, token_columns, last = flat.split([len(array) for array in arrays])
+        tokens, positions, token_rows, token_columns, last = indexes_to_device(arrays, device)
         groups = [
             self._prefill_group(store, [rows[i][0] for i in group], [queries[i] for i in group],
                                 [offsets[i] for i in group], min(firsts[i] for i in group), end,
@@ -631,10 +630,8 @@ class LeanDecoder:
         gather = np.where(real, np.asarray(offsets)[:, None] + slots[None] - most + np.asarray(queries)[:, None], 0)
         flat = np.flatnonzero(real)  # the real slots, in packed order
         consecutive = group_rows == list(range(group_rows[0], group_rows[0] + len(group_rows)))
-        listed = np.zeros(0, dtype=np.int64) if consecutive else np.asarray(group_rows, dtype=np.int64)
-        arrays = [gather.ravel(), real.ravel(), flat, gather.ravel()[flat], listed]
-        copied = to_device(torch.from_numpy(np.concatenate(arrays).astype(np.int64)), device)
-        gather, real, flat, sources, listed = copied.split([len(array) for array in arrays])
+        arrays = [gather.ravel(), real.ravel(), flat, gather.ravel()[flat], [] if consecutive else group_rows]
+        gather, real, flat, sources, listed = indexes_to_device(arrays, device)
         gather, real = gather.view(len(queries), most), real.view(len(queries), most).bool()
         rows = slice(group_rows[0], group_rows[-1] + 1) if consecutive else listed
         columns = torch.arange(first, end, device=device)
