@@ -5,6 +5,9 @@ host. Each scenario draws requests (GRPO siblings, shared prefixes, second turns
 prefix cache, stop tokens, streams, top-k, prompt log-probs, staggered arrivals), engine limits
 (rows, prefill and cache budgets, a short context, a small prefix cache) and disturbances while
 they run (an in-place pause, an abort, a cache flush, a memory release), then a weight update.
+Nothing may build (capture) a step, drop the graphs or re-allocate the KV store while a round is
+queued: on CUDA that round would read freed memory, which on the CPU, where a launch runs to its
+end, no answer shows.
 
 Every answer must equal the reference's: tokens, finish reasons, log-probabilities. The one
 allowed difference is a sampled token whose seeded uniform falls within 1e-5 of the boundary
@@ -12,9 +15,11 @@ between two tokens of the cumulative distribution, checked by teacher forcing on
 two engines' float32 logits differ by ~1e-6 (columns read in another order), which can move such
 a boundary past the uniform; such a row is compared up to that token. Before this file, 450
 scenarios of the same kind (3,150 engine runs) differed from the reference only that way, twice;
-the soak's 150 scenarios (`-m soak`, about 3 minutes) not at all. The three scenarios run in CI
-catch each of four mutations of the overlap's bookkeeping (a joined row's seeded count, a
-stopped row's tokens not dropped, joined rows' tokens out of order, a stopped row's overrun)."""
+the soak's 150 scenarios (`-m soak`, about 3 minutes) not at all, and queued nothing unsafe.
+The four scenarios run in CI (about 4 s) catch each of seven mutations of the overlap's
+bookkeeping: a joined row's seeded count, a stopped row's tokens not dropped, joined rows' tokens
+out of order, a stopped row's overrun, a request admitted behind a round whatever the store's
+room, a round queued before its step is built, or without room in the store."""
 
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from test_cuda_graphs import guard_queued_rounds
 from test_lean_decoder import build
 
 from rl2gem.rollout import EmbeddedEngine
@@ -199,31 +205,37 @@ def _assert_same_answers(model, answers: list, reference: list, where: str) -> N
             torch.testing.assert_close(first, second, atol=1e-4, rtol=1e-4)
 
 
-def check_scenario(seed: int, sides: list[dict]) -> dict[str, float]:
-    """Run scenario ``seed`` on the windowed engine and on each of ``sides``; assert equal answers.
-    -> the sides' summed ``admissions_behind`` and ``decode_rounds_ahead``."""
+def check_scenario(seed: int, sides: list[dict], guard: tuple[list, list, dict]) -> dict[str, float]:
+    """Run scenario ``seed`` on the windowed engine and on each of ``sides``; assert equal answers,
+    and that nothing was captured, dropped or re-allocated while a round was queued (``guard``:
+    :func:`~test_cuda_graphs.guard_queued_rounds`'s lists, which on CUDA would be a round
+    reading freed memory). -> the sides' summed ``admissions_behind`` and ``decode_rounds_ahead``."""
+    uncollected, violations, turns = guard
     sc = scenario(seed)
     model = build(sc["kind"], vocab_size=VOCAB, max_position_embeddings=512)
     reference, _ = asyncio.run(_run(model, sc, decode_graphs=False))
     counts = {"admissions_behind": 0, "decode_rounds_ahead": 0}
     for side in sides:
+        turns.clear()
         answers, stats = asyncio.run(_run(model, sc, **side))
         _assert_same_answers(model, answers, reference, f"scenario {seed} {side}")
+        assert violations == [] and not uncollected, f"scenario {seed} {side}"
         for key in counts:
             counts[key] += stats.get(key, 0)
     return counts
 
 
-@pytest.mark.parametrize("seed", [4, 5, 27])
-def test_random_request_streams_get_the_windowed_engine_s_answers(seed):
+@pytest.mark.parametrize("seed", [4, 5, 10, 11])
+def test_random_request_streams_get_the_windowed_engine_s_answers(seed, monkeypatch):
     """Three scenarios at four steps per round with and without overlap, and at one step with;
     each queues rounds ahead and admits requests behind them."""
-    counts = check_scenario(seed, [SIDES[4], SIDES[5], SIDES[1]])
+    counts = check_scenario(seed, [SIDES[4], SIDES[5], SIDES[1]], guard_queued_rounds(monkeypatch))
     assert counts["admissions_behind"] > 0 and counts["decode_rounds_ahead"] > 0
 
 
 @pytest.mark.soak
-def test_many_random_request_streams_get_the_windowed_engine_s_answers():
+def test_many_random_request_streams_get_the_windowed_engine_s_answers(monkeypatch):
     """150 scenarios (about 8 minutes), every side."""
-    counts = [check_scenario(seed, SIDES) for seed in range(1000, 1150)]
+    guard = guard_queued_rounds(monkeypatch)
+    counts = [check_scenario(seed, SIDES, guard) for seed in range(1000, 1150)]
     assert sum(c["admissions_behind"] for c in counts) > 1000
