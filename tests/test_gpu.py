@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 from algorithm_calls import batch, calls, tensors_of
+from engine_streams import SIDES, check_scenario, guard_queued_rounds
 from helpers import ROOT, grouped, lean_bf16_errors, logged_steps, one_at_a_time, torchrun
 from tiny import tiny_model
 
@@ -359,6 +360,18 @@ def test_engine_decode_graphs_equal_the_windowed_decode(decode_steps, kept_kv_by
     assert graph_tokens == window_tokens
     for a, b in zip(graph_logprobs, window_logprobs, strict=True):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=1e-4)
+
+
+def test_random_request_streams_on_cuda_get_the_windowed_engine_s_answers(monkeypatch):
+    """The CPU's random request streams (``tests/rollout/test_engine_random_streams.py``) on CUDA,
+    where a round queued on the device really runs while the host hands out the one before and
+    admits requests behind it: captured graphs at four steps per round with and without overlap,
+    and one step with, answer as the windowed engine does (float32), and nothing is captured,
+    dropped or re-allocated while a round is queued. A queued round reading freed or
+    re-written memory, or a staging set re-written before its copy ran, changes tokens here."""
+    guard = guard_queued_rounds(monkeypatch)
+    counts = [check_scenario(seed, [SIDES[4], SIDES[5], SIDES[1]], guard, CUDA) for seed in (4, 5, 10, 11, 1000, 1001)]
+    assert sum(c["admissions_behind"] for c in counts) > 0 and sum(c["decode_rounds_ahead"] for c in counts) > 0
 
 
 def test_the_hand_out_of_an_overlapped_round_never_waits_for_the_gpu():

@@ -12,8 +12,10 @@ import weakref
 
 import pytest
 import torch
+from engine_streams import guard_queued_rounds
 from helpers import admitted_together
-from test_lean_decoder import build, new_store
+from test_lean_decoder import new_store
+from tiny import tiny_family_model as build
 from torch._dynamo.backends.debugging import aot_eager
 
 from rl2gem.rollout import EmbeddedEngine
@@ -292,51 +294,6 @@ def test_an_overlapped_wave_runs_no_round_after_its_last(tokenizer):
     assert overlapped_tokens == tokens
     assert overlapped["decode_rounds"] == plain["decode_rounds"] == 3  # 12 tokens after the prefill's one
     assert overlapped["decode_tokens"] == plain["decode_tokens"] and overlapped["decode_rounds_ahead"] == 2
-
-
-def guard_queued_rounds(monkeypatch) -> tuple[list, list, dict]:
-    """Record what must not happen while a launched round is uncollected (on CUDA, maybe still
-    running): a step built (captured), the graphs dropped, the store re-allocated, or two
-    consecutive launches of one step using one staging set. -> (the uncollected launches, the
-    violations, each step's last set: clear it between engines)."""
-    uncollected, violations, turns = [], [], {}
-    original_launch, original_collect = DecodeGraphs.launch_sample, DecodeGraphs.collect
-    original_build, original_reset, original_reserve = DecodeGraphs._build, DecodeGraphs.reset, _KVStore.reserve
-
-    def launch(self, *args, **kwargs):
-        launched = original_launch(self, *args, **kwargs)
-        step, _, _, turn = launched
-        if turns.get(id(step), (None, 1 - turn))[1] == turn:
-            violations.append("a step's consecutive launches used one set")
-        turns[id(step)] = step, turn  # the step held: a step built after a reset gets another id
-        uncollected.append(launched)
-        return launched
-
-    def collect(launched):
-        uncollected.remove(launched)
-        return original_collect(launched)
-
-    def guarded(name, work):
-        def call(self, *args, **kwargs):
-            if uncollected:
-                violations.append(name)
-            return work(self, *args, **kwargs)
-
-        return call
-
-    def reserve(self, *args, **kwargs):
-        before = self.capacity
-        original_reserve(self, *args, **kwargs)
-        # the store the graphs read (the prefill's own store, read by no graph, may grow)
-        if uncollected and self.capacity != before and self.on_reallocate is not None:
-            violations.append("reallocated")
-
-    monkeypatch.setattr(DecodeGraphs, "launch_sample", launch)
-    monkeypatch.setattr(DecodeGraphs, "collect", staticmethod(collect))
-    monkeypatch.setattr(DecodeGraphs, "_build", guarded("built", original_build))
-    monkeypatch.setattr(DecodeGraphs, "reset", guarded("reset", original_reset))
-    monkeypatch.setattr(_KVStore, "reserve", reserve)
-    return uncollected, violations, turns
 
 
 def test_a_queued_round_never_meets_a_capture_a_reset_or_a_reallocation(tokenizer, monkeypatch):

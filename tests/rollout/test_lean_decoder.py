@@ -12,50 +12,13 @@ import weakref
 import pytest
 import torch
 from helpers import lean_bf16_errors
+from tiny import tiny_family_model as build
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rl2gem.openmp import release_thread_team
 from rl2gem.rollout import EmbeddedEngine
 from rl2gem.rollout.engines.embedded import _KVStore
 from rl2gem.rollout.engines.lean_decoder import LLAMA_NORMS, LeanDecoder, _norm, _rope, _rope_, unsupported_reason
-
-
-def build(kind: str, **extra):
-    """A random model of ``kind`` (a family, or ``llama-linear`` / ``llama-dynamic``: Llama with
-    that rotary scaling)."""
-    import transformers
-
-    if kind.startswith("llama-"):
-        rope = {"rope_type": kind.split("-")[1], "factor": 4.0, "rope_theta": 10000.0}
-        return build("llama", rope_parameters=rope, **extra)
-
-    common = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    config_class, model_class = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),  # q/k/v biases
-        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),  # per-head q/k RMSNorm
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-    }[kind]
-    if kind == "mistral":
-        common["sliding_window"] = None
-    if kind == "qwen3":
-        common["head_dim"] = 16
-    common.update(extra)
-    torch.manual_seed(0)
-    model = model_class(config_class(**common)).eval()
-    with torch.no_grad():
-        for p in model.parameters():  # biases and norms away from their 0/1 init, so they matter
-            p.add_(0.05 * torch.randn_like(p))
-    return model
 
 
 def new_store(model, rows: int, columns: int) -> _KVStore:
