@@ -452,6 +452,63 @@ def test_an_error_in_a_prefill_behind_a_queued_round_fails_its_requests_and_the_
     assert after.output_ids == reference.output_ids and after.output_logprobs == reference.output_logprobs
 
 
+@pytest.mark.parametrize("where", ["queued launch", "after a replay"])
+def test_an_error_in_a_built_step_s_launch_fails_the_rows_and_keeps_the_graphs(tokenizer, monkeypatch, where):
+    """Out of memory in the launch of a step already built (a queued round's token gather, or
+    anything after a replay, whose steps masked their columns in): not a step CUDA cannot
+    capture, so the graphs stay on (before, they were turned off for the engine's life). The
+    running rows end with the engine error, the store goes with the columns the replay masked
+    in, and the engine then serves requests with its graphs exactly as an engine that never
+    failed."""
+    model = build("llama", vocab_size=tokenizer.vocab_size)
+    params = {"temperature": 8.0, "ignore_eos": True, "sampling_seed": 3}
+    take_tokens, launch_sample, failures = DecodeGraphs._take_tokens.__func__, DecodeGraphs.launch_sample, []
+
+    def fail_once():
+        if not failures:
+            failures.append(1)
+            raise torch.OutOfMemoryError("out of memory (simulated)")
+
+    def gathering(cls, *args):
+        fail_once()
+        return take_tokens(cls, *args)
+
+    launches = []
+
+    def launching(self, *args, **kwargs):
+        launched = launch_sample(self, *args, **kwargs)
+        launches.append(1)
+        if len(launches) > 1:  # not the first launch, which built the step
+            fail_once()
+        return launched
+
+    async def run(fail: bool):
+        failures[:] = [] if fail else [0]
+        engine = EmbeddedEngine(copy.deepcopy(model), decode_graphs=True, decode_steps=4, decode_overlap=True)
+        outs = await admitted_together(
+            engine,
+            [engine.generate(list(range(10 + i, 30 + i)), {**params, "max_new_tokens": 20}) for i in range(3)],
+        )
+        after = await engine.generate(list(range(50, 70)), {**params, "max_new_tokens": 9})
+        stats = await engine.settled_stats()
+        graphs = engine._graphs
+        await engine.close()
+        return outs, after, stats, graphs
+
+    if where == "queued launch":
+        monkeypatch.setattr(DecodeGraphs, "_take_tokens", classmethod(gathering))
+    else:
+        monkeypatch.setattr(DecodeGraphs, "launch_sample", launching)
+    outs, after, stats, graphs = asyncio.run(run(True))
+    failed = list(failures)
+    _, reference, _, _ = asyncio.run(run(False))
+    assert failed == [1]
+    for output in outs:
+        assert output.aborted and "engine error: OutOfMemoryError" in output.finish_reason["message"]
+    assert graphs is not None and stats.get("decode_graphs_failed", 0) == 0 and stats["decode_rounds"] > 0
+    assert after.output_ids == reference.output_ids and after.output_logprobs == reference.output_logprobs
+
+
 def test_a_prefill_behind_a_queued_round_reads_nothing_from_the_device_before_its_first_tokens(tokenizer, monkeypatch):
     """The CPU's stand-in for the GPU test's sync debug mode: while a request is admitted behind a
     queued round, up to the read of its first tokens, no tensor is read on the host (``tolist``,
@@ -698,8 +755,8 @@ def test_decode_graphs_need_the_lean_decoder():
 
 
 def test_a_step_that_cannot_be_captured_falls_back_to_the_windowed_decode(tokenizer, monkeypatch):
-    """A capture error turns the graphs off with a warning; the request still gets the windowed
-    engine's tokens."""
+    """A capture error (raised while a step is built) turns the graphs off with a warning; the
+    request still gets the windowed engine's tokens."""
     model = build("llama", vocab_size=tokenizer.vocab_size)
 
     def fail(self, *args, **kwargs):
@@ -712,8 +769,7 @@ def test_a_step_that_cannot_be_captured_falls_back_to_the_windowed_decode(tokeni
         return out.output_ids, engine
 
     expected, _ = asyncio.run(run(False))
-    monkeypatch.setattr(DecodeGraphs, "decode", fail)
-    monkeypatch.setattr(DecodeGraphs, "launch_sample", fail)
+    monkeypatch.setattr(DecodeGraphs, "_warm_up_and_capture", fail)  # in the step's build
     with pytest.warns(UserWarning, match="decode_graphs turned off, the decode runs windowed: operation not permitted"):
         got, engine = asyncio.run(run(True))
     assert got == expected
@@ -820,6 +876,31 @@ def test_building_a_step_leaves_the_mask_as_it_was():
         for before, after in zip(keys, store.keys, strict=True):
             assert torch.equal(before[:, :, :10], after[:, :, :10]) and torch.equal(before[:, :, 13:], after[:, :, 13:])
     assert graphs.capture_seconds > 0 and graphs.captures == 0
+
+
+def test_a_warm_up_that_fails_midway_leaves_the_mask_as_it_was():
+    """A warm-up run that fails after its first step (out of memory in the second step's sampling)
+    has masked in the first step's column: the mask comes back as it was all the same, or the
+    step built next (the uncompiled one, after a compiled step failed) would save and restore
+    that column masked in, and its first replay would attend to the failed run's keys."""
+    model = build("llama")
+    store = new_store(model, 8, 64)
+    store.slots, store.lo, store.hi = 5, 0, 10
+    store.mask[:5, :10] = True
+    mask = store.mask.clone()
+    graphs = DecodeGraphs(LeanDecoder(model), capture=False)
+    sample_rows, calls = graphs._sample_rows, []
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("out of memory (simulated)")
+        return sample_rows(*args)
+
+    graphs._sample_rows = failing
+    with pytest.raises(torch.OutOfMemoryError):
+        graphs._build(store, 8, 3)
+    assert len(calls) == 2 and torch.equal(store.mask, mask)
 
 
 def test_a_store_reallocation_frees_the_old_buffers_the_steps_read():

@@ -212,6 +212,9 @@ class DecodeGraphs:
         self._find_slots()
         self.captures = 0  # graphs captured so far (the engine's ``decode_graph_captures``)
         self.capture_seconds = 0.0  # their warm-up and capture, device synchronised (``time_capture_ms``)
+        # a step is being built (warmed up, compiled, captured): an error raised meanwhile is the
+        # build's (the engine turns the compilation or the graphs off); raised after, a launch's
+        self.building = False
         self._steps: dict[tuple[int, int], _Step] = {}
         self._key: tuple | None = None
         self._pool = None
@@ -408,6 +411,7 @@ class DecodeGraphs:
         return sampled[:, :rows].tolist(), logprobs[:, :rows].tolist()
 
     def _build(self, store, bucket: int, steps: int) -> _Step:
+        self.building = True  # cleared when the step is built (an error leaves it set)
         device = store.mask.device
         ints = torch.zeros(3 * bucket + 1, dtype=torch.long, device=device)
         int_staging = tuple(torch.zeros(3 * bucket + 1, dtype=torch.long, pin_memory=self.capture) for _ in range(2))
@@ -461,6 +465,7 @@ class DecodeGraphs:
             )
             step.done = (torch.cuda.Event(), torch.cuda.Event())
         self._steps[(bucket, steps)] = step
+        self.building = False
         return step
 
     def _warm_up_and_capture(self, step: _Step, store, bucket: int, steps: int) -> None:
@@ -480,12 +485,17 @@ class DecodeGraphs:
         side = torch.cuda.Stream(device) if self.capture else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            for _ in range(2):
-                step.run()
-            store.mask[:bucket, columns] = saved
+        try:
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                try:
+                    for _ in range(2):
+                        step.run()
+                finally:  # also after a failed run, whose first steps masked their columns in
+                    store.mask[:bucket, columns] = saved
+        finally:
+            if side is not None:
+                torch.cuda.current_stream(device).wait_stream(side)
         if side is not None:
-            torch.cuda.current_stream(device).wait_stream(side)
             step.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(step.graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
                 step.outputs = step.run()

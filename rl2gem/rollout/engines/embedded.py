@@ -1184,7 +1184,7 @@ class EmbeddedEngine(Engine):
             try:
                 logits = self._graphs.decode(st, [r.out_ids[-1] for r in reqs], [r.length for r in reqs])
             except Exception as error:  # CUDA's capture errors, and dynamo's and Inductor's
-                self._graphs_failed(error)
+                self._graphs_failed(error)  # (a built step's failure goes to the loop's error path)
             else:
                 self._count_captures(*before)
                 return logits
@@ -1244,7 +1244,7 @@ class EmbeddedEngine(Engine):
                 st, last, [r.length for r in reqs], divisors, greedy, uniforms, previous=handle, sources=sources
             )
         except Exception as error:  # CUDA's capture errors, and dynamo's and Inductor's
-            self._graphs_failed(error)
+            self._graphs_failed(error)  # (a built step's failure goes to the loop's error path)
             return None
         self._count_captures(*before)
         return launched
@@ -1257,7 +1257,12 @@ class EmbeddedEngine(Engine):
     def _graphs_failed(self, error: Exception) -> None:
         """A step failed to build: a compiled one goes on uncompiled (this round captures the
         uncompiled step or runs windowed), an uncompiled one turns the graphs off for the engine's
-        life (the decode runs windowed)."""
+        life (the decode runs windowed). An error raised by a built step's launch (out of memory
+        in its staging or its token gather; after a replay) is re-raised instead: the loop's error
+        path ends the running rows (a rollout resumes them) and frees the store with the columns
+        the replay masked in, and the graphs stay on."""
+        if not self._graphs.building:
+            raise error
         self._graphs.reset()
         if self._graphs.compile_backend is not None:
             warnings.warn(f"decode_compile turned off, the decode graphs go on uncompiled: {error}", stacklevel=3)
