@@ -383,10 +383,10 @@ def test_the_hand_out_of_an_overlapped_round_never_waits_for_the_gpu():
     from pageable memory, a ``nonzero`` or an ``item``), so that work overlaps the rounds. Rows
     stop at random steps (a tenth of the vocabulary are stop tokens, seeded sampling); the
     tokens equal those of the engine without overlap. Sixteen requests for four rows: most are
-    prefilled behind a queued round, which waits for the device only to read their first tokens
-    (prefix lookups, the prompts' shared stems and the packed forward are queued without a
-    wait), and the round after, taking their first tokens from the host and the others' from the
-    queued round on the device, does not synchronise either."""
+    prefilled behind a queued round without a wait (prefix lookups, the prompts' shared stems,
+    the packed forward, the sampling), the round after takes their first tokens from the prefill
+    and the others' from the queued round, both on the device, and their first tokens are handed
+    out once their own copy is done, without synchronising either."""
     from rl2gem.rollout.engines.embedded import EmbeddedEngine
 
     model = tiny_model().float().to(CUDA)
@@ -417,10 +417,17 @@ def test_the_hand_out_of_an_overlapped_round_never_waits_for_the_gpu():
             queued.append(len(reqs))
             return strictly(lambda: launch_round(reqs, steps, last, pending, previous))
 
-        # a prefill behind a queued round waits for the device only to read its first tokens
-        admit_behind, hand_out_first = engine._admit_behind, engine._hand_out_first
+        # a prefill behind a queued round never waits for the device: the round after it reads its
+        # first tokens on the device, and the host reads them once their own copy is done (an
+        # event), the round after them maybe still running
+        admit_behind, hand_out_deferred = engine._admit_behind, engine._hand_out_deferred
         engine._admit_behind = lambda: strictly(admit_behind)
-        engine._hand_out_first = lambda *args: strictly(lambda: hand_out_first(*args), "default")
+
+        def deferred(running):
+            queued.append("first tokens")
+            strictly(lambda: hand_out_deferred(running))
+
+        engine._hand_out_deferred = deferred
         engine._hand_out, engine._launch_round = strict, strict_launch
         params = [
             {"temperature": 8.0, "max_new_tokens": 40, "stop_token_ids": stops if i else [], "sampling_seed": i}
@@ -435,7 +442,8 @@ def test_the_hand_out_of_an_overlapped_round_never_waits_for_the_gpu():
     plain, _, _, _ = asyncio.run(run(overlap=False))
     assert all(o.finish_reason["type"] in ("stop", "length") for o in outs), [o.finish_reason for o in outs]
     assert stats["finish_stop"] >= 6 and stats["decode_rounds_ahead"] > 0 and any(finishes)
-    assert len(queued) == stats["decode_rounds_ahead"] > 0 and stats["admissions_behind"] > 0
+    firsts = queued.count("first tokens")
+    assert len(queued) - firsts == stats["decode_rounds_ahead"] > 0 and stats["admissions_behind"] > 0 and firsts > 0
     assert [o.output_ids for o in outs] == [o.output_ids for o in plain]
 
 

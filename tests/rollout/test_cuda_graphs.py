@@ -509,9 +509,10 @@ def test_an_error_in_a_built_step_s_launch_fails_the_rows_and_keeps_the_graphs(t
     assert after.output_ids == reference.output_ids and after.output_logprobs == reference.output_logprobs
 
 
-def test_a_prefill_behind_a_queued_round_reads_nothing_from_the_device_before_its_first_tokens(tokenizer, monkeypatch):
+def test_a_prefill_behind_a_queued_round_reads_nothing_from_the_device(tokenizer, monkeypatch):
     """The CPU's stand-in for the GPU test's sync debug mode: while a request is admitted behind a
-    queued round, up to the read of its first tokens, no tensor is read on the host (``tolist``,
+    queued round, its first tokens sampled included (the next round reads them on the device, the
+    host after that round's launch), no tensor is read on the host (``tolist``,
     ``item``, ``cpu``, ``bool``, ``nonzero``), indexed with a Python list or built with
     ``torch.tensor(..., device=...)``; on CUDA each of those waits for the queued round (a list
     index and a pageable copy synchronise the stream). Copies of a prompt, prompts extending a
@@ -539,24 +540,16 @@ def test_a_prefill_behind_a_queued_round_reads_nothing_from_the_device_before_it
         engine = EmbeddedEngine(
             copy.deepcopy(model), max_batch_size=4, decode_graphs=True, decode_steps=4, decode_overlap=overlap
         )
-        admit_behind, hand_out_first = engine._admit_behind, engine._hand_out_first
+        admit_behind = engine._admit_behind
 
-        def admitting_behind():
+        def admitting_behind():  # its first tokens are read later, after the next round's launch
             strict.append(1)
             try:
                 return admit_behind()
             finally:
                 strict.pop()
 
-        def first_tokens(*args):  # the one read that waits
-            held = strict[:]
-            strict.clear()
-            try:
-                return hand_out_first(*args)
-            finally:
-                strict.extend(held)
-
-        engine._admit_behind, engine._hand_out_first = admitting_behind, first_tokens
+        engine._admit_behind = admitting_behind
         params = {"temperature": 8.0, "ignore_eos": True}
         base = list(range(40, 70))
         prompts = [base, list(range(10, 30)), list(range(100, 125)), list(range(170, 190))]

@@ -289,15 +289,16 @@ class DecodeGraphs:
         return (eager[0] if eager is not None else before.outputs[0])[-1]
 
     @classmethod
-    def _take_tokens(cls, step: _Step, bucket: int, rows: int, previous: tuple, joined: bool) -> None:
+    def _take_tokens(cls, step: _Step, bucket: int, rows: int, previous: tuple, joined: torch.Tensor | None) -> None:
         """Queue on the device: each row's input token is the last one the launch ``previous``
-        sampled for it (its place there staged in ``ints[2b + 1:]``); ``joined``: rows admitted
-        after that launch have their token staged in ``ints[:rows]`` and a place past its bucket
-        (``bucket_previous + row``). Stream order puts it after that launch's steps, before this
-        launch's (and before a replay of the same step overwrites those outputs)."""
+        sampled for it (its place there staged in ``ints[2b + 1:]``); ``joined``: the first tokens
+        of rows admitted after that launch, on the device, whose places follow its bucket
+        (``bucket_previous + j``). Stream order puts it after that launch's steps and the
+        admission's prefill, before this launch's (and before a replay of the same step overwrites
+        those outputs)."""
         sampled = cls._last_sampled(previous)
-        if joined:
-            sampled = torch.cat((sampled, step.ints[:rows]))
+        if joined is not None:
+            sampled = torch.cat((sampled, joined))
         step.ints[:rows] = sampled.index_select(0, step.ints[2 * bucket + 1 : 2 * bucket + 1 + rows])
 
     def ready(self, store, rows: int, steps: int) -> bool:
@@ -342,6 +343,7 @@ class DecodeGraphs:
         uniforms: np.ndarray,
         previous: tuple | None = None,
         sources: list[int] | None = None,
+        joined: torch.Tensor | None = None,
     ) -> tuple[_Step, int, tuple | None, int]:
         """Launch ``steps = len(uniforms)`` decode steps of the store's ``n = store.slots``
         running rows, each sampling the token the next one reads: staged and replayed, their
@@ -354,30 +356,33 @@ class DecodeGraphs:
                 with ``previous``, row ``i``'s token is its last one of the launch ``previous``
                 (not collected yet, maybe still running), being that launch's row ``sources[i]``:
                 read on the device, so this launch is queued behind that one with no host round
-                trip between them (SGLang's overlap scheduling). Rows admitted after that launch
-                have ``sources[i] = -1`` and their token in ``tokens`` (None when there is none).
+                trip between them (SGLang's overlap scheduling); ``tokens`` is None then.
             divisors, greedy: each row's temperature (1 for greedy rows) and whether it is greedy
                 (:func:`~rl2gem.rollout.engines.sampling.row_settings`).
             uniforms: ``[steps, n]`` float32, row ``i``'s draw at step ``k``
                 (:func:`~rl2gem.rollout.engines.sampling.draw_uniforms`).
             previous, sources: see ``tokens``; ``previous`` is what this method returned for it.
+            joined: ``[m]`` int64 on the device, the first tokens of rows admitted after the launch
+                ``previous`` (a prefill behind it, not read by the host yet): such a row ``i`` has
+                ``sources[i] = -1 - j``, its token being ``joined[j]``.
 
         Returns:
             what :meth:`collect` takes. Collect a launch before the launch after next of its
             (bucket, steps): a step's staging and host copies are two sets used in turn.
 
         Raises:
-            ValueError: neither ``tokens`` nor ``previous``, or ``tokens`` with ``previous`` and no
-                row admitted after it.
+            ValueError: not one of ``tokens`` and ``previous``, or rows with a negative source and
+                no ``joined`` tokens.
         """
-        joined = previous is not None and tokens is not None
-        if tokens is None and previous is None:
+        if (tokens is None) == (previous is None):
             raise ValueError("give the rows' tokens or the launch they come from")
-        if joined:
-            if sources is None or min(sources) >= 0:
-                raise ValueError("tokens with the launch they come from: only for rows admitted after it (source -1)")
-            width = self._last_sampled(previous).shape[0]  # where the staged tokens follow its own
-            sources = [source if source >= 0 else width + row for row, source in enumerate(sources)]
+        if previous is None or min(sources) >= 0:
+            joined = None  # no row admitted after that launch
+        else:
+            if joined is None:
+                raise ValueError("rows admitted after the launch they come from need their joined tokens")
+            width = self._last_sampled(previous).shape[0]  # where the joined tokens follow its own
+            sources = [source if source >= 0 else width - 1 - source for source in sources]
         rows, steps = store.slots, len(uniforms)
         step, bucket = self._step(store, rows, steps)
         turn, step.turn = step.turn, 1 - step.turn

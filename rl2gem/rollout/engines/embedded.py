@@ -283,6 +283,29 @@ class _Request:
         self.overrun = 0  # columns after its stop that a chunk of decode steps wrote (masked out)
 
 
+class _FirstTokens:
+    """The first tokens ``[n]`` int64 and log-probabilities ``[n]`` float32 that a prefill behind
+    a queued decode round sampled for ``requests``: kept on the device, where the round launched
+    next reads them as those rows' input tokens, and copied to pinned host memory without
+    waiting; :meth:`read` waits for that copy only, not for a round queued after it."""
+
+    def __init__(self, requests: list[_Request], tokens: torch.Tensor, logprobs: torch.Tensor):
+        self.requests, self.tokens = requests, tokens
+        self.place = {id(request): index for index, request in enumerate(requests)}
+        cuda = tokens.device.type == "cuda"
+        self._host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in (tokens, logprobs))
+        for host, device in zip(self._host, (tokens, logprobs), strict=True):
+            host.copy_(device, non_blocking=cuda)
+        self._done = torch.cuda.Event() if cuda else None
+        if self._done is not None:
+            self._done.record()
+
+    def read(self) -> tuple[list[int], list[float]]:
+        if self._done is not None:
+            self._done.synchronize()
+        return self._host[0].tolist(), self._host[1].tolist()
+
+
 # --------------------------------------------------------------------------- engine
 class EmbeddedEngine(Engine):
     """Continuous-batching transformers engine in this process (see module docstring).
@@ -453,6 +476,10 @@ class EmbeddedEngine(Engine):
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Request] = []
         self._admitting: list[_Request] = []  # taken from the queue, being prefilled
+        # the first tokens of rows prefilled behind a queued round, not handed out yet: on the
+        # device (the next round reads them there) and on their way to pinned host memory
+        self._deferred: _FirstTokens | None = None
+        self._deferring = False  # a prefill now defers its first tokens (:meth:`_admit_behind`)
         self._commands: collections.deque = collections.deque()
         self._cv = threading.Condition()
         self._paused = False
@@ -750,7 +777,7 @@ class EmbeddedEngine(Engine):
                 failed = self._running + [r for r in self._admitting if r not in self._running]
                 # the store may be half re-allocated (out of memory): drop it, the graphs that read it
                 # and the cached prefixes before the requests end
-                self._running, self._admitting = [], []
+                self._running, self._admitting, self._deferred = [], [], None
                 self._running_prompts.clear()
                 self._release_memory()
                 for r in failed:
@@ -1010,12 +1037,16 @@ class EmbeddedEngine(Engine):
             request.length = len(request.input_ids)
             request.span = spans[index]
             request.cached = cached[source_rows[index]] if original[index] == index else len(request.input_ids)
+        if self._deferring:  # behind a queued round: the round after it reads them on the device
+            self._deferred = _FirstTokens(list(requests), tokens, logprobs)
+            return
         self._hand_out_first(list(requests), tokens, logprobs)
 
     def _hand_out_first(self, requests: list[_Request], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
         """The prefill's first tokens ``[n]`` (and log-probabilities) to their requests: the
-        prefill's one host read, which waits for the device (for a decode round queued before it
-        too); everything of :meth:`_prefill` before it is queued without waiting (lean path)."""
+        prefill's one host read, which waits for the device; everything of :meth:`_prefill` before
+        it is queued without waiting (lean path). Behind a queued round the read is deferred
+        instead (:meth:`_admit_behind`)."""
         self._append_tokens(requests, [tokens.tolist()], [logprobs.tolist()])
 
     def _prefill_rows(self, prompts: list[list[int]], hits: list) -> tuple[int, torch.Tensor]:
@@ -1226,23 +1257,27 @@ class EmbeddedEngine(Engine):
         the graphs failed (they are off from then on)."""
         params = [r.params for r in reqs]
         divisors, greedy = row_settings(params)
-        handle = sources = None
+        handle = sources = joined = None
         counts = [len(r.out_ids) + pending for r in reqs]
         if previous is not None:
             handle, ran = previous
             place = {id(r): i for i, r in enumerate(ran)}
-            sources = [place.get(id(r), -1) for r in reqs]
-            if -1 in sources:  # rows admitted after that launch: their first token is on the host
-                last = [r.out_ids[-1] if source < 0 else 0 for r, source in zip(reqs, sources, strict=True)]
+            first = self._deferred.place if self._deferred is not None else {}
+            # rows admitted behind that launch: their first token (not handed out: one pending) is
+            # the deferred prefill's, on the device, at place j (source -1 - j)
+            sources = [place[id(r)] if id(r) in place else -1 - first[id(r)] for r in reqs]
+            if min(sources) < 0:
+                joined = self._deferred.tokens
                 counts = [
-                    len(r.out_ids) + (pending if source >= 0 else 0) for r, source in zip(reqs, sources, strict=True)
+                    len(r.out_ids) + (pending if source >= 0 else 1) for r, source in zip(reqs, sources, strict=True)
                 ]
         uniforms = draw_uniforms(params, counts, self._gen, steps)
         before = self._graphs.captures, self._graphs.capture_seconds
         try:
             launched = self._graphs.launch_sample(
-                st, last, [r.length for r in reqs], divisors, greedy, uniforms, previous=handle, sources=sources
-            )
+                st, last, [r.length for r in reqs], divisors, greedy, uniforms, previous=handle, sources=sources,
+                joined=joined,
+            )  # fmt: skip
         except Exception as error:  # CUDA's capture errors, and dynamo's and Inductor's
             self._graphs_failed(error)  # (a built step's failure goes to the loop's error path)
             return None
@@ -1373,9 +1408,23 @@ class EmbeddedEngine(Engine):
                 tokens = [[row[i] for i in kept] for row in tokens]
                 logprobs = [[row[i] for i in kept] for row in logprobs]
             self._hand_out(reqs, tokens, logprobs, running[1] if running else 0)
+            if self._deferred is not None:  # rows admitted behind the collected round
+                self._hand_out_deferred(running)
             if running is not None and self._admission_waits():
                 drain = not self._admit_behind()
         return True
+
+    def _hand_out_deferred(self, running) -> None:
+        """Hand out the first tokens of the rows prefilled behind the round just collected: read
+        from pinned memory once their copy is done (the round launched after them, ``running``,
+        may still run; the rows it ran carry its steps as their overrun if they stop now)."""
+        deferred, self._deferred = self._deferred, None
+        start = time.perf_counter()
+        tokens, logprobs = deferred.read()
+        ran = running is not None and any(id(r) in deferred.place for r in running[0])
+        overrun = running[1] if ran else 0
+        self._append_tokens(deferred.requests, [tokens], [logprobs], overrun)
+        self.stats["time_admit_ms"] += 1000 * (time.perf_counter() - start)
 
     def _admission_waits(self) -> bool:
         """Whether a waiting request could join the running rows (room under ``max_batch_size``)
@@ -1388,12 +1437,18 @@ class EmbeddedEngine(Engine):
 
     def _admit_behind(self) -> bool:
         """:meth:`_admit` while a decode round is queued (``decode_overlap``): the prefill's host
-        work (prefix lookups, staging, launches) runs while the device runs that round, and
-        the rows join before the next round is launched, which takes their first tokens from
-        the host. Its time counts as admission (``time_admit_ms``, ``admissions_behind``).
+        work (prefix lookups, staging, launches, the sampling) runs while the device runs that
+        round, with no read of the device: the rows join before the next round is launched, which
+        takes their first tokens on the device (:class:`_FirstTokens`), and the host reads them
+        after that launch (:meth:`_hand_out_deferred`). Its time counts as admission
+        (``time_admit_ms``, ``admissions_behind``).
         -> False when the requests must wait for the queued round (:meth:`_admit`'s ``behind``)."""
         start, prefills = time.perf_counter(), self.stats["prefill_forwards"]
-        admitted = self._admit(behind=True)
+        self._deferring = True
+        try:
+            admitted = self._admit(behind=True)
+        finally:
+            self._deferring = False
         self.stats["time_admit_ms"] += 1000 * (time.perf_counter() - start)
         self.stats["admissions_behind"] += self.stats["prefill_forwards"] > prefills
         return admitted
