@@ -30,6 +30,7 @@ neither tag, or an empty one, is invalid (a corrective observation, reward 0).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import re
@@ -369,6 +370,13 @@ class SearchQAEnv(Env):
 
     async def _aclose(self) -> None:
         await self._retrieval.aclose()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy's own retrieval client (made on first use): even ``copy.copy``'s, so that closing
+        one env never closes the other's."""
+        state = super().__getstate__()
+        state["_retrieval"] = copy.copy(self._retrieval)
+        return state
 
     def sample_random_action(self, rng=None) -> str:
         rng = rng if rng is not None else self.np_random

@@ -13,6 +13,8 @@ class LoopSessions:
     """One ``aiohttp.ClientSession`` per event loop (a session cannot move between loops), so every
     coroutine of a loop shares one connection pool.
 
+    A copy (``copy``, ``deepcopy``, ``pickle``) has the same settings and no session yet.
+
     Args:
         timeout: total seconds per request.
         limit: connections per session (0: unlimited).
@@ -21,6 +23,9 @@ class LoopSessions:
     def __init__(self, timeout: float, limit: int = 256):
         self.timeout, self.limit = timeout, limit
         self._sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
+
+    def __reduce__(self):
+        return type(self), (self.timeout, self.limit)
 
     def get(self):
         """The running loop's session (created on first use or after it was closed)."""

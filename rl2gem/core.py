@@ -32,6 +32,20 @@ chat role of that text: ``"user"`` (feedback, the next question) or ``"tool"``
 as tokens after the model's own tokens without re-tokenising the conversation.
 :class:`rl2gem.wrappers.ChatHistory` rebuilds the full message list when
 evaluation code wants it.
+
+Copies
+------
+``copy.copy``, ``copy.deepcopy`` and ``pickle`` copy an env with its episode
+(task, turn, history, ``np_random``), to branch an episode (tree search, GRPO
+groups from a mid-episode state) or to send it to another process. A copy
+never shares a running resource with its original: it starts its own private
+event loop, HTTP sessions, retrieval client or MCP connection on first use,
+so closing either leaves the other working. ``copy.copy`` shares mutable
+attributes (a tool dict, a board) as for any Python object; ``deepcopy`` and
+``pickle`` do not. State that lives outside the process cannot be copied and
+raises ``TypeError`` naming it: a persistent Python session's interpreter
+(:class:`rl2gem.tools.PythonSession`) once it ran, a :class:`rl2gem.remote.RemoteEnv`'s
+episode on its server.
 """
 
 from __future__ import annotations
@@ -427,6 +441,13 @@ class Env(gym.Env[str, str]):
     def turn(self) -> int:
         """Steps taken in the current episode."""
         return getattr(self, "_turn", 0)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The state ``copy``, ``deepcopy`` and ``pickle`` take: everything but the private event
+        loop (a copy starts its own on first use; see the module's "Copies")."""
+        state = dict(self.__dict__)
+        state.pop("_private_loop", None)
+        return state
 
     # ------------------------------------------------------------- internals
     def _loop_run(self, coro: Coroutine[Any, Any, T]) -> T:

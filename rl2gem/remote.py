@@ -52,6 +52,13 @@ class RemoteEnv(Env):
         retries: further tries of a call that got no answer or a 5xx.
         backoff: seconds before the first retry; doubled each time.
         **env_kwargs: the served env's kwargs for this session (over the server's own).
+
+    A copy (``copy``, ``deepcopy``, ``pickle``) is allowed before the first reset and after
+    :meth:`close`; it opens its own session on its first reset.
+
+    Raises:
+        ValueError: ``url`` is not an http(s) URL.
+        TypeError: a copy while a session is open: its episode lives on the server.
     """
 
     def __init__(
@@ -147,6 +154,14 @@ class RemoteEnv(Env):
                 await self._call("POST", "/close", {"session_id": self._session_id})
             self._session_id = None
         await self._http.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._session_id is not None:
+            raise TypeError(
+                f"a RemoteEnv cannot be copied or pickled while its session {self._session_id} is open: the episode "
+                "lives on the server (make a new RemoteEnv and reset it with the same seed)"
+            )
+        return super().__getstate__()
 
     @staticmethod
     def _truncated(error: str):

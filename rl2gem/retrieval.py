@@ -348,7 +348,8 @@ class LazyRetrieval:
 
     With ``url=None`` the first :meth:`client` call starts (or joins) the
     :class:`EmbeddedService` in a worker thread; :meth:`aclose` closes the
-    client's sessions and releases the service.
+    client's sessions and releases the service. A copy (``copy``, ``deepcopy``,
+    ``pickle``) has the same settings and no client yet: it makes (or joins) its own.
     """
 
     def __init__(self, url: str | None, *, timeout: float = 10.0, retries: int = 2):
@@ -372,6 +373,9 @@ class LazyRetrieval:
         if self._embedded:
             EmbeddedService.release()
             self._embedded = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"url": self.url, "timeout": self.timeout, "retries": self.retries, "_client": None, "_embedded": False}
 
 
 if __name__ == "__main__":

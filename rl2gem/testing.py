@@ -9,9 +9,11 @@ registered.
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import json
 import math
+import pickle
 import urllib.error
 import urllib.request
 import warnings
@@ -81,11 +83,16 @@ def _stable(info: dict[str, Any]) -> dict[str, Any]:
 
 def _play(env: gym.Env, seed: int, actions: list[Any]) -> list[tuple]:
     obs, info = env.reset(seed=seed)
-    out: list[tuple] = [(obs, _stable(info))]
+    return [(obs, _stable(info)), *_go_on(env, actions)]
+
+
+def _go_on(env: gym.Env, actions: list[Any]) -> list[tuple]:
+    """The steps of ``actions`` until the episode ends."""
+    out: list[tuple] = []
     for a in actions:
-        obs, r, term, trunc, info = env.step(a)
-        out.append((obs, r, term, trunc, _stable(info)))
-        if term or trunc:
+        step = _stable_step(env.step(a))
+        out.append(step)
+        if step[2] or step[3]:
             break
     return out
 
@@ -94,9 +101,9 @@ async def _aplay(env: gym.Env, seed: int, actions: list[Any]) -> list[tuple]:
     obs, info = await env.areset(seed=seed)  # type: ignore[attr-defined]
     out: list[tuple] = [(obs, _stable(info))]
     for a in actions:
-        obs, r, term, trunc, info = await env.astep(a)  # type: ignore[attr-defined]
-        out.append((obs, r, term, trunc, _stable(info)))
-        if term or trunc:
+        step = _stable_step(await env.astep(a))
+        out.append(step)
+        if step[2] or step[3]:
             break
     return out
 
@@ -125,7 +132,12 @@ def _check_tool_conventions(name: str, episode: list[tuple]) -> None:
 
 
 def check_env(
-    env: gym.Env | str, *, num_steps: int = 8, seed: int = 7, make: Callable[[], gym.Env] | None = None
+    env: gym.Env | str,
+    *,
+    num_steps: int = 8,
+    seed: int = 7,
+    make: Callable[[], gym.Env] | None = None,
+    copies: bool = True,
 ) -> None:
     """Check that a text env follows Gymnasium's API and rl2gem's contract.
 
@@ -152,6 +164,10 @@ def check_env(
        "function": {"name", "parameters"}}``), and a step's
        ``info["tool_results"]`` is a non-empty list of strings, each in the
        observation, on a ``role="tool"`` step.
+    9. Copies (``copies=True``, envs other than a :class:`rl2gem.remote.RemoteEnv`): a
+       ``copy.deepcopy`` and a ``pickle`` round trip, taken after the first step (after the
+       reset in a one-step episode), go on as the original does, and the original still does
+       after the copy is closed (:mod:`rl2gem.core`, "Copies").
 
     Args:
         env: an env, a registered id, or the URL of an env server
@@ -161,6 +177,7 @@ def check_env(
             env, from ``make`` if given, else from ``env.clone()``.
         num_steps: actions per scripted episode.
         seed: seed of the scripted episodes.
+        copies: run check 9 (turn it off for an env that holds what cannot be copied).
 
     Raises:
         AssertionError: naming the first check that failed.
@@ -180,6 +197,8 @@ def check_env(
     assert make is not None
     try:
         _check_made_env(env, make, num_steps, seed)
+        if copies and not isinstance(env.unwrapped, RemoteEnv):
+            _check_copies(make, repr(env.unwrapped), scripted_actions(env, num_steps, seed), seed)
     finally:
         if created:  # the env check_env made (a served env's session ends with it)
             env.close()
@@ -253,6 +272,43 @@ def _check_made_env(env: gym.Env, make: Callable[[], gym.Env], num_steps: int, s
     c.reset(seed=seed)
     c.close()
     c.close()
+
+
+def _check_copies(make: Callable[[], gym.Env], name: str, actions: list[str], seed: int) -> None:
+    """Check 9 of :func:`check_env`."""
+    whole = make()
+    try:
+        reference = _play(whole, seed, actions)
+        deterministic = whole.unwrapped.spec is None or not whole.unwrapped.spec.nondeterministic
+    finally:
+        whole.close()
+    split = 1 if len(reference) > 2 else 0  # steps the original takes before it is copied
+    rest = actions[split : len(reference) - 1]
+    for how, duplicate in (("copy.deepcopy", copy.deepcopy), ("pickle", lambda e: pickle.loads(pickle.dumps(e)))):
+        original = make()
+        try:
+            _play(original, seed, actions[:split])
+            try:
+                twin = duplicate(original)
+            except Exception as e:
+                raise AssertionError(f"{name}: {how} of an env in an episode raised {type(e).__name__}: {e}") from e
+            try:
+                branch = _go_on(twin, rest)
+            finally:
+                twin.close()
+            after = _go_on(original, rest)  # the copy is closed: the original goes on
+        finally:
+            original.close()
+        if deterministic:
+            assert _same(branch, reference[split + 1 :]), f"{name}: a copy ({how}) went on otherwise than the original"
+            assert _same(after, reference[split + 1 :]), (
+                f"{name}: the original went on otherwise after its copy ({how})"
+            )
+
+
+def _stable_step(result: tuple) -> tuple:
+    obs, reward, terminated, truncated, info = result
+    return obs, reward, terminated, truncated, _stable(info)
 
 
 def _http(url: str, method: str = "GET", body: Any = None, raw: bytes | None = None) -> tuple[int, Any]:

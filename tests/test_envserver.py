@@ -5,7 +5,9 @@ synchronous Gymnasium API of the client can be used from the test."""
 
 import asyncio
 import contextlib
+import copy
 import json
+import pickle
 import subprocess
 import sys
 import time
@@ -345,3 +347,22 @@ def test_the_command_line_serves_and_refuses_a_bad_env_in_one_line():
         server.stdin.close()
         server.wait(timeout=60)
     assert server.returncode == 0
+
+
+def test_a_remote_env_copies_outside_an_episode_and_refuses_inside_one(game_url):
+    """The episode lives on the server: a copy that shared its session would step the original's
+    game. Before the first reset and after close, a copy makes its own session and plays alone."""
+    env = RemoteEnv(game_url)
+    twin = copy.deepcopy(env)
+    obs, info = env.reset(seed=3)
+    with pytest.raises(TypeError, match=f"session {env._session_id} is open"):
+        copy.deepcopy(env)
+    with pytest.raises(TypeError, match="the episode lives on the server"):
+        pickle.dumps(env)
+    assert twin.reset(seed=3) == (obs, info) and twin._session_id != env._session_id
+    assert twin.step("50") == env.step("50")
+    env.close()
+    again = pickle.loads(pickle.dumps(env))
+    assert again.reset(seed=3)[0] == obs
+    for e in (again, twin):
+        e.close()

@@ -1,10 +1,43 @@
 """check_env over the whole registry, and that it catches broken envs."""
 
+import threading
+
 import pytest
 from toy_envs import CountEnv, GlobalRandomEnv, SlowSearchEnv
 
 import rl2gem
+from rl2gem import Env
 from rl2gem.testing import check_env
+
+
+class SharedBox:
+    """A value every copy shares, as a resource handed on as it is would be."""
+
+    def __init__(self):
+        self.value = 0
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+class SharedTurnsEnv(Env):
+    """Broken on purpose: its turn count lives in a box its copies share."""
+
+    def _reset(self, options):
+        self.box = SharedBox()
+        return "Say anything.", {}
+
+    def _step(self, action):
+        self.box.value += 1
+        return f"turn {self.box.value}", 0.0, False, self.box.value >= 4, {}
+
+
+class LockedEnv(CountEnv):
+    """Holds a lock, which no copy can take."""
+
+    def _reset(self, options):
+        self.lock = threading.Lock()
+        return super()._reset(options)
 
 
 # rl2/Remote-v0 needs a server: tests/test_envserver.py checks it against served envs
@@ -61,3 +94,12 @@ def test_catches_tool_envs_that_break_the_conventions():
 
     with pytest.raises(AssertionError, match="missing from the observation"):
         check_env(LostResult())
+
+
+def test_catches_an_env_whose_copies_share_its_state_or_cannot_be_made():
+    with pytest.raises(AssertionError, match=r"the original went on otherwise after its copy \(copy.deepcopy\)"):
+        check_env(SharedTurnsEnv())
+    with pytest.raises(AssertionError, match="copy.deepcopy of an env in an episode raised TypeError: cannot pickle"):
+        check_env(LockedEnv())
+    check_env(SharedTurnsEnv(), copies=False)
+    check_env(LockedEnv(), copies=False)

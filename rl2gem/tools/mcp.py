@@ -78,6 +78,9 @@ class MCPServerTools:
         env: environment variables of a stdio server (default: the MCP SDK's safe subset).
         timeout: seconds for connecting and for each call.
 
+    A copy (``copy``, ``deepcopy``, ``pickle``) opens its own connection on first use (a stdio
+    server: its own process).
+
     Raises:
         ValueError: an empty ``server``.
         ConnectionError: from :meth:`tools` when the server cannot be reached or started (the
@@ -96,6 +99,13 @@ class MCPServerTools:
         self._stop: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy has the same server and settings, and opens its own connection on first use."""
+        return {"target": self.target, "_server": self._server, "_env": self._env, "timeout": self.timeout}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _loop=None, _client=None, _stop=None, _thread=None, _lock=threading.Lock())
 
     def _transport(self) -> Any:
         from mcp import StdioServerParameters

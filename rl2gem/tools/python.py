@@ -715,9 +715,12 @@ class PythonSession:
     kills the session; its result says so, and the next call starts a fresh session and says that
     variables from earlier calls are gone. Calls on one session run one at a time.
 
+    A copy (``copy``, ``deepcopy``, ``pickle``) is allowed only while no process runs.
+
     Raises:
         RuntimeError: as :func:`run_python`; also when the config has ``pool_size=0`` or the host
             cannot give a forked child the layers asked for (sessions need the fork server).
+        TypeError: a copy of a session whose process runs.
     """
 
     def __init__(self, config: SandboxConfig | None = None):
@@ -731,6 +734,19 @@ class PythonSession:
     def pid(self) -> int | None:
         """The session process's pid on the host (``None`` before the first call)."""
         return self._child.pid if self._child is not None and not self._child.exited.done() else None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A session not started (or whose process ended) copies as a new one.
+
+        Raises:
+            TypeError: the session's process runs: its variables cannot be copied.
+        """
+        if self._child is not None and not self._child.exited.done():  # its pid may not be known yet
+            raise TypeError(
+                f"a PythonSession whose interpreter runs (pid {self._child.pid}) cannot be copied or pickled: its "
+                "variables live in that process (copy the env before its first Python call, or use persistent=False)"
+            )
+        return {**self.__dict__, "_socket": None, "_child": None, "_lock": None}
 
     async def _open(self, layers: tuple[str, ...]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)

@@ -283,3 +283,8 @@ class ToolEnvWrapper(Wrapper):
     async def aclose(self) -> None:
         await self._aclose_tools()
         await self.env.aclose()  # type: ignore[attr-defined]
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Without the private event loop: a copy starts its own (see :mod:`rl2gem.core`, "Copies";
+        ``copy.copy`` shares the wrapped env and the tools, as for any gymnasium wrapper)."""
+        return {**self.__dict__, "_loop": None}

@@ -1,7 +1,11 @@
 """rl2/PythonMath-v0: math problems where the agent may run Python before answering."""
 
+import copy
 import json
 import os
+import pickle
+
+import pytest
 
 import rl2gem
 from rl2gem.tools import ToolEnvWrapper
@@ -54,3 +58,41 @@ def test_runs_go_through_the_fork_server_and_persistent_keeps_variables():
     fresh.reset(options={"index": 0})
     assert fresh.step(code_call("print(6 * 7)"))[0] == "42"
     fresh.close()
+
+
+def pickled(env):
+    return pickle.loads(pickle.dumps(env))
+
+
+@pytest.mark.parametrize("duplicate", [copy.deepcopy, pickled], ids=["deepcopy", "pickle"])
+def test_a_copy_after_a_python_call_goes_on_alone_and_the_original_outlives_its_close(duplicate):
+    env = rl2gem.make("rl2/PythonMath-v0", dataset="gsm8k", split="test", max_tool_calls=3)
+    env.reset(options={"index": 3})
+    answer = env.unwrapped.problem["answer"]
+    assert env.step(code_call("print(6 * 7)"))[0] == "42"  # the wrapper's private loop runs now
+    twin = duplicate(env)
+    assert twin._loop is None and twin.env is not env.env
+    assert twin.step(code_call("print(2 + 3)"))[0] == "5"
+    obs, r, term, trunc, info = twin.step(f"\\boxed{{{answer}}}")
+    assert (r, term, info["num_tool_calls"]) == (1.0, True, 2)
+    twin.close()
+    assert env._loop.loop.is_running()  # closing the copy stopped its own loop only
+    assert env.step(code_call("print(7 * 7)"))[0] == "49"
+    obs, r, term, trunc, info = env.step("\\boxed{-1}")
+    assert (r, term, info["num_tool_calls"]) == (0.0, True, 2)
+    env.close()
+
+
+def test_a_persistent_session_copies_before_its_first_call_and_refuses_once_its_interpreter_runs():
+    env = rl2gem.make("rl2/PythonMath-v0", dataset="gsm8k", split="test", max_tool_calls=3, persistent=True)
+    env.reset(options={"index": 0})
+    twin = copy.deepcopy(env)  # no interpreter yet: the copy starts its own
+    assert twin.step(code_call("x = 1"))[0].startswith("[No output")
+    assert env.step(code_call("x = 20"))[0].startswith("[No output")
+    with pytest.raises(TypeError, match="PythonSession whose interpreter runs"):
+        copy.deepcopy(env)
+    with pytest.raises(TypeError, match="PythonSession whose interpreter runs"):
+        pickle.dumps(env)
+    assert twin.step(code_call("x + 1"))[0] == "2" and env.step(code_call("x + 1"))[0] == "21"
+    twin.close()
+    env.close()

@@ -1,6 +1,8 @@
 """SearchQA-v0 against real retrieval processes on loopback."""
 
 import asyncio
+import copy
+import pickle
 import socket
 import subprocess
 import sys
@@ -204,6 +206,34 @@ def test_embedded_service_starts_and_stops_with_the_envs():
     assert proc.poll() is None  # still used by b
     b.close()
     assert proc.wait(timeout=10) == 0 and EmbeddedService._proc is None
+
+
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
+def test_a_copy_searches_through_its_own_loop_and_client_and_its_close_leaves_the_original_searching(how):
+    from rl2gem.retrieval import EmbeddedService
+
+    duplicate = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": lambda e: pickle.loads(pickle.dumps(e))}[how]
+    users = EmbeddedService._users
+    env = twin = SearchQAEnv("test")
+    try:
+        env.reset(seed=0)
+        first = env.step("<search>Berlin</search>")[0]
+        loop, client, proc = env._private_loop, env._retrieval._client, EmbeddedService._proc
+        assert "Doc 1" in first and EmbeddedService._users == users + 1
+        twin = duplicate(env)
+        assert twin.item == env.item and twin.num_searches == 1  # the episode came along
+        assert getattr(twin, "_private_loop", None) is None and twin._retrieval is not env._retrieval
+        assert twin.step("<search>Berlin</search>")[0] == first
+        assert twin._private_loop.loop is not loop.loop and EmbeddedService._users == users + 2
+        twin.close()
+        assert loop.loop.is_running() and proc.poll() is None and EmbeddedService._users == users + 1
+        assert env.step("<search>Berlin</search>")[0] == first and env._retrieval._client is client
+    finally:
+        twin.close()
+        env.close()
+    assert EmbeddedService._users == users
+    if not users:
+        assert proc.wait(timeout=10) == 0 and EmbeddedService._proc is None
 
 
 def test_service_validates_requests(service):

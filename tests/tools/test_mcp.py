@@ -3,6 +3,7 @@ tools served over MCP (python -m rl2gem.envserver ENV_ID --mcp), checked with th
 own client and server."""
 
 import asyncio
+import pickle
 import sys
 import textwrap
 
@@ -77,6 +78,29 @@ def test_an_mcp_servers_tools_are_called_from_an_env_and_from_any_event_loop(tmp
     assert not children_running(str(script))
     with pytest.raises(ConnectionError, match="MCP server"):
         MCPServerTools([sys.executable, "-c", "raise SystemExit(3)"], timeout=20).tools()
+
+
+def test_a_pickled_env_with_mcp_tools_opens_its_own_connection_and_the_original_keeps_its_own(tmp_path):
+    script = tmp_path / "arithmetic_server.py"
+    script.write_text(SERVER)
+    server = MCPServerTools([sys.executable, str(script)], timeout=60)
+    env = ToolEnvWrapper(gym.make("rl2/GuessTheNumber-v0", difficulty="easy"), server.tools())
+    env.reset(seed=0)
+    add = '<tool_call>{"name": "add", "arguments": {"a": 20, "b": 22}}</tool_call>'
+    assert env.step(add)[0] == "42"
+    (ours,) = children_running(str(script))
+    twin = pickle.loads(pickle.dumps(env))
+    copied = twin.tools["add"].server
+    assert copied is not server and copied._client is None and twin.tools["divide"].server is copied
+    assert twin.step(add)[0] == "42"  # its own server process, started on first use
+    assert {child.pid for child in children_running(str(script))} - {ours.pid}
+    twin.close()
+    copied.close()
+    assert [child.pid for child in children_running(str(script))] == [ours.pid]
+    assert env.step(add)[0] == "42" and env._loop.loop.is_running()
+    env.close()
+    server.close()
+    assert not children_running(str(script))
 
 
 async def _list_and_call(server, calls):
