@@ -79,13 +79,13 @@ def _schedule(kind: str, warmup: int, total: int):
     return factor
 
 
-def fused_adamw(parameters: list[torch.nn.Parameter], mesh: ParallelMesh) -> bool:
-    """Whether the trainers' AdamW is the fused one: on CUDA (every trained parameter there) and
-    without tensor parallelism. The fused kernel updates every parameter in one launch where the
-    foreach one passes over the weights and moments several times; with TP the parameters sit on
-    two meshes (FSDP x TP weights beside FSDP-only norms), which one fused call over DTensors may
-    not accept in every torch release."""
-    return bool(parameters) and mesh.tp_mesh is None and all(p.is_cuda for p in parameters)
+def fused_adamw(parameters: list[torch.nn.Parameter]) -> bool:
+    """Whether the trainers' AdamW is the fused one: on CUDA, every trained parameter there. The
+    fused kernel updates every parameter in one launch where the foreach one passes over the
+    weights and moments several times. Under tensor parallelism one fused call takes the
+    parameters of both meshes (FSDP x TP weights beside FSDP-only norms): with torch 2.11 and 2.13
+    its steps equal the foreach ones' (``tests/training/test_worker.py``, on the CPU's fused kernel)."""
+    return bool(parameters) and all(p.is_cuda for p in parameters)
 
 
 class Worker:
@@ -157,7 +157,7 @@ class Worker:
         self.optimizer_steps = 0  # in this process (a resumed run counts from 0)
         if trainable:
             trained = [p for p in self.model.parameters() if p.requires_grad]
-            self.fused_optimizer = fused_adamw(trained, mesh)
+            self.fused_optimizer = fused_adamw(trained)
             self.optimizer = torch.optim.AdamW(
                 trained,
                 lr=float(settings.lr),

@@ -231,7 +231,7 @@ def test_a_restored_optimizer_keeps_its_own_implementation(group, tiny_dir, tmp_
     assert plain.fused_optimizer is False and all(g["fused"] is None for g in plain.optimizer.param_groups)
     train_once(plain, device)
     Checkpointer(tmp_path / "plain", {"actor": plain}).save(1)
-    monkeypatch.setattr("rl2gem.training.worker.fused_adamw", lambda parameters, mesh: True)
+    monkeypatch.setattr("rl2gem.training.worker.fused_adamw", lambda parameters: True)
     fused = Worker(section, mesh, device)
     assert fused.fused_optimizer is True
     Checkpointer(tmp_path / "plain", {"actor": fused}).load()

@@ -1,9 +1,15 @@
-"""setup_distributed's CPU threads, in a fresh process each (the count is process-wide)."""
+"""setup_distributed's CPU threads, in a fresh process each (the count is process-wide), and the
+workers' AdamW under tensor parallelism."""
 
 import json
 import os
 import subprocess
 import sys
+
+import torch
+from helpers import ROOT, torchrun
+
+from rl2gem.training.worker import fused_adamw
 
 # After setup_distributed: the intra-op threads of the main thread and of a thread started later
 # (as the embedded engine's is), once that thread ran a parallel op.
@@ -49,3 +55,14 @@ def test_each_local_rank_gets_its_share_of_the_cpus():
         got = probe(omp, "2")
         assert got["main"] == got["thread"] == 4
     assert probe(None, "3", cpus=2)["main"] == 1  # at least one
+
+
+def test_the_fused_adamw_steps_tensor_parallel_weights_as_the_foreach_one(tiny_dir, tmp_path):
+    """One fused AdamW call over DTensors on two meshes (TP weights and FSDP-only norms) gives the
+    foreach AdamW's weights, so the trainers use it under tensor parallelism too (:func:`fused_adamw`)."""
+    out = tmp_path / "fused.json"
+    torchrun(2, str(ROOT / "tests" / "parallel" / "fused_adamw_tp.py"), str(tiny_dir), str(out))
+    result = json.loads(out.read_text())
+    assert result["meshes"] == ["shard", "shard,tp"]
+    assert result["moved"] > 1e-3 and result["difference"] < 1e-6
+    assert not fused_adamw([torch.nn.Parameter(torch.ones(2))])  # the CPU keeps torch's default
