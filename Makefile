@@ -140,6 +140,7 @@ bench: setup
 	$(BIN)/python benchmarks/trainer.py --lora 16
 	$(BIN)/python benchmarks/tree_packing.py
 	$(BIN)/python benchmarks/parallel.py
+	$(BIN)/python benchmarks/fsdp_one_rank.py
 	$(BIN)/python benchmarks/sandbox.py
 	$(BIN)/python benchmarks/logprob_mismatch.py
 	$(BIN)/python benchmarks/detokenize.py

@@ -13,7 +13,8 @@
 # installs .whl/ into /tmp/site, makes the tree importable as the package (envs/ and trainers/
 # linked into rl2gem/, as the editable install maps them), then runs `pytest -m gpu` (in
 # parallel, TEST_WORKERS processes, at most TEST_SECONDS; 0 skips them; TEST_FILTER: pytest's -k
-# expression, default all), benchmarks/engine_host.py when HOST_SECONDS is set (at most that), and
+# expression, default all), benchmarks/engine_host.py when HOST_SECONDS is set (at most that),
+# benchmarks/fsdp_one_rank.py on a ~1B Llama when FSDP_SECONDS is set (at most that), and
 # benchmarks/gpu.py (at most BENCH_SECONDS), logs under $OUT (the device tool's folder) or gpu-logs/ (a failed trainer
 # run's whole output in failures.log); exits non-zero if either failed.
 set -uo pipefail
@@ -82,6 +83,10 @@ AutoTokenizer.from_pretrained(resolve_model('smollm2-135m-instruct')).save_pretr
     fi
     if [ "${HOST_SECONDS:-0}" != 0 ]; then  # the engine's host work at admission and a wave's end
       timeout "$HOST_SECONDS" "$PYTHON" benchmarks/engine_host.py 2>&1 | tee "$out/engine-host.log"
+    fi
+    if [ "${FSDP_SECONDS:-0}" != 0 ]; then  # FSDP2 at one rank: layer units against the root alone
+      timeout "$FSDP_SECONDS" "$PYTHON" benchmarks/fsdp_one_rank.py --hidden 2048 --layers 16 --tokens 16384 \
+        --vocab 49152 --rounds 2 --iterations 5 2>&1 | tee "$out/fsdp-one-rank.log"
     fi
     timeout "${BENCH_SECONDS:-3000}" "$PYTHON" benchmarks/gpu.py --tokenizer "$PWD/.tok" "$@" 2>&1 \
       | tee -a "$out/gpu-benchmark.log"

@@ -151,6 +151,31 @@ def test_bfloat16_training_keeps_float32_master_weights(group, tiny_dir, tmp_pat
         torch.testing.assert_close((before[name] - after[name])[live], 1e-5 * grad[live].sign(), rtol=5e-3, atol=0)
 
 
+def test_one_rank_mixed_precision_is_one_fsdp_unit_and_trains_as_layer_units_do(group, tiny_dir, monkeypatch):
+    """bf16 compute with float32 masters at one rank wraps the root alone (no FSDP hook between
+    layers); its losses, gradients and weights over two steps equal those of a model whose layers
+    are units too (the casts and the float32 gradient reduction are the same)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from rl2gem.models import decoder_layers
+    from rl2gem.parallel import fsdp
+
+    device, mesh = group
+    section = {"model": str(tiny_dir), "dtype": "bfloat16", "lr": 1e-3}
+    root = Worker(section, mesh, device)
+    shard_model = fsdp.shard_model
+    monkeypatch.setattr(fsdp, "shard_model", lambda *args, **kw: shard_model(*args, **{**kw, "layer_units": True}))
+    layered = Worker(section, mesh, device)
+    assert isinstance(root.model, FSDPModule) and not any(isinstance(m, FSDPModule) for m in decoder_layers(root.model))
+    assert all(isinstance(m, FSDPModule) for m in decoder_layers(layered.model))
+    for _ in range(2):
+        (_, ours, our_grads), (_, theirs, their_grads) = (_one_update(w, device) for w in (root, layered))
+        assert our_grads.keys() == their_grads.keys() and len(our_grads) == len(list(root.model.parameters()))
+        for name in ours:
+            torch.testing.assert_close(our_grads[name], their_grads[name], rtol=0, atol=0, msg=name)
+            torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=0, msg=name)
+
+
 def test_compiled_layers_raise_dynamo_s_recompile_limit(group, tiny_dir):
     """``actor.compile=true``: every decoder layer's forward goes through ``torch.compile``, and
     dynamo's per-code recompile limit (8 by default, shared by all layers of a class) is raised to

@@ -30,7 +30,15 @@ print(json.dumps({"main": torch.get_num_threads(), **seen}))
 
 
 def probe(omp: str | None, local: str, cpus: int = 8) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    dropped = (
+        "OMP_NUM_THREADS",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    )  # an earlier test's group
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     env["LOCAL_WORLD_SIZE"] = local
     if omp is not None:
         env["OMP_NUM_THREADS"] = omp
