@@ -169,7 +169,8 @@ def shard_model(
     about 4 ms more with the root alone."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    kw = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    # the root alone does not reshard after the forward: the backward would cast the whole model again
+    kw = {"mesh": mesh, "reshard_after_forward": reshard_after_forward and layer_units}
     if cpu_offload:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     float32 = {}

@@ -139,8 +139,10 @@ def _index_limit(worker) -> int:
 def _trainable_bytes(worker, device: torch.device) -> int:
     """Bytes of this rank's shards of the trainable parameters on ``device``'s type (and so of
     their gradients and AdamW's moments, which live with them): none on CUDA under
-    ``actor.cpu_offload``, whose shards, gradients and optimizer state stay on the host."""
-    local = (getattr(p, "_local_tensor", p) for p in worker.model.parameters() if p.requires_grad)
+    ``actor.cpu_offload``, whose shards, gradients and optimizer state stay on the host. The
+    optimizer's parameters: the module's may be FSDP's unsharded compute copies between a forward
+    and the end of its backward (the root unit of one rank under mixed precision keeps them)."""
+    local = (getattr(p, "_local_tensor", p) for group in worker.optimizer.param_groups for p in group["params"])
     return sum(t.nbytes for t in local if t.device.type == device.type)
 
 

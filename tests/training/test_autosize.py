@@ -226,7 +226,7 @@ def test_state_on_the_host_is_not_taken_off_the_device_budget():
     auto length came out shorter than what fits); on the CPU every trainable byte counts."""
     model = torch.nn.Linear(16, 8)  # 8 x 16 + 8 float32 = 544 bytes, on the host
     model.bias.requires_grad_(False)
-    worker = types.SimpleNamespace(model=model, optimizer=types.SimpleNamespace(state={}))
+    worker = types.SimpleNamespace(model=model, optimizer=torch.optim.AdamW([model.weight]))  # no state yet
     assert autosize._trainable_bytes(worker, torch.device("cpu")) == 8 * 16 * 4
     assert autosize._trainable_bytes(worker, torch.device("cuda")) == 0
     assert autosize._unallocated_state_bytes(worker, torch.device("cuda")) == 0

@@ -153,8 +153,9 @@ def test_bfloat16_training_keeps_float32_master_weights(group, tiny_dir, tmp_pat
 
 def test_one_rank_mixed_precision_is_one_fsdp_unit_and_trains_as_layer_units_do(group, tiny_dir, monkeypatch):
     """bf16 compute with float32 masters at one rank wraps the root alone (no FSDP hook between
-    layers); its losses, gradients and weights over two steps equal those of a model whose layers
-    are units too (the casts and the float32 gradient reduction are the same)."""
+    layers); its gradients and weights over two steps, each after a no-grad forward (which leaves
+    the root's bf16 copy in place for the update), equal those of a model whose layers are units
+    too (the casts and the float32 gradient reduction are the same)."""
     from torch.distributed.fsdp import FSDPModule
 
     from rl2gem.models import decoder_layers
@@ -169,6 +170,9 @@ def test_one_rank_mixed_precision_is_one_fsdp_unit_and_trains_as_layer_units_do(
     assert isinstance(root.model, FSDPModule) and not any(isinstance(m, FSDPModule) for m in decoder_layers(root.model))
     assert all(isinstance(m, FSDPModule) for m in decoder_layers(layered.model))
     for _ in range(2):
+        for worker in (root, layered):  # old log-probs first, as PPO takes them: the root keeps its cast
+            with torch.no_grad():
+                token_logprobs(worker.model, [[5, 6, 7, 8, 9, 10]], device)
         (_, ours, our_grads), (_, theirs, their_grads) = (_one_update(w, device) for w in (root, layered))
         assert our_grads.keys() == their_grads.keys() and len(our_grads) == len(list(root.model.parameters()))
         for name in ours:
