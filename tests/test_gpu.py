@@ -7,6 +7,7 @@ tokenizer, from ``$RL2GEM_TEST_TOKENIZER`` (a folder) when set, else the built-i
 """
 
 import asyncio
+import contextlib
 import copy
 import json
 import math
@@ -153,18 +154,9 @@ def test_a_checkpoint_restores_the_cuda_random_state(cuda_model_dir, tmp_path, m
     """A resumed run draws the random numbers the run it resumes would have drawn on the GPU too
     (dropout, LoRA's included, draws from the device's generator); its optimizer is the fused
     AdamW before and after, its restored step counts where the fused kernel reads them."""
-    import torch.distributed as dist
+    from rl2gem.training import Checkpointer, Worker
 
-    from rl2gem.procs import free_port
-    from rl2gem.training import Checkpointer, Worker, setup_distributed
-
-    # a one-rank group of this test process, its variables gone with the test
-    group = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}
-    for name, value in {**group, "LOCAL_RANK": "0"}.items():
-        monkeypatch.setenv(name, value)
-    _, _, device, mesh = setup_distributed(0, {})
-    try:
-        assert device.type == "cuda"
+    with one_rank_group(monkeypatch) as (device, mesh):
         worker = Worker({"model": str(cuda_model_dir)}, mesh, device)
         checkpointer = Checkpointer(tmp_path, {"actor": worker})
         parameters = [p for group in worker.optimizer.param_groups for p in group["params"]]
@@ -188,6 +180,63 @@ def test_a_checkpoint_restores_the_cuda_random_state(cuda_model_dir, tmp_path, m
         assert all(step.device.type == "cuda" and float(step) == 1 for step in steps)
         optimizer_step()
         assert all(float(worker.optimizer.state[p]["step"]) == 2 for p in parameters)
+
+
+def test_float32_masters_at_one_rank_are_one_fsdp_unit_and_train_as_layer_units_on_cuda(cuda_model_dir, monkeypatch):
+    """CUDA's default (bf16 compute, float32 masters) at one rank: the root is the only FSDP unit,
+    and two steps, each after a no-grad forward, give the gradients and weights of layer units
+    (bitwise on the CPU; here cuBLAS may pick other kernels for other buffers, so gradients within
+    1% in norm and 99% of the weights within 1e-6: a stale cast would miss both)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from rl2gem.models import decoder_layers
+    from rl2gem.parallel import fsdp
+    from rl2gem.training import Worker
+
+    sequences = [[5, 6, 7, 8, 9, 10, 11, 12], [9, 10, 11, 12]]
+    with one_rank_group(monkeypatch) as (device, mesh):
+        section = {"model": str(cuda_model_dir), "compile": False, "lr": 1e-3}
+        root = Worker(section, mesh, device)
+        shard_model = fsdp.shard_model
+        monkeypatch.setattr(fsdp, "shard_model", lambda *args, **kw: shard_model(*args, **{**kw, "layer_units": True}))
+        layered = Worker(section, mesh, device)
+        assert root.dtype == torch.bfloat16 and root.master_dtype == torch.float32
+        assert isinstance(root.model, FSDPModule) and not any(
+            isinstance(m, FSDPModule) for m in decoder_layers(root.model)
+        )
+        assert all(isinstance(m, FSDPModule) for m in decoder_layers(layered.model))
+        for _ in range(2):
+            grads = []
+            for worker in (root, layered):
+                with torch.no_grad():
+                    token_logprobs(worker.model, sequences[:1], device)
+                logprobs, _ = token_logprobs(worker.model, sequences, device)
+                (-logprobs.sum()).backward()
+                grads.append([p.grad.full_tensor().float() for p in worker.model.parameters()])
+                worker.step()
+            for ours, theirs in zip(*grads, strict=True):
+                assert float((ours - theirs).norm()) <= 1e-2 * float(theirs.norm()) + 1e-6
+        for ours, theirs in zip(root.model.parameters(), layered.model.parameters(), strict=True):
+            equal = (ours.full_tensor() - theirs.full_tensor()).abs() <= 1e-6
+            assert float(equal.float().mean()) >= 0.99
+
+
+@contextlib.contextmanager
+def one_rank_group(monkeypatch):
+    """A one-rank process group of this test process on CUDA, its variables gone with the test;
+    yields ``(device, mesh)``."""
+    import torch.distributed as dist
+
+    from rl2gem.procs import free_port
+    from rl2gem.training import setup_distributed
+
+    group = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}
+    for name, value in {**group, "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    _, _, device, mesh = setup_distributed(0, {})
+    try:
+        assert device.type == "cuda"
+        yield device, mesh
     finally:
         dist.destroy_process_group()
 
