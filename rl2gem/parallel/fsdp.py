@@ -266,8 +266,9 @@ def load_sharded(
             (float32), the frozen ones (a LoRA base) in ``dtype``, and every forward and backward
             computes in ``dtype`` with gradients reduced in float32. None: everything in ``dtype``.
         compile_layers: compile each decoder layer's ``forward`` with ``torch.compile`` (Inductor:
-            fused kernels, far fewer launches on CUDA; each layer stays its own FSDP unit, whose
-            hooks run outside the compiled code; shapes go dynamic after the first recompile).
+            fused kernels, far fewer launches on CUDA; where layers are FSDP units, each stays its
+            own, whose hooks run outside the compiled code; shapes go dynamic after the first
+            recompile).
             The first steps pay the compilation (tens of seconds).
 
     Returns the model (train mode) with ``dtype`` parameters (the trainable ones ``master_dtype``):
