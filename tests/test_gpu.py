@@ -197,8 +197,7 @@ def test_float32_masters_at_one_rank_are_one_fsdp_unit_and_train_as_layer_units_
     with one_rank_group(monkeypatch) as (device, mesh):
         section = {"model": str(cuda_model_dir), "compile": False, "lr": 1e-3}
         root = Worker(section, mesh, device)
-        shard_model = fsdp.shard_model
-        monkeypatch.setattr(fsdp, "shard_model", lambda *args, **kw: shard_model(*args, **{**kw, "layer_units": True}))
+        monkeypatch.setattr(fsdp, "root_unit_fits", lambda model, dtype, device: False)  # a model too big for it
         layered = Worker(section, mesh, device)
         assert root.dtype == torch.bfloat16 and root.master_dtype == torch.float32
         assert isinstance(root.model, FSDPModule) and not any(

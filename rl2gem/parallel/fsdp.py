@@ -3,7 +3,8 @@
 * :func:`init_distributed`: the process group from torchrun's environment (gloo
   + fp32 on CPU, NCCL on GPU); a single process works without torchrun.
 * :func:`shard_model`: every decoder layer and the root become FSDP units over
-  the data dims of the mesh (one rank under mixed precision alone: the root only) (:mod:`rl2gem.parallel.mesh`); a 2-D ``(replicate,
+  the data dims of the mesh (one rank under mixed precision alone: the root only, where its
+  memory is small, :func:`root_unit_fits`) (:mod:`rl2gem.parallel.mesh`); a 2-D ``(replicate,
   shard)`` mesh shards parameters within a group of ``world / ddp_size`` ranks and
   replicates them across groups (HSDP, ZeRO-3 inside a group, DDP across them); ``cpu_offload`` keeps
   parameters and gradients in host memory (``CPUOffloadPolicy(pin_memory=False)``
@@ -36,6 +37,7 @@ __all__ = [
     "init_distributed",
     "uses_cuda",
     "shard_model",
+    "root_unit_fits",
     "float32_head",
     "load_sharded",
     "full_state_dict",
@@ -162,11 +164,11 @@ def shard_model(
     model (now FSDP). ``float32_modules`` (a critic's or reward model's scalar head,
     :func:`float32_head`) are units of their own, whose float32 parameters a unit of the model's
     dtype could not hold (FSDP2 needs one dtype per unit); with ``param_dtype`` (mixed precision)
-    they also compute in float32. ``layer_units=False`` (one rank, mixed precision only): the root
-    holds every layer, so each forward casts the whole model once and keeps the cast through the
-    backward (2 bytes per parameter at bf16), with no FSDP hook between layers: on this CPU, a
-    16-layer model's forward and backward took 11.8 ms more than without FSDP with layer units,
-    about 4 ms more with the root alone."""
+    they also compute in float32. ``layer_units=False`` (one rank, mixed precision only,
+    :func:`root_unit_fits`): the root holds every layer, so each forward casts the whole model once
+    and keeps the cast through the backward, with no FSDP hook between layers
+    (``benchmarks/fsdp_one_rank.py``: on the CPU, a 16-layer model's forward and backward took about
+    12 ms more than without FSDP with layer units, 3.5 ms more with the root alone)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     # the root alone does not reshard after the forward: the backward would cast the whole model again
@@ -183,6 +185,25 @@ def shard_model(
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
     return model
+
+
+#: The share of a GPU's memory that one rank's root unit may hold beyond layer units (its whole
+#: compute-dtype copy and gradients through the backward): :func:`root_unit_fits`.
+ROOT_UNIT_MEMORY_SHARE = 0.05
+
+
+def root_unit_fits(model, dtype, device: torch.device) -> bool:
+    """Whether one rank under mixed precision alone may wrap the root as its only FSDP unit
+    (:func:`shard_model`'s ``layer_units=False``): the root holds the whole model's ``dtype``
+    copy from the forward through the backward, and its ``dtype`` gradients until the backward
+    ends, where layer units hold one layer's of each at a time; so ``2 x dtype size`` bytes per
+    parameter more (4 at bf16: 4 GB for 1B parameters). Taken when that is at most
+    :data:`ROOT_UNIT_MEMORY_SHARE` of the GPU's memory (all of a 1B model on an 80 GB GPU, not a
+    3B one, whose layers' compute hides their hooks better), and always off CUDA."""
+    if device.type != "cuda":
+        return True
+    extra = 2 * torch.empty((), dtype=dtype).element_size() * sum(p.numel() for p in model.parameters())
+    return extra <= ROOT_UNIT_MEMORY_SHARE * torch.cuda.get_device_properties(device).total_memory
 
 
 def float32_head(model) -> torch.nn.Module:
@@ -275,7 +296,7 @@ def load_sharded(
     FSDP-wrapped, or, on a data mesh of one rank without tensor parallelism, CPU offload or mixed
     precision, the plain module (FSDP there only copies parameters and gradients through its
     buffers). One rank with mixed precision alone is one FSDP unit, the root (with a float32 head's
-    own): :func:`shard_model`'s ``layer_units=False``.
+    own), where :func:`root_unit_fits`: :func:`shard_model`'s ``layer_units=False``.
 
     Raises:
         ValueError: unknown ``head``, or a model that ``tp_mesh`` cannot split
@@ -331,6 +352,7 @@ def load_sharded(
             layer.forward = torch.compile(layer.forward)
     layer_units = mesh.size() > 1 or tp_mesh is not None or cpu_offload
     sharded = layer_units or param_dtype is not None
+    layer_units = layer_units or (sharded and not root_unit_fits(model, dtype, device))
     if sharded:  # else one rank: FSDP would only copy parameters and gradients through its buffers
         shard_model(
             model, mesh, cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward,

@@ -139,3 +139,25 @@ def test_clip_grad_norm_of_dtensors_and_tensors_equals_torchs(monkeypatch, max_n
         assert (expected > max_norm) == (max_norm == 0.5)
     finally:
         dist.destroy_process_group()
+
+
+def test_the_root_unit_is_taken_where_its_copy_and_gradients_are_a_small_share_of_the_gpu(monkeypatch):
+    """One rank under mixed precision wraps the root alone when the whole bf16 copy and bf16
+    gradients (4 bytes per parameter) are at most 5% of the GPU's memory; always off CUDA."""
+    import types
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rl2gem.parallel.fsdp import ROOT_UNIT_MEMORY_SHARE, root_unit_fits
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2))
+    extra = 4 * sum(p.numel() for p in model.parameters())
+    cuda = torch.device("cuda", 0)
+    assert root_unit_fits(model, torch.bfloat16, torch.device("cpu"))
+    for memory, fits in ((extra / ROOT_UNIT_MEMORY_SHARE, True), (extra / ROOT_UNIT_MEMORY_SHARE - 64, False)):
+        properties = types.SimpleNamespace(total_memory=int(memory))
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, p=properties: p)
+        assert root_unit_fits(model, torch.bfloat16, cuda) is fits
+        assert root_unit_fits(model, torch.float16, cuda) is fits
+    assert not root_unit_fits(model, torch.float32, cuda)  # twice the bytes

@@ -164,9 +164,9 @@ def test_one_rank_mixed_precision_is_one_fsdp_unit_and_trains_as_layer_units_do(
     device, mesh = group
     section = {"model": str(tiny_dir), "dtype": "bfloat16", "lr": 1e-3}
     root = Worker(section, mesh, device)
-    shard_model = fsdp.shard_model
-    monkeypatch.setattr(fsdp, "shard_model", lambda *args, **kw: shard_model(*args, **{**kw, "layer_units": True}))
+    monkeypatch.setattr(fsdp, "root_unit_fits", lambda model, dtype, device: False)  # a model too big for it
     layered = Worker(section, mesh, device)
+    assert not isinstance(Worker({**section, "master_dtype": "bfloat16"}, mesh, device).model, FSDPModule)
     assert isinstance(root.model, FSDPModule) and not any(isinstance(m, FSDPModule) for m in decoder_layers(root.model))
     assert all(isinstance(m, FSDPModule) for m in decoder_layers(layered.model))
     for _ in range(2):
