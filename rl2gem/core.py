@@ -55,13 +55,15 @@ import contextlib
 import functools
 import threading
 import weakref
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any, ClassVar, TypeVar
 
 import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 from gymnasium.error import ResetNeeded
+from gymnasium.spaces.utils import flatten, flatten_space, unflatten
+from gymnasium.vector.utils import read_from_shared_memory
 
 __all__ = [
     "Env",
@@ -142,6 +144,67 @@ class TextSpace(spaces.Text):
         )
 
     __hash__ = None  # type: ignore[assignment]  # mutable RNG inside, like other spaces
+
+
+#: The padding of a flattened :class:`TextSpace` string: one past the last Unicode code point.
+TEXT_PADDING = 0x110000
+
+
+@flatten.register(TextSpace)
+def _flatten_text(space: TextSpace, x: str) -> np.ndarray:
+    """A string as ``max_length`` int32 code points, padded with :data:`TEXT_PADDING` (Gymnasium's
+    ``Text`` takes indices into its character set, which holds printable ASCII only here)."""
+    points = np.frombuffer(x.encode("utf-32-le"), dtype="<i4")
+    flat = np.full(space.max_length, TEXT_PADDING, dtype=np.int32)
+    flat[: len(points)] = points
+    return flat
+
+
+@unflatten.register(TextSpace)
+def _unflatten_text(space: TextSpace, x: np.ndarray) -> str:
+    points = np.asarray(x, dtype=np.int32)
+    return points[points < TEXT_PADDING].astype("<u4").tobytes().decode("utf-32-le")
+
+
+@flatten_space.register(TextSpace)
+def _flatten_text_space(space: TextSpace) -> spaces.Box:
+    return spaces.Box(low=0, high=TEXT_PADDING, shape=(space.max_length,), dtype=np.int32)
+
+
+class SharedTexts(Sequence):
+    """The strings of a vector env's :class:`TextSpace` observations in shared memory, decoded
+    when read. ``gymnasium.vector.AsyncVectorEnv(shared_memory=True)`` (its default) reads the
+    shared memory once, at its start, and relies on the result being a view, as an array's is; a
+    tuple of strings read then would be every later observation (Gymnasium 1.4 does that for
+    ``Text``: all blanks). ``copy.deepcopy`` (the vector env's ``copy=True``, its default) gives a
+    ``tuple`` of ``str``, as the sync vector env returns."""
+
+    def __init__(self, space: TextSpace, memory: Any, n: int):
+        self.space, self.rows = space, np.frombuffer(memory.get_obj(), dtype=np.int32).reshape(n, space.max_length)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return tuple(unflatten(self.space, row) for row in self.rows[index])
+        return unflatten(self.space, self.rows[index])
+
+    def __eq__(self, other: object) -> bool:
+        return tuple(self) == (tuple(other) if isinstance(other, Sequence) else other)
+
+    __hash__ = None  # type: ignore[assignment]  # its contents change
+
+    def __deepcopy__(self, memo: dict) -> tuple[str, ...]:
+        return tuple(self)
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))
+
+
+@read_from_shared_memory.register(TextSpace)
+def _read_texts(space: TextSpace, shared_memory: Any, n: int = 1) -> SharedTexts:
+    return SharedTexts(space, shared_memory, n)
 
 
 class _PrivateLoop:

@@ -7,12 +7,14 @@ import threading
 import time
 
 import gymnasium as gym
+import numpy as np
 import pytest
 from gymnasium.error import ResetNeeded
-from toy_envs import CountEnv, SlowSearchEnv
+from gymnasium.spaces.utils import flatten, flatten_space, unflatten
+from toy_envs import CountEnv, SlowSearchEnv, UnicodeEchoEnv
 
 from rl2gem import AsyncVectorEnv, Env, TextSpace
-from rl2gem.core import _PrivateLoop
+from rl2gem.core import TEXT_PADDING, SharedTexts, _PrivateLoop
 
 
 def test_text_space_membership():
@@ -25,6 +27,41 @@ def test_text_space_membership():
     space.seed(0)
     samples = [space.sample() for _ in range(50)]
     assert all(s in space for s in samples)
+
+
+@pytest.mark.parametrize("text", ["", "abc", "é 数学 🙂\n\t\x00", "z" * 12])
+def test_text_flattens_to_its_code_points_and_back(text):
+    space = TextSpace(12)
+    flat = flatten(space, text)
+    assert flat.dtype == np.int32 and flat.shape == (12,) and flat in flatten_space(space)
+    assert flat[: len(text)].tolist() == [ord(c) for c in text] and (flat[len(text) :] == TEXT_PADDING).all()
+    assert unflatten(space, flat) == text
+
+
+@pytest.mark.parametrize("make", [UnicodeEchoEnv, lambda: gym.make("rl2/GuessTheNumber-v0")], ids=["unicode", "guess"])
+def test_gymnasiums_process_vector_env_gives_the_sync_ones_text_observations(make):
+    """``gymnasium.vector.AsyncVectorEnv`` (``gym.make_vec(..., vectorization_mode="async")``) passes
+    observations through shared memory by default; Gymnasium read a ``Text`` space's once, at the
+    start, so every observation came back blank, and characters outside ``Text``'s set failed."""
+    actions = [("12", "é"), ("🙂", ""), ("\\boxed{25}", "\\boxed{40}")]
+    episodes = []
+    for vector in (gym.vector.SyncVectorEnv, gym.vector.AsyncVectorEnv):
+        envs = vector([make, make])
+        try:
+            steps = [envs.reset(seed=7)[0]] + [envs.step(list(a))[0] for a in actions]
+        finally:
+            envs.close()
+        assert all(type(obs) is tuple and all(isinstance(o, str) and o for o in obs) for obs in steps)
+        episodes.append(steps)
+    assert episodes[0] == episodes[1]
+    live = gym.vector.AsyncVectorEnv([make], copy=False)  # the shared memory itself: read when indexed
+    try:
+        first = live.reset(seed=7)[0]
+        assert isinstance(first, SharedTexts) and first == episodes[0][0][:1]
+        live.step(["12"])
+        assert first[0] == episodes[0][1][0]
+    finally:
+        live.close()
 
 
 def test_reset_returns_seed_and_role_and_is_deterministic():

@@ -97,6 +97,16 @@ class SeedParityEnv(Env):
         return self._step("")
 
 
+class UnicodeEchoEnv(Env):
+    """Echoes each action with its turn and characters beyond ASCII (accents, CJK, an emoji)."""
+
+    def _reset(self, options):
+        return f"Échos {int(self.np_random.integers(100))} 数学 🙂\n", {}
+
+    def _step(self, action):
+        return f"{self.turn}: «{action}» 🙂", 0.0, self.turn >= 3, False, {}
+
+
 class GlobalRandomEnv(CountEnv):
     """Broken on purpose: draws its task from the global RNG, ignoring the seed."""
 
