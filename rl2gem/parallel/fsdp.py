@@ -3,8 +3,8 @@
 * :func:`init_distributed`: the process group from torchrun's environment (gloo
   + fp32 on CPU, NCCL on GPU); a single process works without torchrun.
 * :func:`shard_model`: every decoder layer and the root become FSDP units over
-  the data dims of the mesh (one rank under mixed precision alone: the root only, where its
-  memory is small, :func:`root_unit_fits`) (:mod:`rl2gem.parallel.mesh`); a 2-D ``(replicate,
+  the data dims of the mesh (:mod:`rl2gem.parallel.mesh`; one rank under mixed precision alone:
+  the root only, where its memory is small, :func:`root_unit_fits`); a 2-D ``(replicate,
   shard)`` mesh shards parameters within a group of ``world / ddp_size`` ranks and
   replicates them across groups (HSDP, ZeRO-3 inside a group, DDP across them); ``cpu_offload`` keeps
   parameters and gradients in host memory (``CPUOffloadPolicy(pin_memory=False)``
