@@ -101,7 +101,10 @@ class TextSpace(spaces.Text):
     (no lone surrogates). Gymnasium's ``Text`` keeps an explicit character set,
     which for all of Unicode would be 1.1 million entries; this subclass checks
     UTF-8 encodability instead and keeps ``charset`` (printable ASCII, newline
-    and tab) only for :meth:`sample`.
+    and tab) only for :meth:`sample`. Gymnasium's ``flatten`` gives its Unicode
+    code points (int32, padded with :data:`TEXT_PADDING`), which is also how
+    Gymnasium's process vector env carries it through shared memory
+    (:class:`SharedTexts`).
 
     Args:
         max_length: the longest valid string, in characters.
