@@ -156,6 +156,25 @@ def test_incremental_text_equals_decoding_every_token_again(tokenizer):
     check(Counted(metaspace), [3] + [2] * 8 + [4, 5])  # a context of special tokens only
     for _ in range(30):
         check(Counted(metaspace, clean_up_tokenization_spaces=True), [rng.randrange(1, 10) for _ in range(40)])
+    # Llama 2's and Mistral's decoder: "▁" as a space, byte tokens fused into UTF-8, the first space
+    # stripped; a character split over byte tokens, after a word or a special token
+    words = ["▁Hello", "▁world", "!", "▁it", "'s", ".", "▁", "▁数", "学"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: 3 + i for i, w in enumerate(words)}}
+    vocab.update({f"<0x{b:02X}>": len(vocab) + b for b in range(256)})
+    model = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    model.decoder = tokenizers.decoders.Sequence(
+        [
+            tokenizers.decoders.Replace("▁", " "),
+            tokenizers.decoders.ByteFallback(),
+            tokenizers.decoders.Fuse(),
+            tokenizers.decoders.Strip(" ", 1, 0),
+        ]
+    )
+    fallback = PreTrainedTokenizerFast(tokenizer_object=model, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    pieces = [[vocab[w]] for w in words] + [[vocab[f"<0x{b:02X}>"] for b in c.encode()] for c in "é数🙂"] + [[2]]
+    assert fallback.decode(pieces[0] + pieces[10] + pieces[1]) == "Hello数 world"
+    for _ in range(60):
+        check(Counted(fallback), [t for _ in range(rng.randrange(1, 30)) for t in rng.choice(pieces)])
 
 
 # ----------------------------------------------------------------------------- live embedded server
