@@ -7,7 +7,8 @@ neither fails there at import, after minutes of scarce device time. This script 
 environment here holding only those distributions (links into this interpreter's site-packages)
 and the tree laid out as the session lays it out (``envs/`` and ``trainers/`` inside ``rl2gem/``),
 then, in it: imports every trainer, ``rl2gem.evaluate`` and the built-in envs, collects
-``tests/test_gpu.py`` and runs ``benchmarks/gpu.py --help``; ``--bench`` also runs
+``tests/test_gpu.py``, runs ``benchmarks/gpu.py --help`` and ``benchmarks/fsdp_one_rank.py`` on a
+two-layer model (the stage ``FSDP_SECONDS`` of ``gpu_session.sh``); ``--bench`` also runs
 ``benchmarks/gpu.py`` on its CPU fallback at a tiny scale (the imports made at run time).
 
     python benchmarks/gpu_image.py [--bench] [--without NAME ...]
@@ -106,6 +107,8 @@ def checks(bench: bool) -> list[tuple[str, list[str]]]:
         ("pytest collects tests/test_gpu.py", ["-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                                                "tests/test_gpu.py"]),
         ("benchmarks/gpu.py --help", ["benchmarks/gpu.py", "--help"]),
+        ("benchmarks/fsdp_one_rank.py, tiny", ["benchmarks/fsdp_one_rank.py", "--layers", "2", "--rounds", "1",
+                                               "--iterations", "1"]),
     ]  # fmt: skip
     if bench:
         tokenizer = str(ROOT / ".tok") if (ROOT / ".tok").exists() else None

@@ -448,11 +448,12 @@ def test_proof_tables_read_runs(tmp_path):
 def test_the_gpu_session_imports_only_what_the_device_image_has():
     """benchmarks/gpu_image.py: in an environment holding only the device image's distributions
     and the session's wheels, the trainers, evaluation and envs import, pytest collects the GPU
-    tests and benchmarks/gpu.py starts; the control leaves omegaconf out and the check fails,
-    naming it."""
+    tests, benchmarks/gpu.py starts and benchmarks/fsdp_one_rank.py runs; the control leaves
+    omegaconf out and the check fails, naming it."""
     stdout = run("benchmarks/gpu_image.py", timeout=300)
-    assert stdout.splitlines()[:3] == [
-        "imports: ok", "pytest collects tests/test_gpu.py: ok", "benchmarks/gpu.py --help: ok"
+    assert stdout.splitlines()[:4] == [
+        "imports: ok", "pytest collects tests/test_gpu.py: ok", "benchmarks/gpu.py --help: ok",
+        "benchmarks/fsdp_one_rank.py, tiny: ok",
     ], stdout  # fmt: skip
     control = subprocess.run(
         [sys.executable, "benchmarks/gpu_image.py", "--without", "omegaconf"],
