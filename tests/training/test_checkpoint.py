@@ -180,6 +180,48 @@ def test_one_rank_mixed_precision_is_one_fsdp_unit_and_trains_as_layer_units_do(
             torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=0, msg=name)
 
 
+LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear", "rslora": False}
+
+
+@pytest.mark.parametrize(
+    "extra,head",
+    [({"gradient_checkpointing": True}, "lm"), ({"lora": LORA}, "lm"), ({}, "value")],
+    ids=["checkpointing", "lora", "critic"],
+)
+def test_the_root_unit_accumulates_micro_batches_as_layer_units_do(group, tiny_dir, monkeypatch, extra, head):
+    """Three micro-batches a step, after a no-grad forward, with activation checkpointing, LoRA's
+    float32 adapters over a bf16 base, or a critic's float32 head (a unit of its own): the root
+    unit's gradient norms and weights after two steps equal layer units', bitwise."""
+    from rl2gem.parallel import fsdp
+
+    device, mesh = group
+    section = {"model": str(tiny_dir), "dtype": "bfloat16", "lr": 1e-3, **extra}
+
+    def train(worker) -> tuple[list[float], dict[str, torch.Tensor]]:
+        norms = []
+        for _ in range(2):
+            with torch.no_grad():
+                worker.model(input_ids=torch.tensor([[5, 6, 7, 8]]))
+            for rows in ([[5, 6, 7, 8, 9, 10]], [[9, 10, 11, 12, 13]], [[3, 4, 5]]):
+                if head == "lm":
+                    loss = -token_logprobs(worker.model, rows, device)[0].sum()
+                else:  # values pulled towards 1 (the head starts at 0)
+                    loss = (worker.model(input_ids=torch.tensor(rows)).logits.float() - 1).pow(2).sum()
+                loss.backward()
+            norms.append(worker.step())
+        return norms, worker.full_state_dict(merged=False)
+
+    torch.manual_seed(0)  # LoRA's A matrices
+    ours = train(Worker(section, mesh, device, head=head))
+    monkeypatch.setattr(fsdp, "root_unit_fits", lambda model, dtype, device: False)
+    torch.manual_seed(0)
+    theirs = train(Worker(section, mesh, device, head=head))
+    assert ours[0] == theirs[0] and min(ours[0]) > 0
+    assert ours[1].keys() == theirs[1].keys()
+    for name, weight in ours[1].items():
+        torch.testing.assert_close(weight, theirs[1][name], rtol=0, atol=0, msg=name)
+
+
 def test_compiled_layers_raise_dynamo_s_recompile_limit(group, tiny_dir):
     """``actor.compile=true``: every decoder layer's forward goes through ``torch.compile``, and
     dynamo's per-code recompile limit (8 by default, shared by all layers of a class) is raised to
