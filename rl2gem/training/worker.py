@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import FSDPModule
 
 from rl2gem.models import resolve_dtype, resolve_master_dtype
 from rl2gem.parallel.attention import resolve_attention
@@ -179,7 +180,10 @@ class Worker:
     def step(self) -> float:
         """Clip the gradient norm to ``max_grad_norm``, step the optimizer and the scheduler, zero
         the gradients. Returns the gradient norm before clipping (over all ranks)."""
-        norm = clip_grad_norm(self.model.parameters(), self.max_grad_norm)
+        for module in self.model.modules():  # a no-grad forward since the backward left a root unit unsharded
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        norm = clip_grad_norm([p for g in self.optimizer.param_groups for p in g["params"]], self.max_grad_norm)
         self.optimizer.step()
         self.optimizer_steps += 1
         self.scheduler.step()
