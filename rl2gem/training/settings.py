@@ -109,7 +109,10 @@ class WorkerSettings:
         ddp_size, tp_size, sp_size: HSDP replicas, tensor-parallel and sequence-parallel ranks.
         cpu_offload: FSDP2 parameter offload to the host.
         gradient_checkpointing: recompute activations in the backward pass.
-        reshard_after_forward: FSDP2 frees the gathered parameters after each forward.
+        reshard_after_forward: FSDP2 frees the gathered parameters after each forward. Not for a
+            model that is one FSDP unit (one rank under mixed precision,
+            :func:`~rl2gem.parallel.fsdp.root_unit_fits`): it keeps its compute-dtype copy
+            through the backward, which would otherwise cast the whole model again.
         lora: :class:`LoraSettings`.
     """
 

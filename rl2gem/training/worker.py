@@ -177,12 +177,20 @@ class Worker:
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0] if self.scheduler else 0.0
 
+    def reshard(self) -> None:
+        """Free the compute-dtype copies of the parameters that FSDP units keep after a no-grad
+        forward (the root unit of one rank under mixed precision does not reshard after its
+        forward: a backward would cast the whole model again; with no backward they stay until
+        the next one): PPO's scoring leaves the critic's, which the actor's first micro-batch
+        would otherwise carry on top of the memory ``auto`` planned for it."""
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
     def step(self) -> float:
         """Clip the gradient norm to ``max_grad_norm``, step the optimizer and the scheduler, zero
         the gradients. Returns the gradient norm before clipping (over all ranks)."""
-        for module in self.model.modules():  # a no-grad forward since the backward left a root unit unsharded
-            if isinstance(module, FSDPModule):
-                module.reshard()
+        self.reshard()  # a no-grad forward since the backward left a root unit unsharded
         norm = clip_grad_norm([p for g in self.optimizer.param_groups for p in g["params"]], self.max_grad_norm)
         self.optimizer.step()
         self.optimizer_steps += 1

@@ -338,11 +338,31 @@ def test_a_queued_round_never_meets_a_capture_a_reset_or_a_reallocation(tokenize
         original_launch(None, None, None, [], [], [], None)  # neither the tokens nor their launch
 
 
+def test_a_launch_behind_another_checks_its_token_sources_on_the_host():
+    """Rows' sources index the previous launch's last tokens (4 rows) then the joined ones: an
+    index out of range would be a device-side assert on CUDA, so it is a ValueError first."""
+    last = torch.arange(8).view(2, 4)  # [steps, bucket]: the tokens at its last step are 4..7
+    previous = (None, 4, (last, None), 0)
+    joined = torch.tensor([40, 41])
+    assert DecodeGraphs._token_sources(previous, 3, [2, -1, 0], joined) == ([2, 4, 0], joined)
+    assert DecodeGraphs._token_sources(previous, 2, [3, 1], joined) == ([3, 1], None)  # none joined
+    assert DecodeGraphs._token_sources(previous, 2, [-2, -1], joined)[0] == [5, 4]
+    for sources, tokens, match in [
+        (None, joined, "one source per running row"),
+        ([0, 1], joined, "one source per running row"),
+        ([0, -3, 1], joined, "need 3 joined tokens"),
+        ([0, -1, 1], None, "need 1 joined tokens"),
+        ([0, 4, 1], joined, "beyond the launch's 4 rows"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            DecodeGraphs._token_sources(previous, 3, sources, tokens)
+
+
 def test_requests_admitted_behind_a_queued_round_get_the_tokens_of_the_engine_without_overlap(tokenizer, monkeypatch):
     """Fourteen requests queued at once for four rows, budgets of 5 to 31 tokens, so rows finish
     while the next round is queued: with ``decode_overlap`` the waiting requests are prefilled
-    behind it, and the round after takes their first tokens from the host and the others' from
-    that round on the device. Among them a GRPO pair (one prefill), a prompt extending a
+    behind it, and the round after takes their first tokens from their prefill and the others'
+    from that round, both on the device. Among them a GRPO pair (one prefill), a prompt extending a
     running row's (its KV read from that row), then a second turn of every first-wave request
     while a long row runs (the prefix cache), and a prompt wider than the store (admitted only
     once the queued round is collected: the store grows). Sampled at temperature 8 with seeds, so wrong keys,

@@ -773,3 +773,29 @@ def test_a_step_whose_groups_dynamic_filtering_all_drops_is_skipped_not_repeated
         assert row["rollout/filtered_ratio"] == 1.0 and row["actor/skipped_step"] == 1.0
         assert row["rollout/groups_started"] == 8  # max_groups_factor 4 x 2 groups
         assert row["time/weight_sync"] >= 0  # the unchanged weights relabelled: the next rollout is on-policy
+
+
+def test_scoring_frees_the_critic_s_bf16_copy_before_the_actor_trains(tiny_dir, tmp_path, monkeypatch):
+    """bf16 compute with float32 masters at one rank: the critic is one FSDP unit, which keeps its
+    bf16 copy after the scoring pass's no-grad forward. The update's actor passes come first, and
+    ``auto`` planned their memory without that copy: scoring frees it (the critic's parameters are
+    its float32 shards again when the update starts), and the critic still trains."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    update, seen = ppo.PPOTrainer.update, []
+
+    def spy(self, *args):
+        assert isinstance(self.critic.model, FSDPModule)
+        seen.append({type(p) for p in self.critic.model.parameters()})
+        return update(self, *args)
+
+    monkeypatch.setattr(ppo.PPOTrainer, "update", spy)
+    out = tmp_path / "bf16"
+    options = ["actor.dtype=bfloat16", "adv.estimator=gae", "rollout.max_new_tokens=4", "critic.lr=1e-2"]
+    options += ["reward.transform=tests.toy_envs:even_token_reward"]  # rewards the critic learns from
+    run = [*arithmetic_run(tiny_dir)[1:], *options, "trainer.total_steps=2", "trainer.eval_at_start=false"]
+    assert ppo.main([*run, "trainer.eval_n=0", f"trainer.output_dir={out}", "trainer.progress=false"]) == 0
+    assert seen == [{DTensor}, {DTensor}]
+    steps = logged_steps(out / "metrics.jsonl", "critic/grad_norm")
+    assert steps[1]["critic/grad_norm"] > 0 and steps[2]["critic/values"] != 0.0

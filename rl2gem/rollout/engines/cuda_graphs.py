@@ -301,6 +301,25 @@ class DecodeGraphs:
             sampled = torch.cat((sampled, joined))
         step.ints[:rows] = sampled.index_select(0, step.ints[2 * bucket + 1 : 2 * bucket + 1 + rows])
 
+    @classmethod
+    def _token_sources(
+        cls, previous: tuple, rows: int, sources: list[int] | None, joined: torch.Tensor | None
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """Each row's place in the launch ``previous``'s last sampled tokens followed by
+        ``joined`` (None when no row joined after it), checked on the host: an index out of range
+        would be a device-side assert on CUDA, which poisons the context."""
+        width = cls._last_sampled(previous).shape[0]  # where the joined tokens follow its own
+        if sources is None or len(sources) != rows:
+            raise ValueError(f"a launch behind another needs one source per running row ({rows})")
+        admitted = max([0] + [-source for source in sources])  # joined tokens read (source -1 - j)
+        if admitted == 0:
+            joined = None  # no row admitted after that launch
+        elif joined is None or joined.shape[0] < admitted:
+            raise ValueError(f"rows admitted after the launch they come from need {admitted} joined tokens")
+        if max(sources, default=-1) >= width:
+            raise ValueError(f"a source row {max(sources)} beyond the launch's {width} rows")
+        return [source if source >= 0 else width - 1 - source for source in sources], joined
+
     def ready(self, store, rows: int, steps: int) -> bool:
         """Whether a launch of ``rows`` rows and ``steps`` steps would replay a step already built
         for the store as it is (no capture, nothing freed: what a launch queued behind another
@@ -371,19 +390,15 @@ class DecodeGraphs:
             (bucket, steps): a step's staging and host copies are two sets used in turn.
 
         Raises:
-            ValueError: not one of ``tokens`` and ``previous``, or rows with a negative source and
-                no ``joined`` tokens.
+            ValueError: not one of ``tokens`` and ``previous``; with ``previous``, not one source
+                per row, a source beyond its rows, or fewer ``joined`` tokens than the negative
+                sources read.
         """
         if (tokens is None) == (previous is None):
             raise ValueError("give the rows' tokens or the launch they come from")
-        if previous is None or min(sources) >= 0:
-            joined = None  # no row admitted after that launch
-        else:
-            if joined is None:
-                raise ValueError("rows admitted after the launch they come from need their joined tokens")
-            width = self._last_sampled(previous).shape[0]  # where the joined tokens follow its own
-            sources = [source if source >= 0 else width - 1 - source for source in sources]
         rows, steps = store.slots, len(uniforms)
+        if previous is not None:
+            sources, joined = self._token_sources(previous, rows, sources, joined)
         step, bucket = self._step(store, rows, steps)
         turn, step.turn = step.turn, 1 - step.turn
         self._stage_ints(step, bucket, store, tokens, positions, turn, sources)

@@ -355,12 +355,12 @@ class EmbeddedEngine(Engine):
             meanwhile are prefilled behind the queued round where they join the KV store without
             re-allocating it and read nothing on the host before their first tokens (no top-k,
             top-p or prompt log-probs), else after it; they join the round after the queued one
-            (one round later than without overlap), which takes their first tokens from the host. A row that stopped runs the queued round too, dropped; no round is queued past
-            every row's token budget, but one is after a round in which every row met a stop
-            token. Greedy and seeded tokens
-            are the same as without it; unseeded ones differ (the dropped rows draw uniforms
-            too). ``False`` (the default until a GPU run has measured it: ``benchmarks/gpu.py``'s
-            decode table).
+            (one round later than without overlap), which takes their first tokens from their
+            prefill on the device. A row that stopped runs the queued round too, dropped; no round
+            is queued past every row's token budget, but one is after a round in which every row
+            met a stop token. Greedy and seeded tokens are the same as without it; unseeded ones
+            differ (the dropped rows draw uniforms too). ``False`` (the default until a GPU run
+            has measured it: ``benchmarks/gpu.py``'s decode table).
         kept_kv_bytes: :meth:`release_memory` and weight updates keep the KV stores allocated
             (emptied) while they hold at most this many bytes together, and with them the
             captured decode graphs, which a trainer's next rollout would otherwise capture again,
@@ -1251,7 +1251,8 @@ class EmbeddedEngine(Engine):
     ):
         """Launch ``steps`` sampled decode steps of the store's rows ``reqs`` (their last tokens
         ``last``, or None: taken on the device from the launch ``previous = (its handle, the
-        rows it ran)``, except for rows admitted since, whose first tokens are on the host;
+        rows it ran)``, and for rows admitted behind it from their prefill's first tokens, also
+        on the device (:class:`_FirstTokens`);
         ``pending``: tokens each row of ``previous`` has sampled that are not in its ``out_ids``
         yet, for the seeded uniforms) -> :meth:`DecodeGraphs.collect`'s argument, or None when
         the graphs failed (they are off from then on)."""
@@ -1391,7 +1392,7 @@ class EmbeddedEngine(Engine):
             reqs, steps, launched = running
             running = None
             # the rows that go on: those of the launched round that no earlier round stopped, and
-            # the rows admitted since (their first token from the host)
+            # the rows admitted behind it (their first token from their prefill, on the device)
             following = self._overlap_goes_on(self._running, steps) if self.decode_overlap and not drain else 0
             if following:
                 nxt = list(self._running)
