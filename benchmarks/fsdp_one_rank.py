@@ -10,6 +10,12 @@ alternated, for:
 - FSDP2 mixed precision with every decoder layer a unit (before);
 - FSDP2 mixed precision with the root the only unit (now).
 
+It also prints each side's peak memory in one forward and backward, in bytes per parameter above
+what was allocated before it (the float32 gradients it leaves are 4 of them with FSDP): the
+root unit holds the whole bf16 copy and the bf16 gradients until the backward ends, which
+:func:`rl2gem.parallel.fsdp.root_unit_fits` counts as 4 bytes per parameter more than layer units.
+On CUDA the allocator's peak; on the CPU the profiler's memory timeline (tensors torch allocates).
+
 The default model is small (hidden 64, 16 layers, 8 tokens) so that the time is the host's: the
 hooks, not the math. On CUDA, ``--hidden 2048 --layers 16 --tokens 16384 --vocab 49152`` shows what is left of it
 in a real step (the device is synchronised once per side and round, not per iteration).
@@ -56,6 +62,29 @@ def time_side(model, ids: torch.Tensor, iterations: int) -> float:
     return (time.perf_counter() - start) / iterations * 1e3
 
 
+def peak_bytes(model, ids: torch.Tensor) -> int:
+    """Peak bytes allocated above the start during one forward and backward (gradients dropped
+    first, as after an optimizer step)."""
+    model.zero_grad(set_to_none=True)
+    if ids.is_cuda:
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        model(input_ids=ids).logits.float().sum().backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - start
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action, MemoryProfile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        model(input_ids=ids).logits.float().sum().backward()
+    live = peak = 0
+    for _, action, _, size in MemoryProfile(prof.profiler.kineto_results).timeline:
+        live += size if action == Action.CREATE else -size if action == Action.DESTROY else 0
+        peak = max(peak, live)
+    return peak
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=64)
@@ -83,20 +112,24 @@ def main(argv: list[str] | None = None) -> int:
         )
         ids = torch.randint(0, config.vocab_size, (1, args.tokens), device=device)
         times: dict[str, list[float]] = {side: [] for side in SIDES}
+        peaks: dict[str, int] = {}
         for _ in range(args.rounds):
             for side in SIDES:
                 model = build(side, config, mesh, device)
                 times[side].append(time_side(model, ids, args.iterations))
+                if side not in peaks:
+                    peaks[side] = peak_bytes(model, ids)
+                parameters = sum(p.numel() for p in model.parameters())
                 del model
         name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
         print(f"{name}, torch {torch.__version__}: Llama {args.hidden} x {args.layers}, {args.tokens} tokens,")
         print(f"best of {args.rounds} alternated rounds of {args.iterations} forwards and backwards\n")
         base = min(times[SIDES[0]])
-        print("| side | ms per forward and backward | over pure bf16, ms |")
-        print("|---|---:|---:|")
+        print("| side | ms per forward and backward | over pure bf16, ms | peak bytes per parameter |")
+        print("|---|---:|---:|---:|")
         for side in SIDES:
             best = min(times[side])
-            print(f"| {side} | {best:.2f} | {best - base:+.2f} |")
+            print(f"| {side} | {best:.2f} | {best - base:+.2f} | {peaks[side] / parameters:.2f} |")
     finally:
         dist.destroy_process_group()
     return 0
