@@ -220,6 +220,104 @@ def test_float32_masters_at_one_rank_are_one_fsdp_unit_and_train_as_layer_units_
             assert float(equal.float().mean()) >= 0.99
 
 
+def _passes(worker, device) -> None:
+    """A forward and backward of two rows (the equality tests' micro-batch)."""
+    logprobs, _ = token_logprobs(worker.model, [[5, 6, 7, 8, 9, 10, 11, 12], [9, 10, 11, 12]], device)
+    (-logprobs.sum()).backward()
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A float32 copy of a parameter or gradient on the host (the whole tensor of a DTensor)."""
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().float().cpu()
+
+
+def _close_steps(ours, theirs, device, steps: int = 2) -> None:
+    """``steps`` steps of both workers on one micro-batch: gradient norms within 1%, and 99% of
+    the weights within 1e-6 after them (cuBLAS may choose other kernels for other buffers, so not
+    bitwise; a gradient on the wrong copy or a stale cast misses both)."""
+    for _ in range(steps):
+        norms = []
+        for worker in (ours, theirs):
+            _passes(worker, device)
+            norms.append(worker.step())
+        assert norms[0] == pytest.approx(norms[1], rel=1e-2) and norms[1] > 0
+    for mine, other in zip(ours.model.parameters(), theirs.model.parameters(), strict=True):
+        assert float(((_full(mine) - _full(other)).abs() <= 1e-6).float().mean()) >= 0.99
+
+
+def test_cpu_offload_on_cuda_trains_as_the_model_kept_on_the_gpu(cuda_model_dir, monkeypatch):
+    """``actor.cpu_offload=true`` on CUDA: the float32 shards, their gradients and AdamW's state
+    on the host (FSDP2's pinned offload; a foreach AdamW, the fused one takes CUDA tensors only),
+    the bf16 compute on the GPU. Two steps train as the same model kept on the GPU does, and its
+    full state dict comes to the GPU in the engine's dtype for a weight sync."""
+    from rl2gem.training import Worker
+
+    with one_rank_group(monkeypatch) as (device, mesh):
+        section = {"model": str(cuda_model_dir), "compile": False, "lr": 1e-3}
+        offloaded, kept = Worker({**section, "cpu_offload": True}, mesh, device), Worker(section, mesh, device)
+        parameters = [p for group in offloaded.optimizer.param_groups for p in group["params"]]
+        assert {p.device.type for p in parameters} == {"cpu"} and not offloaded.optimizer.defaults.get("fused")
+        _close_steps(offloaded, kept, device)
+        assert {state["exp_avg"].device.type for state in offloaded.optimizer.state.values()} == {"cpu"}
+        synced = offloaded.full_state_dict(device=device, dtype=torch.bfloat16)
+        reference = kept.full_state_dict(device=device, dtype=torch.bfloat16)
+        assert {(t.device, t.dtype) for t in synced.values()} == {(device, torch.bfloat16)}
+        assert synced.keys() == reference.keys()
+        for name, tensor in synced.items():
+            torch.testing.assert_close(tensor, reference[name], rtol=1e-2, atol=1e-2, msg=name)
+
+
+def test_a_cuda_out_of_memory_error_mid_backward_is_retried_and_the_retry_trains(cuda_model_dir, tmp_path, monkeypatch):
+    """A real ``torch.OutOfMemoryError`` from the CUDA allocator in the backward, under FSDP2 (the
+    root unit of CUDA's default): ``MaxLength.run`` halves the length, puts FSDP back in its idle
+    state and runs the passes again; the step then trains as a worker that never failed, and the
+    next step too (a reset that left FSDP mid-backward stopped the weights with no error)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from rl2gem.models import decoder_layers
+    from rl2gem.training import Worker
+    from rl2gem.training.autosize import MaxLength
+
+    with one_rank_group(monkeypatch) as (device, mesh):
+        section = {"model": str(cuda_model_dir), "compile": False, "lr": 1e-3, "max_length_per_device": 1024}
+        clean, worker = Worker(section, mesh, device), Worker(section, mesh, device)
+        assert isinstance(worker.model, FSDPModule)
+        armed = [True]
+
+        def out_of_memory(gradient):
+            if armed[0]:
+                armed[0] = False
+                torch.empty(1 << 50, dtype=torch.uint8, device=device)  # 1 PiB: the allocator refuses
+            return gradient
+
+        def in_backward(module, inputs, output):
+            (output[0] if isinstance(output, tuple) else output).register_hook(out_of_memory)
+
+        hook = decoder_layers(worker.model)[1].register_forward_hook(in_backward)
+        length = MaxLength(section, [worker], mesh, device, tmp_path)
+        with pytest.warns(UserWarning, match="retrying the step at 512"):
+            length.run(lambda: _passes(worker, device), longest=8)
+        hook.remove()
+        assert not armed[0] and length.value == 512
+        _passes(clean, device)
+        for target in (clean, worker):
+            target.step()
+        _close_steps(worker, clean, device, steps=1)
+
+
+def test_the_measured_matmul_peak_is_below_the_datasheet_s(monkeypatch):
+    """The MFU denominator's fallback, a measured bf16 matmul, is positive and (for a listed GPU)
+    at most 10% above the datasheet's dense peak; the trainers take the datasheet's when listed."""
+    from rl2gem.training.metrics import datasheet_peak_flops, measure_peak_flops, peak_flops_from_config
+
+    measured = measure_peak_flops(CUDA, torch.bfloat16)
+    listed = datasheet_peak_flops(torch.cuda.get_device_name(CUDA), torch.bfloat16)
+    assert measured > 1e12
+    if listed is not None:
+        assert measured <= 1.1 * listed[0]
+        assert peak_flops_from_config(None, CUDA, torch.bfloat16) == listed[0]
+
+
 @contextlib.contextmanager
 def one_rank_group(monkeypatch):
     """A one-rank process group of this test process on CUDA, its variables gone with the test;
