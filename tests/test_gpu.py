@@ -20,7 +20,7 @@ import pytest
 import torch
 from algorithm_calls import batch, calls, tensors_of
 from engine_streams import SIDES, check_scenario, guard_queued_rounds
-from helpers import ROOT, grouped, lean_bf16_errors, logged_steps, one_at_a_time, torchrun
+from helpers import ROOT, admitted_together, grouped, lean_bf16_errors, logged_steps, one_at_a_time, torchrun
 from tiny import tiny_model
 
 from rl2gem.algorithms.losses import importance_weights, packed_loss_weights, policy_loss
@@ -506,6 +506,54 @@ def test_engine_decode_graphs_equal_the_windowed_decode(decode_steps, kept_kv_by
     assert graph_tokens == window_tokens
     for a, b in zip(graph_logprobs, window_logprobs, strict=True):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("decode_overlap", [False, True])
+def test_an_error_after_a_captured_replay_fails_the_rows_and_the_graphs_serve_on(monkeypatch, decode_overlap):
+    """On CUDA, where the graphs replay the addresses they captured: out of memory raised in a
+    launch after a replay (its columns masked in; with ``decode_overlap`` a round maybe queued
+    behind it) ends the running rows with the engine error, the store is freed, and the engine
+    then serves requests with its graphs (captured again for the new store, not replayed on the
+    freed one) exactly as an engine that never failed."""
+    from rl2gem.rollout.engines.cuda_graphs import DecodeGraphs
+    from rl2gem.rollout.engines.embedded import EmbeddedEngine
+
+    model = tiny_model().float().to(CUDA)
+    params = {"temperature": 8.0, "ignore_eos": True, "sampling_seed": 3}
+    launch_sample, launches, failures = DecodeGraphs.launch_sample, [], []
+
+    def launching(self, *args, **kwargs):
+        launched = launch_sample(self, *args, **kwargs)
+        launches.append(1)
+        if len(launches) == 3 and not failures:  # after the first launch built (captured) the step
+            failures.append(1)
+            raise torch.OutOfMemoryError("out of memory (simulated)")
+        return launched
+
+    async def run(fail: bool):
+        launches.clear()
+        failures[:] = [] if fail else [0]
+        engine = EmbeddedEngine(
+            copy.deepcopy(model), None, decode_graphs=True, decode_steps=4, decode_overlap=decode_overlap
+        )
+        outs = await admitted_together(
+            engine,
+            [engine.generate(list(range(10 + i, 30 + i)), {**params, "max_new_tokens": 20}) for i in range(3)],
+        )
+        after = await engine.generate(list(range(50, 70)), {**params, "max_new_tokens": 9})
+        stats = await engine.settled_stats()
+        graphs = engine._graphs
+        await engine.close()
+        return outs, after, stats, graphs
+
+    monkeypatch.setattr(DecodeGraphs, "launch_sample", launching)
+    outs, after, stats, graphs = asyncio.run(run(True))
+    assert failures == [1]
+    for output in outs:
+        assert output.aborted and "engine error: OutOfMemoryError" in output.finish_reason["message"]
+    assert graphs is not None and stats.get("decode_graphs_failed", 0) == 0 and stats["decode_graph_captures"] >= 2
+    _, reference, _, _ = asyncio.run(run(False))
+    assert after.output_ids == reference.output_ids and after.output_logprobs == reference.output_logprobs
 
 
 def test_random_request_streams_on_cuda_get_the_windowed_engine_s_answers(monkeypatch):
