@@ -508,6 +508,38 @@ def test_engine_decode_graphs_equal_the_windowed_decode(decode_steps, kept_kv_by
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=1e-4)
 
 
+def test_a_step_that_cuda_cannot_capture_falls_back_to_the_windowed_decode(monkeypatch):
+    """A real capture error: the decode step reads a value on the host while the stream captures,
+    which CUDA refuses. The graphs turn off with a warning, and this request and the next get the
+    windowed engine's tokens: the failed capture left nothing broken on the device."""
+    from rl2gem.rollout.engines.embedded import EmbeddedEngine
+    from rl2gem.rollout.engines.lean_decoder import LeanDecoder
+
+    model = tiny_model().float().to(CUDA)
+    decode_all_columns = LeanDecoder.decode_all_columns
+
+    def reading(self, *args, **kwargs):
+        logits = decode_all_columns(self, *args, **kwargs)
+        if torch.cuda.is_current_stream_capturing():
+            logits.sum().item()  # a host read: not permitted while the stream captures
+        return logits
+
+    async def run(decode_graphs: bool):
+        engine = EmbeddedEngine(copy.deepcopy(model), None, decode_graphs=decode_graphs, decode_steps=4)
+        greedy = {"temperature": 0.0, "max_new_tokens": 9, "ignore_eos": True}
+        outs = [await engine.generate(list(range(10, 10 + n)), greedy) for n in (20, 7)]
+        stats = await engine.settled_stats()
+        await engine.close()
+        return [out.output_ids for out in outs], engine, stats
+
+    expected, _, _ = asyncio.run(run(False))
+    monkeypatch.setattr(LeanDecoder, "decode_all_columns", reading)
+    with pytest.warns(UserWarning, match="decode_graphs turned off, the decode runs windowed"):
+        got, engine, stats = asyncio.run(run(True))
+    assert got == expected
+    assert engine._graphs is None and stats["decode_graphs_failed"] == 1
+
+
 @pytest.mark.parametrize("decode_overlap", [False, True])
 def test_an_error_after_a_captured_replay_fails_the_rows_and_the_graphs_serve_on(monkeypatch, decode_overlap):
     """On CUDA, where the graphs replay the addresses they captured: out of memory raised in a
