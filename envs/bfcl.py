@@ -555,12 +555,39 @@ class ToolUseEnv(Env):
         self._names.append(name)
         return name
 
+    def _instances(self) -> dict[str, Any]:
+        """This episode's back-end instances in BFCL's executor module, by their names."""
+        prefixes = tuple(f"{n}_" for n in self._names)
+        module_globals = vars(_bfcl().utils) if prefixes else {}
+        return {key: value for key, value in list(module_globals.items()) if key.startswith(prefixes)}
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Env's state with this episode's back-end instances (file system, trading bot...): they
+        live in BFCL's module globals under names of this env, so a copy re-registers them under
+        names of its own (:meth:`__setstate__`); ``deepcopy`` and ``pickle`` copy them, so the
+        copy's calls change its own back-ends only. The items are read again (cached)."""
+        state = super().__getstate__()
+        state.pop("items", None)
+        state["_backends"] = self._instances()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        backends, names = state.pop("_backends", {}), state.get("_names", [])
+        self.__dict__.update(state)
+        self._names = []
+        renamed = {name: self._new_name(name.rsplit("_", 1)[1]) for name in names}  # the role stays
+        if getattr(self, "_exec_name", None) in renamed:
+            self._exec_name = renamed[self._exec_name]
+        module_globals = vars(_bfcl().utils) if backends else {}
+        for key, value in backends.items():
+            name = next(n for n in names if key.startswith(f"{n}_"))
+            module_globals[renamed[name] + key[len(name) :]] = value
+
     def _forget_instances(self) -> None:
         if not self._names:
             return
         module_globals = vars(_bfcl().utils)
-        prefixes = tuple(f"{n}_" for n in self._names)
-        for key in [k for k in list(module_globals) if k.startswith(prefixes)]:
+        for key in self._instances():
             module_globals.pop(key, None)
         self._names = []
 

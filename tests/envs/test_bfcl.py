@@ -206,6 +206,48 @@ def test_calls_have_effects_and_episodes_are_isolated():
     assert executor_instances() == []
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_mid_episode_has_back_ends_of_its_own_and_still_solves_the_task(how):
+    """BFCL keeps an episode's back-ends (here a file system) in its module's globals by name: a
+    copy taken mid-episode gets copies of them under names of its own, so its calls do not
+    change the original's, closing it leaves the original's in place, and both go on to solve
+    the task with the gold policy."""
+    import copy
+    import pickle
+
+    duplicate = copy.deepcopy if how == "deepcopy" else (lambda env: pickle.loads(pickle.dumps(env)))
+    env = ToolUseEnv("base")
+    env.reset(options={"index": 0})
+    env.step(tool_call("cd", {"folder": "document"}))
+    own = executor_instances()
+    twin = duplicate(env)
+    assert twin._exec_name != env._exec_name and len(own) == 2  # the file system and a Twitter API
+    assert len(executor_instances()) == 4
+    assert "by_copy" in twin.step(tool_call("mkdir", {"dir_name": "by_copy"}) + tool_call("ls", {}))[0]
+    assert "by_copy" not in env.step(tool_call("ls", {}))[0]
+    twin.close()
+    assert executor_instances() == own
+    assert "by_original" in env.step(tool_call("mkdir", {"dir_name": "by_original"}) + tool_call("ls", {}))[0]
+    env.close()
+    env = ToolUseEnv("base")  # a copy after the gold policy's first user turn scores as the original
+    solve = env.make_solver()
+    obs, _ = env.reset(options={"index": 3})
+    for _ in range(2):  # the turn's calls, then the reply that ends it
+        obs, *_, info = env.step(solve(obs))
+    assert info["user_turn"] == 1 and env.calls[0]
+    twin = duplicate(env)
+    rewards = []
+    for target, policy in ((twin, twin.make_solver()), (env, solve)):
+        state, done = obs, False
+        while not done:
+            state, reward, terminated, truncated, _ = target.step(policy(state))
+            done = terminated or truncated
+        rewards.append(reward)
+        target.close()
+    assert rewards == [1.0, 1.0]
+    assert executor_instances() == []
+
+
 def test_step_limit_per_user_turn_truncates():
     env = ToolUseEnv("base", max_steps_per_turn=2)
     env.reset(options={"index": 0})
