@@ -64,6 +64,12 @@ class MCPTool:
     async def call(self, arguments: dict[str, Any]) -> str:
         return await self.server.call(self.name, arguments)
 
+    async def aclose(self) -> None:
+        """Close the connection when a copy made it (:class:`MCPServerTools`' ``owned``: closing
+        the env closes it); the one its creator opened stays for the creator to close."""
+        if self.server.owned:
+            await asyncio.to_thread(self.server.close)
+
     def __repr__(self) -> str:
         return f"MCPTool({self.name!r} on {self.server.target})"
 
@@ -79,7 +85,8 @@ class MCPServerTools:
         timeout: seconds for connecting and for each call.
 
     A copy (``copy``, ``deepcopy``, ``pickle``) opens its own connection on first use (a stdio
-    server: its own process).
+    server: its own process), which it owns (``owned``): closing an env whose tools are the
+    copy's (a copied env) closes it; the original stays open until :meth:`close`.
 
     Raises:
         ValueError: an empty ``server``.
@@ -99,6 +106,7 @@ class MCPServerTools:
         self._stop: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self.owned = False
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy has the same server and settings, and opens its own connection on first use."""
@@ -106,6 +114,7 @@ class MCPServerTools:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, _loop=None, _client=None, _stop=None, _thread=None, _lock=threading.Lock())
+        self.owned = True  # no one but the copied env holds it
 
     def _transport(self) -> Any:
         from mcp import StdioServerParameters

@@ -94,11 +94,12 @@ def test_a_pickled_env_with_mcp_tools_opens_its_own_connection_and_the_original_
     assert copied is not server and copied._client is None and twin.tools["divide"].server is copied
     assert twin.step(add)[0] == "42"  # its own server process, started on first use
     assert {child.pid for child in children_running(str(script))} - {ours.pid}
-    twin.close()
-    copied.close()
+    twin.close()  # the copy owns its connection: closing the env ends its server's process
+    assert copied.owned and not server.owned
     assert [child.pid for child in children_running(str(script))] == [ours.pid]
     assert env.step(add)[0] == "42" and env._loop.loop.is_running()
-    env.close()
+    env.close()  # the connection its creator opened stays open
+    assert [child.pid for child in children_running(str(script))] == [ours.pid]
     server.close()
     assert not children_running(str(script))
 
