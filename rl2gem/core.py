@@ -35,14 +35,16 @@ evaluation code wants it.
 
 Copies
 ------
-``copy.copy``, ``copy.deepcopy`` and ``pickle`` copy an env with its episode
-(task, turn, history, ``np_random``), to branch an episode (tree search, GRPO
-groups from a mid-episode state) or to send it to another process. A copy
-never shares a running resource with its original: it starts its own private
-event loop, HTTP sessions, retrieval client or MCP connection on first use,
-so closing either leaves the other working. ``copy.copy`` shares mutable
-attributes (a tool dict, a board) as for any Python object; ``deepcopy`` and
-``pickle`` do not. State that lives outside the process cannot be copied and
+``copy.deepcopy`` and ``pickle`` copy an env with its episode (task, turn,
+history, ``np_random``, an env's back-ends such as BFCL's file system), to
+branch an episode (tree search, GRPO groups from a mid-episode state) or to
+send it to another process. A copy never shares a running resource with its
+original: it starts its own private event loop, HTTP sessions, retrieval
+client or MCP connection on first use (and closes it when it closes), so
+closing either leaves the other working. ``copy.copy`` is shallow, as for any
+Python object: it gets a loop of its own but shares the wrapped env of a
+wrapper, mutable attributes (a tool dict, a board) and ``np_random``, so it
+does not branch an episode. State that lives outside the process cannot be copied and
 raises ``TypeError`` naming it: a persistent Python session's interpreter
 (:class:`rl2gem.tools.PythonSession`) once it ran, a :class:`rl2gem.remote.RemoteEnv`'s
 episode on its server.
@@ -53,9 +55,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import operator
 import threading
 import weakref
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, ClassVar, TypeVar
 
 import gymnasium as gym
@@ -71,6 +74,7 @@ __all__ = [
     "Wrapper",
     "StepResult",
     "ResetResult",
+    "fit_observation",
     "MAX_OBSERVATION_CHARS",
     "MAX_ACTION_CHARS",
     "VALID_ROLES",
@@ -158,6 +162,10 @@ def _flatten_text(space: TextSpace, x: str) -> np.ndarray:
     """A string as ``max_length`` int32 code points, padded with :data:`TEXT_PADDING` (Gymnasium's
     ``Text`` takes indices into its character set, which holds printable ASCII only here)."""
     points = np.frombuffer(x.encode("utf-32-le"), dtype="<i4")
+    if len(points) > space.max_length:
+        raise ValueError(
+            f"a text of {len(points)} characters does not fit {space!r} (rl2gem.core.fit_observation cuts it)"
+        )
     flat = np.full(space.max_length, TEXT_PADDING, dtype=np.int32)
     flat[: len(points)] = points
     return flat
@@ -166,12 +174,24 @@ def _flatten_text(space: TextSpace, x: str) -> np.ndarray:
 @unflatten.register(TextSpace)
 def _unflatten_text(space: TextSpace, x: np.ndarray) -> str:
     points = np.asarray(x, dtype=np.int32)
-    return points[points < TEXT_PADDING].astype("<u4").tobytes().decode("utf-32-le")
+    # a surrogate (a point of the flattened Box no string flattens to) reads as U+FFFD
+    return points[points < TEXT_PADDING].astype("<u4").tobytes().decode("utf-32-le", errors="replace")
 
 
 @flatten_space.register(TextSpace)
 def _flatten_text_space(space: TextSpace) -> spaces.Box:
     return spaces.Box(low=0, high=TEXT_PADDING, shape=(space.max_length,), dtype=np.int32)
+
+
+def fit_observation(text: str, space: Any) -> str:
+    """``text`` cut to the ``max_length`` of the observation ``space`` (a :class:`TextSpace`;
+    other spaces leave it as it is), its end marked ``[... observation truncated]``: an env's own
+    text and what wrappers add (tool results, the tool prompt)."""
+    limit = getattr(space, "max_length", None)
+    if limit is not None and len(text) > limit:
+        marker = "\n[... observation truncated]"
+        text = text[: max(0, limit - len(marker))] + marker
+    return text
 
 
 class SharedTexts(Sequence):
@@ -180,7 +200,9 @@ class SharedTexts(Sequence):
     shared memory once, at its start, and relies on the result being a view, as an array's is; a
     tuple of strings read then would be every later observation (Gymnasium 1.4 does that for
     ``Text``: all blanks). ``copy.deepcopy`` (the vector env's ``copy=True``, its default) gives a
-    ``tuple`` of ``str``, as the sync vector env returns."""
+    ``tuple`` of ``str``, as the sync vector env returns. With ``copy=False`` the observations
+    are this live sequence: it indexes, slices, compares, orders and concatenates as that tuple
+    does, but it is no ``tuple`` (``json.dumps`` and a space's ``contains`` want ``tuple(obs)``)."""
 
     def __init__(self, space: TextSpace, memory: Any, n: int):
         self.space, self.rows = space, np.frombuffer(memory.get_obj(), dtype=np.int32).reshape(n, space.max_length)
@@ -191,15 +213,31 @@ class SharedTexts(Sequence):
     def __getitem__(self, index):
         if isinstance(index, slice):
             return tuple(unflatten(self.space, row) for row in self.rows[index])
-        return unflatten(self.space, self.rows[index])
+        return unflatten(self.space, self.rows[operator.index(index)])  # as a tuple: no list or mask
 
-    def __eq__(self, other: object) -> bool:
-        return tuple(self) == (tuple(other) if isinstance(other, Sequence) else other)
+    def _as_tuple(self, other: object, operation: Callable[[tuple, tuple], Any], reflected: bool = False) -> Any:
+        """``operation`` of this sequence and ``other`` as tuples, with a tuple or another
+        ``SharedTexts`` only (a ``str`` or ``list`` is no tuple's equal either)."""
+        if not isinstance(other, (tuple, SharedTexts)):
+            return NotImplemented
+        ours, theirs = tuple(self), tuple(other)
+        return operation(theirs, ours) if reflected else operation(ours, theirs)
 
+    __eq__ = functools.partialmethod(_as_tuple, operation=operator.eq)
+    __lt__ = functools.partialmethod(_as_tuple, operation=operator.lt)
+    __le__ = functools.partialmethod(_as_tuple, operation=operator.le)
+    __gt__ = functools.partialmethod(_as_tuple, operation=operator.gt)
+    __ge__ = functools.partialmethod(_as_tuple, operation=operator.ge)
+    __add__ = functools.partialmethod(_as_tuple, operation=operator.add)
+    __radd__ = functools.partialmethod(_as_tuple, operation=operator.add, reflected=True)
     __hash__ = None  # type: ignore[assignment]  # its contents change
 
     def __deepcopy__(self, memo: dict) -> tuple[str, ...]:
         return tuple(self)
+
+    def __reduce__(self) -> tuple:
+        """Pickled as the ``tuple`` of its strings now (another process has no view of them)."""
+        return tuple, (tuple(self),)
 
     def __repr__(self) -> str:
         return repr(tuple(self))
@@ -609,11 +647,7 @@ class Env(gym.Env[str, str]):
     def _fit_observation(self, obs: Any) -> str:
         if not isinstance(obs, str):
             raise TypeError(f"{type(self).__name__} returned a {type(obs).__name__} observation; it must be str")
-        limit = getattr(self.observation_space, "max_length", None)
-        if limit is not None and len(obs) > limit:
-            marker = "\n[... observation truncated]"
-            obs = obs[: max(0, limit - len(marker))] + marker
-        return obs
+        return fit_observation(obs, self.observation_space)
 
     def __repr__(self) -> str:
         env_id = self.spec.id if self.spec is not None else type(self).__name__

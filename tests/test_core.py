@@ -64,6 +64,34 @@ def test_gymnasiums_process_vector_env_gives_the_sync_ones_text_observations(mak
         live.close()
 
 
+def test_shared_texts_behave_as_the_tuple_of_their_strings():
+    """A vector env's live text observations (``copy=False``) index, compare, order and
+    concatenate as the tuple of their strings, which ``deepcopy`` and ``pickle`` give."""
+    import copy
+    import pickle
+
+    from gymnasium.vector.utils import create_shared_memory, read_from_shared_memory, write_to_shared_memory
+
+    space = TextSpace(8)
+    memory = create_shared_memory(space, n=2)
+    for index, text in enumerate(["a", "b"]):
+        write_to_shared_memory(space, index, text, memory)
+    live, same = read_from_shared_memory(space, memory, n=2), ("a", "b")
+    assert live == same and same == live and live == read_from_shared_memory(space, memory, n=2)
+    for other in ("ab", ["a", "b"], ("a",)):  # not a tuple's equal either
+        assert (live == other) is (same == other) is False and live != other
+    assert (live < ("b",), live >= ("a",), live > same, live <= same) == (True, True, False, True)
+    assert live + ("c",) == ("a", "b", "c") and ("c",) + live == ("c", "a", "b")
+    assert (live[True], live[-1], live[np.int64(0)], live[:1]) == ("b", "b", "a", ("a",))
+    for index in ([0, 1], np.array([True, True])):  # a tuple refuses them: no joined strings
+        with pytest.raises(TypeError):
+            live[index]
+    for kept in (copy.deepcopy(live), pickle.loads(pickle.dumps(live))):
+        assert type(kept) is tuple and kept == same
+    write_to_shared_memory(space, 0, "z", memory)
+    assert live == ("z", "b") and kept == same  # the view is live, the copies are not
+
+
 def test_reset_returns_seed_and_role_and_is_deterministic():
     a, b = CountEnv(), CountEnv()
     obs_a, info_a = a.reset(seed=11)

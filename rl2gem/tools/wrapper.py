@@ -8,7 +8,7 @@ from typing import Any
 import gymnasium as gym
 from gymnasium.error import ResetNeeded
 
-from rl2gem.core import ResetResult, StepResult, Wrapper, _PrivateLoop
+from rl2gem.core import ResetResult, StepResult, Wrapper, _PrivateLoop, fit_observation
 from rl2gem.tools.base import (
     Tool,
     ToolArgumentError,
@@ -160,7 +160,7 @@ class ToolEnvWrapper(Wrapper):
         self._num_calls, self._over, self._started, self._turn, self._num_invalid = 0, False, True, 0, 0
         self._end_episode_tools()
         self._episode_tools = {name: _for_episode(tool) for name, tool in self.tools.items()}
-        return self._with_tools(obs), self._reset_info(info)
+        return fit_observation(self._with_tools(obs), self.observation_space), self._reset_info(info)
 
     def _end_episode_tools(self) -> None:
         """Close what :func:`_for_episode` made for the episode that ends (e.g. a Python session)."""
@@ -240,7 +240,13 @@ class ToolEnvWrapper(Wrapper):
             "num_invalid_actions": self._num_invalid,
             "tool_results": [text for text, _ in results],
         }
-        return format_tool_results(info["tool_results"]), 0.0, False, False, info
+        return (
+            fit_observation(format_tool_results(info["tool_results"]), self.observation_space),
+            0.0,
+            False,
+            False,
+            info,
+        )
 
     # ----------------------------------------------------------------- other
     def spawn(self, n: int):

@@ -2,6 +2,7 @@
 
 import asyncio
 
+import gymnasium as gym
 import pytest
 from gymnasium.error import ResetNeeded
 
@@ -151,3 +152,45 @@ def test_prompt_placement_and_argument_checks():
 
 def test_wrapped_env_passes_check_env():
     check_env(make(), make=make)
+
+
+def test_a_tool_result_longer_than_the_observation_space_is_cut_to_it():
+    """A tool's 70,000 characters and a tool prompt over a short space: the wrapper's observations
+    are cut to the space's ``max_length`` (marked), as an env's own text is, so Gymnasium's
+    process vector env (shared memory sized by that length) runs on; a text too long for the
+    space's flattening names the limit."""
+    from gymnasium.spaces.utils import flatten
+
+    from rl2gem.core import TextSpace
+
+    def big(n: int) -> str:
+        """A long text.
+
+        Args:
+            n: its length.
+        """
+        return "x" * n
+
+    def make():
+        return ToolEnvWrapper(gym.make("rl2/GuessTheNumber-v0", difficulty="easy"), [FunctionTool(big)])
+
+    call = '<tool_call>{"name": "big", "arguments": {"n": 70000}}</tool_call>'
+    env = make()
+    env.reset(seed=0)
+    obs = env.step(call)[0]
+    limit = env.observation_space.max_length
+    assert len(obs) == limit and obs.endswith("[... observation truncated]") and obs in env.observation_space
+    env.close()
+    envs = gym.vector.AsyncVectorEnv([make])
+    try:
+        envs.reset(seed=0)
+        assert envs.step([call])[0] == (obs,)
+    finally:
+        envs.close()
+    short = make()
+    short.unwrapped.observation_space = TextSpace(64)
+    obs, _ = short.reset(seed=0)  # the question and the tool prompt: more than 64 characters
+    assert len(obs) == 64 and obs.endswith("[... observation truncated]")
+    short.close()
+    with pytest.raises(ValueError, match="70000 characters does not fit TextSpace"):
+        flatten(TextSpace(10), "x" * 70000)
