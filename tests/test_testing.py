@@ -40,6 +40,30 @@ class LockedEnv(CountEnv):
         return super()._reset(options)
 
 
+class ClosingSharedEnv(CountEnv):
+    """Broken on purpose: its copies write to a log that only the original closes (a registry of
+    open resources by name, as BFCL's back-ends live in module globals): a copy goes on while
+    its original is open, and fails once it is closed."""
+
+    logs: dict[str, list] = {}
+
+    def _reset(self, options):
+        self.name, self.owner = "log", True
+        ClosingSharedEnv.logs[self.name] = []
+        return super()._reset(options)
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, owner=False)
+
+    def _step(self, action):
+        ClosingSharedEnv.logs[self.name].append(action)  # KeyError once the log is closed
+        return super()._step(action)
+
+    def _close(self):
+        if getattr(self, "owner", False):
+            ClosingSharedEnv.logs.pop(self.name, None)
+
+
 # rl2/Remote-v0 needs a server: tests/test_envserver.py checks it against served envs
 @pytest.mark.parametrize("env_id", [e for e in rl2gem.list_envs(namespace=None) if e != "rl2/Remote-v0"])
 def test_every_registered_env_passes_check_env(env_id):
@@ -101,5 +125,8 @@ def test_catches_an_env_whose_copies_share_its_state_or_cannot_be_made():
         check_env(SharedTurnsEnv())
     with pytest.raises(AssertionError, match="copy.deepcopy of an env in an episode raised TypeError: cannot pickle"):
         check_env(LockedEnv())
+    with pytest.raises(KeyError):  # the pickled copy goes on after its original is closed
+        check_env(ClosingSharedEnv())
     check_env(SharedTurnsEnv(), copies=False)
     check_env(LockedEnv(), copies=False)
+    check_env(ClosingSharedEnv(), copies=False)
