@@ -731,7 +731,8 @@ GUESS = [
 )
 @pytest.mark.timeout(TRAINER_SECONDS + 20)  # the first steps compile FlexAttention
 def test_each_trainer_runs_two_steps_on_cuda(cuda_model_dir, tmp_path, trainer, extra):
-    """Two steps at world size 1 on CUDA (bf16): every step logged, losses finite, CUDA memory used."""
+    """Two steps at world size 1 on CUDA (bf16): every step logged, losses finite, CUDA memory used;
+    PPO's engine samples from the weights the trainer synced (its mismatch KL is small)."""
     write_data(tmp_path)
     if any("{data}/rm" in a for a in extra):
         write_reward_model(tmp_path / "rm", cuda_model_dir)
@@ -746,6 +747,8 @@ def test_each_trainer_runs_two_steps_on_cuda(cuda_model_dir, tmp_path, trainer, 
         losses = [v for k, v in row.items() if k.endswith("loss")]
         assert all(math.isfinite(v) for v in losses)
         assert any(k.startswith("memory/") and v > 0 for k, v in row.items())
+        if trainer == "ppo":  # the engine sampled from the trainer's weights (a broken sync: KL of order 1)
+            assert 0 <= row["actor/mismatch_kl"] < 0.1, row["actor/mismatch_kl"]
 
 
 def test_evaluate_plays_a_local_model_on_cuda(cuda_model_dir, tmp_path):
