@@ -345,6 +345,21 @@ def lean_bf16_errors(model, device) -> tuple[float, float]:
     return lean_error, own_error
 
 
+async def three_rows_then_one(engine, params: dict) -> tuple:
+    """Three 20-token requests admitted together, then a 9-token one, on ``engine`` (closed
+    after) with sampling ``params``. -> (the three outputs, the last one's, the engine's settled
+    stats, its decode graphs)."""
+    outs = await admitted_together(
+        engine,
+        [engine.generate(list(range(10 + i, 30 + i)), {**params, "max_new_tokens": 20}) for i in range(3)],
+    )
+    after = await engine.generate(list(range(50, 70)), {**params, "max_new_tokens": 9})
+    stats = await engine.settled_stats()
+    graphs = engine._graphs
+    await engine.close()
+    return outs, after, stats, graphs
+
+
 async def admitted_together(engine, requests) -> list:
     """Run ``requests`` (coroutines of ``engine``'s ``generate`` or a stream's consumer) admitted
     in one prefill: queued while the engine is paused in place, then resumed. -> their results,

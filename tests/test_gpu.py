@@ -20,7 +20,7 @@ import pytest
 import torch
 from algorithm_calls import batch, calls, tensors_of
 from engine_streams import SIDES, check_scenario, guard_queued_rounds
-from helpers import ROOT, admitted_together, grouped, lean_bf16_errors, logged_steps, one_at_a_time, torchrun
+from helpers import ROOT, grouped, lean_bf16_errors, logged_steps, one_at_a_time, three_rows_then_one, torchrun
 from tiny import tiny_model
 
 from rl2gem.algorithms.losses import importance_weights, packed_loss_weights, policy_loss
@@ -568,15 +568,7 @@ def test_an_error_after_a_captured_replay_fails_the_rows_and_the_graphs_serve_on
         engine = EmbeddedEngine(
             copy.deepcopy(model), None, decode_graphs=True, decode_steps=4, decode_overlap=decode_overlap
         )
-        outs = await admitted_together(
-            engine,
-            [engine.generate(list(range(10 + i, 30 + i)), {**params, "max_new_tokens": 20}) for i in range(3)],
-        )
-        after = await engine.generate(list(range(50, 70)), {**params, "max_new_tokens": 9})
-        stats = await engine.settled_stats()
-        graphs = engine._graphs
-        await engine.close()
-        return outs, after, stats, graphs
+        return await three_rows_then_one(engine, params)
 
     monkeypatch.setattr(DecodeGraphs, "launch_sample", launching)
     outs, after, stats, graphs = asyncio.run(run(True))

@@ -13,7 +13,7 @@ import weakref
 import pytest
 import torch
 from engine_streams import guard_queued_rounds
-from helpers import admitted_together
+from helpers import admitted_together, three_rows_then_one
 from test_lean_decoder import new_store
 from tiny import tiny_family_model as build
 from torch._dynamo.backends.debugging import aot_eager
@@ -505,15 +505,7 @@ def test_an_error_in_a_built_step_s_launch_fails_the_rows_and_keeps_the_graphs(t
     async def run(fail: bool):
         failures[:] = [] if fail else [0]
         engine = EmbeddedEngine(copy.deepcopy(model), decode_graphs=True, decode_steps=4, decode_overlap=True)
-        outs = await admitted_together(
-            engine,
-            [engine.generate(list(range(10 + i, 30 + i)), {**params, "max_new_tokens": 20}) for i in range(3)],
-        )
-        after = await engine.generate(list(range(50, 70)), {**params, "max_new_tokens": 9})
-        stats = await engine.settled_stats()
-        graphs = engine._graphs
-        await engine.close()
-        return outs, after, stats, graphs
+        return await three_rows_then_one(engine, params)
 
     if where == "queued launch":
         monkeypatch.setattr(DecodeGraphs, "_take_tokens", classmethod(gathering))
