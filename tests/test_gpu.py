@@ -305,6 +305,25 @@ def test_a_cuda_out_of_memory_error_mid_backward_is_retried_and_the_retry_trains
         _close_steps(worker, clean, device, steps=1)
 
 
+def test_the_auto_length_on_cuda_peaks_within_the_memory_it_planned_for(cuda_model_dir, monkeypatch):
+    """``actor.max_length_per_device=auto`` on CUDA probes three lengths and fits a quadratic: a
+    forward and backward at the length it chose peaks within its budget (here 3% of the free
+    memory, so the vocabulary's index limit does not cap it), and one at twice that length would
+    not have fitted (the fit is not far below what fits either)."""
+    from rl2gem.training import Worker
+    from rl2gem.training.autosize import _index_limit, _probe, auto_max_length
+
+    with one_rank_group(monkeypatch) as (device, mesh):
+        worker = Worker({"model": str(cuda_model_dir), "compile": False}, mesh, device)
+        fraction, (free, _) = 0.03, torch.cuda.mem_get_info(device)
+        moments = 2 * sum(p.numel() * p.element_size() for p in worker.model.parameters())  # not allocated yet
+        length = auto_max_length([worker], device, fraction)
+        assert 512 <= length < _index_limit(worker) and length % 64 == 0
+        budget = fraction * free - moments
+        assert _probe(worker, length, device) <= 1.05 * budget
+        assert 2 * length >= _index_limit(worker) or _probe(worker, 2 * length, device) > budget
+
+
 def test_the_measured_matmul_peak_is_below_the_datasheet_s(monkeypatch):
     """The MFU denominator's fallback, a measured bf16 matmul, is positive and (for a listed GPU)
     at most 10% above the datasheet's dense peak; the trainers take the datasheet's when listed."""
