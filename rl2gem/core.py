@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import functools
 import operator
 import threading
@@ -312,7 +313,8 @@ class Env(gym.Env[str, str]):
     """Base class of rl2gem text environments (a :class:`gymnasium.Env`).
 
     Spaces: ``observation_space = TextSpace(MAX_OBSERVATION_CHARS)`` and
-    ``action_space = TextSpace(MAX_ACTION_CHARS)`` unless a subclass sets others.
+    ``action_space = TextSpace(MAX_ACTION_CHARS)`` unless a subclass sets others; each env gets
+    copies of its class's, so seeding or sampling one env's space leaves the others' alone.
 
     Args:
         max_turns: truncate the episode after this many ``step`` calls
@@ -347,6 +349,9 @@ class Env(gym.Env[str, str]):
             raise ValueError(f"render_mode must be one of {self.metadata['render_modes']} or None, got {render_mode!r}")
         self.max_turns = max_turns
         self.render_mode = render_mode
+        for name in ("observation_space", "action_space"):  # a class's space: one RNG for every env
+            if name not in self.__dict__:
+                setattr(self, name, copy.deepcopy(getattr(self, name)))
 
     # ------------------------------------------------------------------ hooks
     def _reset(self, options: dict[str, Any] | None) -> ResetResult:

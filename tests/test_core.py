@@ -336,3 +336,21 @@ def test_constructor_validation():
     assert env.render() == obs
     with pytest.raises(ValueError, match="seed"):
         env.reset(seed=-1)
+
+
+def test_each_env_samples_from_spaces_of_its_own():
+    """The spaces a class declares are copied per env: seeding and sampling one env's action
+    space leaves another's draws as they were, and a copy of an env carries its space's state."""
+    import copy
+
+    a, b = CountEnv(), CountEnv()
+    assert a.action_space is not b.action_space and a.observation_space is not b.observation_space
+    a.action_space.seed(3)
+    b.action_space.seed(3)
+    first = a.action_space.sample()
+    b.action_space.sample()
+    b.action_space.sample()
+    twin = copy.deepcopy(a)
+    assert a.action_space.sample() == twin.action_space.sample() != first
+    b.action_space.seed(3)
+    assert b.action_space.sample() == first
