@@ -32,6 +32,7 @@ import hashlib
 import itertools
 import json
 import os
+import pickle
 import re
 import sys
 import threading
@@ -490,6 +491,19 @@ def load_multi_turn(category: str) -> list[dict[str, Any]]:
     return items
 
 
+class _Backends(dict):
+    """An episode's BFCL back-end instances by name, pickled so that BFCL's package is importable
+    before they load (another process has not put its wheel on ``sys.path`` yet)."""
+
+    def __reduce__(self) -> tuple:
+        return _load_backends, (pickle.dumps(dict(self)),)
+
+
+def _load_backends(data: bytes) -> dict[str, Any]:
+    _bfcl()  # BFCL's wheel on sys.path, its modules imported: the instances' classes
+    return pickle.loads(data)
+
+
 class ToolUseEnv(Env):
     """BFCL multi-turn tool use over BFCL's executable back-ends (see the module doc).
 
@@ -568,7 +582,7 @@ class ToolUseEnv(Env):
         copy's calls change its own back-ends only. The items are read again (cached)."""
         state = super().__getstate__()
         state.pop("items", None)
-        state["_backends"] = self._instances()
+        state["_backends"] = _Backends(self._instances())
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

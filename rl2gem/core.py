@@ -191,7 +191,7 @@ def fit_observation(text: str, space: Any) -> str:
     limit = getattr(space, "max_length", None)
     if limit is not None and len(text) > limit:
         marker = "\n[... observation truncated]"
-        text = text[: max(0, limit - len(marker))] + marker
+        text = text[: limit - len(marker)] + marker if limit > len(marker) else text[:limit]  # no room: cut only
     return text
 
 

@@ -64,9 +64,10 @@ class MCPTool:
     async def call(self, arguments: dict[str, Any]) -> str:
         return await self.server.call(self.name, arguments)
 
-    async def aclose(self) -> None:
-        """Close the connection when a copy made it (:class:`MCPServerTools`' ``owned``: closing
-        the env closes it); the one its creator opened stays for the creator to close."""
+    async def aclose_copy(self) -> None:
+        """Close the connection a copy made (:class:`MCPServerTools`' ``owned``): a copied
+        :class:`~rl2gem.tools.ToolEnvWrapper` calls it when it closes; the connection its creator
+        opened stays for the creator to close."""
         if self.server.owned:
             await asyncio.to_thread(self.server.close)
 
@@ -85,8 +86,8 @@ class MCPServerTools:
         timeout: seconds for connecting and for each call.
 
     A copy (``copy``, ``deepcopy``, ``pickle``) opens its own connection on first use (a stdio
-    server: its own process), which it owns (``owned``): closing an env whose tools are the
-    copy's (a copied env) closes it; the original stays open until :meth:`close`.
+    server: its own process), which it owns (``owned``): closing the copied env closes it (not the
+    envs its ``spawn`` made, which share it); the original stays open until :meth:`close`.
 
     Raises:
         ValueError: an empty ``server``.

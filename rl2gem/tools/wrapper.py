@@ -154,6 +154,7 @@ class ToolEnvWrapper(Wrapper):
         self._over = True
         self._started = False
         self._loop: _PrivateLoop | None = None
+        self._owns_copies = False  # a deep copy's or pickle's tools: what they open is its own
 
     # ----------------------------------------------------------------- reset
     def _on_reset(self, obs: str, info: dict[str, Any]) -> ResetResult:
@@ -266,6 +267,9 @@ class ToolEnvWrapper(Wrapper):
             closer = getattr(tool, "aclose", None)
             if closer is not None:
                 await closer()
+            releaser = getattr(tool, "aclose_copy", None) if self._owns_copies else None
+            if releaser is not None:  # a copied wrapper's tools are copies only it holds
+                await releaser()
 
     def close(self) -> None:
         """Close the wrapped env and the tools that have an ``aclose`` (safe to call twice)."""
@@ -294,3 +298,16 @@ class ToolEnvWrapper(Wrapper):
         """Without the private event loop: a copy starts its own (see :mod:`rl2gem.core`, "Copies";
         ``copy.copy`` shares the wrapped env and the tools, as for any gymnasium wrapper)."""
         return {**self.__dict__, "_loop": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A deep copy or an unpickled wrapper: its tools are copies of its own, so closing it
+        releases what they opened (a copied MCP connection: ``aclose_copy``); the envs its
+        :meth:`spawn` makes share them and release nothing."""
+        self.__dict__.update(state, _owns_copies=True)
+
+    def __copy__(self) -> ToolEnvWrapper:
+        """A shallow copy: the same wrapped env and tools, owned by the original (no
+        :meth:`__setstate__`)."""
+        twin = type(self).__new__(type(self))
+        twin.__dict__.update(self.__getstate__())
+        return twin

@@ -248,6 +248,26 @@ def test_a_copy_mid_episode_has_back_ends_of_its_own_and_still_solves_the_task(h
     assert executor_instances() == []
 
 
+def test_a_pickled_episode_goes_on_in_another_process_with_its_back_ends():
+    """Pickled mid-episode and loaded in a fresh process (as a worker would), whose BFCL package is
+    not imported yet: the back-ends come with it (the directory made before is there)."""
+    import pickle
+    import subprocess
+    import sys
+
+    env = ToolUseEnv("base")
+    env.reset(options={"index": 0})
+    env.step(tool_call("cd", {"folder": "document"}) + tool_call("mkdir", {"dir_name": "made_here"}))
+    child = (
+        "import pickle, sys; env = pickle.loads(sys.stdin.buffer.read()); "
+        f"print(env.step({tool_call('ls', {})!r})[0]); env.close()"
+    )
+    result = subprocess.run([sys.executable, "-c", child], input=pickle.dumps(env), capture_output=True, timeout=120)
+    env.close()
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    assert "made_here" in result.stdout.decode()
+
+
 def test_step_limit_per_user_turn_truncates():
     env = ToolUseEnv("base", max_steps_per_turn=2)
     env.reset(options={"index": 0})

@@ -3,6 +3,7 @@ tools served over MCP (python -m rl2gem.envserver ENV_ID --mcp), checked with th
 own client and server."""
 
 import asyncio
+import copy
 import pickle
 import sys
 import textwrap
@@ -93,7 +94,12 @@ def test_a_pickled_env_with_mcp_tools_opens_its_own_connection_and_the_original_
     copied = twin.tools["add"].server
     assert copied is not server and copied._client is None and twin.tools["divide"].server is copied
     assert twin.step(add)[0] == "42"  # its own server process, started on first use
-    assert {child.pid for child in children_running(str(script))} - {ours.pid}
+    (theirs,) = {child.pid for child in children_running(str(script))} - {ours.pid}
+    kids, _, _ = twin.spawn(2)  # they share the copy's connection: closing one leaves it open
+    kids[0].close()
+    assert kids[1].step(add)[0] == "42" and {c.pid for c in children_running(str(script))} == {ours.pid, theirs}
+    copy.copy(twin).close()  # a shallow copy shares it too
+    assert {child.pid for child in children_running(str(script))} == {ours.pid, theirs}
     twin.close()  # the copy owns its connection: closing the env ends its server's process
     assert copied.owned and not server.owned
     assert [child.pid for child in children_running(str(script))] == [ours.pid]

@@ -161,7 +161,7 @@ def test_a_tool_result_longer_than_the_observation_space_is_cut_to_it():
     space's flattening names the limit."""
     from gymnasium.spaces.utils import flatten
 
-    from rl2gem.core import TextSpace
+    from rl2gem.core import TextSpace, fit_observation
 
     def big(n: int) -> str:
         """A long text.
@@ -192,5 +192,9 @@ def test_a_tool_result_longer_than_the_observation_space_is_cut_to_it():
     obs, _ = short.reset(seed=0)  # the question and the tool prompt: more than 64 characters
     assert len(obs) == 64 and obs.endswith("[... observation truncated]")
     short.close()
+    for limit in (10, 28, 29):  # shorter than the marker: cut without it
+        fitted = fit_observation("y" * 100, TextSpace(limit))
+        assert len(fitted) == limit and fitted in TextSpace(limit)
+        assert fitted.endswith("truncated]") == (limit > 28)
     with pytest.raises(ValueError, match="70000 characters does not fit TextSpace"):
         flatten(TextSpace(10), "x" * 70000)
