@@ -374,6 +374,12 @@ class LazyRetrieval:
             EmbeddedService.release()
             self._embedded = False
 
+    async def aclose_loop(self) -> None:
+        """Close the running loop's session only: the client and the service stay for the
+        others."""
+        if self._client is not None:
+            await self._client.aclose()
+
     def __getstate__(self) -> dict[str, Any]:
         return {"url": self.url, "timeout": self.timeout, "retries": self.retries, "_client": None, "_embedded": False}
 

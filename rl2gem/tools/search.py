@@ -67,5 +67,9 @@ class SearchTool:
         """Close the HTTP sessions and release the embedded service."""
         await self._retrieval.aclose()
 
+    async def aclose_loop(self) -> None:
+        """Close the running event loop's HTTP session only (an env sharing this tool closes)."""
+        await self._retrieval.aclose_loop()
+
     def __repr__(self) -> str:
         return f"SearchTool({self.url or 'embedded BM25'}, topk={self.topk})"

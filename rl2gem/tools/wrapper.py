@@ -155,6 +155,7 @@ class ToolEnvWrapper(Wrapper):
         self._started = False
         self._loop: _PrivateLoop | None = None
         self._owns_copies = False  # a deep copy's or pickle's tools: what they open is its own
+        self._shares_tools = False  # spawn's envs and shallow copies: the tools are another wrapper's
 
     # ----------------------------------------------------------------- reset
     def _on_reset(self, obs: str, info: dict[str, Any]) -> ResetResult:
@@ -254,6 +255,8 @@ class ToolEnvWrapper(Wrapper):
         """``n`` copies of the current episode's initial state, each wrapped with the same tools."""
         envs, observations, infos = self.env.spawn(n)  # type: ignore[attr-defined]
         wrapped = [ToolEnvWrapper(e, list(self.tools.values()), self.max_tool_calls, prompt=self.prompt) for e in envs]
+        for child in wrapped:  # the tools stay this wrapper's: closing a child leaves them open
+            child._shares_tools = True
         results = [w._on_reset(o, i) for w, o, i in zip(wrapped, observations, infos, strict=True)]
         return wrapped, [obs for obs, _ in results], [info for _, info in results]
 
@@ -263,6 +266,12 @@ class ToolEnvWrapper(Wrapper):
 
     async def _aclose_tools(self) -> None:
         self._end_episode_tools()
+        if self._shares_tools:  # only what the tools opened on this wrapper's own event loop
+            for tool in self.tools.values():
+                closer = getattr(tool, "aclose_loop", None)
+                if closer is not None:
+                    await closer()
+            return
         for tool in self.tools.values():
             closer = getattr(tool, "aclose", None)
             if closer is not None:
@@ -272,7 +281,9 @@ class ToolEnvWrapper(Wrapper):
                 await releaser()
 
     def close(self) -> None:
-        """Close the wrapped env and the tools that have an ``aclose`` (safe to call twice)."""
+        """Close the wrapped env and the tools that have an ``aclose`` (safe to call twice); an env
+        made by :meth:`spawn`, or a shallow copy, closes its own env only: the tools stay open for
+        the wrapper they came from."""
         self._end_episode_tools()
         if self._loop is not None:
             loop, self._loop = self._loop, None
@@ -303,11 +314,11 @@ class ToolEnvWrapper(Wrapper):
         """A deep copy or an unpickled wrapper: its tools are copies of its own, so closing it
         releases what they opened (a copied MCP connection: ``aclose_copy``); the envs its
         :meth:`spawn` makes share them and release nothing."""
-        self.__dict__.update(state, _owns_copies=True)
+        self.__dict__.update(state, _owns_copies=True, _shares_tools=False)
 
     def __copy__(self) -> ToolEnvWrapper:
         """A shallow copy: the same wrapped env and tools, owned by the original (no
         :meth:`__setstate__`)."""
         twin = type(self).__new__(type(self))
-        twin.__dict__.update(self.__getstate__())
+        twin.__dict__.update(self.__getstate__(), _shares_tools=True)
         return twin

@@ -3,8 +3,11 @@
 import asyncio
 import socket
 
+import gymnasium as gym
+import rl2gem.envs  # noqa: F401  (registers the envs)
+
 from rl2gem.retrieval import EmbeddedService
-from rl2gem.tools import SearchTool
+from rl2gem.tools import SearchTool, ToolEnvWrapper
 
 
 def test_embedded_search_returns_passages_and_releases_the_service():
@@ -30,3 +33,23 @@ def test_dead_service_is_reported_as_text():
     tool = SearchTool(f"http://127.0.0.1:{port}", retries=0, timeout=2)
     text = asyncio.run(tool.call({"query": "anything"}))
     assert text.startswith("Search failed")
+
+
+def test_closing_an_env_spawned_from_a_search_env_leaves_the_shared_tool_open():
+    """The envs ``ToolEnvWrapper.spawn`` makes share the wrapper's tools: closing one closes only
+    its own event loop's session; it released the embedded service the others searched with
+    (started again on their next search) and orphaned their sessions. The wrapper they came from
+    releases it."""
+    env = ToolEnvWrapper(gym.make("rl2/GuessTheNumber-v0", difficulty="easy"), [SearchTool()])
+    env.reset(seed=0)
+    call = '<tool_call>{"name": "search", "arguments": {"query": "capital of France"}}</tool_call>'
+    assert env.step(call)[0].startswith("Doc 1")
+    users, service = EmbeddedService._users, EmbeddedService._service
+    kids, _, _ = env.spawn(2)
+    assert kids[0].step(call)[0].startswith("Doc 1") and kids[1].step(call)[0].startswith("Doc 1")
+    kids[0].close()
+    assert (EmbeddedService._users, EmbeddedService._service) == (users, service)
+    assert kids[1].step(call)[0].startswith("Doc 1") and EmbeddedService._service is service
+    kids[1].close()
+    env.close()
+    assert EmbeddedService._users == users - 1
