@@ -355,6 +355,7 @@ class LazyRetrieval:
     def __init__(self, url: str | None, *, timeout: float = 10.0, retries: int = 2):
         self.url, self.timeout, self.retries = url, timeout, retries
         self._client: RetrievalClient | None = None
+        self._retired: list[RetrievalClient] = []  # closed on one loop, maybe open on others
         self._embedded = False
 
     async def client(self) -> RetrievalClient:
@@ -369,6 +370,7 @@ class LazyRetrieval:
     async def aclose(self) -> None:
         if self._client is not None:
             await self._client.aclose()
+            self._retired.append(self._client)  # envs sharing it close their loops' (aclose_loop)
             self._client = None
         if self._embedded:
             EmbeddedService.release()
@@ -377,11 +379,15 @@ class LazyRetrieval:
     async def aclose_loop(self) -> None:
         """Close the running loop's session only: the client and the service stay for the
         others."""
-        if self._client is not None:
-            await self._client.aclose()
+        for client in (self._client, *self._retired):  # also one closed on another loop before
+            if client is not None:
+                await client.aclose()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"url": self.url, "timeout": self.timeout, "retries": self.retries, "_client": None, "_embedded": False}
+        return {
+            "url": self.url, "timeout": self.timeout, "retries": self.retries,
+            "_client": None, "_retired": [], "_embedded": False,
+        }  # fmt: skip
 
 
 if __name__ == "__main__":

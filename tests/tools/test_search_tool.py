@@ -50,6 +50,8 @@ def test_closing_an_env_spawned_from_a_search_env_leaves_the_shared_tool_open():
     kids[0].close()
     assert (EmbeddedService._users, EmbeddedService._service) == (users, service)
     assert kids[1].step(call)[0].startswith("Doc 1") and EmbeddedService._service is service
-    kids[1].close()
-    env.close()
+    retrieval = env.tools["search"]._retrieval
+    env.close()  # before the last spawned env, which closes its own loop's session after
     assert EmbeddedService._users == users - 1
+    kids[1].close()
+    assert retrieval._retired and all(not client._sessions._sessions for client in retrieval._retired)
