@@ -193,9 +193,10 @@ class PPOTrainer(OnlineTrainer):
                 mask = packed_field(part, "mask", self.device, torch.bool)
                 mean_value = (score["values"] * mask).sum() / mask.sum().clamp(min=1)
                 values.add({"values": mean_value}, weight=micro_batch.scale * mask.sum())
-        metrics = values.means("critic/") if self.critic is not None else {}
-        if self.critic is not None:  # the actor trains first: the critic's cast waits for its own passes
-            self.critic.reshard()
+        metrics = {}
+        if self.critic is not None:
+            metrics = values.means("critic/")
+            self.critic.reshard()  # the actor trains first: the critic's cast waits for its own passes
         if source == "check" and not self.check_in_update:  # every rank decides alike: on the KL over all ranks
             metrics.update(self.old_logprobs.decide(measured, self.rank))
         self.old_from_rollout = source == "rollout"

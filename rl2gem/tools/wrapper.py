@@ -267,18 +267,14 @@ class ToolEnvWrapper(Wrapper):
     async def _aclose_tools(self) -> None:
         self._end_episode_tools()
         if self._shares_tools:  # only what the tools opened on this wrapper's own event loop
-            for tool in self.tools.values():
-                closer = getattr(tool, "aclose_loop", None)
+            closers = ("aclose_loop",)
+        else:  # a copied wrapper's tools are copies only it holds: what they opened goes too
+            closers = ("aclose", "aclose_copy") if self._owns_copies else ("aclose",)
+        for tool in self.tools.values():
+            for name in closers:
+                closer = getattr(tool, name, None)
                 if closer is not None:
                     await closer()
-            return
-        for tool in self.tools.values():
-            closer = getattr(tool, "aclose", None)
-            if closer is not None:
-                await closer()
-            releaser = getattr(tool, "aclose_copy", None) if self._owns_copies else None
-            if releaser is not None:  # a copied wrapper's tools are copies only it holds
-                await releaser()
 
     def close(self) -> None:
         """Close the wrapped env and the tools that have an ``aclose`` (safe to call twice); an env
