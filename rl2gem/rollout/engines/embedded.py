@@ -479,7 +479,6 @@ class EmbeddedEngine(Engine):
         # the first tokens of rows prefilled behind a queued round, not handed out yet: on the
         # device (the next round reads them there) and on their way to pinned host memory
         self._deferred: _FirstTokens | None = None
-        self._deferring = False  # a prefill now defers its first tokens (:meth:`_admit_behind`)
         self._commands: collections.deque = collections.deque()
         self._cv = threading.Condition()
         self._paused = False
@@ -816,7 +815,7 @@ class EmbeddedEngine(Engine):
         take = self._admitting = [r for r in take if r.params.max_new_tokens > 0]
         if not take:
             return True
-        self._prefill(take)
+        self._prefill(take, defer=behind)
         self._admitting = []
         return True
 
@@ -967,9 +966,11 @@ class EmbeddedEngine(Engine):
         if self._graphs is not None and not keep:
             self._graphs.reset()
 
-    def _prefill(self, take: list[_Request]):
+    def _prefill(self, take: list[_Request], defer: bool = False):
         """Prefill admitted requests together (:meth:`_prefill_rows`), sample their first tokens and
-        add them to the running batch, holes (masked columns) included.
+        add them to the running batch, holes (masked columns) included. ``defer``: behind a queued
+        decode round, the first tokens stay on the device for the round after it
+        (:class:`_FirstTokens`) instead of being read and handed out now.
 
         Identical prompts (a GRPO group) are prefilled once and their KV copied; prefixes that
         several prompts share beyond the cache are prefilled once first (:meth:`_shared_stems`).
@@ -1037,7 +1038,7 @@ class EmbeddedEngine(Engine):
             request.length = len(request.input_ids)
             request.span = spans[index]
             request.cached = cached[source_rows[index]] if original[index] == index else len(request.input_ids)
-        if self._deferring:  # behind a queued round: the round after it reads them on the device
+        if defer:  # behind a queued round: the round after it reads them on the device
             self._deferred = _FirstTokens(list(requests), tokens, logprobs)
             return
         self._hand_out_first(list(requests), tokens, logprobs)
@@ -1422,8 +1423,7 @@ class EmbeddedEngine(Engine):
         deferred, self._deferred = self._deferred, None
         start = time.perf_counter()
         tokens, logprobs = deferred.read()
-        ran = running is not None and any(id(r) in deferred.place for r in running[0])
-        overrun = running[1] if ran else 0
+        overrun = running[1] if running is not None else 0  # that round ran every row admitted before it
         self._append_tokens(deferred.requests, [tokens], [logprobs], overrun)
         self.stats["time_admit_ms"] += 1000 * (time.perf_counter() - start)
 
@@ -1445,11 +1445,7 @@ class EmbeddedEngine(Engine):
         (``time_admit_ms``, ``admissions_behind``).
         -> False when the requests must wait for the queued round (:meth:`_admit`'s ``behind``)."""
         start, prefills = time.perf_counter(), self.stats["prefill_forwards"]
-        self._deferring = True
-        try:
-            admitted = self._admit(behind=True)
-        finally:
-            self._deferring = False
+        admitted = self._admit(behind=True)
         self.stats["time_admit_ms"] += 1000 * (time.perf_counter() - start)
         self.stats["admissions_behind"] += self.stats["prefill_forwards"] > prefills
         return admitted
