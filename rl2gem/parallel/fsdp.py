@@ -81,8 +81,8 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("LOCAL_RANK", "0")
         backend = backend or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+        os.environ.setdefault("LOCAL_RANK", str(local_rank(required="nccl" in backend)))
         if "nccl" in backend:
             torch.cuda.set_device(local_device_index(int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()))
         dist.init_process_group(backend, timeout=timedelta(minutes=30))
@@ -92,8 +92,32 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device
     return (
         rank,
         world,
-        torch.device("cuda", local_device_index(int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count())),
+        torch.device("cuda", local_device_index(local_rank(), torch.cuda.device_count())),
     )
+
+
+#: where launchers put a process's rank on its node: torchrun, SLURM's srun, Open MPI, MPICH
+LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
+
+
+def local_rank(required: bool = False) -> int:
+    """This process's rank on its node, from the first of :data:`LOCAL_RANK_VARIABLES` that is
+    set; 0 when none is and ``WORLD_SIZE`` is 1 (or unset).
+
+    Raises:
+        RuntimeError: none is set, ``WORLD_SIZE`` > 1 and ``required`` (CUDA ranks: every one
+            would take GPU 0 and NCCL would refuse the duplicate device).
+    """
+    for name in LOCAL_RANK_VARIABLES:
+        if os.environ.get(name, "").strip():
+            return int(os.environ[name])
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if required and world > 1:
+        raise RuntimeError(
+            f"WORLD_SIZE={world} but no rank on the node: set LOCAL_RANK for each process (torchrun does), "
+            f"or launch with srun or mpirun, which set {', '.join(LOCAL_RANK_VARIABLES[1:])}"
+        )
+    return 0
 
 
 def local_device_index(local_rank: int, devices: int) -> int:

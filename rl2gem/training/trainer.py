@@ -190,6 +190,9 @@ def launch(
         trainer.fit()
     finally:
         trainer.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    # only after a fit that returned: a failed rank may have a collective queued that the others
+    # never join, and NCCL's shutdown waits for it (pytorch#141510): a hang until the group's
+    # timeout. Raising instead ends the process, and torchrun stops the other ranks.
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 0

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rl2gem.parallel.fsdp import AUTO_RANKS_PER_NODE, init_distributed, local_device_index, ranks_per_node
+from rl2gem.parallel.fsdp import AUTO_RANKS_PER_NODE, init_distributed, local_device_index, local_rank, ranks_per_node
 
 
 def test_ranks_per_node_is_two_or_one_per_cuda_device_below(monkeypatch):
@@ -161,3 +161,29 @@ def test_the_root_unit_is_taken_where_its_copy_and_gradients_are_a_small_share_o
         assert root_unit_fits(model, torch.bfloat16, cuda) is fits
         assert root_unit_fits(model, torch.float16, cuda) is fits
     assert not root_unit_fits(model, torch.float32, cuda)  # twice the bytes
+
+
+def test_the_rank_on_the_node_comes_from_the_launcher(monkeypatch):
+    """torchrun's LOCAL_RANK first, then srun's, Open MPI's and MPICH's; a multi-rank CUDA group
+    with none of them is an error naming LOCAL_RANK (every rank would take GPU 0), a CPU one or a
+    one-process group takes 0."""
+    for name in ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(RuntimeError, match="WORLD_SIZE=4 but no rank on the node: set LOCAL_RANK"):
+        local_rank(required=True)
+    assert local_rank() == 0
+    monkeypatch.setenv("MPI_LOCALRANKID", "1")
+    assert local_rank(required=True) == 1
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "2")
+    assert local_rank(required=True) == 2
+    monkeypatch.setenv("SLURM_LOCALID", "3")
+    assert local_rank(required=True) == 3
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert local_rank(required=True) == 0
+    monkeypatch.delenv("LOCAL_RANK")
+    monkeypatch.delenv("SLURM_LOCALID")
+    monkeypatch.delenv("OMPI_COMM_WORLD_LOCAL_RANK")
+    monkeypatch.delenv("MPI_LOCALRANKID")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert local_rank(required=True) == 0

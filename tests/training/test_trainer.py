@@ -2,11 +2,15 @@
 
 import json
 
+import pytest
 import torch
+import torch.distributed as dist
 from omegaconf import OmegaConf
+from rl2gem.trainers import ppo
 
+from rl2gem.parallel.fsdp import init_distributed
 from rl2gem.tracking import Tracker
-from rl2gem.training.trainer import Trainer
+from rl2gem.training.trainer import Trainer, launch
 
 
 class Recorder:
@@ -63,3 +67,39 @@ def test_each_step_is_logged_before_its_checkpoint(tmp_path):
     final = (4, "eval/score")  # the final evaluation, before the final checkpoint
     assert trainer.checkpointer.saves == [(2, steps[:2]), (4, steps), (4, [*steps, final])]
     assert metrics_rows(tmp_path / "metrics.jsonl") == [*steps, final]
+
+
+class JoinsTheGroup:
+    """A trainer that joins the process group (one rank, gloo) and fails or not in its fit."""
+
+    closed = 0
+
+    def __init__(self, cfg, fails):
+        self.fails = fails
+        init_distributed("gloo")
+
+    def fit(self):
+        if self.fails:
+            raise RuntimeError("a rank failed mid-step")
+
+    def close(self):
+        JoinsTheGroup.closed += 1
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_failed_fit_leaves_the_process_group_to_the_process_exit(fails):
+    """After a fit that returned, ``launch`` tears the group down; after one that raised, it only
+    closes the trainer and re-raises: NCCL's teardown would wait for a collective the other ranks
+    never join (a hang until the group's timeout), while the process's exit lets torchrun stop them."""
+    before = JoinsTheGroup.closed
+    try:
+        if fails:
+            with pytest.raises(RuntimeError, match="a rank failed mid-step"):
+                launch(lambda cfg: JoinsTheGroup(cfg, fails), ppo.CONFIG, ppo.check_config, [])
+        else:
+            assert launch(lambda cfg: JoinsTheGroup(cfg, fails), ppo.CONFIG, ppo.check_config, []) == 0
+        assert JoinsTheGroup.closed == before + 1
+        assert dist.is_initialized() == fails
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
