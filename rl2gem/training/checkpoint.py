@@ -136,11 +136,20 @@ class Checkpointer:
             when there is no checkpoint.
 
         Raises:
-            FileNotFoundError: the checkpoint was written by a run with another world size.
+            ValueError: the checkpoint was written by a run with another world size (on every
+                rank, before any loads: each rank's RNGs, rollout and engine state are its own).
+            FileNotFoundError: this rank's state file is missing.
         """
         path = self.latest()
         if path is None:
             return None
+        meta = json.loads((path / "trainer_state.json").read_text())
+        world = dist.get_world_size()
+        if meta.get("world_size", world) != world:
+            raise ValueError(
+                f"{path} was written by {meta['world_size']} rank(s), this run has {world}: resume with "
+                f"{meta['world_size']}, or start a new run from its weights (actor.model={path / 'hf'})"
+            )
         mine = path / f"rank{dist.get_rank()}.pkl"
         if not mine.exists():
             raise FileNotFoundError(f"{mine} is missing: resume with the world size that wrote {path}")
@@ -148,7 +157,6 @@ class Checkpointer:
         dcp.load(state, checkpoint_id=str(path / "dcp"))
         for name, worker in self.workers.items():
             worker.load_sharded_state(state[name])
-        meta = json.loads((path / "trainer_state.json").read_text())
         for name, sched in meta.get("schedulers", {}).items():
             self.workers[name].scheduler.load_state_dict(sched)
         local = pickle.loads(mine.read_bytes())

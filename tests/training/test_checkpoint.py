@@ -64,13 +64,18 @@ def test_save_then_load_restores_weights_optimizer_scheduler_and_rng(group, tiny
     assert json.loads((path / "trainer_state.json").read_text())["world_size"] == 1
 
 
-def test_a_missing_rank_file_names_the_world_size(group, tiny_dir, tmp_path):
+def test_a_checkpoint_of_another_world_size_is_refused_on_every_rank(group, tiny_dir, tmp_path):
     device, mesh = group
     worker = Worker({"model": str(tiny_dir)}, mesh, device, trainable=False)
     assert worker.optimizer is None and not worker.model.training
     checkpointer = Checkpointer(tmp_path, {"ref": worker})
     assert checkpointer.load() is None
     path = checkpointer.save(3)
+    meta = json.loads((path / "trainer_state.json").read_text())
+    (path / "trainer_state.json").write_text(json.dumps(meta | {"world_size": 2}))
+    with pytest.raises(ValueError, match=r"written by 2 rank\(s\), this run has 1: resume with 2"):
+        checkpointer.load()  # every rank says so, rank 0 too (its own file is there)
+    (path / "trainer_state.json").write_text(json.dumps(meta))
     (path / "rank0.pkl").unlink()
     with pytest.raises(FileNotFoundError, match="world size"):
         checkpointer.load()
