@@ -529,13 +529,30 @@ def test_engine_decode_graphs_equal_the_windowed_decode(decode_steps, kept_kv_by
 
 def test_a_step_that_cuda_cannot_capture_falls_back_to_the_windowed_decode(monkeypatch):
     """A real capture error: the decode step reads a value on the host while the stream captures,
-    which CUDA refuses. The graphs turn off with a warning, and this request and the next get the
-    windowed engine's tokens: the failed capture left nothing broken on the device."""
+    which CUDA refuses. The graphs turn off with a warning, the engine's thread is back on its
+    stream, and this request and the next get the windowed engine's tokens: the failed capture
+    left nothing broken on the device.
+
+    The body runs in a child process: after a failed capture torch 2.11's allocator still counts
+    the capture as under way (fixed by pytorch#180395), which must not reach this worker's other tests."""
+    if os.environ.get("RL2GEM_GPU_TEST_CHILD") != "1":
+        test = f"{__file__}::test_a_step_that_cuda_cannot_capture_falls_back_to_the_windowed_decode"
+        result = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", test],
+            capture_output=True, text=True, timeout=240, cwd=ROOT, env={**os.environ, "RL2GEM_GPU_TEST_CHILD": "1"},
+        )  # fmt: skip
+        assert result.returncode == 0 and "1 passed" in result.stdout, result.stdout[-4000:] + result.stderr[-2000:]
+        return
     from rl2gem.rollout.engines.embedded import EmbeddedEngine
     from rl2gem.rollout.engines.lean_decoder import LeanDecoder
 
     model = tiny_model().float().to(CUDA)
     decode_all_columns = LeanDecoder.decode_all_columns
+    graphs_failed, streams = EmbeddedEngine._graphs_failed, []
+
+    def failed(self, error):  # on the engine's thread, right after the failed capture
+        streams.append(torch.cuda.current_stream(self._device) == torch.cuda.default_stream(self._device))
+        graphs_failed(self, error)
 
     def reading(self, *args, **kwargs):
         logits = decode_all_columns(self, *args, **kwargs)
@@ -553,10 +570,12 @@ def test_a_step_that_cuda_cannot_capture_falls_back_to_the_windowed_decode(monke
 
     expected, _, _ = asyncio.run(run(False))
     monkeypatch.setattr(LeanDecoder, "decode_all_columns", reading)
+    monkeypatch.setattr(EmbeddedEngine, "_graphs_failed", failed)
     with pytest.warns(UserWarning, match="decode_graphs turned off, the decode runs windowed"):
         got, engine, stats = asyncio.run(run(True))
     assert got == expected
     assert engine._graphs is None and stats["decode_graphs_failed"] == 1
+    assert streams == [True]  # not left on the capture's side stream
 
 
 @pytest.mark.parametrize("decode_overlap", [False, True])
@@ -596,7 +615,12 @@ def test_an_error_after_a_captured_replay_fails_the_rows_and_the_graphs_serve_on
         assert output.aborted and "engine error: OutOfMemoryError" in output.finish_reason["message"]
     assert graphs is not None and stats.get("decode_graphs_failed", 0) == 0 and stats["decode_graph_captures"] >= 2
     _, reference, _, _ = asyncio.run(run(False))
-    assert after.output_ids == reference.output_ids and after.output_logprobs == reference.output_logprobs
+    assert after.output_ids == reference.output_ids
+    # the failed run's store has another width than the reference's, and cuBLAS may reduce another
+    # number of columns in another order: the last bits, not a replay on freed memory (order 1)
+    torch.testing.assert_close(
+        torch.tensor(after.output_logprobs), torch.tensor(reference.output_logprobs), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_random_request_streams_on_cuda_get_the_windowed_engine_s_answers(monkeypatch):
@@ -758,7 +782,9 @@ def test_each_trainer_runs_two_steps_on_cuda(cuda_model_dir, tmp_path, trainer, 
         losses = [v for k, v in row.items() if k.endswith("loss")]
         assert all(math.isfinite(v) for v in losses)
         assert any(k.startswith("memory/") and v > 0 for k, v in row.items())
-        if trainer == "ppo":  # the engine sampled from the trainer's weights (a broken sync: KL of order 1)
+        if trainer == "ppo":  # the engine sampled from weights the trainer's log-probs agree with: a
+            # sync that corrupts them gives a KL of order 1 (one that never happens may pass: at
+            # actor.lr=1e-6 one step moves bf16 weights little; tests/trainers cover that on the CPU)
             assert 0 <= row["actor/mismatch_kl"] < 0.1, row["actor/mismatch_kl"]
 
 

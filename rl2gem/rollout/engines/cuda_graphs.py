@@ -517,7 +517,10 @@ class DecodeGraphs:
                 torch.cuda.current_stream(device).wait_stream(side)
         if side is not None:
             step.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(step.graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
+            # the outer context puts this thread's stream back when the capture fails: torch.cuda.graph
+            # restores it only after a capture that ended (its capture_end raises first otherwise)
+            capture = torch.cuda.graph(step.graph, pool=self._pool, stream=side, capture_error_mode="thread_local")
+            with torch.cuda.stream(side), capture:
                 step.outputs = step.run()
             if self._pool is None:
                 self._pool = step.graph.pool()
