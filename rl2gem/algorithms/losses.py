@@ -24,6 +24,8 @@ __all__ = [
 
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+#: |log-ratio| past which the PPO ratio and the k3 estimate stop following it (verl's 20)
+LOG_RATIO_CLAMP = 20.0
 
 
 def loss_weights(
@@ -122,8 +124,10 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = 
         return d
     if kind == "k2":
         return 0.5 * d * d
-    if kind == "k3":
-        return torch.expm1(-d) + d  # exp(-d) - 1 without the cancellation at small d
+    if kind == "k3":  # exp(-d) - 1 without the cancellation at small d; d clamped as the ratio
+        # is in policy_loss (a token the policy all but never samples: exp(-d) would be inf)
+        d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        return torch.expm1(-d) + d
     raise ValueError(f"unknown KL estimator {kind!r}; choose from {KL_ESTIMATORS}")
 
 
@@ -198,7 +202,9 @@ def policy_loss(
     if dual_clip is not None and dual_clip <= 1:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     m = mask.bool()
-    log_ratio = logprobs - old_logprobs.detach()
+    # clamped (as verl does): a token whose old log-prob is far below the current one would give
+    # exp(100) = inf, and inf * 0 a NaN loss and gradient even when it is clipped or masked out
+    log_ratio = (logprobs - old_logprobs.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     adv = advantages.detach()
     pg1 = -adv * ratio
@@ -212,6 +218,7 @@ def policy_loss(
         pg = torch.where(adv < 0, torch.minimum(pg, cap), pg)
     if is_weights is not None:
         pg = pg * is_weights.detach()
+    pg = torch.where(m, pg, torch.zeros_like(pg))  # off the action tokens nothing, not 0 * whatever
     if token_weights is not None:
         loss = (pg * token_weights * m).sum()
     else:
@@ -222,7 +229,7 @@ def policy_loss(
             "pg_loss": loss.detach(),
             "clip_ratio": clipped.sum() / n,
             "dual_clip_ratio": dual.sum() / n,
-            "approx_kl": (kl_estimate(logprobs, old_logprobs, "k3") * m).sum() / n,
+            "approx_kl": (kl_estimate(old_logprobs, logprobs, "k3") * m).sum() / n,  # samples of old
         }
     return loss, metrics
 

@@ -30,6 +30,34 @@ def test_aggregations():
         aggregate(loss, mask, "sum")
 
 
+def test_approx_kl_estimates_kl_from_the_old_policy_to_the_new():
+    """Tokens are samples of the old policy: k3 of KL(old || new) is ``r - 1 - log r`` with
+    ``r = new / old`` (not ``1 / r - 1 + log r``, the estimate of the other direction)."""
+    old = torch.log(torch.tensor([[0.5, 0.2, 0.9]]))
+    new = torch.log(torch.tensor([[0.25, 0.6, 0.9]]))
+    _, metrics = policy_loss(new, old, torch.ones(1, 3), torch.ones(1, 3, dtype=torch.bool))
+    ratios = [0.5, 3.0, 1.0]
+    expected = sum(r - 1 - math.log(r) for r in ratios) / 3
+    assert metrics["approx_kl"].item() == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize(("advantage", "masked"), [(1.0, False), (-1.0, False), (0.0, True)])
+def test_a_ratio_past_exp_s_range_leaves_the_loss_and_gradient_finite(advantage, masked):
+    """An old log-prob of -100 under a current one near 0 (a broken engine log-prob, an
+    off-policy token): exp(100) is inf in float32. Clipped (A > 0), unclipped (A < 0, no dual clip)
+    or masked out, the loss and the gradient stay finite, and a masked token adds nothing."""
+    logprobs = torch.tensor([[-0.1, -0.7]], requires_grad=True)
+    old = torch.tensor([[-100.0, -0.5]])
+    advantages = torch.tensor([[advantage, 1.0]])
+    mask = torch.tensor([[not masked, True]])
+    loss, metrics = policy_loss(logprobs, old, advantages, mask, token_weights=torch.full((1, 2), 0.5))
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all() and torch.isfinite(metrics["approx_kl"])
+    if masked:  # only the second token: -A r / 2 with r = exp(-0.2)
+        assert loss.item() == pytest.approx(-math.exp(-0.2) / 2, rel=1e-6) and logprobs.grad[0, 0] == 0
+    assert torch.isfinite(kl_estimate(torch.tensor([-100.0]), torch.tensor([0.0]), "k3")).all()
+
+
 def ppo_case(ratios, adv):
     old = torch.zeros(1, len(ratios))
     lp = torch.log(torch.tensor([ratios])).requires_grad_(True)
