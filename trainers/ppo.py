@@ -35,7 +35,7 @@ float32; GPU runs NCCL and bfloat16.
 from __future__ import annotations
 
 import time
-from itertools import groupby
+from itertools import groupby, pairwise
 from pathlib import Path
 
 import torch
@@ -49,7 +49,7 @@ from rl2gem.algorithms import (
     value_loss,
 )
 from rl2gem.devices import to_device
-from rl2gem.parallel.packing import MicroBatch, plan_minibatches, regroup_scores, tree_size
+from rl2gem.parallel.packing import MicroBatch, minibatch_bounds, plan_minibatches, regroup_scores, tree_size
 from rl2gem.procs import run_main
 from rl2gem.training.forward import token_logprobs, token_values
 from rl2gem.training.metrics import Averager, reduce_mean, throughput_metrics, train_flops
@@ -208,7 +208,13 @@ class PPOTrainer(OnlineTrainer):
         """``update_per_rollout`` passes of the PPO loss (and the value loss) over the micro-batches,
         ``actor.minibatches_per_update`` optimizer steps per pass."""
         actor = self.cfg.actor
-        totals = {"num_tokens": float(sum(sum(s.mask) for s in samples)), "num_sequences": float(len(samples))}
+        # each optimizer step's loss is its own minibatch's mean (verl's and OpenRLHF's): weights
+        # normalised by that minibatch's tokens and sequences, summing to 1 per step
+        bounds = minibatch_bounds(len(samples), int(actor.minibatches_per_update))
+        totals = [
+            {"num_tokens": float(sum(sum(s.mask) for s in samples[first:end])), "num_sequences": float(end - first)}
+            for first, end in pairwise(bounds)
+        ]
         pairs = zip(micro_batches, scores, strict=True)  # in minibatch order (plan_minibatches)
         minibatches = [list(group) for _, group in groupby(pairs, key=lambda pair: pair[0].minibatch)]
         stats, norms, measured = Averager(), {}, torch.zeros(3, device=self.device)
@@ -216,7 +222,7 @@ class PPOTrainer(OnlineTrainer):
             for minibatch in minibatches:
                 for micro_batch, score in minibatch:
                     part = [samples[i] for i in micro_batch.indices]
-                    row = self.micro_batch_loss(part, micro_batch.scale, score, totals)
+                    row = self.micro_batch_loss(part, micro_batch.scale, score, totals[micro_batch.minibatch])
                     check = row.pop("check", None)
                     if check is not None and not micro_batch.placeholder:
                         measured = OldLogprobs.combine(measured, check)

@@ -38,6 +38,7 @@ import torch
 from rl2gem.rollout.tito import common_prefix_length
 
 __all__ = [
+    "minibatch_bounds",
     "plan_minibatches",
     "seq_cost",
     "karmarkar_karp",
@@ -427,6 +428,14 @@ def regroup_scores(
     ]
 
 
+def minibatch_bounds(count: int, minibatches: int) -> list[int]:
+    """Where each of a step's ``minibatches`` optimizer steps starts in its ``count`` sequences,
+    and where the last ends: minibatch ``k`` is sequences ``[bounds[k], bounds[k + 1])``
+    (:func:`plan_minibatches`' parts; fewer sequences than ``minibatches`` give one each)."""
+    parts = max(1, min(int(minibatches), count))
+    return [index * count // parts for index in range(parts + 1)]
+
+
 def plan_minibatches(
     lengths: Sequence[int],
     dp_rank: int,
@@ -448,9 +457,7 @@ def plan_minibatches(
     """
     if not lengths:
         raise ValueError("plan_minibatches needs at least one sequence")
-    count = len(lengths)
-    parts = max(1, min(int(minibatches), count))
-    bounds = [index * count // parts for index in range(parts + 1)]
+    bounds = minibatch_bounds(len(lengths), minibatches)
     planned = []
     for minibatch, (first, end) in enumerate(zip(bounds, bounds[1:], strict=False)):
         part = sequences[first:end] if sequences is not None else None

@@ -799,3 +799,41 @@ def test_scoring_frees_the_critic_s_bf16_copy_before_the_actor_trains(tiny_dir, 
     assert seen == [{DTensor}, {DTensor}]
     steps = logged_steps(out / "metrics.jsonl", "critic/grad_norm")
     assert steps[1]["critic/grad_norm"] > 0 and steps[2]["critic/values"] != 0.0
+
+
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean"])
+def test_each_optimizer_step_s_loss_is_its_own_minibatch_s_mean(tiny_dir, tmp_path, monkeypatch, loss_agg):
+    """``actor.minibatches_per_update=2`` over 4 sequences of different lengths: each optimizer
+    step's token weights are its minibatch's mean, summing to 1 per step (verl's and OpenRLHF's
+    normalisation), not the whole rollout's (which gave each step ``n_k / N``, an Adam step sized by
+    its minibatch's token count)."""
+    policy_loss, actor_step, sums = ppo.policy_loss, None, [0.0]
+
+    def weighing(*args, token_weights, **kwargs):
+        mask = args[3]
+        sums[-1] += float((token_weights * mask).sum())
+        return policy_loss(*args, token_weights=token_weights, **kwargs)
+
+    def stepping(self, *args):
+        sums.append(0.0)
+        return actor_step(*args)
+
+    update = ppo.PPOTrainer.update
+
+    def updating(self, samples, *args):
+        nonlocal actor_step
+        actor_step = self.actor.step
+        monkeypatch.setattr(self.actor, "step", lambda: stepping(self))
+        lengths.append([sum(s.mask) for s in samples])
+        return update(self, samples, *args)
+
+    lengths = []
+    monkeypatch.setattr(ppo, "policy_loss", weighing)
+    monkeypatch.setattr(ppo.PPOTrainer, "update", updating)
+    out = tmp_path / loss_agg
+    options = ["actor.minibatches_per_update=2", "actor.old_logprobs=recompute", f"actor.loss_agg={loss_agg}"]
+    options += ["rollout.max_new_tokens=16", "rollout.temperature=20.0", "trainer.total_steps=1"]
+    run = [*arithmetic_run(tiny_dir)[1:], *options, "trainer.eval_at_start=false", "trainer.eval_n=0"]
+    assert ppo.main([*run, f"trainer.output_dir={out}", "trainer.progress=false"]) == 0
+    assert sums[-1] == 0.0 and len(sums) == 3  # two optimizer steps, nothing weighed after them
+    assert sums[:2] == [pytest.approx(1.0, rel=1e-5)] * 2, (sums, lengths)
