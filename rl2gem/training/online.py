@@ -38,7 +38,7 @@ from rl2gem.training.metrics import peak_flops_from_config
 from rl2gem.training.old_logprobs import OldLogprobs
 from rl2gem.training.reward_model import RewardModel
 from rl2gem.training.rl_config import constraints, engine_options, kl_controller, reward_objectives
-from rl2gem.training.samples import Sample, samples_from_batch, shape_rewards
+from rl2gem.training.samples import Sample, episode_samples, gathered_samples, shape_rewards
 from rl2gem.training.trainer import Trainer
 from rl2gem.training.worker import Worker, setup_distributed
 
@@ -166,8 +166,8 @@ class OnlineTrainer(Trainer):
         return values
 
     def collect(self) -> tuple[list[Sample], dict[str, float]]:
-        """This rank's rollout groups -> every rank's samples (advantages of outcome estimators
-        filled in), and the rollout metrics over ranks. A collective."""
+        """This rank's rollout groups -> every rank's samples (advantages of critic-free estimators
+        filled in, over the whole step), and the rollout metrics over ranks. A collective."""
         c = self.cfg
         start = time.perf_counter()
         engine_before = collections.Counter(getattr(self.engine, "stats", {}))
@@ -178,11 +178,12 @@ class OnlineTrainer(Trainer):
         o = c.reward.objectives  # reward model, objectives, transform: the rewards trained on
         shaping = (dict(o.weights), dict(o.reference), self.transform)
         batch.metrics.update(shape_rewards(batch, self.reward_model, c.reward.mode, o.combine, *shaping))
-        local = samples_from_batch(batch, c.adv.estimator, c.adv.gamma, c.adv.lam)
+        local = episode_samples(batch, c.adv.estimator)
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, (local, batch.metrics))
         metrics = merge_rank_metrics([m for _, m in gathered])
-        samples = [s for part, _ in gathered for s in part]
+        # advantages over the whole step (batch statistics are the step's, not a rank's)
+        samples = gathered_samples([part for part, _ in gathered], c.adv.estimator, c.adv.gamma, c.adv.lam)
         action = [v for s in samples for v, m in zip(s.versions, s.mask, strict=True) if m]
         # action tokens sampled by older weights than those being trained (partial rollouts)
         stale = {version: self.rollout.staleness(version, self.step) > 0 for version in set(action)}

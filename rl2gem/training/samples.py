@@ -8,7 +8,8 @@ critic, from GAE or an off-policy estimator over packed values (:func:`apply_cri
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import torch
 
@@ -29,6 +30,9 @@ __all__ = [
     "Sample",
     "apply_critic_estimator",
     "packed_field",
+    "episode_samples",
+    "estimate_advantages",
+    "gathered_samples",
     "samples_from_batch",
     "shape_rewards",
     "subtract_kl_from_rewards",
@@ -49,6 +53,8 @@ class Sample:
         rewards: per-token rewards (RL).
         versions: policy version of each action token (RL).
         returns: per-token returns, the critic's targets (critic estimators).
+        group: the rollout group of its episode (RL; any hashable, unique in the step).
+        episode: its episode (RL; an episode's sequences are consecutive samples in its order).
     """
 
     ids: list[int]
@@ -58,6 +64,8 @@ class Sample:
     rewards: list[float] | None = None
     versions: list[int] | None = None
     returns: list[float] | None = None
+    group: Hashable = None
+    episode: Hashable = None
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -102,85 +110,119 @@ def shape_rewards(
 
 
 def samples_from_batch(batch, estimator: str, gamma: float = 1.0, lam: float = 1.0) -> list[Sample]:
-    """The samples of a rollout batch (:class:`rl2gem.rollout.RolloutBatch`, complete groups).
+    """The samples of a rollout batch (:class:`rl2gem.rollout.RolloutBatch`, complete groups)
+    with their advantages (:func:`episode_samples`, then :func:`estimate_advantages`)."""
+    return estimate_advantages(episode_samples(batch, estimator), estimator, gamma, lam)
 
-    With an outcome estimator (:data:`OUTCOME_ESTIMATORS`) every sequence of an episode is scored
-    by the episode's return on its last action token; other estimators see the env's per-turn
-    rewards; ``turn_rloo`` (:func:`rl2gem.algorithms.turn_rloo`) numbers an episode's turns
-    across all its sequences (a context split or segment carries the episode's later turns), so
-    each turn's return-to-go includes the rewards of the turns after it. Critic estimators (``gae``, ``vtrace``, ...) leave ``advantages`` as None: they need
-    the critic's values (:func:`apply_critic_estimator`).
+
+def episode_samples(batch, estimator: str) -> list[Sample]:
+    """A rollout batch's sequences as samples, in order (groups, their episodes, their
+    sequences), each with its group and episode (numbered in the batch) and its rewards: the
+    env's per-turn rewards, or with an outcome estimator (:data:`OUTCOME_ESTIMATORS`) the
+    episode's return once, on the last action token of its last sequence. Advantages are left to
+    :func:`estimate_advantages` (after the ranks' samples are gathered, for statistics over the
+    whole step)."""
+    samples, episode_id = [], 0
+    for g, episodes in enumerate(batch.groups):
+        for episode in episodes:
+            for k, s in enumerate(episode.sequences):
+                rewards = list(s.rewards)
+                if estimator in OUTCOME_ESTIMATORS:
+                    rewards = [0.0] * len(rewards)
+                    if k == len(episode.sequences) - 1:
+                        last = max((i for i, m in enumerate(s.action_mask) if m), default=len(rewards) - 1)
+                        rewards[last] = episode.reward
+                samples.append(
+                    Sample(
+                        s.input_ids, s.action_mask, s.logprobs, None, rewards, s.versions, group=g, episode=episode_id
+                    )
+                )
+            episode_id += 1
+    return samples
+
+
+def estimate_advantages(
+    samples: Sequence[Sample], estimator: str, gamma: float = 1.0, lam: float = 1.0
+) -> list[Sample]:
+    """Set the advantages of RL ``samples`` (:func:`episode_samples`'; every rank's, gathered)
+    with a critic-free estimator; critic estimators (``gae``, ``vtrace``, ...) leave them None:
+    they need the critic's values (:func:`apply_critic_estimator`).
+
+    An episode's sequences (a context split or segment carries the episode's later turns) are one
+    row of the estimator, their action tokens in order: an outcome estimator counts the episode
+    once in its group's statistics and gives every sequence its advantage; returns-to-go
+    (``reinforce_pp``, ``rebn``) and ``turn_rloo``'s turns run across them. Batch statistics
+    (``reinforce_pp``'s and ``rebn``'s normalisation) are over every sample given.
+
+    Returns:
+        ``samples``, as a list.
 
     Raises:
         ValueError: unknown estimator (from :func:`rl2gem.algorithms.compute_advantages`).
     """
-    if estimator == "turn_rloo":
-        return _turn_samples(batch, gamma)
-    sequences, rows, group_ids = [], [], []
-    for g, episodes in enumerate(batch.groups):
-        for episode in episodes:
-            for s in episode.sequences:
-                rewards = list(s.rewards)
-                if estimator in OUTCOME_ESTIMATORS:
-                    rewards = [0.0] * len(rewards)
-                    last = max((i for i, m in enumerate(s.action_mask) if m), default=len(rewards) - 1)
-                    rewards[last] = episode.reward
-                sequences.append(s)
-                rows.append(rewards)
-                group_ids.append(g)
-    if not sequences:
-        return []
-    samples = [
-        Sample(s.input_ids, s.action_mask, s.logprobs, None, rows[i], s.versions) for i, s in enumerate(sequences)
-    ]
+    samples = list(samples)
+    rows: dict[Hashable, list[Sample]] = {}  # episode -> its sequences, in order
+    for sample in samples:
+        rows.setdefault(sample.episode, []).append(sample)
+    episodes = list(rows.values())
     if estimator in CRITIC_ESTIMATORS:
-        return samples
-    width = max(len(s) for s in sequences)
-    rewards = torch.zeros(len(sequences), width)
-    mask = torch.zeros(len(sequences), width, dtype=torch.bool)
-    for i, (s, r) in enumerate(zip(sequences, rows, strict=True)):
-        rewards[i, : len(r)] = torch.tensor(r)
-        mask[i, : len(s)] = torch.tensor(s.action_mask, dtype=torch.bool)
-    advantages, _ = compute_advantages(estimator, rewards, mask, torch.tensor(group_ids), gamma=gamma, lam=lam)
-    for i, sample in enumerate(samples):
-        sample.advantages = advantages[i, : len(sample)].tolist()
-    return samples
-
-
-def _turn_samples(batch, gamma: float) -> list[Sample]:
-    """:func:`samples_from_batch` for ``turn_rloo``: the turns of each episode are its sequences'
-    action runs in order, each turn's reward the sum of its tokens' rewards."""
-    episodes, group_ids, turns = [], [], []
-    for g, group in enumerate(batch.groups):
-        for episode in group:
-            episodes.append(episode)
-            group_ids.append(g)
-            turns.append(
-                [
-                    (k, start, end)
-                    for k, s in enumerate(episode.sequences)
-                    for start, end in action_turns(torch.tensor([s.action_mask], dtype=torch.bool))[0]
-                ]
+        split = sum(len(row) > 1 for row in episodes)
+        if split:  # the critic's values are a micro-batch's: its estimator runs per sequence
+            warnings.warn(
+                f"adv.estimator={estimator}: {split} episode(s) of {len(episodes)} came in several sequences (a "
+                "context split or segment); the critic's estimator ends each sequence's returns at its end, so "
+                "its early turns see none of the later rewards: a critic-free estimator (turn_rloo, rebn, "
+                "reinforce_pp, grpo) runs across them",
+                stacklevel=2,
             )
-    if not episodes:
-        return []
-    width = max(len(t) for t in turns) or 1
-    turn_rewards, turn_mask = torch.zeros(len(episodes), width), torch.zeros(len(episodes), width, dtype=torch.bool)
-    for e, (episode, runs) in enumerate(zip(episodes, turns, strict=True)):
-        for k, (index, start, end) in enumerate(runs):
-            turn_rewards[e, k] = sum(episode.sequences[index].rewards[start:end])
-            turn_mask[e, k] = True
-    per_turn = turn_rloo(turn_rewards, turn_mask, torch.tensor(group_ids), gamma).tolist()
-    samples = []
-    for e, (episode, runs) in enumerate(zip(episodes, turns, strict=True)):
-        advantages = [[0.0] * len(s) for s in episode.sequences]
-        for k, (index, start, end) in enumerate(runs):
-            advantages[index][start:end] = [per_turn[e][k]] * (end - start)
-        samples += [
-            Sample(s.input_ids, s.action_mask, s.logprobs, advantages[k], list(s.rewards), s.versions)
-            for k, s in enumerate(episode.sequences)
-        ]
+        return samples
+    if not samples:
+        return samples
+    groups: dict[Hashable, int] = {}
+    group_ids = torch.tensor([groups.setdefault(row[0].group, len(groups)) for row in episodes])
+    rewards = padded_rows([[r for s in row for r in s.rewards] for row in episodes])
+    mask = padded_rows([[m for s in row for m in s.mask] for row in episodes]).bool()
+    if estimator == "turn_rloo":
+        advantages = _turn_rloo_rows(rewards, mask, group_ids, gamma)
+    else:
+        advantages, _ = compute_advantages(estimator, rewards, mask, group_ids, gamma=gamma, lam=lam)
+    for e, row in enumerate(episodes):
+        start = 0
+        for sample in row:
+            sample.advantages = advantages[e, start : start + len(sample)].tolist()
+            start += len(sample)
     return samples
+
+
+def gathered_samples(
+    parts: Sequence[Sequence[Sample]], estimator: str, gamma: float = 1.0, lam: float = 1.0
+) -> list[Sample]:
+    """Every rank's :func:`episode_samples` (``parts[rank]``, gathered) as one step: groups and
+    episodes numbered per rank, advantages estimated over them all (:func:`estimate_advantages`;
+    every rank computes the same)."""
+    for rank, part in enumerate(parts):
+        for sample in part:
+            sample.group, sample.episode = (rank, sample.group), (rank, sample.episode)
+    return estimate_advantages([sample for part in parts for sample in part], estimator, gamma, lam)
+
+
+def _turn_rloo_rows(rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor, gamma: float) -> torch.Tensor:
+    """:func:`turn_rloo` for episode rows ``[E, T]``: the turns of each row are its runs of action
+    tokens, each turn's reward the sum of its tokens' rewards; each token gets its turn's
+    advantage ``[E, T]``."""
+    runs = action_turns(mask)
+    width = max((len(r) for r in runs), default=0) or 1
+    turn_rewards, turn_mask = torch.zeros(len(runs), width), torch.zeros(len(runs), width, dtype=torch.bool)
+    for e, turns in enumerate(runs):
+        for k, (start, end) in enumerate(turns):
+            turn_rewards[e, k] = rewards[e, start:end].sum()
+            turn_mask[e, k] = True
+    per_turn = turn_rloo(turn_rewards, turn_mask, group_ids, gamma)
+    advantages = torch.zeros_like(rewards)
+    for e, turns in enumerate(runs):
+        for k, (start, end) in enumerate(turns):
+            advantages[e, start:end] = per_turn[e, k]
+    return advantages
 
 
 def apply_critic_estimator(

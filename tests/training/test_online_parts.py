@@ -20,7 +20,14 @@ from rl2gem.rollout.tito import Episode, Sequence
 from rl2gem.training.old_logprobs import OldLogprobs
 from rl2gem.training.online import engine_metrics
 from rl2gem.training.rl_config import ENGINE_KEYS, check_config, engine_options
-from rl2gem.training.samples import Sample, packed_field, samples_from_batch, shape_rewards
+from rl2gem.training.samples import (
+    Sample,
+    episode_samples,
+    gathered_samples,
+    packed_field,
+    samples_from_batch,
+    shape_rewards,
+)
 from tests.rewards.test_objectives import episode
 
 
@@ -149,6 +156,63 @@ def test_turn_rloo_samples_number_the_turns_across_an_episodes_sequences():
         assert advantages == pytest.approx([want[0]] * 2 + [want[1]] * 3 + [want[2]])
         assert samples[-1].advantages[1:3] == pytest.approx([0.5] * 2)  # 1.2 - 0.7
         assert all(a == 0 for s in samples for a, m in zip(s.advantages, s.mask, strict=True) if not m)
+
+
+def _played(turns, split_after=None):
+    """An episode of ``turns`` ((length, reward) each), in one sequence or split in two after turn
+    ``split_after`` (the second with a context of its own), with its turn rewards."""
+    if split_after is None:
+        sequences = [_sequence(turns)]
+    else:
+        sequences = [_sequence(turns[:split_after]), _sequence(turns[split_after:], context=4)]
+    return Episode(sequences=sequences, group=0, turn_rewards=[reward for _, reward in turns])
+
+
+def _action_advantages(samples):
+    return [a for s in samples for a, m in zip(s.advantages, s.mask, strict=True) if m]
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "drgrpo", "rloo", "reinforce_pp", "rebn", "turn_rloo"])
+def test_an_episode_split_in_two_sequences_gets_the_advantages_of_one(estimator):
+    """A context split or segment carries an episode's later turns in a second sequence: the
+    episode still counts once in its group's statistics (an outcome estimator gave each sequence
+    the episode's return: counted twice, and RLOO's baseline held the episode's own other half),
+    and returns-to-go run across the sequences (they stopped at the first's end: its early turns
+    saw none of the reward that came later)."""
+    turns = [(2, 0.0), (3, 0.0), (1, 1.0)]
+    others = [_played([(2, 0.0), (2, 0.0)]), _played([(1, 0.5), (2, 0.0)])]
+    whole = samples_from_batch(RolloutBatch([[_played(turns), *others]], {}), estimator)
+    split = samples_from_batch(RolloutBatch([[_played(turns, split_after=1), *others]], {}), estimator)
+    assert len(split) == len(whole) + 1
+    assert _action_advantages(split) == pytest.approx(_action_advantages(whole), abs=1e-6)
+    first = [a for a, m in zip(split[0].advantages, split[0].mask, strict=True) if m]
+    assert all(a > 0 for a in first)  # the turns that led to the reward are credited with it
+
+
+def test_a_critic_estimator_warns_of_episodes_in_several_sequences():
+    """The critic's estimators still run per sequence (their values come per micro-batch): a split
+    episode's returns end at each sequence's end, which the run is told once per step."""
+    split = RolloutBatch([[_played([(2, 0.0), (1, 1.0)], split_after=1), _played([(1, 0.0)])]], {})
+    with pytest.warns(UserWarning, match=r"adv.estimator=gae: 1 episode\(s\) of 2 came in several sequences"):
+        samples = samples_from_batch(split, "gae")
+    assert all(s.advantages is None for s in samples)
+
+
+@pytest.mark.parametrize("estimator", ["reinforce_pp", "rebn", "grpo"])
+def test_advantages_over_the_gathered_ranks_are_the_whole_step_s(estimator):
+    """Two ranks' samples, gathered and numbered per rank, get the advantages one rank with the
+    whole step would give: ``reinforce_pp``'s and ``rebn``'s normalisation is over the step (it was
+    over each rank's own tokens, so the world size changed the advantages)."""
+    groups = [
+        [_played([(2, 0.0), (1, 1.0)]), _played([(3, 0.0)])],
+        [_played([(1, 0.2)]), _played([(2, 0.0), (2, 0.3)])],
+    ]
+    one_rank = samples_from_batch(RolloutBatch(groups, {}), estimator)
+    two_ranks = gathered_samples([episode_samples(RolloutBatch([group], {}), estimator) for group in groups], estimator)
+    assert _action_advantages(two_ranks) == pytest.approx(_action_advantages(one_rank), abs=1e-6)
+    alone = samples_from_batch(RolloutBatch(groups[1:], {}), estimator)  # one rank's own statistics
+    if estimator != "grpo":  # a group's statistics are its own: only the batch's differ
+        assert _action_advantages(alone) != pytest.approx(_action_advantages(two_ranks[-len(alone) :]), abs=1e-3)
 
 
 def test_engine_metrics_are_the_counts_between_two_snapshots():
