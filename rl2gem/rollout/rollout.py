@@ -356,7 +356,13 @@ class Rollout:
             replies = reply_messages(observation, info)
             stop = ids[-1] if finish == "stop" and ids else None
             delta = renderer.delta(messages, text, replies, stop, tools)
-            if not delta.split and not config.context.fits(len(sequence) + len(delta.ids), config.max_new_tokens):
+            length = len(delta.ids) if delta.split else len(sequence) + len(delta.ids)  # the next prompt's
+            if length + 1 > config.max_length:  # no room for an action after the reply: not appended
+                episode.truncated = True
+                episode.info = {**episode.info, "truncated_reason": "max_length"}
+                episode.messages = messages + [assistant] + replies
+                break
+            if not config.context.fits(length, config.max_new_tokens):
                 segment = await self._next_segment(
                     episode, sequence, messages[:task_length], messages, (text, replies, stop), tools
                 )

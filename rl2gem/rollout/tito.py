@@ -172,6 +172,24 @@ class TurnDelta:
 BUILTIN_TEMPLATES = ("chatml_tools",)
 
 
+def _check_replies_rendered(replies: list[dict[str, str]], rendered: str) -> None:
+    """Raise when the chat template left out an env reply: the model would act without ever
+    seeing it (a tool result under a template with no ``tool`` role) while the episode's messages
+    recorded it. ``rendered``: the render from the action on.
+
+    Raises:
+        ValueError: naming the role the template does not render.
+    """
+    for reply in replies:
+        content = str(reply.get("content", "")).strip()
+        if content and content not in rendered:
+            raise ValueError(
+                f"the chat template does not render the env's {reply['role']!r} message (its text is not in the "
+                f"render): the model would never see it; use a template that renders role {reply['role']!r} "
+                "(rollout.chat_template=chatml_tools renders tool results)"
+            )
+
+
 def load_chat_template(value: str | None) -> str | None:
     """A ``chat_template`` option of the CLIs: ``None``/empty, a built-in name
     (:data:`BUILTIN_TEMPLATES`), a Jinja file's path, or the template text itself.
@@ -279,6 +297,10 @@ class ChatRenderer:
         nxt = prev + [asst] + replies
         full = self.render(nxt, add_generation_prompt=True, tools=tools)
         gen = self.render(prev, add_generation_prompt=True, tools=tools)
+        _check_replies_rendered(replies, full[len(gen) :] if full.startswith(gen) else full)
+        if full.startswith(gen + action_text):  # the engine's prompt and the action as the render has them
+            return TurnDelta(self.encode(self._after_stop(full[len(gen + action_text) :], stop_token)), False)
+        # a template that renders the content otherwise (trims it, or the last assistant turn differently)
         with_sentinel = self.render(prev + [{"role": "assistant", "content": _SENTINEL}], tools=tools)
         head = gen + _SENTINEL
         if not with_sentinel.startswith(head):
@@ -287,11 +309,16 @@ class ChatRenderer:
         a = self.render(prev + [asst], tools=tools)
         if not full.startswith(a):
             return TurnDelta(self.encode(full), True, "template rewrites earlier turns")
+        return TurnDelta(self.encode(self._after_stop(closing, stop_token) + full[len(a) :]), False)
+
+    def _after_stop(self, text: str, stop_token: int | None) -> str:
+        """``text`` (what follows an action's content in a render) without the sampled stop
+        token's text at its start: the token is the action's last, already in the sequence."""
         if stop_token is not None:
             stop_text = self.tokenizer.decode([stop_token], skip_special_tokens=False)
-            if stop_text and closing.startswith(stop_text):
-                closing = closing[len(stop_text) :]
-        return TurnDelta(self.encode(closing + full[len(a) :]), False)
+            if stop_text and text.startswith(stop_text):
+                return text[len(stop_text) :]
+        return text
 
     def conversation(
         self,

@@ -27,14 +27,14 @@ class RecordingEngine(EmbeddedEngine):
         return await super().generate(input_ids, sampling_params, **kwargs)
 
 
-def play(tokenizer, context: ContextConfig, model=None, episodes: int = 2):
+def play(tokenizer, context: ContextConfig, model=None, episodes: int = 2, chat_template=None):
     """A group of GuessTheNumber-Easy episodes: a prompt of 83 tokens, then 4 turns of 8 action
     tokens and a 23-token reply each (184 tokens in one sequence without a context budget)."""
 
     async def main():
         engine = RecordingEngine(model or tiny_model())
         config = RolloutConfig(responses_per_prompt=episodes, max_new_tokens=8, seed=3, context=context)
-        rollout = Rollout(engine, tokenizer, ENV, config)
+        rollout = Rollout(engine, tokenizer, ENV, config, chat_template=chat_template)
         batch = await rollout.collect(1)
         await rollout.close()
         await engine.close()
@@ -114,6 +114,25 @@ def test_truncate_starts_segments_from_the_task_and_the_latest_turns(tokenizer):
             assert tokenizer.decode(task_ids).split("<|im_start|>user")[1] in text  # the task is kept
             assert sequence.action_mask[: len(task_ids)] == [0] * len(task_ids)
     assert batch.metrics["rollout/context_segments"] >= 1
+
+
+# ChatML with a blank line after every message but the last: every turn rewrites the one before
+REWRITING_TEMPLATE = (
+    "{%- for m in messages -%}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+    "{%- if not loop.last -%}{{ '\n' }}{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+)
+
+
+def test_the_context_budget_holds_where_every_turn_splits_the_sequence(tokenizer):
+    """A template that rewrites earlier turns starts a new sequence each turn (the whole
+    conversation rendered again): its length still goes through ``context.max_tokens``, so no
+    request exceeds the budget (the check once ran only on merged turns, and the prompts grew to
+    the whole episode)."""
+    batch, inputs = play(tokenizer, ContextConfig(max_tokens=140, policy="truncate"), chat_template=REWRITING_TEMPLATE)
+    for episode in batch.episodes:
+        assert episode.turns == 4 and episode.splits >= 1 and episode.segments >= 1
+    assert max(len(ids) for ids in inputs) + 8 <= 140
 
 
 def test_truncate_cuts_a_reply_that_does_not_fit_with_the_task_alone(tokenizer):

@@ -125,6 +125,49 @@ def test_think_stripping_template_splits_and_counts(tokenizer):
         assert eng.calls[k] == prompt
 
 
+# Qwen3's shape: the last assistant turn, when it has no thinking, gets an empty thinking block
+# (a render of a finished conversation differs from the generation that made it), earlier ones not
+EMPTY_THINK_LAST_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' and loop.last and '</think>' not in m['content'] -%}"
+    "{{ '<|im_start|>assistant\n<think>\n\n</think>\n\n' + m['content'] + '<|im_end|>\n' }}"
+    "{%- else -%}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+)
+
+
+def test_a_template_that_renders_only_the_last_turn_otherwise_still_merges(tokenizer):
+    """Where the rendered conversation begins with the engine's prompt and the action as sampled,
+    the turn merges (it split on every turn under Qwen3's template: the sentinel render of a last
+    assistant turn carries an empty thinking block that the conversation does not)."""
+    guesses = [action_ids(tokenizer, f"I guess \\boxed{{{g}}}") for g in (1, 2, 3, 4)]
+    ep, eng, _ = episode(tokenizer, guesses, chat_template=EMPTY_THINK_LAST_TEMPLATE)
+    assert ep.turns == 4 and ep.splits == 0 and len(ep.sequences) == 1
+    seq = ep.sequences[0]
+    assert all(seq.input_ids[: len(call)] == call for call in eng.calls)
+    # each turn's prompt is the template's render of the conversation so far
+    r = ChatRenderer(tokenizer, EMPTY_THINK_LAST_TEMPLATE)
+    for k, call in enumerate(eng.calls):
+        assert call == r.prompt_ids(ep.messages[: 1 + 2 * k])
+
+
+def test_a_template_that_drops_the_env_s_reply_is_an_error(tokenizer):
+    """A template with no ``tool`` role renders nothing of a tool result: the model would act
+    without seeing it while the episode's messages recorded it. The delta refuses, naming the role."""
+    no_tool_role = (
+        "{%- for m in messages -%}{%- if m['role'] != 'tool' -%}"
+        "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{%- endif -%}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+    )
+    r = ChatRenderer(tokenizer, no_tool_role)
+    prev = r.initial_messages("Look it up.")
+    stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    with pytest.raises(ValueError, match="does not render the env's 'tool' message"):
+        r.delta(prev, "<search>x</search>", [{"role": "tool", "content": "SECRET 42"}], stop)
+    assert not r.delta(prev, "<search>x</search>", [{"role": "user", "content": "SECRET 42"}], stop).split
+
+
 def test_renderer_delta_is_the_render_difference(tokenizer):
     r = ChatRenderer(tokenizer, system_prompt="Be brief.")
     prev = r.initial_messages("What is 2+2?")
