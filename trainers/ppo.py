@@ -34,11 +34,13 @@ float32; GPU runs NCCL and bfloat16.
 
 from __future__ import annotations
 
+import functools
 import time
 from itertools import groupby, pairwise
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from rl2gem.algorithms import (
     WEIGHTED_ESTIMATORS,
@@ -182,14 +184,9 @@ class PPOTrainer(OnlineTrainer):
                 score["values"] = token_values(self.critic.model, ids, self.device, tree=tree)
             scores.append(score)
         if self.critic is not None:  # on the host, once every forward is queued: one wait for the device
+            self.critic_returns(samples, micro_batches, scores)
             for micro_batch, score in zip(micro_batches, scores, strict=True):
                 part = [samples[i] for i in micro_batch.indices]
-                if self.ref is not None and config.kl.in_reward and not micro_batch.placeholder:
-                    subtract_kl_from_rewards(part, score["old"], score["ref"], self.kl.coef, config.kl.estimator)
-                score["returns"] = apply_critic_estimator(
-                    part, score["values"], score["old"], config.adv.estimator, config.adv.gamma, config.adv.lam,
-                    **estimator_options(config),
-                )  # fmt: skip
                 mask = packed_field(part, "mask", self.device, torch.bool)
                 mean_value = (score["values"] * mask).sum() / mask.sum().clamp(min=1)
                 values.add({"values": mean_value}, weight=micro_batch.scale * mask.sum())
@@ -203,6 +200,50 @@ class PPOTrainer(OnlineTrainer):
         metrics["actor/old_logprobs_from_rollout"] = float(self.old_from_rollout)
         metrics["actor/old_logprobs_from_update"] = float(self.old_in_update)
         return scores, metrics
+
+    def critic_returns(self, samples, micro_batches, scores) -> None:
+        """The KL in the reward (with a reference) and the critic's estimator: each score's
+        ``returns``, each sample's advantages. Per micro-batch; where an episode came in several
+        sequences (a context split or segment), which may sit in other micro-batches or on other
+        ranks, over whole episodes instead: every rank's values, old log-probs and rewards gathered
+        (a collective), so the returns run across an episode's sequences."""
+        config = self.cfg
+        kl_in_reward = self.ref is not None and config.kl.in_reward
+        estimate = functools.partial(
+            apply_critic_estimator, estimator=config.adv.estimator, gamma=config.adv.gamma, lam=config.adv.lam,
+            **estimator_options(config),
+        )  # fmt: skip
+        split = any(s.sequence > 0 for s in samples)  # the samples are every rank's: all ranks agree
+        held = {}  # sample index -> (values, old log-probs, rewards) of this rank's micro-batches
+        for micro_batch, score in zip(micro_batches, scores, strict=True):
+            part = [samples[i] for i in micro_batch.indices]
+            if kl_in_reward and not micro_batch.placeholder:
+                subtract_kl_from_rewards(part, score["old"], score["ref"], self.kl.coef, config.kl.estimator)
+            if not split:
+                score["returns"] = estimate(part, score["values"], score["old"])
+            elif not micro_batch.placeholder:
+                lengths = [len(s) for s in part]
+                values, old = score["values"].float().cpu().split(lengths), score["old"].float().cpu().split(lengths)
+                for i, v, o in zip(micro_batch.indices, values, old, strict=True):
+                    held[i] = (v, o, samples[i].rewards)
+        if not split:
+            return
+        gathered = [held]
+        if self.world > 1:
+            gathered = [None] * self.world
+            dist.all_gather_object(gathered, held)
+        everything = {index: row for part in gathered for index, row in part.items()}
+        indices = sorted(everything)
+        for index in indices:
+            samples[index].rewards = everything[index][2]
+        estimate(
+            [samples[i] for i in indices],
+            torch.cat([everything[i][0] for i in indices]),
+            torch.cat([everything[i][1] for i in indices]),
+        )
+        for micro_batch, score in zip(micro_batches, scores, strict=True):
+            returns = [r for i in micro_batch.indices for r in samples[i].returns]
+            score["returns"] = to_device(torch.tensor(returns, dtype=torch.float32), self.device)
 
     def update(self, samples, micro_batches, scores) -> dict:
         """``update_per_rollout`` passes of the PPO loss (and the value loss) over the micro-batches,

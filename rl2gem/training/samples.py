@@ -8,7 +8,6 @@ critic, from GAE or an off-policy estimator over packed values (:func:`apply_cri
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import torch
@@ -31,6 +30,7 @@ __all__ = [
     "apply_critic_estimator",
     "packed_field",
     "episode_samples",
+    "episode_rows",
     "estimate_advantages",
     "gathered_samples",
     "samples_from_batch",
@@ -54,7 +54,8 @@ class Sample:
         versions: policy version of each action token (RL).
         returns: per-token returns, the critic's targets (critic estimators).
         group: the rollout group of its episode (RL; any hashable, unique in the step).
-        episode: its episode (RL; an episode's sequences are consecutive samples in its order).
+        episode: its episode (RL; None: a sequence on its own).
+        sequence: its place among its episode's sequences (a context split or segment starts the next).
     """
 
     ids: list[int]
@@ -66,6 +67,7 @@ class Sample:
     returns: list[float] | None = None
     group: Hashable = None
     episode: Hashable = None
+    sequence: int = 0
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -134,8 +136,16 @@ def episode_samples(batch, estimator: str) -> list[Sample]:
                         rewards[last] = episode.reward
                 samples.append(
                     Sample(
-                        s.input_ids, s.action_mask, s.logprobs, None, rewards, s.versions, group=g, episode=episode_id
-                    )
+                        s.input_ids,
+                        s.action_mask,
+                        s.logprobs,
+                        None,
+                        rewards,
+                        s.versions,
+                        group=g,
+                        episode=episode_id,
+                        sequence=k,
+                    )  # fmt: skip
                 )
             episode_id += 1
     return samples
@@ -161,23 +171,9 @@ def estimate_advantages(
         ValueError: unknown estimator (from :func:`rl2gem.algorithms.compute_advantages`).
     """
     samples = list(samples)
-    rows: dict[Hashable, list[Sample]] = {}  # episode -> its sequences, in order
-    for sample in samples:
-        rows.setdefault(sample.episode, []).append(sample)
-    episodes = list(rows.values())
-    if estimator in CRITIC_ESTIMATORS:
-        split = sum(len(row) > 1 for row in episodes)
-        if split:  # the critic's values are a micro-batch's: its estimator runs per sequence
-            warnings.warn(
-                f"adv.estimator={estimator}: {split} episode(s) of {len(episodes)} came in several sequences (a "
-                "context split or segment); the critic's estimator ends each sequence's returns at its end, so "
-                "its early turns see none of the later rewards: a critic-free estimator (turn_rloo, rebn, "
-                "reinforce_pp, grpo) runs across them",
-                stacklevel=2,
-            )
+    if not samples or estimator in CRITIC_ESTIMATORS:
         return samples
-    if not samples:
-        return samples
+    episodes = [[samples[i] for i in row] for row in episode_rows(samples)]
     groups: dict[Hashable, int] = {}
     group_ids = torch.tensor([groups.setdefault(row[0].group, len(groups)) for row in episodes])
     rewards = padded_rows([[r for s in row for r in s.rewards] for row in episodes])
@@ -192,6 +188,16 @@ def estimate_advantages(
             sample.advantages = advantages[e, start : start + len(sample)].tolist()
             start += len(sample)
     return samples
+
+
+def episode_rows(samples: Sequence[Sample]) -> list[list[int]]:
+    """The indices into ``samples`` of each episode's sequences, in the episode's order (by
+    :attr:`Sample.sequence`), episodes in the order of their first sample; a sample without an
+    episode is a row of its own."""
+    rows: dict[Hashable, list[int]] = {}
+    for index, sample in enumerate(samples):
+        rows.setdefault(("sample", index) if sample.episode is None else sample.episode, []).append(index)
+    return [sorted(row, key=lambda index: samples[index].sequence) for row in rows.values()]
 
 
 def gathered_samples(
@@ -235,7 +241,9 @@ def apply_critic_estimator(
     **options,
 ) -> torch.Tensor:
     """A critic estimator (:data:`rl2gem.algorithms.CRITIC_ESTIMATORS`: GAE, V-trace, Retrace, ...)
-    for packed ``samples``; sets each sample's ``advantages`` and ``returns``.
+    for packed ``samples``; sets each sample's ``advantages`` and ``returns``. The sequences of
+    an episode among ``samples`` (:func:`episode_rows`) are one row, in their order: the returns
+    of its first run across the later ones (pass all of an episode's sequences in one call).
 
     Args:
         values: float32 ``[N]``, the critic's values of the packed samples
@@ -254,21 +262,30 @@ def apply_critic_estimator(
     """
     device = values.device
     lengths = [len(s) for s in samples]
-    # one batch [B, T] (padding off the action mask: the estimators step over action tokens only),
-    # one read of the device
-    values, logprobs = values.detach().float().cpu(), logprobs.detach().float().cpu()
-    rewards, mask = padded_rows([s.rewards for s in samples]), padded_rows([s.mask for s in samples]).bool()
+    # one batch [B, T] of episode rows (padding off the action mask: the estimators step over
+    # action tokens only), one read of the device
+    values, logprobs = values.detach().float().cpu().split(lengths), logprobs.detach().float().cpu().split(lengths)
+    rows = episode_rows(samples)
+
+    def joined(per_sample) -> torch.Tensor:
+        return padded_rows([[x for index in row for x in per_sample(index)] for row in rows])
+
+    rewards, mask = joined(lambda i: samples[i].rewards), joined(lambda i: samples[i].mask).bool()
     log_ratio = None
     if estimator in OFF_POLICY_ESTIMATORS:
-        rollout = torch.tensor([lp for s in samples for lp in s.rollout_logprobs], dtype=torch.float32)
-        log_ratio = padded_rows((logprobs - rollout).split(lengths))
+        log_ratio = joined(lambda i: (logprobs[i] - torch.tensor(samples[i].rollout_logprobs)).tolist())
     advantages, returns = compute_advantages(
-        estimator, rewards, mask, values=padded_rows(values.split(lengths)), gamma=gamma, lam=lam,
+        estimator, rewards, mask, values=joined(lambda i: values[i].tolist()), gamma=gamma, lam=lam,
         log_ratio=log_ratio, **options,
     )  # fmt: skip
-    for i, s in enumerate(samples):
-        s.advantages, s.returns = advantages[i, : lengths[i]].tolist(), returns[i, : lengths[i]].tolist()
-    return torch.cat([returns[i, :n] for i, n in enumerate(lengths)]).to(device)
+    for e, row in enumerate(rows):
+        start = 0
+        for index in row:
+            end = start + lengths[index]
+            samples[index].advantages = advantages[e, start:end].tolist()
+            samples[index].returns = returns[e, start:end].tolist()
+            start = end
+    return torch.tensor([r for s in samples for r in s.returns], dtype=torch.float32).to(device)
 
 
 def padded_rows(rows) -> torch.Tensor:

@@ -837,3 +837,69 @@ def test_each_optimizer_step_s_loss_is_its_own_minibatch_s_mean(tiny_dir, tmp_pa
     assert ppo.main([*run, f"trainer.output_dir={out}", "trainer.progress=false"]) == 0
     assert sums[-1] == 0.0 and len(sums) == 3  # two optimizer steps, nothing weighed after them
     assert sums[:2] == [pytest.approx(1.0, rel=1e-5)] * 2, (sums, lengths)
+
+
+def rewriting_template(folder):
+    """A ChatML template file with a blank line after every message but the last: every turn
+    rewrites the one before, so each turn starts a new sequence."""
+    template = folder / "rewriting.jinja"
+    template.write_text(
+        "{%- for m in messages -%}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+        "{%- if not loop.last -%}{{ '\\n' }}{%- endif -%}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+    )
+    return template
+
+
+def test_a_critic_s_returns_run_across_an_episode_s_sequences(tiny_dir, tmp_path, monkeypatch):
+    """GAE on multi-turn episodes under a template that rewrites earlier turns (every turn a new
+    sequence): the critic's estimator sees each episode whole, in one call over the step's
+    samples, so the returns of an episode's first turns include its later rewards."""
+    template = rewriting_template(tmp_path)
+    estimate, calls = ppo.apply_critic_estimator, []
+
+    def recording(samples, *args, **kwargs):
+        calls.append([(s.episode, s.sequence) for s in samples])
+        return estimate(samples, *args, **kwargs)
+
+    monkeypatch.setattr(ppo, "apply_critic_estimator", recording)
+    out = tmp_path / "split"
+    options = ["env=rl2/GuessTheNumber-Easy-v0", f"actor.model={tiny_dir}", f"rollout.chat_template={template}"]
+    options += ["rollout.prompts_per_rollout=2", "rollout.responses_per_prompt=2", "rollout.max_new_tokens=8"]
+    options += ["adv.estimator=gae", "reward.transform=tests.toy_envs:even_token_reward", "trainer.total_steps=1"]
+    options += ["trainer.eval_at_start=false", "trainer.eval_n=0", "actor.max_length_per_device=128"]  # a sequence each
+    assert ppo.main([*options, f"trainer.output_dir={out}", "trainer.progress=false"]) == 0
+    assert len(calls) == 1  # one call over the step, not one per micro-batch (one sequence each)
+    episodes = {}
+    for episode, sequence in calls[0]:
+        episodes.setdefault(episode, []).append(sequence)
+    assert len(episodes) == 4 and all(sorted(s) == list(range(len(s))) and len(s) > 1 for s in episodes.values())
+    steps = logged_steps(out / "metrics.jsonl", "critic/grad_norm")
+    assert steps[1]["rollout/splits"] > 0 and steps[1]["critic/grad_norm"] > 0
+
+
+def test_two_ranks_gather_the_critic_s_inputs_of_split_episodes(tiny_dir, tmp_path):
+    """The same with two ranks: an episode's sequences sit in micro-batches of either rank, whose
+    values, old log-probs and rewards every rank gathers before the estimator runs over the step."""
+    template = rewriting_template(tmp_path)
+    out = tmp_path / "two"
+    torchrun(
+        2,
+        "trainers/ppo.py",
+        "env=rl2/GuessTheNumber-Easy-v0",
+        f"actor.model={tiny_dir}",
+        f"rollout.chat_template={template}",
+        "rollout.prompts_per_rollout=2",
+        "rollout.responses_per_prompt=2",
+        "rollout.max_new_tokens=8",
+        "adv.estimator=gae",
+        "reward.transform=tests.toy_envs:even_token_reward",
+        "actor.max_length_per_device=128",
+        "trainer.total_steps=2",
+        "trainer.eval_at_start=false",
+        "trainer.eval_n=0",
+        f"trainer.output_dir={out}",
+        "trainer.progress=false",
+    )
+    steps = logged_steps(out / "metrics.jsonl", "critic/grad_norm")
+    assert all(steps[s]["rollout/splits"] > 0 and steps[s]["critic/grad_norm"] > 0 for s in (1, 2))

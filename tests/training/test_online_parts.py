@@ -189,15 +189,6 @@ def test_an_episode_split_in_two_sequences_gets_the_advantages_of_one(estimator)
     assert all(a > 0 for a in first)  # the turns that led to the reward are credited with it
 
 
-def test_a_critic_estimator_warns_of_episodes_in_several_sequences():
-    """The critic's estimators still run per sequence (their values come per micro-batch): a split
-    episode's returns end at each sequence's end, which the run is told once per step."""
-    split = RolloutBatch([[_played([(2, 0.0), (1, 1.0)], split_after=1), _played([(1, 0.0)])]], {})
-    with pytest.warns(UserWarning, match=r"adv.estimator=gae: 1 episode\(s\) of 2 came in several sequences"):
-        samples = samples_from_batch(split, "gae")
-    assert all(s.advantages is None for s in samples)
-
-
 @pytest.mark.parametrize("estimator", ["reinforce_pp", "rebn", "grpo"])
 def test_advantages_over_the_gathered_ranks_are_the_whole_step_s(estimator):
     """Two ranks' samples, gathered and numbered per rank, get the advantages one rank with the

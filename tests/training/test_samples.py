@@ -50,6 +50,38 @@ def test_a_micro_batch_in_one_call_equals_each_sample_on_its_own(estimator):
 
 
 @pytest.mark.parametrize("estimator", CRITIC_ESTIMATORS)
+def test_an_episode_in_two_sequences_gets_the_returns_of_one(estimator):
+    """An episode whose second turn came in a new sequence (its conversation rendered again: more
+    context tokens before it) gets, on its action tokens, the advantages and returns of the same
+    episode in one sequence, wherever its sequences sit in the call: the returns run across them
+    (they ended at the first sequence's end, as if the episode had)."""
+    generator = torch.Generator().manual_seed(len(estimator))
+    mask = [0, 0, 1, 1, 0, 1, 1, 1]
+    rewards = [0.0, 0.0, 0.0, 0.3, 0.0, 0.0, 0.0, 1.0]
+    values, old = torch.randn(8, generator=generator), -torch.rand(8, generator=generator)
+    rollout = (-torch.rand(8, generator=generator)).tolist()
+    whole = Sample(list(range(8)), mask, rollout, None, rewards, [0] * 8, episode=0)
+    first = Sample(list(range(4)), mask[:4], rollout[:4], None, rewards[:4], [0] * 4, episode=0, sequence=0)
+    second = Sample(
+        list(range(7)), [0, 0, 0, *mask[4:]], [0.0] * 3 + rollout[4:], None, [0.0] * 3 + rewards[4:], [0] * 7,
+        episode=0, sequence=1,
+    )  # fmt: skip
+    other = Sample([1, 2, 3], [0, 1, 1], [-0.5, -0.5, -0.5], None, [0.0, 0.0, 0.2], [0] * 3, episode=1)
+    options = {"gamma": 0.9, "lam": 0.8}
+    apply_critic_estimator([whole, other], torch.cat([values, torch.zeros(3)]), torch.cat([old, -torch.ones(3)]),
+                           estimator, **options)  # fmt: skip
+    packed_values = torch.cat([torch.zeros(3), values[4:], torch.zeros(3), values[:4]])
+    packed_old = torch.cat([torch.zeros(3), old[4:], -torch.ones(3), old[:4]])
+    apply_critic_estimator([second, other, first], packed_values, packed_old, estimator, **options)
+
+    def on_actions(field, *samples):
+        return [x for s in samples for x, m in zip(getattr(s, field), s.mask, strict=True) if m]
+
+    assert on_actions("advantages", first, second) == pytest.approx(on_actions("advantages", whole), abs=1e-6)
+    assert on_actions("returns", first, second) == pytest.approx(on_actions("returns", whole), abs=1e-6)
+
+
+@pytest.mark.parametrize("estimator", CRITIC_ESTIMATORS)
 def test_a_micro_batch_without_action_tokens_gets_zero_advantages(estimator):
     """A prompt that filled ``rollout.max_length`` leaves a sequence with no action token; a
     micro-batch of such sequences (or a placeholder of one) has nothing to estimate."""
