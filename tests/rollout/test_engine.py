@@ -772,9 +772,9 @@ def test_admission_keeps_to_the_prefill_and_cached_token_limits(model, limit):
         eng = EmbeddedEngine(model, max_batch_size=8, **options)
         prefill, most = eng._prefill, []
 
-        def counting(take):
+        def counting(take, **options):
             most.append(len(eng._running) + len(take))
-            return prefill(take)
+            return prefill(take, **options)
 
         eng._prefill = counting
         outs = await admitted_together(eng, [eng.generate(p, greedy) for p in prompts])
