@@ -21,8 +21,8 @@ rollout starts a new segment from a shorter conversation, chosen by the policy:
   falls back to ``truncate``.
 
 Every segment is a training sequence of the episode (:attr:`rl2gem.rollout.tito.Episode.sequences`):
-outcome estimators score each with the episode's return, ``turn_rloo`` numbers the turns across
-them. The tokens of a segment are exactly what the engine was given.
+every estimator takes the episode's segments as one row (:func:`rl2gem.training.samples.episode_rows`:
+an outcome estimator counts the episode once, returns run across its segments). The tokens of a segment are exactly what the engine was given.
 """
 
 from __future__ import annotations

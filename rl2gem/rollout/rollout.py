@@ -357,11 +357,6 @@ class Rollout:
             stop = ids[-1] if finish == "stop" and ids else None
             delta = renderer.delta(messages, text, replies, stop, tools)
             length = len(delta.ids) if delta.split else len(sequence) + len(delta.ids)  # the next prompt's
-            if length + 1 > config.max_length:  # no room for an action after the reply: not appended
-                episode.truncated = True
-                episode.info = {**episode.info, "truncated_reason": "max_length"}
-                episode.messages = messages + [assistant] + replies
-                break
             if not config.context.fits(length, config.max_new_tokens):
                 segment = await self._next_segment(
                     episode, sequence, messages[:task_length], messages, (text, replies, stop), tools
@@ -373,6 +368,11 @@ class Rollout:
                     break
                 sequence, messages = segment
                 continue
+            if length + 1 > config.max_length:  # no room for an action after the reply: not appended
+                episode.truncated = True
+                episode.info = {**episode.info, "truncated_reason": "max_length"}
+                episode.messages = messages + [assistant] + replies
+                break
             messages = messages + [assistant] + replies
             if delta.split:
                 episode.splits += 1

@@ -172,24 +172,6 @@ class TurnDelta:
 BUILTIN_TEMPLATES = ("chatml_tools",)
 
 
-def _check_replies_rendered(replies: list[dict[str, str]], rendered: str) -> None:
-    """Raise when the chat template left out an env reply: the model would act without ever
-    seeing it (a tool result under a template with no ``tool`` role) while the episode's messages
-    recorded it. ``rendered``: the render from the action on.
-
-    Raises:
-        ValueError: naming the role the template does not render.
-    """
-    for reply in replies:
-        content = str(reply.get("content", "")).strip()
-        if content and content not in rendered:
-            raise ValueError(
-                f"the chat template does not render the env's {reply['role']!r} message (its text is not in the "
-                f"render): the model would never see it; use a template that renders role {reply['role']!r} "
-                "(rollout.chat_template=chatml_tools renders tool results)"
-            )
-
-
 def load_chat_template(value: str | None) -> str | None:
     """A ``chat_template`` option of the CLIs: ``None``/empty, a built-in name
     (:data:`BUILTIN_TEMPLATES`), a Jinja file's path, or the template text itself.
@@ -297,7 +279,7 @@ class ChatRenderer:
         nxt = prev + [asst] + replies
         full = self.render(nxt, add_generation_prompt=True, tools=tools)
         gen = self.render(prev, add_generation_prompt=True, tools=tools)
-        _check_replies_rendered(replies, full[len(gen) :] if full.startswith(gen) else full)
+        self._check_replies_rendered(prev + [asst], replies, full[len(gen) :] if full.startswith(gen) else full, tools)
         if full.startswith(gen + action_text):  # the engine's prompt and the action as the render has them
             return TurnDelta(self.encode(self._after_stop(full[len(gen + action_text) :], stop_token)), False)
         # a template that renders the content otherwise (trims it, or the last assistant turn differently)
@@ -310,6 +292,32 @@ class ChatRenderer:
         if not full.startswith(a):
             return TurnDelta(self.encode(full), True, "template rewrites earlier turns")
         return TurnDelta(self.encode(self._after_stop(closing, stop_token) + full[len(a) :]), False)
+
+    def _check_replies_rendered(self, before, replies, rendered: str, tools) -> None:
+        """Raise when the chat template left out an env reply: the model would act without seeing
+        it (a tool result under a template with no ``tool`` role) while the episode's messages
+        recorded it. ``rendered``: the render of ``before + replies`` from the action on. A reply
+        whose text is not there as written (a template that JSON-encodes or trims it) is rendered
+        again with a marker for its text, which must then be there.
+
+        Raises:
+            ValueError: naming the role the template does not render.
+        """
+        missing = [
+            i for i, r in enumerate(replies) if (text := str(r.get("content", "")).strip()) and text not in rendered
+        ]
+        if not missing:
+            return
+        marked = [dict(r, content=f"RL2GEMREPLY{i}X") if i in missing else r for i, r in enumerate(replies)]
+        again = self.render(before + marked, add_generation_prompt=True, tools=tools)
+        for i in missing:
+            if f"RL2GEMREPLY{i}X" not in again:
+                role = replies[i]["role"]
+                raise ValueError(
+                    f"the chat template does not render the env's {role!r} message: the model would never see it; "
+                    f"use a template that renders role {role!r} (rollout.chat_template=chatml_tools renders tool "
+                    "results)"
+                )
 
     def _after_stop(self, text: str, stop_token: int | None) -> str:
         """``text`` (what follows an action's content in a render) without the sampled stop

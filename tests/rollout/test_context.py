@@ -27,13 +27,15 @@ class RecordingEngine(EmbeddedEngine):
         return await super().generate(input_ids, sampling_params, **kwargs)
 
 
-def play(tokenizer, context: ContextConfig, model=None, episodes: int = 2, chat_template=None):
+def play(tokenizer, context: ContextConfig, model=None, episodes: int = 2, chat_template=None, max_length=2048):
     """A group of GuessTheNumber-Easy episodes: a prompt of 83 tokens, then 4 turns of 8 action
     tokens and a 23-token reply each (184 tokens in one sequence without a context budget)."""
 
     async def main():
         engine = RecordingEngine(model or tiny_model())
-        config = RolloutConfig(responses_per_prompt=episodes, max_new_tokens=8, seed=3, context=context)
+        config = RolloutConfig(
+            responses_per_prompt=episodes, max_new_tokens=8, seed=3, context=context, max_length=max_length
+        )
         rollout = Rollout(engine, tokenizer, ENV, config, chat_template=chat_template)
         batch = await rollout.collect(1)
         await rollout.close()
@@ -135,11 +137,13 @@ def test_the_context_budget_holds_where_every_turn_splits_the_sequence(tokenizer
     assert max(len(ids) for ids in inputs) + 8 <= 140
 
 
-def test_truncate_cuts_a_reply_that_does_not_fit_with_the_task_alone(tokenizer):
+@pytest.mark.parametrize("max_length", [2048, 110])
+def test_truncate_cuts_a_reply_that_does_not_fit_with_the_task_alone(tokenizer, max_length):
     """110 tokens: the task (83), one action (8) and its 23-token reply leave no room for the next
     action, so every new segment keeps the reply's head and :data:`CUT_MARKER`; the episode still
-    plays its 4 turns (it once ended at the first reply, truncated)."""
-    batch, inputs = play(tokenizer, ContextConfig(max_tokens=110, policy="truncate"))
+    plays its 4 turns (it once ended at the first reply, truncated), also where the reply would
+    take the sequence past ``max_length`` (a new segment, not the end of the episode)."""
+    batch, inputs = play(tokenizer, ContextConfig(max_tokens=110, policy="truncate"), max_length=max_length)
     _segments_are_what_the_engine_saw(batch, inputs)
     for episode in batch.episodes:
         assert episode.turns == 4 and episode.segments == 3 and episode.info["truncated_reason"] == "max_turns"

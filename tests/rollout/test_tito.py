@@ -166,6 +166,13 @@ def test_a_template_that_drops_the_env_s_reply_is_an_error(tokenizer):
     with pytest.raises(ValueError, match="does not render the env's 'tool' message"):
         r.delta(prev, "<search>x</search>", [{"role": "tool", "content": "SECRET 42"}], stop)
     assert not r.delta(prev, "<search>x</search>", [{"role": "user", "content": "SECRET 42"}], stop).split
+    # Llama 3.x's shape: tool results JSON-encoded (quotes and newlines escaped) are rendered all the same
+    json_tool = no_tool_role.replace("m['role'] != 'tool'", "true").replace(
+        "+ m['content'] +", "+ (m['content'] | tojson if m['role'] == 'tool' else m['content']) +"
+    )
+    r = ChatRenderer(tokenizer, json_tool)
+    reply = {"role": "tool", "content": '{"temperature": 3}\nsay "hi"'}
+    assert r.delta(prev, "<search>x</search>", [reply], stop).ids
 
 
 def test_renderer_delta_is_the_render_difference(tokenizer):
