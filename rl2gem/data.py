@@ -30,6 +30,7 @@ __all__ = [
     "FILE_FORMATS",
     "DataUnavailable",
     "PreferencePair",
+    "assistant_extra_keys",
     "load_conversations",
     "load_preferences",
     "load_table",
@@ -179,6 +180,28 @@ def load_conversations(source: str | Mapping[str, str], split: str = "train") ->
     return conversations
 
 
+def assistant_extra_keys(message: dict[str, Any]) -> str:
+    """Why an assistant ``message`` cannot be trained on as it is ('' when it can): an assistant turn
+    is the tokens of its ``content`` (what the model writes), so another key with a value
+    (OpenAI's ``tool_calls``, ``reasoning_content``) would be dropped without a word."""
+    if message.get("role") != "assistant":
+        return ""
+    extra = sorted(key for key, value in message.items() if key not in ("role", "content") and _has_value(value))
+    if not extra:
+        return ""
+    return (
+        f"an assistant turn is trained on its 'content' only, and this one also has {extra}: write what the model "
+        "should generate into 'content' (a tool call as the chat template renders it, e.g. "
+        '<tool_call>{"name": ..., "arguments": ...}</tool_call>)'
+    )
+
+
+def _has_value(value: Any) -> bool:
+    """Whether a message key holds anything: not None, nor an empty string, list or mapping (a
+    data set's column that another row fills)."""
+    return value is not None and not (isinstance(value, (str, list, tuple, dict)) and len(value) == 0)
+
+
 def _conversation(messages: Any, where: str) -> list[dict[str, Any]]:
     """``messages`` checked and without null keys (see :func:`load_conversations`)."""
     out = []
@@ -189,6 +212,9 @@ def _conversation(messages: Any, where: str) -> list[dict[str, Any]]:
             )
         if not isinstance(message.get("content"), str):
             raise DataUnavailable(f"{where}: message {position} has no string 'content'")
+        extra = assistant_extra_keys(message)
+        if extra:
+            raise DataUnavailable(f"{where}: message {position}: {extra}")
         out.append(message)
     if not any(message["role"] == "assistant" for message in out):
         raise DataUnavailable(f"{where}: the conversation has no assistant turn")

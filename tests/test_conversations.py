@@ -95,6 +95,17 @@ def test_prompt_given_as_messages_is_kept(tmp_path):
         ),
         ({"messages": [SYSTEM, {"role": "user", "content": "hi"}]}, r"row 1 .*no assistant turn"),
         ({"messages": []}, r"row 1 .*non-empty list"),
+        (  # OpenAI's function-calling shape: the call would be dropped, the model trained to stop at once
+            {
+                "messages": [
+                    {"role": "user", "content": "Weather in Paris?"},
+                    {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "weather"}}]},
+                    {"role": "tool", "content": "18C"},
+                    {"role": "assistant", "content": "18C and sunny."},
+                ]
+            },
+            r"row 1 .*message 1: an assistant turn is trained on its 'content' only, and this one also has \['tool_calls'\]",
+        ),
     ],
 )
 def test_bad_rows_are_named(tmp_path, bad_row, message):

@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from rl2gem.data import assistant_extra_keys
+
 __all__ = [
     "ChatRenderer",
     "Sequence",
@@ -405,6 +407,9 @@ def _check_conversation(messages: list[dict[str, str]]) -> None:
             raise ValueError(f"message {number} has role {message['role']!r}; expected one of {', '.join(_ROLES)}")
         if not isinstance(message["content"], str):
             raise ValueError(f"message {number} has non-string content of type {type(message['content']).__name__}")
+        extra = assistant_extra_keys(message)
+        if extra:
+            raise ValueError(f"message {number}: {extra}")
     roles = [m["role"] for m in messages]
     if "assistant" not in roles:
         raise ValueError("the conversation has no assistant turn (nothing to learn)")
