@@ -520,7 +520,8 @@ def summarize(records: list[EpisodeRecord], seconds: float) -> str:
     """A text table of the run."""
     n = len(records)
     tokens = sum(r.generated_tokens for r in records)
-    fmt = [r.format_ok for r in records if r.format_ok is not None]
+    # where the env reports the format, an episode without it (a rejected action, a truncation) did not follow it
+    fmt = [bool(r.format_ok) for r in records] if any(r.format_ok is not None for r in records) else []
     rows = [
         ("episodes", f"{n}"),
         ("accuracy (success rate)", f"{np.mean([r.success for r in records]):.3f}"),

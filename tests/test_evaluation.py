@@ -2,7 +2,7 @@
 
 import pytest
 
-from rl2gem.evaluation import EpisodeRecord, paired_comparison
+from rl2gem.evaluation import EpisodeRecord, paired_comparison, summarize
 
 
 def test_paired_comparison_counts_discordant_items_and_gives_the_exact_sign_test():
@@ -21,3 +21,18 @@ def test_paired_comparison_counts_discordant_items_and_gives_the_exact_sign_test
     assert paired_comparison(evaluation([1, 0]), evaluation([1, 0])) == (0, 0, 1.0)  # nothing changed
     with pytest.raises(ValueError, match="not on the same items"):
         paired_comparison(evaluation([1, 0]), evaluation([1]))
+
+
+def test_format_followed_counts_an_episode_that_did_not_report_it_as_not_followed():
+    """Where the env reports ``format_ok``, an episode whose last step did not (a rejected empty
+    answer, a truncation) did not follow the format: 1 of 4 here, not 1 of the 2 that reported it.
+    An env that never reports it gets n/a."""
+
+    def record(format_ok):
+        return EpisodeRecord(0, 0, None, 0.0, 1, False, True, False, 0, format_ok, 5)
+
+    def followed(records):
+        return next(line.split()[-1] for line in summarize(records, 1.0).splitlines() if "format followed" in line)
+
+    assert followed([record(True), record(False), record(None), record(None)]) == "0.250"
+    assert followed([record(None)]) == "n/a"

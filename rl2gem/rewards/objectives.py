@@ -39,6 +39,7 @@ __all__ = [
     "load_transform",
     "objective_sense",
     "objective_value",
+    "unscored_as_zero",
     "set_final_reward",
     "tchebycheff",
     "weighted_sum",
@@ -57,6 +58,17 @@ def episode_components(episode) -> dict[str, float]:
     components.setdefault("turns", float(episode.turns))
     components.setdefault("invalid_actions", float(episode.info.get("num_invalid_actions", 0)))
     return components
+
+
+def unscored_as_zero(episode, components: Mapping[str, float], names) -> dict[str, float]:
+    """``components`` with 0.0 for each of ``names`` it lacks when ``episode`` ended unscored: on
+    a rejected action (an empty answer: no component reported) or truncated (a turn or token
+    limit, maybe after a tool step that reports none). A scored ending that lacks a weighted
+    component is still an error (:func:`weighted_sum`: a misspelt name, an env that does not
+    report it)."""
+    if not (episode.truncated or episode.info.get("invalid_action")):
+        return dict(components)
+    return {**dict.fromkeys(names, 0.0), **components}
 
 
 def _missing(components: Mapping[str, float], names) -> None:
@@ -143,9 +155,11 @@ def apply_objectives(
     if combine not in (None, *COMBINERS):
         raise ValueError(f"reward.objectives.combine must be null or one of {COMBINERS}, got {combine!r}")
     episodes = [e for e in batch.episodes if e.sequences and e.turn_rewards]
+    every = [episode_components(episode) for episode in episodes]
+    names = {name for components in every for name in components}
     sums: dict[str, float] = {}
-    for episode in episodes:
-        components = episode_components(episode)
+    for episode, components in zip(episodes, every, strict=True):
+        components = unscored_as_zero(episode, components, names)
         for k, v in components.items():
             sums[k] = sums.get(k, 0.0) + v
         if combine is None and transform is None:
@@ -171,6 +185,7 @@ def objective_value(
     if kept is not None:
         return kept
     value = episode.reward
+    components = unscored_as_zero(episode, components, weights or {})
     if combine == "weighted_sum":
         value = weighted_sum(components, weights or {})
     elif combine == "tchebycheff":

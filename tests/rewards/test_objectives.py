@@ -92,6 +92,30 @@ def test_apply_replaces_the_reward_where_the_env_put_it():
     assert metrics["rollout/component/invalid_actions"] == pytest.approx(1.5)
 
 
+def test_an_episode_that_ended_unscored_counts_its_missing_components_as_zero():
+    """A rejected answer (an empty action: the env reports no component) or a truncation gets 0.0
+    for the components it lacks, in the combined reward and in the batch's means; it stopped the
+    training step with a KeyError. A scored ending that lacks a weighted component still raises."""
+    env = rl2gem.make("rl2/GSM8K-v0")
+    env.reset(seed=0)
+    _, _, terminated, _, info = env.step("   \n")
+    env.close()
+    assert terminated and info["invalid_action"] and "reward_components" not in info
+    rejected = episode(0.0, 0.0, 3)
+    rejected.info = info
+    truncated = episode(0.0, 0.0, 5)
+    truncated.info, truncated.truncated = {"reward_components": {"tool_calls": 2.0}}, True
+    batch = RolloutBatch([[episode(1.0, 1.0, 4), rejected, truncated]], {})
+    metrics = apply_objectives(batch, "weighted_sum", {"correctness": 1.0, "format": 0.5})
+    assert [e.reward for e in batch.episodes] == [pytest.approx(1.5), 0.0, 0.0]
+    assert metrics["rollout/component/correctness"] == pytest.approx(1 / 3)
+    assert metrics["rollout/component/tool_calls"] == pytest.approx(2 / 3)
+    scored = episode(1.0, 1.0, 4)
+    scored.info = {"reward_components": {"format": 1.0}}
+    with pytest.raises(KeyError, match="correctness"):
+        apply_objectives(RolloutBatch([[scored]], {}), "weighted_sum", {"correctness": 1.0})
+
+
 def test_hypervolume_by_hand_and_against_monte_carlo():
     assert hypervolume([(1, 3), (2, 2), (3, 1)], (0, 0)) == 6  # a staircase of three unit columns
     assert hypervolume([(1, 3), (2, 2), (3, 1), (1, 1)], (0, 0)) == 6  # a dominated point adds nothing
