@@ -363,6 +363,7 @@ def _evaluate_openai(cfg, resets, emit) -> None:
 
     from openai import NOT_GIVEN, AsyncOpenAI, BadRequestError
 
+    from rl2gem.rollout.engines.base import mix_seed
     from rl2gem.rollout.rollout import reply_messages
     from rl2gem.tools.base import hermes_tool_calls
 
@@ -387,8 +388,12 @@ def _evaluate_openai(cfg, resets, emit) -> None:
                 api = system + [{"role": info.get("role", "user"), "content": obs}]  # what the API sees
                 shown = [dict(m) for m in api]  # the rl2gem form, as a local evaluation records it
                 tools = info.get("tools") or NOT_GIVEN
-                total, tokens, done = 0.0, 0, False
+                total, tokens, done, turn = 0.0, 0, False, 0
                 while not done:
+                    # each episode and turn its own sampling seed: the k responses to a task share
+                    # its reset seed, and one request seed would make them copies on a server that honours it
+                    request_seed = mix_seed(int(cfg.seed), position, turn) % 2**31
+                    turn += 1
                     async with in_flight:
                         reply = await client.chat.completions.create(
                             model=cfg.openai_model,
@@ -397,7 +402,7 @@ def _evaluate_openai(cfg, resets, emit) -> None:
                             max_tokens=int(cfg.max_new_tokens),
                             temperature=float(cfg.temperature),
                             top_p=float(cfg.top_p),
-                            seed=int(seed),
+                            seed=request_seed,
                         )
                     message = reply.choices[0].message
                     tokens += reply.usage.completion_tokens if reply.usage else 0

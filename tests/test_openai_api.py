@@ -10,6 +10,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -508,3 +509,28 @@ def test_aiohttp_refusals_carry_error_bodies_too(scripted):
         body = json.loads(caught.value.read())
         message = body["error"]["message"] if path.startswith("/v1/") else body["message"]
         assert path in message
+
+
+def test_each_response_through_the_openai_api_samples_from_its_own_seed(monkeypatch):
+    """``responses_per_prompt=3``: the three requests of a task share its reset seed, but each
+    carries a sampling seed of its own (one seed made them copies on a server that honours seeds)."""
+    sent = []
+
+    class Completions:
+        async def create(self, **request):
+            sent.append((request["messages"][0]["content"], request["seed"]))
+            message = SimpleNamespace(content="\\boxed{5}", tool_calls=None)
+            return SimpleNamespace(choices=[SimpleNamespace(message=message)], usage=None)
+
+    class Client:
+        def __init__(self, **options):
+            self.chat = SimpleNamespace(completions=Completions())
+
+        async def close(self):
+            pass
+
+    monkeypatch.setattr(openai, "AsyncOpenAI", Client)
+    options = ["env=rl2/GSM8K-v0", "n=2", "responses_per_prompt=3", "temperature=1.0", "progress=false"]
+    records = evaluate(parse_args([*options, "openai_base_url=http://127.0.0.1:9/v1", "openai_model=m"]))
+    assert len(records) == 6 and len(sent) == 6 and len({prompt for prompt, _ in sent}) == 2
+    assert len({seed for _, seed in sent}) == 6
