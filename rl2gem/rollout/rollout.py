@@ -140,7 +140,8 @@ class RolloutBatch:
 
 def reward_metrics(groups: list[list[Episode]]) -> dict[str, float]:
     """The reward statistics of rollout groups (episodes' final rewards, as they are now):
-    ``rollout/reward`` (mean), ``rollout/success`` (share > 0), ``rollout/zero_variance_groups``
+    ``rollout/reward`` (mean), ``rollout/success`` (share the env called a success,
+    ``info["success"]`` of the last step, else share of rewards > 0), ``rollout/zero_variance_groups``
     (share of groups of 2 or more whose samples all got the same reward: a group baseline gives
     them zero advantage) and ``rollout/group_reward_std`` (mean population std within a group).
     Recompute them after anything that changes rewards (reward model, objectives, transform).
@@ -155,7 +156,8 @@ def reward_metrics(groups: list[list[Episode]]) -> dict[str, float]:
     multi = [[e.reward for e in g] for g in groups if len(g) > 1]  # groups with a within-group baseline
     out = {
         "rollout/reward": sum(e.reward for e in eps) / len(eps),
-        "rollout/success": sum(e.reward > 0 for e in eps) / len(eps),
+        # the env's own verdict: a shaped or raw reward above 0 is not a success
+        "rollout/success": sum(bool(e.info.get("success", e.reward > 0)) for e in eps) / len(eps),
     }
     if multi:
         out["rollout/zero_variance_groups"] = sum(len(set(r)) == 1 for r in multi) / len(multi)

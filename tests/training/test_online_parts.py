@@ -82,6 +82,18 @@ def test_the_old_logprobs_come_from_the_engine_only_when_exactly_on_policy_and_c
     assert OldLogprobs("recompute", 1.0).plan(on_policy, 3, read_before_update=False) == ("recompute", False)
 
 
+def test_success_is_the_env_s_verdict_not_a_positive_reward():
+    """``rollout/success`` counts the episodes whose env said ``success`` (a shaped reward above 0
+    for a wrong answer is no success; it counted as one); an env that says nothing falls back to
+    a reward above 0."""
+    groups = [[episode(1.0, 1.0, 4), episode(0.0, 1.0, 10)], [episode(0.0, 0.0, 2), episode(0.0, 1.0, 6)]]
+    for played, won in zip([e for g in groups for e in g], [True, False, False, False], strict=True):
+        played.info["success"] = won
+    batch = RolloutBatch(groups, {})
+    metrics = shape_rewards(batch, transform=lambda reward, components, ep: reward + 0.1 * components["length"])
+    assert all(e.reward > 0 for e in batch.episodes) and metrics["rollout/success"] == 0.25
+
+
 def test_shaped_rewards_are_the_ones_logged_and_the_env_mean_is_kept():
     groups = [[episode(1.0, 1.0, 4), episode(0.0, 1.0, 10)], [episode(0.0, 0.0, 2), episode(0.0, 1.0, 6)]]
     batch = RolloutBatch(groups, {})
