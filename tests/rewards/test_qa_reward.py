@@ -28,3 +28,14 @@ def test_token_f1_by_hand():
     assert token_f1("York", ["New York", "York"]) == 1.0
     assert token_f1("London", "Paris") == 0.0
     assert token_f1("", "") == 1.0 and token_f1("the", "Paris") == 0.0
+
+
+def test_a_gold_answer_of_one_article_keeps_it():
+    """The blood type "A" is all article: SQuAD's normalisation would leave it empty, and an
+    empty or filler answer ("the", "?") would match it with full marks. Its articles stay, on
+    both sides, so only "A" (any case or punctuation) matches."""
+    for answer in ("A", "a.", " A "):
+        assert exact_match(answer, "A") == 1.0 and token_f1(answer, "A") == 1.0
+    for answer in ("", "the", "?", "O", "an"):
+        assert exact_match(answer, "A") == 0.0 and token_f1(answer, "A") == 0.0
+    assert exact_match("the A", ["A"]) == 0.0 and token_f1("the A", "A") == pytest.approx(2 / 3)
