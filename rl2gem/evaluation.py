@@ -257,19 +257,27 @@ def solved(record: EpisodeRecord) -> bool:
 
 
 def paired_comparison(before: list[EpisodeRecord], after: list[EpisodeRecord]) -> tuple[int, int, float]:
-    """Two models on the same items (matched by ``(seed, index)``): the items only ``after`` solves,
-    those only ``before`` solves (:func:`solved`), and the exact two-sided sign test's p-value on
-    those discordant items (binomial, p = 1/2; McNemar's exact test).
+    """Two models on the same items (matched by ``(seed, index)``): the items ``after`` solves
+    more often than ``before`` (:func:`solved`; with one response per item, those only ``after``
+    solves), those it solves less often, and the exact two-sided sign test's p-value on those
+    discordant items (binomial, p = 1/2; McNemar's exact test with one response per item). An
+    item's several responses (``responses_per_prompt``) count as its solve rate, not as items.
 
     Raises:
         ValueError: the two lists do not cover the same items.
     """
-    first = {(r.seed, r.index): solved(r) for r in before}
-    second = {(r.seed, r.index): solved(r) for r in after}
+
+    def solve_rates(records: list[EpisodeRecord]) -> dict[tuple, float]:
+        outcomes: dict[tuple, list[bool]] = {}
+        for record in records:
+            outcomes.setdefault((record.seed, record.index), []).append(solved(record))
+        return {key: sum(values) / len(values) for key, values in outcomes.items()}
+
+    first, second = solve_rates(before), solve_rates(after)
     if first.keys() != second.keys():
         raise ValueError("the two evaluations are not on the same items")
-    gained = sum(second[key] and not first[key] for key in first)
-    lost = sum(first[key] and not second[key] for key in first)
+    gained = sum(second[key] > first[key] for key in first)
+    lost = sum(second[key] < first[key] for key in first)
     changed = gained + lost
     tail = sum(math.comb(changed, k) for k in range(min(gained, lost) + 1)) / 2**changed
     return gained, lost, min(1.0, 2 * tail)

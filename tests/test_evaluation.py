@@ -23,6 +23,23 @@ def test_paired_comparison_counts_discordant_items_and_gives_the_exact_sign_test
         paired_comparison(evaluation([1, 0]), evaluation([1]))
 
 
+def test_paired_comparison_takes_an_item_s_responses_as_its_solve_rate():
+    """Four responses per item: item 0 goes from 3 of 4 solved to 1 of 4 (lost), item 1 from 1 to
+    2 (gained), item 2 stays at 2. Keyed by item, only each item's last response counted before
+    (2 gained, 0 lost for a mean that fell from 0.5 to 0.42)."""
+
+    def evaluation(per_item):
+        return [
+            EpisodeRecord(4 * i + j, 7, i, float(s), 1, bool(s), True, False, 0, None, 0, [], {"em": float(s)})
+            for i, outcomes in enumerate(per_item)
+            for j, s in enumerate(outcomes)
+        ]
+
+    before = evaluation([[1, 1, 1, 0], [0, 0, 1, 0], [1, 1, 0, 0]])
+    after = evaluation([[0, 0, 0, 1], [1, 0, 1, 0], [0, 0, 1, 1]])
+    assert paired_comparison(before, after) == (1, 1, 1.0)
+
+
 def test_format_followed_counts_an_episode_that_did_not_report_it_as_not_followed():
     """Where the env reports ``format_ok``, an episode whose last step did not (a rejected empty
     answer, a truncation) did not follow the format: 1 of 4 here, not 1 of the 2 that reported it.
