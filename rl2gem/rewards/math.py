@@ -21,6 +21,7 @@ caller) whose main thread has the alarm; a worker that does not answer within
 from __future__ import annotations
 
 import json
+import re
 import select
 import subprocess
 import sys
@@ -54,16 +55,22 @@ class MathScore:
     error: str | None = None
 
 
+_BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])\s*(\{)?")
+_BOX_TOKEN = re.compile(r"[^\s$]+")
+
+
 def extract_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, braces balanced; ``None`` if absent."""
-    best = None
-    for token in ("\\boxed", "\\fbox"):
-        start = text.rfind(token + "{")
-        if start > (best[0] if best else -1):
-            best = (start, token)
-    if best is None:
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, braces balanced,
+    spaces before the brace allowed (``\\boxed {8}``); ``\\boxed 5`` without braces gives the
+    run of characters after it up to a space or ``$``. ``None`` if absent or unbalanced."""
+    matches = list(_BOX.finditer(text))
+    if not matches:
         return None
-    i = best[0] + len(best[1]) + 1
+    last = matches[-1]
+    if last.group(1) is None:  # no brace: the token after it
+        token = _BOX_TOKEN.match(text, last.end())
+        return token.group(0) if token else None
+    i = last.end()
     depth, j = 1, i
     while j < len(text):
         c = text[j]

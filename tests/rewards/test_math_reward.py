@@ -66,3 +66,17 @@ def test_pathological_answer_terminates_off_the_main_thread():
     t.start()
     t.join(timeout=60)
     assert out[1].reward == 1.0
+
+
+@pytest.mark.parametrize(
+    ("text", "boxed"),
+    [
+        ("so \\boxed {8}", "8"),  # a space before the brace
+        ("the answer is $\\boxed 5$", "5"),  # LaTeX's form without braces
+        ("\\boxed{1} then \\boxed {2}", "2"),  # the last box, whichever form
+        ("\\boxedness{3}", None),  # another command, no box
+    ],
+)
+def test_boxes_written_with_a_space_or_without_braces_are_read(text, boxed):
+    """Both forms are LaTeX's box and scored 0 without a format before."""
+    assert extract_boxed(text) == boxed
