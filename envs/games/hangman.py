@@ -64,9 +64,9 @@ class HangmanEnv(GameEnv):
             return self.invalid_action(
                 "not a letter or word", f"'{move}' is not a letter or a word. {self.move_hint()}"
             )
+        if guess in self.missed or (len(guess) == 1 and guess in self.guessed):  # a letter or a word, again
+            return self.invalid_action("already guessed", f"You already guessed '{guess}'.\n{self._state()}")
         if len(guess) == 1:
-            if guess in self.guessed or guess in self.missed:
-                return self.invalid_action("letter already guessed", f"You already guessed '{guess}'.\n{self._state()}")
             if guess in self.secret:
                 self.guessed.add(guess)
             else:

@@ -103,8 +103,11 @@ def test_hangman_misses_lose_and_repeats_are_invalid():
     env.reset(seed=0)
     absent = [c for c in "zqxjkvwyfbgpmhu" if c not in env.secret]
     assert env.step("\\boxed{" + absent[0] + "}")[4]["invalid_action"] is None
-    assert env.step("\\boxed{" + absent[0] + "}")[4]["invalid_action"] == "letter already guessed"
-    for c in absent[1:6]:
+    assert env.step("\\boxed{" + absent[0] + "}")[4]["invalid_action"] == "already guessed"
+    wrong = "zzzzz" if env.secret != "zzzzz" else "qqqqq"  # a wrong word again is a repeat too, not a free move
+    assert env.step("\\boxed{" + wrong + "}")[4]["invalid_action"] is None and len(env.missed) == 2
+    assert env.step("\\boxed{" + wrong + "}")[4]["invalid_action"] == "already guessed"
+    for c in absent[1:5]:
         obs, r, term, trunc, info = env.step("\\boxed{" + c + "}")
     assert term and r == 0.0 and "You lost" in obs and not info["success"]
     env.reset(seed=0)
