@@ -35,7 +35,7 @@ from rl2gem.procs import run_main
 from rl2gem.rollout.tito import ChatRenderer
 from rl2gem.training.forward import check_actor, check_attention, token_logprobs
 from rl2gem.training.offline import OfflineTrainer, check_data_config
-from rl2gem.training.samples import Sample, packed_field
+from rl2gem.training.samples import Sample, packed_field, warn_cut
 from rl2gem.training.trainer import launch
 
 CONFIG = Path(__file__).with_name("config") / "sft.yaml"
@@ -55,12 +55,14 @@ def check_config(cfg) -> None:
 def tokenize(renderer: ChatRenderer, conversations, max_length: int) -> list[Sample]:
     """One :class:`Sample` per conversation (ids and assistant-token mask), cut to ``max_length``;
     conversations left without an assistant token are dropped."""
-    samples = []
+    samples, cut = [], 0
     for messages in conversations:
         seq = renderer.conversation(messages)
+        cut += len(seq.input_ids) > max_length
         ids, mask = seq.input_ids[:max_length], seq.action_mask[:max_length]
         if any(mask):
             samples.append(Sample(ids, mask))
+    warn_cut("conversations", len(conversations), cut, len(conversations) - len(samples), max_length)
     return samples
 
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from rl2gem.data import PreferencePair
 from rl2gem.rollout.tito import ChatRenderer
-from rl2gem.training.samples import Sample
+from rl2gem.training.samples import Sample, warn_cut
 
 __all__ = ["PairSample", "tokenize_pairs", "pair_sequences"]
 
@@ -35,7 +35,11 @@ class PairSample:
         return len(self.chosen) + len(self.rejected)
 
 
-def _response_sample(renderer: ChatRenderer, pair: PreferencePair, side: str, max_length: int) -> Sample | None:
+def _response_sample(
+    renderer: ChatRenderer, pair: PreferencePair, side: str, max_length: int
+) -> tuple[Sample | None, bool]:
+    """One side of ``pair`` as a sample (None: no response token within ``max_length``), and
+    whether it was cut."""
     messages = pair.prompt + getattr(pair, side)
     sequence = renderer.conversation(messages)
     ids, mask = list(sequence.input_ids[:max_length]), list(sequence.action_mask[:max_length])
@@ -46,7 +50,7 @@ def _response_sample(renderer: ChatRenderer, pair: PreferencePair, side: str, ma
             break
         if on:
             mask[position], skip = 0, skip - 1
-    return Sample(ids, mask) if any(mask) else None
+    return (Sample(ids, mask) if any(mask) else None), len(sequence.input_ids) > max_length
 
 
 def tokenize_pairs(renderer: ChatRenderer, pairs: Sequence[PreferencePair], max_length: int) -> list[PairSample]:
@@ -55,15 +59,18 @@ def tokenize_pairs(renderer: ChatRenderer, pairs: Sequence[PreferencePair], max_
     Pairs where either side keeps no response token after the cut are dropped. Reference
     log-probs are taken from ``extra["ref_chosen_logps"]`` / ``extra["ref_rejected_logps"]``
     when both are present."""
-    out = []
+    out, cut = [], 0
     for pair in pairs:
-        chosen = _response_sample(renderer, pair, "chosen", max_length)
-        rejected = _response_sample(renderer, pair, "rejected", max_length)
+        (chosen, chosen_cut), (rejected, rejected_cut) = (
+            _response_sample(renderer, pair, side, max_length) for side in ("chosen", "rejected")
+        )
+        cut += chosen_cut or rejected_cut
         if chosen is None or rejected is None:
             continue
         refs = (pair.extra.get("ref_chosen_logps"), pair.extra.get("ref_rejected_logps"))
         refs = tuple(float(r) for r in refs) if None not in refs else (None, None)
         out.append(PairSample(chosen, rejected, *refs))
+    warn_cut("pairs", len(pairs), cut, len(pairs) - len(out), max_length)
     return out
 
 

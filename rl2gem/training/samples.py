@@ -8,6 +8,7 @@ critic, from GAE or an off-policy estimator over packed values (:func:`apply_cri
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import torch
@@ -35,6 +36,7 @@ __all__ = [
     "gathered_samples",
     "samples_from_batch",
     "shape_rewards",
+    "warn_cut",
     "subtract_kl_from_rewards",
 ]
 
@@ -71,6 +73,17 @@ class Sample:
 
     def __len__(self) -> int:
         return len(self.ids)
+
+
+def warn_cut(unit: str, total: int, cut: int, dropped: int, max_length: int) -> None:
+    """Say, once, how many of ``total`` data rows were cut to ``data.max_length`` (their end not
+    trained on) and how many dropped (nothing left to train on within it); silent when none."""
+    if cut or dropped:
+        warnings.warn(
+            f"data.max_length={max_length}: {cut} of {total} {unit} cut to it (their end not trained on), "
+            f"{dropped} dropped (no response token within it)",
+            stacklevel=3,
+        )
 
 
 def packed_field(samples: Sequence[Sample], field: str, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -64,9 +64,11 @@ def test_assistant_only_mask_with_the_smollm2_template():
     (sample,) = tokenize(ChatRenderer(tokenizer), [conversation], 1024)
     assert [tokenizer.decode(s) for s in masked_runs(sample.ids, sample.mask)] == ["2<|im_end|>", "Is it 3?<|im_end|>"]
     assert tokenizer.decode(sample.ids).startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n")
-    (cut,) = tokenize(ChatRenderer(tokenizer), [conversation], len(sample.ids) - 3)
+    with pytest.warns(UserWarning, match=r"data.max_length=\d+: 1 of 1 conversations cut to it .*, 0 dropped"):
+        (cut,) = tokenize(ChatRenderer(tokenizer), [conversation], len(sample.ids) - 3)
     assert cut.ids == sample.ids[:-3] and sum(cut.mask) == sum(sample.mask) - 3
-    assert tokenize(ChatRenderer(tokenizer), [conversation], 10) == []  # no assistant token left
+    with pytest.warns(UserWarning, match=r"data.max_length=10: 1 of 1 conversations cut to it .*, 1 dropped"):
+        assert tokenize(ChatRenderer(tokenizer), [conversation], 10) == []  # no assistant token left
 
 
 # slow: 2 ranks: test_ppo.py's FSDP equivalence (same Worker); the env evaluation: the README's agentic short form

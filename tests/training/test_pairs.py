@@ -48,8 +48,12 @@ def test_a_pair_cut_to_no_response_is_dropped_and_data_references_are_kept(rende
     )
     (full,) = tokenize_pairs(renderer, [given], 1024)
     limit = max(len(full.chosen), len(full.rejected))  # the given pair fits, the long prompt does not
-    items = tokenize_pairs(renderer, [long, given], limit)
+    with pytest.warns(UserWarning, match=rf"data.max_length={limit}: 1 of 2 pairs cut to it .*, 1 dropped"):
+        items = tokenize_pairs(renderer, [long, given], limit)
     assert len(items) == 1 and (items[0].ref_chosen_logps, items[0].ref_rejected_logps) == (-1.5, -4.0)
+    cut = PreferencePair(given.prompt, [{"role": "assistant", "content": "hello " * 40}], given.rejected)
+    with pytest.warns(UserWarning, match=r"1 of 1 pairs cut to it \(their end not trained on\), 0 dropped"):
+        assert len(tokenize_pairs(renderer, [cut], limit + 5)) == 1  # kept, its response's end cut
 
 
 def test_pairs_are_planned_whole_and_packed_chosen_then_rejected(renderer):
