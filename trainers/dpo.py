@@ -83,6 +83,9 @@ class DPOTrainer(OfflineTrainer):
         super().__init__(cfg)
         self.tree = check_packing(cfg.actor)
         needs_reference = any(p.ref_chosen_logps is None for p in self.train + self.test)
+        if needs_reference:  # one source for every pair: the data's from another model are not mixed in
+            for pair in self.train + self.test:
+                pair.ref_chosen_logps = pair.ref_rejected_logps = None
         self.reference = (
             Worker(cfg.actor, self.mesh, self.device, model=cfg.ref.model or cfg.actor.model, trainable=False)
             if needs_reference

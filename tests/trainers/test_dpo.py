@@ -151,3 +151,19 @@ def test_reference_log_probs_from_the_data(tiny_dir, pairs_file, tmp_path):
     first = logged_steps(out / "metrics.jsonl", "eval/loss")[0]
     assert first["eval/rewards/chosen"] == pytest.approx(0.5 * first["eval/logps/chosen"], rel=1e-5)
     assert first["eval/rewards/rejected"] == pytest.approx(0.5 * first["eval/logps/rejected"], rel=1e-5)
+    # some rows without: the frozen model (here the policy itself) gives every pair its references,
+    # the data's are not mixed in (they were: the rows with 0 had rewards of beta times the log-probs)
+    half = tmp_path / "half.jsonl"
+    half.write_text(
+        "".join(
+            json.dumps({**r, **({"ref_chosen_logps": 0.0, "ref_rejected_logps": 0.0} if i % 2 else {})}) + "\n"
+            for i, r in enumerate(rows)
+        )
+    )
+    stdout = torchrun(
+        1, "trainers/dpo.py", f"data.train={half}", f"data.test={half}", f"actor.model={tiny_dir}", *ARGS,
+        "dpo.beta=0.5", "trainer.total_steps=1", f"trainer.output_dir={tmp_path / 'half'}",
+    )  # fmt: skip
+    assert "dpo: reference log-probs from the frozen model" in stdout
+    first = logged_steps(tmp_path / "half" / "metrics.jsonl", "eval/loss")[0]
+    assert first["eval/rewards/chosen"] == pytest.approx(0.0, abs=1e-5) != first["eval/logps/chosen"]
