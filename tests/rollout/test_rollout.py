@@ -151,7 +151,7 @@ def test_group_reward_variance_metrics_by_hand(tokenizer):
 
     def group(*rewards):
         fields = dict(num_action_tokens=1, turns=1, num_tokens=2, sequences=[None], splits=0, truncated=False)
-        fields.update(segments=0, summaries=0)
+        fields.update(segments=0, summaries=0, info={})
         return [SimpleNamespace(reward=r, **fields) for r in rewards]
 
     ro = Rollout(EmbeddedEngine(tiny_model()), tokenizer, ENV, RolloutConfig(responses_per_prompt=2))
