@@ -16,10 +16,8 @@ import torch
 from rl2gem.algorithms import (
     CRITIC_ESTIMATORS,
     OFF_POLICY_ESTIMATORS,
-    action_turns,
     compute_advantages,
     kl_estimate,
-    turn_rloo,
 )
 from rl2gem.devices import to_device
 from rl2gem.rewards.objectives import FILTERED_REWARD, apply_objectives
@@ -191,10 +189,7 @@ def estimate_advantages(
     group_ids = torch.tensor([groups.setdefault(row[0].group, len(groups)) for row in episodes])
     rewards = padded_rows([[r for s in row for r in s.rewards] for row in episodes])
     mask = padded_rows([[m for s in row for m in s.mask] for row in episodes]).bool()
-    if estimator == "turn_rloo":
-        advantages = _turn_rloo_rows(rewards, mask, group_ids, gamma)
-    else:
-        advantages, _ = compute_advantages(estimator, rewards, mask, group_ids, gamma=gamma, lam=lam)
+    advantages, _ = compute_advantages(estimator, rewards, mask, group_ids, gamma=gamma, lam=lam)
     for e, row in enumerate(episodes):
         start = 0
         for sample in row:
@@ -223,25 +218,6 @@ def gathered_samples(
         for sample in part:
             sample.group, sample.episode = (rank, sample.group), (rank, sample.episode)
     return estimate_advantages([sample for part in parts for sample in part], estimator, gamma, lam)
-
-
-def _turn_rloo_rows(rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor, gamma: float) -> torch.Tensor:
-    """:func:`turn_rloo` for episode rows ``[E, T]``: the turns of each row are its runs of action
-    tokens, each turn's reward the sum of its tokens' rewards; each token gets its turn's
-    advantage ``[E, T]``."""
-    runs = action_turns(mask)
-    width = max((len(r) for r in runs), default=0) or 1
-    turn_rewards, turn_mask = torch.zeros(len(runs), width), torch.zeros(len(runs), width, dtype=torch.bool)
-    for e, turns in enumerate(runs):
-        for k, (start, end) in enumerate(turns):
-            turn_rewards[e, k] = rewards[e, start:end].sum()
-            turn_mask[e, k] = True
-    per_turn = turn_rloo(turn_rewards, turn_mask, group_ids, gamma)
-    advantages = torch.zeros_like(rewards)
-    for e, turns in enumerate(runs):
-        for k, (start, end) in enumerate(turns):
-            advantages[e, start:end] = per_turn[e, k]
-    return advantages
 
 
 def apply_critic_estimator(
