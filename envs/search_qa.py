@@ -25,7 +25,10 @@ cloze prompts get " what?" appended. ``data=`` takes the user's own file (JSON/J
 
 Limits: ``max_turns`` truncates; a search beyond ``max_searches`` truncates
 the episode (``info["truncated_reason"] == "max_searches"``). An action with
-neither tag, or an empty one, is invalid (a corrective observation, reward 0).
+neither tag, or an empty search, is invalid (a corrective observation, reward 0).
+The first complete tag of an action decides: a ``<search>`` closed before an
+``<answer>`` starts is a search, and the rest of the action is not read (the
+model cannot answer from ``<information>`` it wrote itself).
 """
 
 from __future__ import annotations
@@ -315,7 +318,14 @@ class SearchQAEnv(Env):
 
     async def _astep(self, action: str) -> StepResult:
         assert self.item is not None
-        answers = _TAG["answer"].findall(action)
+        # the first complete tag decides, as where generation stops at </search> (Search-R1): a
+        # search written before an answer is a search, and what the model wrote after it (maybe
+        # <information> of its own and an answer from it) is not read
+        first_search, first_answer = _TAG["search"].search(action), _TAG["answer"].search(action)
+        searched_first = first_search is not None and (
+            first_answer is None or first_search.end() <= first_answer.start()
+        )
+        answers = [] if searched_first else _TAG["answer"].findall(action)
         if answers:
             answer = answers[-1].strip()
             em, f1 = exact_match(answer, self.item["answers"]), token_f1(answer, self.item["answers"])
@@ -329,14 +339,13 @@ class SearchQAEnv(Env):
                 "reward_components": {"correctness": em, "f1": f1, "searches": float(self.num_searches)},
             }
             return "", em, True, False, info
-        searches = _TAG["search"].findall(action)
-        if not searches:
+        if first_search is None:
             return self.invalid_action(
                 "missing <search> or <answer> tag",
                 "Write <search>query</search> to search, or <answer>...</answer> to answer.",
                 **self._unanswered(),
             )
-        query = searches[-1].strip()
+        query = first_search.group(1).strip()
         if not query:
             return self.invalid_action("empty search query", "Your search query was empty.", **self._unanswered())
         if self.num_searches >= self.max_searches:

@@ -78,6 +78,22 @@ def test_protocol_search_answer_and_errors(service):
     env.close()
 
 
+def test_a_search_written_before_an_answer_is_a_search(service):
+    """Search-R1 stops generation at ``</search>``: here the first complete tag decides. A model
+    that writes its own ``<information>`` and answers from it after a search gets the search's
+    real passages, not a reward (it was scored on the answer, without ever reading the index);
+    an answer written first still answers, the last one counting."""
+    env = SearchQAEnv("test", retrieval_url=service)
+    env.reset(options={"index": 0})
+    gold, subject = env.item["answers"][0], env.item["subject"]
+    action = f"<search>{subject}</search><information>made up</information><answer>{gold}</answer>"
+    obs, r, term, _, info = env.step(action)
+    assert not term and r == 0.0 and info["query"] == subject and subject in obs and "made up" not in obs
+    _, r, term, _, info = env.step(f"<answer>no</answer> or rather <answer>{gold}</answer> <search>x</search>")
+    assert term and r == 1.0 and info["num_searches"] == 1
+    env.close()
+
+
 def test_search_limit_and_turn_limit_truncate(service):
     env = SearchQAEnv("test", retrieval_url=service, max_searches=1, max_turns=6)
     env.reset(seed=0)
