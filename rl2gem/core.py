@@ -429,7 +429,10 @@ class Env(gym.Env[str, str]):
         if self.is_async_native:
             return self._loop_run(self.astep(action))
         text, reason = self._begin_step(action)
-        result = self._rejected(reason) if reason else self._step(text)
+        try:
+            result = self._rejected(reason) if reason else self._step(text)
+        finally:
+            self._stepping = False
         return self._finish_step(result)
 
     async def astep(self, action: str) -> StepResult:
@@ -437,7 +440,10 @@ class Env(gym.Env[str, str]):
         if not self.is_async_native:
             return await asyncio.to_thread(self.step, action)
         text, reason = self._begin_step(action)
-        result = self._rejected(reason) if reason else await self._astep(text)
+        try:
+            result = self._rejected(reason) if reason else await self._astep(text)
+        finally:
+            self._stepping = False
         return self._finish_step(result)
 
     def close(self) -> None:
@@ -445,16 +451,17 @@ class Env(gym.Env[str, str]):
         if getattr(self, "_closed", False):
             return
         self._closed = True
-        loop: _PrivateLoop | None = getattr(self, "_private_loop", None)
-        if self.is_async_native:
-            # Resources opened on another loop through astep() should be closed with aclose().
-            self._loop_run(self._aclose())
-            loop = self._private_loop
-        else:
-            self._close()
-        if loop is not None:
-            loop.stop()
-            self._private_loop = None
+        try:
+            if self.is_async_native:
+                # Resources opened on another loop through astep() should be closed with aclose().
+                self._loop_run(self._aclose())
+            else:
+                self._close()
+        finally:  # the loop's thread ends even when the close hook raised
+            loop: _PrivateLoop | None = getattr(self, "_private_loop", None)
+            if loop is not None:
+                loop.stop()
+                self._private_loop = None
 
     async def aclose(self) -> None:
         """Coroutine twin of :meth:`close`, to call from the loop that used ``astep``."""
@@ -556,6 +563,7 @@ class Env(gym.Env[str, str]):
         loop (a copy starts its own on first use; see the module's "Copies")."""
         state = dict(self.__dict__)
         state.pop("_private_loop", None)
+        state.pop("_stepping", None)  # a copy taken during a step is not in one
         return state
 
     # ------------------------------------------------------------- internals
@@ -584,10 +592,11 @@ class Env(gym.Env[str, str]):
         self._episode_options = options
         self._turn = 0
         self._num_invalid = 0
-        self._episode_over = False
+        self._episode_over = True  # until the reset hook returns: a reset that raised opens no episode
         self._closed = False
 
     def _finish_reset(self, obs: str, info: dict[str, Any]) -> ResetResult:
+        self._episode_over = False
         obs = self._fit_observation(obs)
         info = dict(info)
         info.setdefault("role", "user")
@@ -600,6 +609,9 @@ class Env(gym.Env[str, str]):
             raise ResetNeeded("Cannot call step() before reset()")
         if self._episode_over:
             raise ResetNeeded("The episode has ended (terminated or truncated): call reset() first")
+        if getattr(self, "_stepping", False):  # a second step would run on the first's episode state
+            raise RuntimeError("step() called while another step() of this env runs: one step at a time per env")
+        self._stepping = True
         if isinstance(action, (bytes, bytearray)):
             try:
                 action = bytes(action).decode("utf-8")
@@ -677,10 +689,31 @@ class Wrapper(gym.Wrapper[str, str, str, str]):
         return self._on_reset(*self.env.reset(seed=seed, options=options))
 
     async def areset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> ResetResult:
+        if self._sync_only("reset"):
+            return await asyncio.to_thread(self.reset, seed=seed, options=options)
         return self._on_reset(*await self.env.areset(seed=seed, options=options))  # type: ignore[attr-defined]
 
     async def astep(self, action: str) -> StepResult:
+        if self._sync_only("step"):
+            return await asyncio.to_thread(self.step, action)
         return await self.env.astep(action)  # type: ignore[attr-defined]
+
+    async def inner_astep(self, action: str) -> StepResult:
+        """The wrapped env's ``astep``, or its sync ``step`` in a thread where a Gymnasium
+        wrapper below has no async twin: what a subclass's ``astep`` forwards to."""
+        if hasattr(self.env, "astep"):
+            return await self.env.astep(action)  # type: ignore[attr-defined]
+        return await asyncio.to_thread(self.env.step, action)
+
+    def _sync_only(self, method: str) -> bool:
+        """Whether ``a<method>`` must run this wrapper's sync ``method`` (in a thread): a subclass
+        that overrides ``step`` (``reset``) but not its async twin, whose forward would skip it,
+        or a Gymnasium wrapper below (TimeLimit...), which has no async twins."""
+        cls = type(self)
+        overridden = getattr(cls, method) is not getattr(Wrapper, method, getattr(gym.Wrapper, method))
+        return (overridden and getattr(cls, "a" + method) is getattr(Wrapper, "a" + method)) or not hasattr(
+            self.env, "a" + method
+        )
 
     async def aclose(self) -> None:
         await self.env.aclose()  # type: ignore[attr-defined]
@@ -691,4 +724,7 @@ class Wrapper(gym.Wrapper[str, str, str, str]):
 
     @property
     def is_async_native(self) -> bool:
-        return self.env.is_async_native  # type: ignore[attr-defined]
+        """The wrapped env's, unless this wrapper's async twins run its sync methods."""
+        if self._sync_only("step") or self._sync_only("reset"):
+            return False
+        return bool(getattr(self.env, "is_async_native", False))

@@ -107,7 +107,7 @@ class _TextVectorEnv(gym.vector.VectorEnv):
         if seed is None:
             seeds: list[int | None] = [None] * len(idx)
         elif isinstance(seed, (int, np.integer)):
-            seeds = [int(seed) + k for k in range(len(idx))]
+            seeds = [int(seed) + i for i in idx]  # env i gets seed + i, also when reset alone
         else:
             seeds = list(seed)
             if len(seeds) != len(idx):
@@ -286,7 +286,16 @@ class AsyncVectorEnv(_TextVectorEnv):
         self.max_concurrency = max_concurrency
         self.sync_envs = sync_envs
         self.inline_below_s = float(inline_below_s)
-        self._native = [bool(getattr(e, "is_async_native", False)) for e in self.envs]
+        # native: awaited on the loop. A Gymnasium wrapper (TimeLimit, RecordEpisodeStatistics...)
+        # hides an async env's astep: such an env waits on I/O in its sync step, so it gets a
+        # thread of its own, never the serial batch of compute-bound sync envs
+        self._native = [
+            bool(getattr(e, "is_async_native", False)) and callable(getattr(e, "astep", None)) for e in self.envs
+        ]
+        self._own_thread = [
+            not native and bool(getattr(e.unwrapped, "is_async_native", False))
+            for e, native in zip(self.envs, self._native, strict=True)
+        ]
         self._fast_batches = 0  # consecutive batches whose every env step was fast
         self._inline_banned = self.inline_below_s <= 0 or sync_envs != "batched"
         self._executor: ThreadPoolExecutor | None = None
@@ -339,9 +348,12 @@ class AsyncVectorEnv(_TextVectorEnv):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def _gather(self, native_calls: list, sync_calls: list, sync_fn) -> dict[int, Any]:
-        """Run native coroutines (bounded) and sync calls (batched or threaded) concurrently."""
+        """Run native coroutines (bounded) and sync calls (batched or threaded; a hidden async
+        env's always in a thread of its own) concurrently."""
         results: dict[int, Any] = {}
-        if not native_calls and self.sync_envs == "batched":
+        own = [args for args in sync_calls if self._own_thread[args[0]]]
+        sync_calls = [args for args in sync_calls if not self._own_thread[args[0]]]
+        if not native_calls and not own and self.sync_envs == "batched":
             results.update(await self._run_batch(sync_calls, sync_fn) if sync_calls else ())
             return results
         sem = asyncio.Semaphore(self.max_concurrency) if self.max_concurrency else None
@@ -359,7 +371,7 @@ class AsyncVectorEnv(_TextVectorEnv):
         async def threaded(args):
             results[args[0]] = await self._in_own_thread(sync_fn, *args)
 
-        tasks = [native(i, c) for i, c in native_calls]
+        tasks = [native(i, c) for i, c in native_calls] + [threaded(args) for args in own]
         if sync_calls:
             if self.sync_envs == "batched":
                 tasks.append(batched())

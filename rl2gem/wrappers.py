@@ -61,4 +61,4 @@ class ChatHistory(Wrapper):
         return self._on_step(action, self.env.step(action))
 
     async def astep(self, action: str) -> StepResult:
-        return self._on_step(action, await self.env.astep(action))  # type: ignore[attr-defined]
+        return self._on_step(action, await self.inner_astep(action))

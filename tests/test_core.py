@@ -13,8 +13,9 @@ from gymnasium.error import ResetNeeded
 from gymnasium.spaces.utils import flatten, flatten_space, unflatten
 from toy_envs import CountEnv, SlowSearchEnv, UnicodeEchoEnv
 
+import rl2gem
 from rl2gem import AsyncVectorEnv, Env, TextSpace
-from rl2gem.core import TEXT_PADDING, SharedTexts, _PrivateLoop
+from rl2gem.core import TEXT_PADDING, SharedTexts, Wrapper, _PrivateLoop
 
 
 def test_text_space_membership():
@@ -354,3 +355,85 @@ def test_each_env_samples_from_spaces_of_its_own():
     assert a.action_space.sample() == twin.action_space.sample() != first
     b.action_space.seed(3)
     assert b.action_space.sample() == first
+
+
+class _Penalty(Wrapper):
+    """A wrapper that changes only ``step``: its async twin must not skip it."""
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        return obs, reward - 100.0, terminated, truncated, info
+
+
+def test_a_wrapper_that_overrides_only_step_is_applied_by_astep_and_the_vector_env():
+    env = _Penalty(SlowSearchEnv(latency=0.0))
+    asyncio.run(env.areset(seed=0))
+    assert asyncio.run(env.astep("<search>x</search>"))[1] == -100.0 and not env.is_async_native
+    env.close()
+    venv = rl2gem.AsyncVectorEnv([lambda: _Penalty(SlowSearchEnv(latency=0.0))])
+    venv.reset(seed=0)
+    assert venv.step(["<search>x</search>"])[1].tolist() == [-100.0]
+    venv.close()
+
+
+def test_rl2gem_wrappers_over_a_gymnasium_wrapper_keep_their_async_api():
+    """ChatHistory over TimeLimit (no async twins): its areset and astep run the sync ones."""
+    env = rl2gem.ChatHistory(gym.wrappers.TimeLimit(SlowSearchEnv(latency=0.0), 3))
+    obs, info = asyncio.run(env.areset(seed=0))
+    assert info["messages"][-1]["content"] == obs
+    assert asyncio.run(env.astep("<search>x</search>"))[4]["role"] == "tool"
+    env.close()
+
+
+class FlakyResetEnv(Env):
+    """One-step episodes over a data set of two items."""
+
+    def _reset(self, options):
+        return f"item {self.task_index(2, options)}", {}
+
+    def _step(self, action):
+        return "done", 1.0, True, False, {}
+
+
+def test_a_reset_that_raises_opens_no_episode():
+    """After a finished episode, a reset that fails leaves the env needing a reset (a step went on
+    with the old episode and a second reward)."""
+    env = FlakyResetEnv()
+    env.reset(seed=0)
+    assert env.step("a")[2]
+    with pytest.raises(IndexError):
+        env.reset(options={"index": 99})
+    with pytest.raises(ResetNeeded):
+        env.step("a")
+    env.close()
+
+
+def test_two_steps_at_once_on_one_env_are_refused():
+    """A second ``astep`` while the first awaits would run on the first's episode state (both
+    returned a finished episode's step); it is a RuntimeError, and the first step completes."""
+    env = SlowSearchEnv(latency=0.05)
+    env.reset(seed=0)
+
+    async def both():
+        return await asyncio.gather(
+            env.astep("<search>a</search>"), env.astep("<search>b</search>"), return_exceptions=True
+        )
+
+    first, second = asyncio.run(both())
+    assert first[4]["role"] == "tool" and isinstance(second, RuntimeError) and "one step at a time" in str(second)
+    assert env.step("<search>c</search>")[4]["turn"] == 2  # the refused step took no turn
+    env.close()
+
+
+def test_close_ends_the_loop_thread_even_when_the_close_hook_raises():
+    class FailingClose(SlowSearchEnv):
+        async def _aclose(self):
+            raise OSError("close failed")
+
+    env = FailingClose(latency=0.0)
+    env.reset(seed=0)
+    thread = env._private_loop.thread
+    with pytest.raises(OSError, match="close failed"):
+        env.close()
+    thread.join(5)
+    assert env._private_loop is None and not thread.is_alive()

@@ -197,7 +197,7 @@ class ToolEnvWrapper(Wrapper):
         calls = parse_tool_calls(action) if isinstance(action, str) else []
         self._turn += 1
         if not calls:
-            obs, reward, terminated, truncated, info = await self.env.astep(action)  # type: ignore[attr-defined]
+            obs, reward, terminated, truncated, info = await self.inner_astep(action)
             info = dict(info)
             info.update(tool_calls=[], num_tool_calls=self._num_calls, turn=self._turn)
             if "reward_components" in info:  # the wrapped env's parts, and the tool calls it took
