@@ -233,12 +233,19 @@ async def serve_asgi(
     await serving
 
 
+def app_runner(app) -> web.AppRunner:
+    """The runner of rl2gem's aiohttp servers: no access log, and a handler cancelled when its
+    client disconnects (aiohttp 3.9+ no longer does by default), so a request whose client left
+    is aborted in the engine instead of generating to its end."""
+    return web.AppRunner(app, access_log=None, handler_cancellation=True)
+
+
 async def serve_app(app, host: str, port: int, ready_prefix: str, exit_on_stdin_eof: bool = False) -> None:
     """Serve the aiohttp application ``app`` on ``host:port`` (0: a free port), print
     ``<ready_prefix> http://host:port`` (the real port) once it listens (what
     :class:`ServiceProcess` waits for), and serve until cancelled, or until stdin closes with
     ``exit_on_stdin_eof``; then clean the application up."""
-    runner = web.AppRunner(app, access_log=None)
+    runner = app_runner(app)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from aiohttp import web
 
-from rl2gem.procs import free_port
+from rl2gem.procs import app_runner, free_port
 
 ROOT = Path(__file__).parents[1]
 
@@ -285,7 +285,7 @@ def serving(app: web.Application):
     """Serve the aiohttp ``app`` on a free loopback port from a thread with its own event loop (so a
     test can call it with blocking clients); yields its URL."""
     loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app, access_log=None)
+    runner = app_runner(app)
     loop.run_until_complete(runner.setup())
     site = web.TCPSite(runner, "127.0.0.1", 0)
     loop.run_until_complete(site.start())

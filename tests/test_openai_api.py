@@ -534,3 +534,46 @@ def test_each_response_through_the_openai_api_samples_from_its_own_seed(monkeypa
     records = evaluate(parse_args([*options, "openai_base_url=http://127.0.0.1:9/v1", "openai_model=m"]))
     assert len(records) == 6 and len(sent) == 6 and len({prompt for prompt, _ in sent}) == 2
     assert len({seed for _, seed in sent}) == 6
+
+
+def test_a_request_whose_client_left_is_aborted_in_the_engine(server):
+    """A client that gives up on a long ``/generate`` (its timeout) frees the engine's row: the
+    handler is cancelled when its client disconnects (it generated to max_new_tokens)."""
+
+    def engine_state() -> dict:
+        with urllib.request.urlopen(server.url + "/get_server_info", timeout=10) as response:
+            return json.loads(response.read())["internal_states"][0]
+
+    before = engine_state()
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1900, "ignore_eos": True}}
+    request = urllib.request.Request(
+        server.url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with pytest.raises(OSError):  # the client's timeout: it disconnects
+        urllib.request.urlopen(request, timeout=0.3)
+    deadline = time.monotonic() + 30
+    while (state := engine_state()).get("requests", 0) > state.get("finished", 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert state.get("finish_abort", 0) == before.get("finish_abort", 0) + 1
+    assert state.get("finish_length", 0) == before.get("finish_length", 0)
+
+
+@pytest.mark.parametrize("bad", [{"top_k": "x"}, {"max_new_tokens": 2.5}, {"sampling_seed": "abc"}, {"top_p": "0.5"}])
+def test_a_sampling_parameter_of_the_wrong_type_is_a_400_that_fails_nothing_else(server, bad):
+    """Checked where the request is refused alone: in the engine's thread the same value failed
+    every request running with it (aborted, reported as stopped)."""
+
+    def post(body):
+        request = urllib.request.Request(
+            server.url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+
+    status, answer = post({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, **bad}})
+    assert status == 400 and next(iter(bad)) in json.dumps(answer)
+    status, answer = post({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}})
+    assert status == 200 and answer["meta_info"]["finish_reason"]["type"] == "length"

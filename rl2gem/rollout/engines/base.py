@@ -74,6 +74,15 @@ def _splitmix(z: int) -> int:
     return z ^ (z >> 31)
 
 
+def _is_whole(value: Any) -> bool:
+    """An integer (a float with no fraction, as JSON may send one, too), not a bool or a string."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, float):
+        return value.is_integer()
+    return isinstance(value, (int, np.integer))
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to sample one completion.
@@ -106,13 +115,41 @@ class SamplingParams:
     sampling_seed: int | None = None
 
     def __post_init__(self):
+        # every field checked and coerced here, where a request is refused alone: a bad value that
+        # reached the engine's thread failed every request running with it
+        whole = {"max_new_tokens": self.max_new_tokens, "top_k": self.top_k, "sampling_seed": self.sampling_seed}
+        for name, value in whole.items():
+            if value is not None and not _is_whole(value):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float, np.integer, np.floating))
+                or value != value
+            ):
+                raise ValueError(f"{name} must be a number, got {value!r}")
         if int(self.max_new_tokens) < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if float(self.temperature) < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < float(self.top_p) <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        stops = tuple(self.stop_token_ids or ())
+        if not all(_is_whole(t) for t in stops):
+            raise ValueError(f"stop_token_ids must be integers, got {list(stops)!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
+        for name in ("max_new_tokens", "top_k"):
+            object.__setattr__(self, name, int(getattr(self, name)))
+        if self.sampling_seed is not None:
+            object.__setattr__(self, "sampling_seed", int(self.sampling_seed))
+        for name in ("temperature", "top_p"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        for name in ("ignore_eos", "no_stop_trim"):
+            value = getattr(self, name)
+            if value not in (True, False):  # a bool, or 0 / 1
+                raise ValueError(f"{name} must be true or false, got {value!r}")
+            object.__setattr__(self, name, bool(value))
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any] | SamplingParams | None) -> SamplingParams:
