@@ -6,6 +6,7 @@ import json
 import random
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -558,22 +559,52 @@ def test_a_request_whose_client_left_is_aborted_in_the_engine(server):
     assert state.get("finish_length", 0) == before.get("finish_length", 0)
 
 
+def _post(url, body):
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
 @pytest.mark.parametrize("bad", [{"top_k": "x"}, {"max_new_tokens": 2.5}, {"sampling_seed": "abc"}, {"top_p": "0.5"}])
 def test_a_sampling_parameter_of_the_wrong_type_is_a_400_that_fails_nothing_else(server, bad):
     """Checked where the request is refused alone: in the engine's thread the same value failed
     every request running with it (aborted, reported as stopped)."""
-
-    def post(body):
-        request = urllib.request.Request(
-            server.url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=60) as response:
-                return response.status, json.loads(response.read())
-        except urllib.error.HTTPError as error:
-            return error.code, json.loads(error.read())
-
-    status, answer = post({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, **bad}})
+    url = server.url + "/generate"
+    status, answer = _post(url, {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, **bad}})
     assert status == 400 and next(iter(bad)) in json.dumps(answer)
-    status, answer = post({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}})
+    status, answer = _post(url, {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}})
     assert status == 200 and answer["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_max_tokens_0_and_a_stream_options_that_is_no_object_are_400s(server):
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    for extra, named in (({"max_tokens": 0}, "max_tokens"), ({"stream_options": "x"}, "stream_options")):
+        status, answer = _post(server.url + "/v1/chat/completions", {**chat, **extra})
+        assert status == 400 and named in answer["error"]["message"]  # 0 ran to the context's end; "x" was a 500
+
+
+def test_a_completion_the_engine_aborts_is_an_error_not_a_stop(server):
+    """A pause in abort mode cuts a running chat completion short: the client gets a 503 with an
+    error body (it got 200 with finish_reason "stop": a truncated reply read as a finished one)."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1900}
+    body["temperature"] = 1.0
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(answer=_post(server.url + "/v1/chat/completions", body)))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(server.url + "/get_load", timeout=10) as response:
+            if json.loads(response.read())[0]["num_reqs"]:
+                break
+        time.sleep(0.02)
+    assert _post(server.url + "/pause_generation", {"mode": "abort"})[0] == 200
+    thread.join(60)
+    assert _post(server.url + "/continue_generation", {})[0] == 200
+    status, answer = result["answer"]
+    if status == 200:  # it finished before the pause reached it (an EOS): nothing was cut
+        assert answer["choices"][0]["finish_reason"] in ("stop", "length")
+        pytest.skip("the completion ended before the pause")
+    assert status == 503 and answer["error"]["type"] == "server_error" and "aborted" in answer["error"]["message"]

@@ -48,7 +48,7 @@ from typing import Any
 from aiohttp import web
 
 from rl2gem.aio import read_json_object
-from rl2gem.rollout.engines.base import Engine, GenerateOutput, SamplingParams
+from rl2gem.rollout.engines.base import Engine, EngineError, GenerateOutput, SamplingParams
 from rl2gem.rollout.tito import ChatRenderer
 from rl2gem.tools.base import hermes_tool_calls, openai_call_arguments, parse_tool_calls, remove_tool_calls
 
@@ -242,6 +242,17 @@ def _error(message: str, status: int = 400, kind: str = "invalid_request_error")
     return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": None}}, status=status)
 
 
+def _aborted(choices: list[_Choice]):
+    """A 503 error response when the engine aborted a choice (a pause in abort mode, a weight
+    update, an engine error): its text is cut short, which a finish reason of ``stop`` would hide
+    from the client; None when every choice finished."""
+    for choice in choices:
+        if choice.output is not None and choice.output.aborted:
+            message = choice.output.finish_reason.get("message") or "aborted"
+            return _error(f"the engine aborted the request ({message}); send it again", 503, "server_error")
+    return None
+
+
 def _usage(prompt: list[int], choices: list[_Choice]) -> dict[str, int]:
     completion = sum(len(c.ids) for c in choices)
     return {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion}
@@ -315,6 +326,9 @@ class OpenAIRoutes:
 
     # ------------------------------------------------------------------ request checks
     def _check_common(self, body: dict) -> None:
+        options = body.get("stream_options")
+        if options is not None and not isinstance(options, dict):
+            raise OpenAIRequestError(f"stream_options must be an object, got {options!r}"[:200])
         if body.get("model") not in (None, self.model_name):
             raise OpenAIRequestError(
                 f"model {body.get('model')!r} is not served here; /v1/models lists {self.model_name!r}"
@@ -354,7 +368,8 @@ class OpenAIRoutes:
         if room < 1:
             raise OpenAIRequestError(f"the prompt has {prompt_len} tokens; this model's context is {self.limit}")
         requested = body.get("max_completion_tokens", body.get("max_tokens"))
-        max_tokens = room if requested is None and default_max is None else (requested or default_max)
+        # 0 is a value (refused below), not "not given"
+        max_tokens = (room if default_max is None else default_max) if requested is None else requested
         max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", room, int, 1, None)
         if requested is not None and max_tokens > room:  # as vLLM and SGLang: refused, not cut short
             raise OpenAIRequestError(
@@ -497,6 +512,10 @@ class _ChatReply:
             choices = await api.run_choices(self.prompt, params)
         except ValueError as e:
             return _error(str(e))
+        except EngineError as e:  # the upstream engine failed or is unreachable: not the request's fault
+            return _error(str(e), 502, "server_error")
+        if failed := _aborted(choices):
+            return failed
         out = []
         for c in choices:
             message, reason = self.message(c, api.finish(c, stops))
@@ -567,6 +586,8 @@ class _CompletionReply:
         try:
             for prompt, (params, stops) in zip(prompts, plans, strict=True):
                 choices = await self.api.run_choices(prompt, params, first=len(out))
+                if failed := _aborted(choices):
+                    return failed
                 for c in choices:
                     reason = self.api.finish(c, stops)
                     entry = {"index": c.index, "text": c.text, "finish_reason": reason}
@@ -576,6 +597,8 @@ class _CompletionReply:
                     total[k] += v
         except ValueError as e:
             return _error(str(e))
+        except EngineError as e:
+            return _error(str(e), 502, "server_error")
         return web.json_response({**self.head, "choices": out, "usage": total})
 
     def chunk(self, choice, text, lps, reason=None):
