@@ -275,6 +275,12 @@ def test_weight_sync_engine_logprobs_equal_trainer(model):
         after = await eng.generate(seq, {"max_new_tokens": 1}, logprob_start_len=1)
         with pytest.raises(KeyError):
             await eng.update_weights({"no.such.weight": torch.zeros(1)})
+        # a wrong shape after a right one: refused whole (the first tensor was copied, the model mixed)
+        first, last = list(trainer.state_dict().items())[0], list(trainer.state_dict().items())[-1]
+        kept = {name: t.clone() for name, t in eng.model.state_dict().items()}
+        with pytest.raises(ValueError, match="shape"):
+            await eng.update_weights([(first[0], torch.zeros_like(first[1])), (last[0], torch.zeros(3))])
+        assert all(torch.equal(t, kept[name]) for name, t in eng.model.state_dict().items())
         await eng.close()
         return before, after, version
 

@@ -574,11 +574,12 @@ class EmbeddedEngine(Engine):
             unknown = [n for n, _ in items if n not in params]
             if unknown:
                 raise KeyError(f"unknown parameter names in weight update: {unknown[:5]}")
+            for name, t in items:  # every shape before any copy: a refused update changes nothing
+                if tuple(params[name].shape) != tuple(t.shape):
+                    raise ValueError(f"{name}: shape {tuple(t.shape)} != {tuple(params[name].shape)}")
             with torch.no_grad():
                 for name, t in items:
                     dst = params[name]
-                    if tuple(dst.shape) != tuple(t.shape):
-                        raise ValueError(f"{name}: shape {tuple(t.shape)} != {tuple(dst.shape)}")
                     dst.copy_(t.to(dst.device, dst.dtype))
             self.weight_version = self.weight_version + 1 if version is None else int(version)
             self.stats["weight_updates"] += 1
