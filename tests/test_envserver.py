@@ -366,3 +366,15 @@ def test_a_remote_env_copies_outside_an_episode_and_refuses_inside_one(game_url)
     assert again.reset(seed=3)[0] == obs
     for e in (again, twin):
         e.close()
+
+
+def test_a_new_session_whose_first_reset_is_refused_is_closed():
+    """The client of a refused first reset never learns the session's id: the server closes it (it
+    stayed open, so refused resets filled ``max_sessions`` and good ones got 503)."""
+    with serving_env("rl2/GSM8K-v0", max_sessions=2) as (url, app):
+        for _ in range(3):
+            status, body = call(f"{url}/reset", "POST", {"options": {"index": 10**9}})
+            assert (status, body["code"]) == (422, "bad_reset")
+        assert not app[SESSIONS].sessions
+        status, body = call(f"{url}/reset", "POST", {"seed": 0})
+        assert status == 200 and len(app[SESSIONS].sessions) == 1

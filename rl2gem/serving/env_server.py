@@ -242,8 +242,16 @@ class EnvRoutes:
     async def start_episode(self, session: EnvSession | None, body: Mapping[str, Any]) -> tuple[EnvSession, dict]:
         """Reset ``session`` (a new one when None) for a new episode; the session and the envelope."""
         seed, options, overrides = _seed(body), _mapping(body, "options"), _mapping(body, "env_kwargs")
-        if session is None:
+        if session is None:  # a new session that fails its first reset is closed: the client never got its id
             session = await self.sessions.open(overrides)
+            try:
+                return await self._reset_session(session, body, seed, options, overrides)
+            except BaseException:
+                await self.sessions.close(session.id)
+                raise
+        return await self._reset_session(session, body, seed, options, overrides)
+
+    async def _reset_session(self, session: EnvSession, body, seed, options, overrides) -> tuple[EnvSession, dict]:
         async with session.lock:
             if overrides is not None and {**self.sessions.env_kwargs, **overrides} != session.env_kwargs:
                 old = session.env
