@@ -612,3 +612,22 @@ def test_the_tiny_model_s_greedy_chat_reply_runs_to_its_length(server):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1900, "temperature": 0.0}
     status, answer = _post(server.url + "/v1/chat/completions", body)
     assert status == 200 and answer["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_a_stop_string_ends_the_generation_where_it_is_met(server, endpoint):
+    """The reply stops at the token that completes a stop string: usage and log-probs count no
+    token past it, and the engine generates none (it ran to max_tokens, 1900 tokens, cut after)."""
+    chat = endpoint == "chat"
+    url = server.url + ("/v1/chat/completions" if chat else "/v1/completions")
+    body = {"model": "tiny", "temperature": 1.0, "seed": 3, "logprobs": True if chat else 0}  # the same tokens twice
+    body |= {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+    status, answer = _post(url, {**body, "max_tokens": 40})
+    text = answer["choices"][0]["message"]["content"] if chat else answer["choices"][0]["text"]
+    stop = text[:1]
+    assert status == 200 and stop  # the reply's first character
+    status, answer = _post(url, {**body, "max_tokens": 1900, "stop": [stop]})
+    choice = answer["choices"][0]
+    assert status == 200 and choice["finish_reason"] == "stop" and answer["usage"]["completion_tokens"] <= 40
+    kept = len(choice["logprobs"]["content"]) if chat else len(choice["logprobs"]["tokens"])
+    assert kept == answer["usage"]["completion_tokens"]

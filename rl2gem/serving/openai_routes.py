@@ -410,20 +410,33 @@ class OpenAIRoutes:
         return out
 
     async def run_choices(
-        self, prompt: list[int], params: list[SamplingParams], first: int = 0, on_token: Callable | None = None
+        self,
+        prompt: list[int],
+        params: list[SamplingParams],
+        first: int = 0,
+        on_token: Callable | None = None,
+        stops: Sequence[str] = (),
     ) -> list[_Choice]:
-        """Generate one choice per ``params`` (indices from ``first``), concurrently."""
+        """Generate one choice per ``params`` (indices from ``first``), concurrently. A choice
+        whose text meets one of ``stops`` (found here, or by ``on_token``, which sets
+        ``stopped_at``) ends at the token that completed it: its engine request is aborted, so
+        no token past the stop string is generated, counted or given log-probs."""
         choices = [_Choice(first + i) for i in range(len(params))]
 
         async def run(choice: _Choice, sampling: SamplingParams) -> None:
-            async for item in self.engine.generate_stream(prompt, sampling):
-                if isinstance(item, GenerateOutput):
-                    choice.output = item
-                else:
+            async with contextlib.aclosing(self.engine.generate_stream(prompt, sampling)) as stream:
+                async for item in stream:
+                    if isinstance(item, GenerateOutput):
+                        choice.output = item
+                        continue
                     choice.ids.append(item[0])
                     choice.logprobs.append(item[1])
                     if on_token is not None:
                         await on_token(choice)
+                    elif stops:
+                        self._find_stop(choice, stops)
+                    if choice.stopped_at is not None:
+                        break  # closing the stream aborts the engine's request
 
         tasks = [asyncio.ensure_future(run(c, p)) for c, p in zip(choices, params, strict=True)]
         try:
@@ -434,6 +447,15 @@ class OpenAIRoutes:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
         return choices
+
+    def _find_stop(self, choice: _Choice, stops: Sequence[str]) -> None:
+        """Set ``choice.stopped_at`` where its text so far first meets a stop string."""
+        choice.streamed = choice.streamed or IncrementalText(self.tokenizer)
+        text = choice.streamed.update(choice.ids)
+        if text is not None:  # None: a multi-byte character is not complete yet
+            cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+            if cut >= 0:
+                choice.stopped_at = cut
 
     async def _stream(self, request, prompt, params, stops, reply, markers):
         """Server-sent events: ``reply.chunk(choice, text, logprob_entries)`` for new text,
@@ -509,7 +531,7 @@ class _ChatReply:
     async def whole(self, params: list[SamplingParams], stops: list[str]):
         api = self.api
         try:
-            choices = await api.run_choices(self.prompt, params)
+            choices = await api.run_choices(self.prompt, params, stops=stops)
         except ValueError as e:
             return _error(str(e))
         except EngineError as e:  # the upstream engine failed or is unreachable: not the request's fault
@@ -520,9 +542,8 @@ class _ChatReply:
         for c in choices:
             message, reason = self.message(c, api.finish(c, stops))
             entry = {"index": c.index, "message": message, "finish_reason": reason, "logprobs": None}
-            if self.want_logprobs:
-                kept = len(api.tokenizer(c.text, add_special_tokens=False)["input_ids"]) if c.stopped_at else len(c.ids)
-                entry["logprobs"] = {"content": api.token_logprobs(c.ids[:kept], c.logprobs[:kept])}
+            if self.want_logprobs:  # the generated tokens, up to the one that completed a stop string
+                entry["logprobs"] = {"content": api.token_logprobs(c.ids, c.logprobs)}
             out.append(entry)
         return web.json_response(
             {
@@ -585,7 +606,7 @@ class _CompletionReply:
         out, total = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
         try:
             for prompt, (params, stops) in zip(prompts, plans, strict=True):
-                choices = await self.api.run_choices(prompt, params, first=len(out))
+                choices = await self.api.run_choices(prompt, params, first=len(out), stops=stops)
                 if failed := _aborted(choices):
                     return failed
                 for c in choices:
