@@ -335,6 +335,14 @@ def test_a_tool_call_round_trip_with_the_openai_client(scripted):
         (0, "python", {"code": "print(6 * 7)"})
     ]
     assert stream[-1].choices[0].finish_reason == "tool_calls"
+    # a stop string after the call: the call is still held back from the content, and sent as a call
+    stream = list(
+        client.chat.completions.create(
+            model="scripted", messages=QUESTION, tools=[PYTHON_TOOL], stream=True, stop=["</tool_call>"]
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream)
+    assert "<tool_call" not in text and text.strip() == "Let me compute it."
 
 
 def test_evaluate_plays_a_tool_env_through_the_openai_api(scripted, tmp_path):

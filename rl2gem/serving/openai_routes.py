@@ -482,8 +482,8 @@ class OpenAIRoutes:
                 end = cut
             else:
                 end = len(text) - _held_back(text, markers)
-                if markers and (i := text.find(markers[0])) >= 0:  # a tool call: sent whole at the end
-                    end = min(end, i)
+            if "<tool_call>" in markers and (i := text.find("<tool_call>")) >= 0:  # a tool call: sent whole at the end
+                end = min(end, i)  # (also before a stop string: the call is no content)
             if end > choice.sent_chars:
                 new_lps = self.token_logprobs(choice.ids[choice.sent_tokens :], choice.logprobs[choice.sent_tokens :])
                 choice.sent_tokens = len(choice.ids)
