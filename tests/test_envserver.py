@@ -378,3 +378,25 @@ def test_a_new_session_whose_first_reset_is_refused_is_closed():
         assert not app[SESSIONS].sessions
         status, body = call(f"{url}/reset", "POST", {"seed": 0})
         assert status == 200 and len(app[SESSIONS].sessions) == 1
+
+
+def test_an_idle_websocket_keeps_its_session():
+    """A WebSocket's session closes with its connection, never for idling: the reaper closed it
+    under the open connection, whose next step ran on a closed env."""
+    with serving_env(GAME, session_timeout=0.5) as (url, app):
+
+        async def session():
+            async with aiohttp.ClientSession() as client, client.ws_connect(url.replace("http", "ws") + "/ws") as ws:
+                await ws.send_json({"type": "reset", "data": {"seed": 3}})
+                await ws.receive_json()
+                await asyncio.sleep(2.5)  # idle past the timeout; the reaper runs every second
+                kept = len(app[SESSIONS].sessions)
+                await ws.send_json({"type": "step", "data": {"message": "\\boxed{50}"}})
+                return kept, await ws.receive_json()
+
+        kept, step = asyncio.run(session())
+        assert kept == 1 and step["type"] == "observation" and step["data"]["observation"]["message"]
+        deadline = time.monotonic() + 10
+        while app[SESSIONS].sessions and time.monotonic() < deadline:  # the handler closes it as the socket closes
+            time.sleep(0.05)
+        assert not app[SESSIONS].sessions

@@ -84,6 +84,7 @@ class EnvSession:
     steps: int = 0
     done: bool = False
     last_request: tuple[str, dict[str, Any]] | None = None  # (request_id, its answer)
+    reapable: bool = True  # False: a WebSocket's, closed when its connection closes, never for idling
 
 
 async def close_env(env: Any) -> None:
@@ -168,7 +169,11 @@ class EnvSessions:
         if self.timeout is None:
             return []
         now = time.monotonic()
-        idle = [s.id for s in self.sessions.values() if now - s.last_used > self.timeout and not s.lock.locked()]
+        idle = [
+            s.id
+            for s in self.sessions.values()
+            if s.reapable and now - s.last_used > self.timeout and not s.lock.locked()
+        ]
         for session_id in idle:
             await self.close(session_id)
         return idle
@@ -395,6 +400,7 @@ class EnvRoutes:
             await socket.send_json({"type": "error", "data": {"message": str(error), "code": error.code.upper()}})
             await socket.close()
             return socket
+        session.reapable = False  # an idle connection keeps its env (the reaper closed it under the handler)
         try:
             async for frame in socket:
                 if frame.type != WSMsgType.TEXT:
