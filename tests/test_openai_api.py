@@ -639,3 +639,18 @@ def test_a_stop_string_ends_the_generation_where_it_is_met(server, endpoint):
     assert status == 200 and choice["finish_reason"] == "stop" and answer["usage"]["completion_tokens"] <= 40
     kept = len(choice["logprobs"]["content"]) if chat else len(choice["logprobs"]["tokens"])
     assert kept == answer["usage"]["completion_tokens"]
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("logit_bias", {"50": 100}), ("presence_penalty", 1.0), ("frequency_penalty", 0.5),
+     ("response_format", {"type": "json_object"}), ("best_of", 2)],
+)  # fmt: skip
+def test_a_parameter_the_engine_cannot_honour_is_a_400_and_its_no_op_value_passes(server, key, value):
+    """Accepted and ignored before (200 with a reply that did not do what was asked)."""
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    status, answer = _post(server.url + "/v1/chat/completions", {**chat, key: value})
+    assert status == 400 and key in answer["error"]["message"]
+    no_op = {"logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0}
+    no_op |= {"response_format": {"type": "text"}, "best_of": 1}
+    assert _post(server.url + "/v1/chat/completions", {**chat, key: no_op[key]})[0] == 200

@@ -20,7 +20,9 @@ Routes (added to :func:`rl2gem.serving.make_app`), following the OpenAI API refe
 
 Not supported, and answered with HTTP 400 rather than ignored: ``top_logprobs > 0`` (the
 engines return the sampled token's log-probability only), ``echo``, a ``tool_choice`` that
-forces a call, images and audio.
+forces a call, images and audio, and the parameters :data:`UNSUPPORTED` lists at anything but
+their no-op values (``logit_bias``, presence and frequency penalties, a JSON ``response_format``,
+``best_of``, ``suffix``).
 
 Generation goes through any :class:`~rl2gem.rollout.engines.base.Engine`: the embedded engine
 streams token by token; a remote one (``--upstream``, an SGLang server or an ``sglang-router``
@@ -60,6 +62,17 @@ __all__ = [
     "openai_tool_calls",
     "template_messages",
 ]
+
+
+#: OpenAI parameters the engines cannot honour, with the values that ask for nothing (accepted)
+UNSUPPORTED: dict[str, tuple] = {
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "response_format": (None, {"type": "text"}),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+}
 
 
 class OpenAIRequestError(ValueError):
@@ -326,6 +339,9 @@ class OpenAIRoutes:
 
     # ------------------------------------------------------------------ request checks
     def _check_common(self, body: dict) -> None:
+        for key, no_ops in UNSUPPORTED.items():
+            if body.get(key) not in no_ops:
+                raise OpenAIRequestError(f"{key}={body[key]!r} is not supported (the engine would ignore it)"[:300])
         options = body.get("stream_options")
         if options is not None and not isinstance(options, dict):
             raise OpenAIRequestError(f"stream_options must be an object, got {options!r}"[:200])
