@@ -145,19 +145,9 @@ def episode_samples(batch, estimator: str) -> list[Sample]:
                     if k == len(episode.sequences) - 1:
                         last = max((i for i, m in enumerate(s.action_mask) if m), default=len(rewards) - 1)
                         rewards[last] = episode.reward
-                samples.append(
-                    Sample(
-                        s.input_ids,
-                        s.action_mask,
-                        s.logprobs,
-                        None,
-                        rewards,
-                        s.versions,
-                        group=g,
-                        episode=episode_id,
-                        sequence=k,
-                    )  # fmt: skip
-                )
+                sample = Sample(s.input_ids, s.action_mask, s.logprobs, None, rewards, s.versions)
+                sample.group, sample.episode, sample.sequence = g, episode_id, k
+                samples.append(sample)
             episode_id += 1
     return samples
 
