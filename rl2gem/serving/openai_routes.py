@@ -464,14 +464,16 @@ class OpenAIRoutes:
             raise
         return choices
 
-    def _find_stop(self, choice: _Choice, stops: Sequence[str]) -> None:
-        """Set ``choice.stopped_at`` where its text so far first meets a stop string."""
+    def _find_stop(self, choice: _Choice, stops: Sequence[str]) -> str | None:
+        """Set ``choice.stopped_at`` where its text so far first meets a stop string; return that
+        text (decoded incrementally), or None while a multi-byte character is not complete."""
         choice.streamed = choice.streamed or IncrementalText(self.tokenizer)
         text = choice.streamed.update(choice.ids)
-        if text is not None:  # None: a multi-byte character is not complete yet
+        if text is not None:
             cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
             if cut >= 0:
                 choice.stopped_at = cut
+        return text
 
     async def _stream(self, request, prompt, params, stops, reply, markers):
         """Server-sent events: ``reply.chunk(choice, text, logprob_entries)`` for new text,
@@ -488,14 +490,11 @@ class OpenAIRoutes:
         async def on_token(choice: _Choice) -> None:
             if choice.stopped_at is not None:
                 return
-            choice.streamed = choice.streamed or IncrementalText(self.tokenizer)
-            text = choice.streamed.update(choice.ids)
+            text = self._find_stop(choice, stops)
             if text is None:  # a multi-byte character is not complete yet
                 return
-            cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-            if cut >= 0:  # a stop string: send what precedes it, then nothing more
-                choice.stopped_at = cut
-                end = cut
+            if choice.stopped_at is not None:  # a stop string: send what precedes it, then nothing more
+                end = choice.stopped_at
             else:
                 end = len(text) - _held_back(text, markers)
             if "<tool_call>" in markers and (i := text.find("<tool_call>")) >= 0:  # a tool call: sent whole at the end
