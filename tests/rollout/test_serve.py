@@ -7,6 +7,8 @@ import urllib.request
 
 import pytest
 import torch
+from aiohttp import web
+from helpers import serving
 from tiny import tiny_model
 
 from rl2gem.rollout import HTTPEngine
@@ -233,3 +235,48 @@ def test_lora_adapter_sync_merges_peft_adapters_and_requests_name_them(server, t
     assert refused[0] == 400 and "lora_path" in refused[1]["error"]["message"]
     assert unloaded[0] == 200 and unloaded[1]["success"]
     torch.testing.assert_close(torch.tensor(base.input_logprobs), base_ref, atol=1e-4, rtol=0)
+
+
+def test_a_generate_that_timed_out_is_aborted_before_it_is_sent_again():
+    """HTTPEngine: a /generate with no answer within the timeout is aborted on every worker under its
+    request id, and the retry runs under a new id (a server that never notices the client left would
+    otherwise run both copies); engine.abort(rid) reaches the attempt that is running."""
+    seen: list[tuple[str, str]] = []  # (route, rid) as the server got them
+    release = asyncio.Event()
+
+    async def generate(request):
+        body = await request.json()
+        seen.append(("generate", body["rid"]))
+        if len([r for r in seen if r[0] == "generate"]) == 1:
+            await asyncio.sleep(30)  # the first attempt never answers in time
+        else:
+            await release.wait()
+        return web.json_response({"output_ids": [5], "meta_info": {"finish_reason": {"type": "length"}}})
+
+    async def abort(request):
+        seen.append(("abort", (await request.json())["rid"]))
+        if len([r for r in seen if r[0] == "abort"]) == 2:
+            release.set()
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    app.router.add_post("/abort_request", abort)
+    with serving(app) as url:
+
+        async def main():
+            engine = HTTPEngine(url, timeout=0.5, retries=1, backoff=0.01)
+            task = asyncio.ensure_future(engine.generate([1, 2], {"max_new_tokens": 1}, rid="job-7"))
+            while len([r for r in seen if r[0] == "generate"]) < 2:
+                await asyncio.sleep(0.02)
+            await engine.abort("job-7")  # the caller's id reaches the retry's
+            out = await task
+            await engine.close()
+            return out
+
+        out = asyncio.run(main())
+    assert out.output_ids == [5]
+    generates = [rid for route, rid in seen if route == "generate"]
+    aborts = [rid for route, rid in seen if route == "abort"]
+    assert generates[0] == "job-7" and generates[1] != "job-7" and generates[1].startswith("job-7")
+    assert sorted(aborts) == sorted(["job-7", generates[1]])  # the first copy's abort runs in the background

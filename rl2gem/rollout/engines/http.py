@@ -8,14 +8,19 @@ forward them. With no ``workers`` the URL is the only worker.
 Failures: a connection error, a timeout or a 5xx answer is retried
 (``retries`` times, exponential backoff), which is how a request that was
 routed to a worker that died is served by another one once the router has
-dropped it. A 4xx answer raises ``ValueError`` at once.
+dropped it. A ``/generate`` that timed out is aborted on every worker (by its
+request id, best effort) before it is sent again under a new id, so a slow
+generation is not left running beside its copy. A 4xx answer raises
+``ValueError`` at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import tempfile
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -61,6 +66,10 @@ def parse_generate_response(body: Mapping[str, Any], prompt_tokens: int | None =
     )
 
 
+class _TimedOut(EngineError):
+    """An attempt that got no answer within the timeout (its request may still be running)."""
+
+
 class HTTPEngine(Engine):
     """SGLang-API client (see module docstring).
 
@@ -88,17 +97,29 @@ class HTTPEngine(Engine):
         self.retried = 0
         self.lora_name: str | None = None  # the adapter every request names (update_lora_adapter)
         self._sessions = LoopSessions(timeout, limit=0)
+        self._attempt_rids: dict[str, str] = {}  # a generate's request id -> its current attempt's
+        self._tasks: set[asyncio.Task] = set()
 
     def _session(self):
         return self._sessions.get()
 
-    async def _call(self, method: str, url: str, payload: Any = None, *, retry: bool = True) -> Any:
+    async def _call(self, method: str, url: str, payload: Any = None, *, retry: bool = True, on_timeout=None) -> Any:
+        """One call's answer (JSON or text), retried on no answer or a 5xx.
+
+        ``on_timeout``: called after an attempt timed out, before the next is sent.
+
+        Raises:
+            ValueError: a 4xx answer (not retried).
+            EngineError: no good answer after the retries.
+        """
         import aiohttp
 
         delay = self.backoff
         attempts = 1 + (self.retries if retry else 0)
         last: Exception | None = None
         for attempt in range(attempts):
+            if attempt and on_timeout is not None and isinstance(last, _TimedOut):
+                on_timeout()
             try:
                 async with self._session().request(method, url, json=payload) as r:
                     if r.status >= 500:
@@ -109,7 +130,9 @@ class HTTPEngine(Engine):
                     else:
                         ctype = r.headers.get("Content-Type", "")
                         return await r.json() if "json" in ctype else await r.text()
-            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+            except asyncio.TimeoutError as e:
+                last = _TimedOut(f"{method} {url}: no answer within {self.timeout:g} s ({type(e).__name__})")
+            except (aiohttp.ClientError, ConnectionError) as e:
                 last = EngineError(f"{method} {url}: {type(e).__name__}: {e}")
             if attempt + 1 < attempts:
                 self.retried += 1
@@ -129,13 +152,30 @@ class HTTPEngine(Engine):
         }
         if return_logprob:
             payload["logprob_start_len"] = int(logprob_start_len)
-        if rid is not None:
-            payload["rid"] = rid
+        base = rid if rid is not None else uuid.uuid4().hex
+        payload["rid"] = base
         if self.lora_name is not None:
             payload["lora_path"] = self.lora_name
-        body = await self._call("POST", self.url + "/generate", payload)
-        out = parse_generate_response(body, len(ids))
-        return out
+        self._attempt_rids[base] = base
+
+        def abort_timed_out():  # the timed-out copy may still run: stop it, re-send under a new id
+            self._background(self._abort_quietly(payload["rid"]))  # a hung worker does not delay the retry
+            payload["rid"] = self._attempt_rids[base] = f"{base}-retry{uuid.uuid4().hex[:6]}"
+
+        try:
+            body = await self._call("POST", self.url + "/generate", payload, on_timeout=abort_timed_out)
+        finally:
+            self._attempt_rids.pop(base, None)
+        return parse_generate_response(body, len(ids))
+
+    async def _abort_quietly(self, rid: str) -> None:
+        with contextlib.suppress(EngineError, ValueError):
+            await self._all("POST", "/abort_request", {"rid": rid})
+
+    def _background(self, coroutine) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)  # held until done (the loop keeps only a weak reference)
+        task.add_done_callback(self._tasks.discard)
 
     async def _all(self, method: str, path: str, payload: Any = None) -> list[Any]:
         return list(await asyncio.gather(*(self._call(method, w + path, payload, retry=False) for w in self.workers)))
@@ -149,6 +189,8 @@ class HTTPEngine(Engine):
         self._paused = False
 
     async def abort(self, rid: str | None = None) -> None:
+        if rid is not None:
+            rid = self._attempt_rids.get(rid, rid)  # the id the request's current attempt runs under
         await self._all("POST", "/abort_request", {"abort_all": True} if rid is None else {"rid": rid})
 
     async def flush_cache(self) -> None:
@@ -219,4 +261,6 @@ class HTTPEngine(Engine):
         return await self._all("GET", "/get_load")
 
     async def close(self) -> None:
+        if self._tasks:  # aborts still on their way
+            await asyncio.wait(list(self._tasks), timeout=5)
         await self._sessions.close()
