@@ -11,7 +11,7 @@ a game's ``difficulty``, ...) are sent to the server, which makes the session's 
 
 Failures: a refused connection, a timeout or a 5xx is retried ``retries`` times, waiting
 ``backoff * 2**attempt`` seconds (a step carries a request id, so a retried step the server already
-took is answered, not taken again); then the step ends the episode as truncated with
+took is answered, not taken again; a reset too, so a retried reset opens one session); then the step ends the episode as truncated with
 ``info["error"]`` (and ``info["truncated_reason"] == "remote_error"``), and the batch goes on. A
 reset that fails the same way returns an empty observation with ``info["error"]``; the episode's
 first step is then that truncated step.
@@ -123,7 +123,12 @@ class RemoteEnv(Env):
     # ---------------------------------------------------------------- hooks
     async def _areset(self, options: dict[str, Any] | None):
         self._failed_reset = None
-        body = {"seed": self._episode_seed, "options": options, "env_kwargs": self.env_kwargs or None}
+        body = {
+            "seed": self._episode_seed,
+            "options": options,
+            "env_kwargs": self.env_kwargs or None,
+            "request_id": uuid.uuid4().hex,  # a retried new session's reset is not a second session
+        }
         try:
             if self.schema is None:
                 await self._read_schema()

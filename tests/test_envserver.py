@@ -19,6 +19,7 @@ import gymnasium as gym
 import pytest
 from aiohttp import web
 from helpers import serving
+from toy_envs import SlowResetEnv
 
 import rl2gem
 from rl2gem.env_protocol import json_safe
@@ -400,3 +401,28 @@ def test_an_idle_websocket_keeps_its_session():
         while app[SESSIONS].sessions and time.monotonic() < deadline:  # the handler closes it as the socket closes
             time.sleep(0.05)
         assert not app[SESSIONS].sessions
+
+
+def test_a_retried_reset_opens_one_session():
+    """A RemoteEnv reset whose first try timed out is retried with the same request id: the server
+    answers it with the session the first try opened (awaiting that reset), not a second session
+    (each lost answer left a session open until it expired)."""
+    rl2gem.register("testlab/SlowReset-v0", "toy_envs:SlowResetEnv", reset_latency=1.0)
+    try:
+        with serving_env("testlab/SlowReset-v0") as (url, app):
+            SlowResetEnv.resets = 0
+            remote = RemoteEnv(url, timeout=0.4, retries=4, backoff=0.05)
+            observation, info = remote.reset(seed=3)
+            assert "error" not in info and observation.startswith("Count to")
+            assert list(app[SESSIONS].sessions) == [remote.session_id] and SlowResetEnv.resets == 1
+            observation, _ = remote.reset(seed=4)  # a later reset of that session is a new episode
+            assert SlowResetEnv.resets == 2 and list(app[SESSIONS].sessions) == [remote.session_id]
+            remote.close()
+            status, first = call(f"{url}/reset", "POST", {"seed": 1, "request_id": "same"})
+            again = call(f"{url}/reset", "POST", {"seed": 1, "request_id": "same"})[1]
+            assert status == 200 and again == first and len(app[SESSIONS].sessions) == 1
+            call(f"{url}/close", "POST", {"session_id": first["session_id"]})
+            status, third = call(f"{url}/reset", "POST", {"seed": 1, "request_id": "same"})
+            assert status == 200 and third["session_id"] != first["session_id"]  # the first session is closed
+    finally:
+        del gym.registry["testlab/SlowReset-v0"]

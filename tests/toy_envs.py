@@ -36,6 +36,24 @@ class CountEnv(Env):
         return str(int(rng.integers(1, 6)))
 
 
+class SlowResetEnv(CountEnv):
+    """A CountEnv whose reset waits ``reset_latency`` seconds on a 'service'; counts its resets."""
+
+    resets = 0
+
+    def __init__(self, reset_latency: float = 1.0, **kwargs):
+        super().__init__(**kwargs)
+        self.reset_latency = reset_latency
+
+    async def _areset(self, options):
+        type(self).resets += 1
+        await asyncio.sleep(self.reset_latency)
+        return self._reset(options)
+
+    async def _astep(self, action):
+        return self._step(action)
+
+
 class SlowSearchEnv(Env):
     """Async-native: each step 'calls a service' (an asyncio sleep) and replies as a tool."""
 

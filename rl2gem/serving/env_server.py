@@ -7,9 +7,11 @@ The routes follow OpenEnv's (meta-pytorch/OpenEnv, ``openenv-core`` 0.2: route n
 it; the wire format of the observation and action is :mod:`rl2gem.env_protocol`.
 
 =====================  ====================================================================
-``POST /reset``        ``{seed?, options?, session_id?, env_kwargs?}``: a new session (or a new
-                       episode in ``session_id``), the env made with the served kwargs updated by
-                       ``env_kwargs``; answers the envelope plus ``session_id``
+``POST /reset``        ``{seed?, options?, session_id?, env_kwargs?, request_id?}``: a new session
+                       (or a new episode in ``session_id``), the env made with the served kwargs
+                       updated by ``env_kwargs``; answers the envelope plus ``session_id`` (a
+                       repeated ``request_id`` gets the answer it got while its session is open,
+                       without a second reset: a client that lost the answer opens one session)
 ``POST /step``         ``{session_id, action: {message}, request_id?}``: one step of that session's
                        episode (a repeated ``request_id`` gets the answer it got, without a second
                        step: a client may retry a step whose answer it lost)
@@ -39,6 +41,7 @@ session free); an env that raises gets a 500 with the same body, and the server 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import time
@@ -226,8 +229,12 @@ class EnvRoutes:
         toolbox: the env's tools (``/mcp``).
     """
 
+    #: How many resets are remembered by request id (for retries whose answer was lost).
+    REMEMBERED_RESETS = 1024
+
     def __init__(self, sessions: EnvSessions, schema: dict[str, Any], description: str, toolbox: EnvToolbox):
         self.sessions, self.schema, self.description, self.toolbox = sessions, schema, description, toolbox
+        self._resets: collections.OrderedDict[str, asyncio.Future] = collections.OrderedDict()
 
     def table(self) -> list[web.RouteDef]:
         return [
@@ -308,10 +315,37 @@ class EnvRoutes:
         try:
             body = await self._body(request)
             session = self.sessions.get(body["session_id"]) if body.get("session_id") is not None else None
-            session, envelope = await self.start_episode(session, body)
+            answer = await self._reset_once(session, body)
         except RequestError as error:
             return _error(error)
-        return web.json_response({**envelope, "session_id": session.id, "episode_id": session.episode_id})
+        return web.json_response(answer)
+
+    async def _reset_once(self, session: EnvSession | None, body: Mapping[str, Any]) -> dict[str, Any]:
+        """The answer to a reset of ``session`` (a new one when None); a retry with the same
+        ``request_id`` gets the first try's answer (awaiting it if it is still running) while that
+        session is open, so the env is not reset again (nor a second session opened)."""
+        request_id = body.get("request_id")
+
+        async def run() -> dict[str, Any]:
+            started, envelope = await self.start_episode(session, body)
+            return {**envelope, "session_id": started.id, "episode_id": started.episode_id}
+
+        if not isinstance(request_id, str) or not request_id:
+            return await run()
+        first = self._resets.get(request_id)
+        if first is None or (
+            first.done()
+            and (first.cancelled() or first.exception() or first.result()["session_id"] not in self.sessions.sessions)
+        ):
+            first = self._resets[request_id] = asyncio.ensure_future(run())
+            first.add_done_callback(lambda done: self._forget_failed(request_id, done))
+            while len(self._resets) > self.REMEMBERED_RESETS:
+                self._resets.popitem(last=False)
+        return await asyncio.shield(first)  # a client that hangs up does not stop the reset
+
+    def _forget_failed(self, request_id: str, reset: asyncio.Future) -> None:
+        if (reset.cancelled() or reset.exception() is not None) and self._resets.get(request_id) is reset:
+            del self._resets[request_id]  # a failed reset is tried afresh by a retry
 
     async def step(self, request):
         try:
