@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +46,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rl2gem.config import ConfigError, load_config
 from rl2gem.evaluation import DEFAULTS as EVALUATE_DEFAULTS
-from rl2gem.evaluation import EpisodeRecord, evaluate
+from rl2gem.evaluation import EpisodeRecord, default_output, evaluate
 from rl2gem.procs import run_main
 
 __all__ = ["DEFAULTS", "POLICIES", "collect", "episode_row", "pair_rows", "main", "parse_args"]
@@ -220,8 +219,7 @@ def parse_args(argv: list[str]) -> DictConfig:
     except ConfigError as e:
         raise SystemExit(f"{e} (e.g. env=rl2/SearchQA-v0 policy=solver n=100 output=data.jsonl)") from None
     if cfg.output is None:
-        tag = (cfg.model or cfg.policy or "solver").replace("/", "_")
-        cfg.output = f"runs/collect/{cfg.env.replace('/', '_')}-{tag}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+        cfg.output = default_output("collect", cfg.env, cfg.model or cfg.policy or "solver")
     return cfg
 
 

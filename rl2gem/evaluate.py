@@ -5,8 +5,9 @@
 
 Arguments are ``key=value`` pairs (OmegaConf dot-list) over :data:`rl2gem.evaluation.DEFAULTS`;
 how episodes are chosen and played (local model, ``server=``, ``openai_base_url=``, tools) is
-:mod:`rl2gem.evaluation`'s. Each finished episode is appended to ``output`` (JSON lines, default
-``runs/evaluate/<env>-<who>-<time>.jsonl``); a summary table is printed at the end.
+:mod:`rl2gem.evaluation`'s. Each finished episode is written to ``output`` as it ends (JSON lines,
+the file rewritten; default ``runs/evaluate/<env>-<who>-<time>-<pid>.jsonl``); a summary table is
+printed at the end.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 import time
 
 from rl2gem.config import ConfigError, load_config
-from rl2gem.evaluation import DEFAULTS, evaluate, summarize
+from rl2gem.evaluation import DEFAULTS, default_output, evaluate, summarize
 from rl2gem.models import resolve_device, resolve_dtype
 from rl2gem.procs import run_main
 
@@ -34,8 +35,9 @@ def parse_args(argv: list[str]):
     except ConfigError as e:
         raise SystemExit(f"{e} (e.g. env=rl2/GSM8K-v0 n=50)") from None
     if cfg.output is None:
-        tag = (cfg.openai_model or cfg.model or ("server" if cfg.server else cfg.policy)).replace("/", "_")
-        cfg.output = f"runs/evaluate/{cfg.env.replace('/', '_')}-{tag}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+        cfg.output = default_output(
+            "evaluate", cfg.env, cfg.openai_model or cfg.model or ("server" if cfg.server else cfg.policy)
+        )
     return cfg
 
 

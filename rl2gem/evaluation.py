@@ -8,15 +8,18 @@ the trainers' periodic evaluation (:mod:`rl2gem.training.evaluation`). A config 
 (``solver`` or ``random``) plays. A model plays through the rollout machinery
 of :mod:`rl2gem.rollout`: the embedded continuous-batching engine
 (``batch_size`` sequences decoded together), token-in/token-out multi-turn
-episodes on the model's chat template, greedy unless ``temperature > 0``.
+episodes on the model's chat template, greedy unless ``temperature > 0``. An episode's sequence
+holds at most ``max_length`` tokens (default and upper bound: the model's context length, as
+the engine or ``server``'s ``/get_server_info`` reports it; 4096 where neither does); an
+episode that reaches it ends truncated, which the summary counts by reason.
 
 Episodes: an env with a data set (``len(env)``) plays its first ``n`` items in
 order (``reset(options={"index": i})``), so runs are comparable across
 models; other envs play seeds ``seed, seed+1, ...``; with ``responses_per_prompt=k``
 each task is played ``k`` times in a row (episodes ``i*k`` to ``i*k+k-1``). ``split`` (default
 ``test``) is passed to envs that take one. Each finished episode is appended
-to ``output`` (JSON lines, flushed at once: a crash loses nothing written);
-a summary table is printed at the end.
+to ``output`` (JSON lines, flushed at once: a crash loses nothing written; an existing file is
+rewritten by the run); a summary table is printed at the end.
 
 Tool envs offer their tools as text in the observation by default. With
 ``tools_in_template=true`` the model's own chat template renders them instead
@@ -41,7 +44,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -60,6 +66,8 @@ __all__ = [
     "evaluate",
     "summarize",
     "task_resets",
+    "default_output",
+    "episode_max_length",
     "play_model",
     "episode_record",
     "record_sums",
@@ -77,6 +85,7 @@ DEFAULTS: dict[str, Any] = {
     "dtype": "auto",  # a local model's dtype: auto is bfloat16 on CUDA, float32 on the CPU
     "batch_size": 16,
     "max_new_tokens": 512,
+    "max_length": None,  # tokens per episode's sequence (prompt, actions, replies); null: the model's context length
     "temperature": 0.0,
     "top_p": 1.0,
     "system_prompt": None,
@@ -134,6 +143,7 @@ def _scripted(policy: str, env: gym.Env, rng: np.random.Generator) -> Callable[[
     if policy == "random":
         if hasattr(base, "sample_random_action"):
             return lambda: lambda obs: base.sample_random_action(rng=rng)
+        env.action_space.seed(int(rng.integers(2**31)))  # the run's seed decides the actions
         return lambda: lambda obs: env.action_space.sample()
     raise SystemExit(f"unknown policy {policy!r}; use solver or random (or model=...)")
 
@@ -294,20 +304,22 @@ def _evaluate_model(cfg, resets, emit) -> None:
         model, tokenizer = None, _served_tokenizer(cfg)
     else:
         model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
-    rcfg = RolloutConfig.from_mapping(
-        cfg,
-        responses_per_prompt=1,
-        max_length=max(4096, 2 * cfg.max_new_tokens),
-        concurrency=cfg.batch_size,
-        tools_in_template=bool(cfg.tools_in_template),
-        progress=False,
-    )
 
     async def run() -> None:
         if cfg.server:
             engine = HTTPEngine(cfg.server)
+            context = _served_context_length(cfg.server)
         else:
             engine = EmbeddedEngine(model, tokenizer, max_batch_size=cfg.batch_size, seed=cfg.seed)
+            context = engine.context_length
+        rcfg = RolloutConfig.from_mapping(
+            cfg,
+            responses_per_prompt=1,
+            max_length=episode_max_length(cfg.get("max_length"), context),
+            concurrency=cfg.batch_size,
+            tools_in_template=bool(cfg.tools_in_template),
+            progress=False,
+        )
         try:
             await play_model(
                 engine,
@@ -322,6 +334,38 @@ def _evaluate_model(cfg, resets, emit) -> None:
             await engine.close()
 
     asyncio.run(run())
+
+
+def default_output(folder: str, env: str, who: str) -> str:
+    """A results file no other run names: ``runs/<folder>/<env>-<who>-<time>-<pid>.jsonl``."""
+    stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    return f"runs/{folder}/{env.replace('/', '_')}-{who.replace('/', '_')}-{stamp}.jsonl"
+
+
+def episode_max_length(requested: int | None, context_length: int | None) -> int:
+    """Tokens an evaluation episode's sequence may hold: ``requested`` (None: all of the context),
+    at most the model's ``context_length`` (None: unknown, then 4096 by default).
+
+    Raises:
+        SystemExit: ``requested`` is not a positive integer.
+    """
+    if requested is not None and (not isinstance(requested, int) or isinstance(requested, bool) or requested < 1):
+        raise SystemExit(f"max_length must be a positive integer or null, got {requested!r}")
+    if context_length is None:
+        return requested or 4096
+    return min(requested or context_length, context_length)
+
+
+def _served_context_length(url: str) -> int | None:
+    """The context length ``url``'s ``/get_server_info`` reports (ours and SGLang's), else None."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/get_server_info", timeout=30) as answer:
+            value = json.loads(answer.read().decode()).get("context_length")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 def _served_tokenizer(cfg):
@@ -488,6 +532,7 @@ def evaluate(cfg, on_record: Callable[[EpisodeRecord], None] | None = None) -> l
 
     if cfg.openai_base_url and cfg.server:
         raise SystemExit("give server= (SGLang's native API) or openai_base_url= (the OpenAI API), not both")
+    episode_max_length(cfg.get("max_length"), None)  # a bad max_length fails before anything loads
     tools_in_template = bool(cfg.tools_in_template) or bool(cfg.openai_base_url)
     kwargs = standard_kwargs(cfg.env, env_kwargs(cfg), split=cfg.split, tools_in_template=tools_in_template)
     resets = task_resets(cfg.env, kwargs, cfg.n, cfg.seed)
@@ -507,7 +552,7 @@ def evaluate(cfg, on_record: Callable[[EpisodeRecord], None] | None = None) -> l
         if out_path is not None:
             if sink is None:
                 out_path.parent.mkdir(parents=True, exist_ok=True)
-                sink = open(out_path, "a", encoding="utf-8")  # noqa: SIM115 (closed in the finally below)
+                sink = open(out_path, "w", encoding="utf-8")  # noqa: SIM115 (closed in the finally below)
             sink.write(json.dumps(asdict(rec), ensure_ascii=False) + "\n")
             sink.flush()
         if on_record is not None:
@@ -529,6 +574,16 @@ def evaluate(cfg, on_record: Callable[[EpisodeRecord], None] | None = None) -> l
     return records
 
 
+def _truncations(records: list[EpisodeRecord]) -> str:
+    """The share of truncated episodes and their count per ``truncated_reason`` (``max_length``:
+    cut at the sequence's token budget, before or during the episode)."""
+    reasons = Counter(str(r.final_info.get("truncated_reason", "env")) for r in records if r.truncated)
+    share = f"{sum(reasons.values()) / max(len(records), 1):.3f}"
+    return (
+        f"{share} ({', '.join(f'{reason} {count}' for reason, count in sorted(reasons.items()))})" if reasons else share
+    )
+
+
 def summarize(records: list[EpisodeRecord], seconds: float) -> str:
     """A text table of the run."""
     n = len(records)
@@ -542,6 +597,7 @@ def summarize(records: list[EpisodeRecord], seconds: float) -> str:
         ("mean turns", f"{np.mean([r.turns for r in records]):.2f}"),
         ("invalid actions / episode", f"{np.mean([r.invalid_actions for r in records]):.2f}"),
         ("format followed", f"{np.mean(fmt):.3f}" if fmt else "n/a"),
+        ("truncated", _truncations(records)),
         *[
             (label, f"{np.mean([r.final_info.get(key) or 0.0 for r in records]):.3f}")  # absent: no answer given
             for key, label in (("em", "exact match"), ("f1", "token F1"), ("num_searches", "searches / episode"))

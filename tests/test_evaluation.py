@@ -1,8 +1,10 @@
 """rl2gem.evaluation's statistics on evaluation records."""
 
+import os
+
 import pytest
 
-from rl2gem.evaluation import EpisodeRecord, paired_comparison, summarize
+from rl2gem.evaluation import EpisodeRecord, default_output, episode_max_length, evaluate, paired_comparison, summarize
 
 
 def test_paired_comparison_counts_discordant_items_and_gives_the_exact_sign_test():
@@ -53,3 +55,62 @@ def test_format_followed_counts_an_episode_that_did_not_report_it_as_not_followe
 
     assert followed([record(True), record(False), record(None), record(None)]) == "0.250"
     assert followed([record(None)]) == "n/a"
+
+
+def test_an_episodes_max_length_defaults_to_the_context_and_never_passes_it():
+    """``max_length`` was fixed at max(4096, 2 * max_new_tokens): a 16k model lost every prompt past
+    4096 tokens (ToolUse-v0's median) and a 2k model aborted the run on the first long prompt."""
+    assert episode_max_length(None, 16384) == 16384
+    assert episode_max_length(1000, 16384) == 1000
+    assert episode_max_length(100_000, 2048) == 2048
+    assert episode_max_length(None, None) == 4096 and episode_max_length(512, None) == 512
+    for bad in (0, -5, 2.5, True, "long"):
+        with pytest.raises(SystemExit, match="max_length must be a positive integer"):
+            episode_max_length(bad, 2048)
+
+
+def test_the_summary_counts_truncated_episodes_by_reason():
+    def record(truncated, reason=None):
+        info = {"truncated_reason": reason} if reason else {}
+        return EpisodeRecord(0, 0, None, 0.0, 1, False, not truncated, truncated, 0, None, 5, [], info)
+
+    def row(records):
+        return next(line for line in summarize(records, 1.0).splitlines() if line.startswith("truncated"))
+
+    records = [record(True, "max_length"), record(True, "max_length"), record(True, "max_turns"), record(False)]
+    assert row(records).split(None, 1)[1] == "0.750 (max_length 2, max_turns 1)"
+    assert row([record(False)]).split()[-1] == "0.000"
+
+
+def test_default_outputs_of_two_runs_differ(monkeypatch):
+    """Two runs started in the same second wrote into one file (named to the second)."""
+    first = default_output("evaluate", "rl2/GuessTheNumber-v0", "org/model")
+    monkeypatch.setattr(os, "getpid", lambda: -1)
+    second = default_output("evaluate", "rl2/GuessTheNumber-v0", "org/model")
+    assert first != second and first.startswith("runs/evaluate/rl2_GuessTheNumber-v0-org_model-")
+
+
+def test_a_random_policy_is_the_runs_seed_for_an_env_without_its_own_sampler(tmp_path):
+    """An env without ``sample_random_action`` played ``action_space.sample()`` unseeded: two runs
+    with one seed played different actions."""
+    import gymnasium as gym
+    from toy_envs import UnicodeEchoEnv
+
+    import rl2gem
+    from rl2gem.evaluate import parse_args
+
+    rl2gem.register("testlab/Echo-v0", "toy_envs:UnicodeEchoEnv")
+    try:
+        assert not hasattr(UnicodeEchoEnv, "sample_random_action")
+        runs = []
+        for name, seed in (("a", 3), ("b", 3), ("c", 4)):
+            out = tmp_path / f"{name}.jsonl"
+            args = ["env=testlab/Echo-v0", "policy=random", "n=3", f"seed={seed}", f"output={out}", "progress=false"]
+            records = evaluate(parse_args(args))
+            runs.append([[m["content"] for m in r.messages if m["role"] == "assistant"] for r in records])
+            assert len(out.read_text().splitlines()) == 3
+        assert runs[0] == runs[1] and runs[0] != runs[2]
+        evaluate(parse_args(args))  # a second run into the same output rewrites it (it appended)
+        assert len(out.read_text().splitlines()) == 3
+    finally:
+        del gym.registry["testlab/Echo-v0"]

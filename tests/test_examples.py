@@ -109,6 +109,22 @@ def test_evaluate_records_each_episodes_context_segments_and_summaries(tmp_path,
     assert re.search(rf"summaries / episode\s+{mean:.2f}", stdout), stdout
 
 
+def test_evaluate_holds_an_episode_to_max_length_within_the_context(tmp_path, tiny_dir):
+    """GuessTheNumber-Easy's task is 83 tokens: with ``max_length=86`` no episode gets past its
+    first action, and the summary says so; a ``max_length`` past the tiny model's 2048-token
+    context is held to it (the engine refused such prompts and the run stopped)."""
+    common = ["-m", "rl2gem.evaluate", "env=rl2/GuessTheNumber-Easy-v0", f"model={tiny_dir}", "n=2"]
+    common += ["max_new_tokens=4", "progress=false"]
+    stdout = run(*common, "max_length=86", f"output={tmp_path}/short.jsonl")
+    records = [json.loads(line) for line in (tmp_path / "short.jsonl").read_text().splitlines()]
+    assert all(r["truncated"] and r["final_info"]["truncated_reason"] == "max_length" for r in records)
+    assert re.search(r"truncated\s+1\.000 \(max_length 2\)", stdout), stdout
+    long_prompt = "system_prompt=" + "word " * 2100  # past the context: the engine cannot take it
+    stdout = run(*common, "max_length=100000", long_prompt, f"output={tmp_path}/long.jsonl")
+    records = [json.loads(line) for line in (tmp_path / "long.jsonl").read_text().splitlines()]
+    assert [(r["turns"], r["final_info"]["truncated_reason"]) for r in records] == [(0, "max_length")] * 2
+
+
 def test_evaluate_renders_tools_with_the_chat_template(tmp_path, tiny_dir):
     """The tiny random Llama has SmolLM2's tokenizer and chat template: the rendering is the real one."""
     out = tmp_path / "pymath.jsonl"
