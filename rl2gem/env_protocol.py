@@ -144,8 +144,9 @@ def _constructor_kwargs(env_id: str) -> dict[str, Any]:
 def env_schema(env_id: str, env: gym.Env, env_kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """What ``GET /schema`` answers: JSON Schemas of the action, the observation and the state
     (OpenEnv's three), then rl2gem's: the env's constructor ``kwargs`` (defaults, and the values
-    this server made it with under ``served``) and the rules a client needs to act as the local
-    env does (``invalid_action_reward``, ``invalid_action_terminates``, ``max_turns``)."""
+    this server made it with under ``served``), the rules a client needs to act as the local
+    env does (``invalid_action_reward``, ``invalid_action_terminates``, ``max_turns``) and
+    ``num_items``, the size of its data set (``len(env)``; None for an env without one)."""
     action = _text_schema(env.action_space, "the agent's text for this turn")
     observation = _text_schema(env.observation_space, "the env's reply this turn (a delta, not the history)")
     return {
@@ -175,4 +176,13 @@ def env_schema(env_id: str, env: gym.Env, env_kwargs: Mapping[str, Any]) -> dict
         "invalid_action_reward": float(getattr(env.unwrapped, "invalid_action_reward", 0.0)),
         "invalid_action_terminates": bool(getattr(env.unwrapped, "invalid_action_terminates", False)),
         "max_turns": getattr(env.unwrapped, "max_turns", None),
+        "num_items": dataset_size(env),
     }
+
+
+def dataset_size(env: gym.Env) -> int | None:
+    """How many items ``env``'s data set holds (``len(env.unwrapped)``), or None without one."""
+    try:
+        return len(env.unwrapped)
+    except TypeError:  # no __len__, or one that says there is no data set (rl2/Remote-v0)
+        return None

@@ -58,6 +58,8 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from rl2gem.env_protocol import dataset_size
+
 __all__ = [
     "paired_comparison",
     "solved",
@@ -178,10 +180,11 @@ def task_resets(env_id: str, env_kwargs: dict[str, Any], n: int, seed: int = 0) 
 
     probe = rl2gem.make(env_id, **env_kwargs)
     try:
-        indexed = hasattr(probe.unwrapped, "__len__")
-        count = min(n, len(probe.unwrapped)) if indexed else n
+        size = dataset_size(probe)
     finally:
         probe.close()
+    indexed = size is not None
+    count = min(n, size) if indexed else n
     return [(seed + i, {"index": i} if indexed else None) for i in range(count)]
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import urllib.parse
 import uuid
 from typing import Any
 
@@ -114,6 +116,9 @@ class RemoteEnv(Env):
         self.schema = await self._call("GET", "/schema")
         if "split" not in self.schema.get("kwargs", {"split": None}):
             self.env_kwargs.pop("split", None)  # trainers and evaluate pass a split to every env that names one
+        if self.env_kwargs:  # the schema of this session's env: its split's size, its max_turns
+            query = urllib.parse.urlencode({"env_kwargs": json.dumps(self.env_kwargs)})
+            self.schema = await self._call("GET", f"/schema?{query}")
         self.invalid_action_reward = float(self.schema.get("invalid_action_reward", 0.0))
         self.invalid_action_terminates = bool(self.schema.get("invalid_action_terminates", False))
         limit = self.schema.get("action", {}).get("properties", {}).get(ACTION_FIELD, {}).get("maxLength")
@@ -179,6 +184,21 @@ class RemoteEnv(Env):
         if reason is not None and isinstance(action, str) and _encodable(action):
             return action, None
         return text, reason
+
+    def __len__(self) -> int:
+        """The size of the served env's data set (its items are ``reset(options={"index": i})``),
+        as its server reports it for this env's kwargs (``split``...).
+
+        Raises:
+            TypeError: the served env has no data set.
+            RemoteEnvError: the server cannot be reached.
+        """
+        if self.schema is None:
+            self._loop_run(self._read_schema())
+        size = self.schema.get("num_items")
+        if size is None:
+            raise TypeError(f"the env served at {self.url} has no data set")
+        return int(size)
 
     @property
     def session_id(self) -> str | None:

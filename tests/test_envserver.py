@@ -426,3 +426,26 @@ def test_a_retried_reset_opens_one_session():
             assert status == 200 and third["session_id"] != first["session_id"]  # the first session is closed
     finally:
         del gym.registry["testlab/SlowReset-v0"]
+
+
+def test_a_remote_data_set_env_has_its_splits_size_and_evaluation_plays_its_items_in_order():
+    """A served data-set env looked like a seed-only env to evaluation (RemoteEnv had no ``len``):
+    its resets drew items at random, with replacement (516 SearchQA test episodes played 323 items)."""
+    from rl2gem.evaluation import task_resets
+
+    local = {split: len(rl2gem.make("rl2/GSM8K-v0", split=split).unwrapped) for split in ("train", "test")}
+    assert local["train"] != local["test"]
+    with serving_env("rl2/GSM8K-v0") as (url, _):
+        for split, size in local.items():
+            assert len(RemoteEnv(url, split=split)) == size
+        kwargs = {"url": url, "split": "test"}
+        assert task_resets("rl2/Remote-v0", kwargs, 3, seed=5) == [(5 + i, {"index": i}) for i in range(3)]
+        remote = RemoteEnv(url, split="test")
+        _, info = remote.reset(seed=0, options={"index": local["test"] - 1})
+        assert info["index"] == local["test"] - 1
+        remote.close()
+        assert call(f"{url}/schema?env_kwargs=[1]")[0] == 400
+    with serving_env(GAME) as (url, _):
+        with pytest.raises(TypeError, match="has no data set"):
+            len(RemoteEnv(url))
+        assert task_resets("rl2/Remote-v0", {"url": url}, 2, seed=5) == [(5, None), (6, None)]

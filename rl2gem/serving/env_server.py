@@ -21,7 +21,8 @@ it; the wire format of the observation and action is :mod:`rl2gem.env_protocol`.
                        "data": {...}}``; answers ``{"type": "observation" | "state" | "error", "data"}``
 ``GET /health``        ``{"status": "healthy"}``
 ``GET /metadata``      ``{name, description, readme_content, version, author, documentation_url}``
-``GET /schema``        :func:`rl2gem.env_protocol.env_schema`
+``GET /schema``        :func:`rl2gem.env_protocol.env_schema` (``?env_kwargs=<JSON>``: of the env
+                       a session with those kwargs gets, e.g. its split's ``num_items``)
 ``POST /mcp``          JSON-RPC 2.0: ``tools/list`` and ``tools/call`` of the env's tools
                        (:class:`rl2gem.serving.mcp_server.EnvToolbox`; OpenEnv's validator posts here)
 ``GET /openapi.json``  the routes, ``info.version`` 1.0.0 (what ``openenv validate`` reads)
@@ -235,6 +236,7 @@ class EnvRoutes:
     def __init__(self, sessions: EnvSessions, schema: dict[str, Any], description: str, toolbox: EnvToolbox):
         self.sessions, self.schema, self.description, self.toolbox = sessions, schema, description, toolbox
         self._resets: collections.OrderedDict[str, asyncio.Future] = collections.OrderedDict()
+        self._schemas: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()  # by env_kwargs
 
     def table(self) -> list[web.RouteDef]:
         return [
@@ -388,7 +390,30 @@ class EnvRoutes:
         )
 
     async def schema_route(self, request):
-        return web.json_response(self.schema)
+        """The served env's schema; with ``?env_kwargs=<JSON object>``, that of the env a session
+        made with those kwargs gets (its data split's ``num_items``, its ``max_turns``)."""
+        text = request.query.get("env_kwargs")
+        if text is None:
+            return web.json_response(self.schema)
+        try:
+            overrides = json.loads(text)
+            if not isinstance(overrides, dict):
+                raise ValueError("not an object")
+        except ValueError as error:
+            return _error(RequestError(400, "bad_env_kwargs", f"env_kwargs must be a JSON object: {error}"))
+        key = json.dumps(overrides, sort_keys=True)
+        if key not in self._schemas:
+            try:
+                env, kwargs = await self.sessions.make_env(overrides)
+            except RequestError as error:
+                return _error(error)
+            try:
+                self._schemas[key] = env_schema(self.sessions.env_id, env, kwargs)
+            finally:
+                await close_env(env)
+            while len(self._schemas) > 64:
+                self._schemas.popitem(last=False)
+        return web.json_response(self._schemas[key])
 
     async def openapi(self, request):
         paths: dict[str, dict[str, Any]] = {}
