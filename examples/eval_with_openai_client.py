@@ -23,15 +23,22 @@ parser.add_argument("--env", default="rl2/SearchQA-v0")
 parser.add_argument("--episodes", type=int, default=5)
 parser.add_argument("--max-tokens", type=int, default=48)
 parser.add_argument("--max-turns", type=int, default=None, help="the env's turn limit (default: its own)")
+parser.add_argument("--split", default="test", help="a data-set env's split ('none' for envs without one)")
 args = parser.parse_args()
+kwargs = {
+    **({"max_turns": args.max_turns} if args.max_turns else {}),
+    **({} if args.split == "none" else {"split": args.split}),
+}
 
 client = OpenAI(base_url=args.base_url, api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"), max_retries=5)
 model = args.model or client.models.list().data[0].id
 
 rewards = []
 for episode in range(args.episodes):
-    env = gym.make(args.env, **({"max_turns": args.max_turns} if args.max_turns else {}))
-    observation, info = env.reset(seed=episode)
+    env = gym.make(args.env, **kwargs)
+    # a data-set env (len(env)) plays its items in order, so two models see the same questions
+    options = {"index": episode % len(env.unwrapped)} if hasattr(env.unwrapped, "__len__") else None
+    observation, info = env.reset(seed=episode, options=options)
     messages = [{"role": "user", "content": observation}]
     total, done = 0.0, False
     while not done:
