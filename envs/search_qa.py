@@ -343,21 +343,21 @@ class SearchQAEnv(Env):
             return self.invalid_action(
                 "missing <search> or <answer> tag",
                 "Write <search>query</search> to search, or <answer>...</answer> to answer.",
-                **self._unanswered(),
+                **self.unscored_info(),
             )
         query = first_search.group(1).strip()
         if not query:
-            return self.invalid_action("empty search query", "Your search query was empty.", **self._unanswered())
+            return self.invalid_action("empty search query", "Your search query was empty.", **self.unscored_info())
         if self.num_searches >= self.max_searches:
             return (
                 f"<information>Search limit of {self.max_searches} reached.</information>",
                 0.0,
                 False,
                 True,
-                {"role": "tool", **self._unanswered(), "truncated_reason": "max_searches"},
+                {"role": "tool", **self.unscored_info(), "truncated_reason": "max_searches"},
             )
         self.num_searches += 1
-        info: dict[str, Any] = {"role": "tool", **self._unanswered(), "query": query}
+        info: dict[str, Any] = {"role": "tool", **self.unscored_info(), "query": query}
         try:
             hits = (await (await self._retrieval.client()).retrieve([query], self.topk))[0]
             text = format_passages(hits)
@@ -366,7 +366,7 @@ class SearchQAEnv(Env):
             info["search_error"] = str(e)
         return f"<information>{text}</information>", 0.0, False, False, info
 
-    def _unanswered(self) -> dict[str, Any]:
+    def unscored_info(self) -> dict[str, Any]:
         """The scores of a step without an answer, so that an episode cut short (turn or search
         limit) still reports em / f1 of 0 and its searches."""
         return {

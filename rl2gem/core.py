@@ -632,7 +632,14 @@ class Env(gym.Env[str, str]):
         return action, None
 
     def _rejected(self, reason: str) -> StepResult:
-        return self.invalid_action(reason)
+        return self.invalid_action(reason, **self.unscored_info())
+
+    def unscored_info(self) -> dict[str, Any]:
+        """Info entries of a step that does not score the episode (an action rejected before the
+        step hook: empty, too long, not UTF-8): what the env reports for an episode cut short
+        (e.g. SearchQA's em 0 and its searches so far), so the last step's info still has them.
+        Override in envs that report per-episode numbers; the default is none."""
+        return {}
 
     def _finish_step(self, result: StepResult) -> StepResult:
         try:

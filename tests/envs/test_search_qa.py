@@ -108,6 +108,20 @@ def test_search_limit_and_turn_limit_truncate(service):
     env.close()
 
 
+def test_an_episode_that_ends_on_an_empty_action_reports_its_searches_and_no_match(service):
+    """An action rejected before the step (empty, too long, not UTF-8) lost the episode's searches
+    and em from the last info, which evaluation reads: 2 searches counted as 0, em left out."""
+    env = SearchQAEnv("test", retrieval_url=service, max_turns=3)
+    env.reset(seed=0)
+    env.step("<search>a</search>")
+    env.step("<search>b</search>")
+    _, reward, _, truncated, info = env.step("   ")
+    assert truncated and info["truncated_reason"] == "max_turns" and info["invalid_action"] == "the action is empty"
+    assert (info["num_searches"], info["em"], info["f1"], reward) == (2, 0.0, 0.0, 0.0)
+    assert info["reward_components"] == {"correctness": 0.0, "f1": 0.0, "searches": 2.0}
+    env.close()
+
+
 def test_wrong_answer_gets_f1_but_no_em(service):
     env = SearchQAEnv("test", retrieval_url=service)
     env.reset(options={"index": 0})
