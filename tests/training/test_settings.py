@@ -49,8 +49,14 @@ ROLLOUT_OVERRIDES = {"max_new_tokens": 64, "max_length": 1024}
 #: RolloutConfig fields the trainer sets itself rather than from its YAML.
 ROLLOUT_NOT_OFFERED = {"top_k", "seed", "progress"}
 #: Where the eval CLI's defaults deliberately differ: greedy, one episode per task, room for long
-#: answers, a progress bar on the terminal.
-EVALUATE_OVERRIDES = {"temperature": 0.0, "responses_per_prompt": 1, "max_new_tokens": 512, "progress": True}
+#: answers and episodes (max_length None: the model's whole context), a progress bar on the terminal.
+EVALUATE_OVERRIDES = {
+    "temperature": 0.0,
+    "responses_per_prompt": 1,
+    "max_new_tokens": 512,
+    "max_length": None,
+    "progress": True,
+}
 
 
 def test_rollout_defaults_live_in_rollout_config_and_every_difference_is_declared():
