@@ -37,6 +37,7 @@ $(STAMP): pyproject.toml $(LOCK)
 # arithmetic with 2 ranks (FSDP2 over gloo); prints the reward table and where the plot and
 # the checkpoint are. Drop the trainer.* overrides for the full proof-of-learning recipe.
 run: setup
+	rm -rf runs/quickstart  # a new run each time (trainers refuse a folder that holds a run without trainer.resume=true)
 	OMP_NUM_THREADS=1 $(BIN)/python -m torch.distributed.run --standalone --nproc_per_node=2 trainers/ppo.py \
 		config=arithmetic trainer.total_steps=3 trainer.eval_n=64 trainer.output_dir=runs/quickstart trainer.progress=false
 
@@ -44,6 +45,7 @@ run: setup
 # episodes of rl2/SearchQA-v0's train split -> SFT of SmolLM2-135M-Instruct -> greedy EM, F1 and
 # searches per episode on the first 200 test questions, before and after.
 sft-searchqa: setup
+	rm -rf runs/searchqa-sft
 	$(BIN)/python -m rl2gem.collect env=rl2/SearchQA-v0 policy=solver split=train n=5000 env_kwargs.topk=1 \
 		output=runs/searchqa/oracle-top1.jsonl progress=false
 	OMP_NUM_THREADS=1 $(BIN)/python -m torch.distributed.run --standalone --nproc_per_node=2 trainers/sft.py \
@@ -57,6 +59,7 @@ PAIRS := $(BIN)/python -m rl2gem.collect env=rl2/ReasoningGym-v0 $(ARITHMETIC) m
 	responses_per_prompt=8 max_new_tokens=32 batch_size=64 progress=false
 TORCHRUN := OMP_NUM_THREADS=1 $(BIN)/python -m torch.distributed.run --standalone --nproc_per_node=2
 preference-arithmetic: setup
+	rm -rf runs/arithmetic-dpo runs/arithmetic-rm runs/arithmetic-ppo-rm
 	$(PAIRS) split=train n=640 output=runs/arithmetic-pairs/train.jsonl
 	$(PAIRS) split=test n=200 output=runs/arithmetic-pairs/test.jsonl
 	$(TORCHRUN) trainers/dpo.py config=arithmetic_dpo trainer.progress=false

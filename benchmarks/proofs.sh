@@ -16,10 +16,11 @@ OUT=${OUT:-runs/$KIND-proof}
 PY=${PY:-.venv/bin/python}
 run() {  # name, overrides...
   local name=$1; shift
+  rm -rf "${OUT:?}/$name"  # a new run (a folder that holds one is refused without trainer.resume=true)
   OMP_NUM_THREADS=1 $PY -m torch.distributed.run --standalone --nproc_per_node=2 trainers/ppo.py config=arithmetic \
     rollout.prompts_per_rollout=4 trainer.eval_at_start=false trainer.eval_n=50 trainer.progress=false \
     trainer.output_dir="$OUT/$name" "$@" > "$OUT/$name.log" 2>&1
-  rm -rf "$OUT/$name"/checkpoint-*
+  rm -rf "$OUT/$name"/checkpoint-* "$OUT/$name/latest"
 }
 mkdir -p "$OUT"
 case "$KIND" in

@@ -13,11 +13,12 @@ import os
 import re
 import sys
 import time
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Tracker", "plot_metrics"]
+__all__ = ["Tracker", "flat_config", "plot_metrics"]
 
 LOGGERS = ("stdout", "jsonl", "wandb", "tensorboard", "mlflow")
 #: MLflow's limits: parameters and metrics per ``log_batch`` call, characters of a parameter's value
@@ -58,6 +59,7 @@ class Tracker:
         output_dir: where ``metrics.jsonl`` / TensorBoard events / wandb files / the MLflow store go.
         config: the run's resolved config (stored by wandb; MLflow parameters, flattened to dotted keys).
         project: the wandb project and the MLflow experiment.
+        resume: this run continues the one logged in ``output_dir`` (``trainer.resume``).
 
     MLflow: the tracking URI is ``MLFLOW_TRACKING_URI`` when set, else a SQLite store
     ``<output_dir>/mlflow.db`` with artifacts in ``<output_dir>/mlartifacts`` (MLflow 3 keeps its
@@ -65,13 +67,20 @@ class Tracker:
     store now). Browse with ``mlflow ui --backend-store-uri sqlite:///<output_dir>/mlflow.db``. The
     run id is kept in ``<output_dir>/mlflow_run_id``, so a resumed run logs into the same MLflow run
     (a re-logged step adds a point at that step; :func:`metrics_table` and plots read ``metrics.jsonl``).
+    wandb's run id is kept in ``<output_dir>/wandb_run_id`` alike (``resume="allow"``). Without
+    ``resume`` the run is a new one: ``metrics.jsonl`` is rewritten and new MLflow and wandb runs start.
 
     Raises:
         ValueError: unknown logger.
     """
 
     def __init__(
-        self, loggers, output_dir: str | Path, config: Mapping[str, Any] | None = None, project: str = "rl2gem"
+        self,
+        loggers,
+        output_dir: str | Path,
+        config: Mapping[str, Any] | None = None,
+        project: str = "rl2gem",
+        resume: bool = True,
     ):
         bad = [x for x in loggers if x not in LOGGERS]
         if bad:
@@ -80,7 +89,8 @@ class Tracker:
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
-        self._jsonl = open(self.path, "a", encoding="utf-8") if "jsonl" in self.loggers else None  # noqa: SIM115 (closed by close())
+        mode = "a" if resume else "w"  # a new run's metrics are its own
+        self._jsonl = open(self.path, mode, encoding="utf-8") if "jsonl" in self.loggers else None  # noqa: SIM115 (closed by close())
         self._wandb = None
         self._tb = None
         self._mlflow = None
@@ -88,13 +98,18 @@ class Tracker:
             import wandb
 
             os.environ.setdefault("WANDB_MODE", "offline")
-            self._wandb = wandb.init(project=project, dir=str(self.dir), config=dict(config or {}))
+            id_file = self.dir / "wandb_run_id"  # a resumed run goes on logging into its wandb run
+            run_id = id_file.read_text().strip() if resume and id_file.exists() else uuid.uuid4().hex[:12]
+            id_file.write_text(run_id + "\n")
+            self._wandb = wandb.init(
+                project=project, dir=str(self.dir), config=dict(config or {}), id=run_id, resume="allow"
+            )
         if "tensorboard" in self.loggers:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(self.dir / "tensorboard"))
         if "mlflow" in self.loggers:
-            self._mlflow = MlflowRun(self.dir, project, config)
+            self._mlflow = MlflowRun(self.dir, project, config, resume)
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
@@ -147,22 +162,24 @@ def _mlflow_key(key: str) -> str:
     return re.sub(r"[^\w\-./ ]", "_", key)
 
 
-def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+def flat_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """A nested config as ``{"dotted.key": text}`` (lists and mappings as JSON, others ``str``)."""
     out = {}
     for key, value in config.items():
         name = f"{prefix}{key}"
         if isinstance(value, Mapping) and value:
-            out.update(_flatten(value, f"{name}."))
+            out.update(flat_config(value, f"{name}."))
         else:
-            out[_mlflow_key(name)] = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+            out[name] = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
     return out
 
 
 class MlflowRun:
-    """One MLflow run of a :class:`Tracker`: the run recorded in ``directory/mlflow_run_id`` if it is
-    still in the store, else a new run in ``experiment`` with ``config`` as its parameters."""
+    """One MLflow run of a :class:`Tracker`: when ``resume``, the run recorded in
+    ``directory/mlflow_run_id`` if it is still in the store; else a new run in ``experiment`` with
+    ``config`` as its parameters."""
 
-    def __init__(self, directory: Path, experiment: str, config: Mapping[str, Any] | None):
+    def __init__(self, directory: Path, experiment: str, config: Mapping[str, Any] | None, resume: bool = True):
         from mlflow.entities import Metric, Param
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
@@ -171,7 +188,7 @@ class MlflowRun:
         uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(directory / 'mlflow.db').resolve()}"
         self.client = MlflowClient(tracking_uri=uri)
         id_file = directory / "mlflow_run_id"
-        if id_file.exists():
+        if resume and id_file.exists():
             self.run_id = id_file.read_text().strip()
             try:
                 self.client.update_run(self.run_id, status="RUNNING")
@@ -187,7 +204,7 @@ class MlflowRun:
             )
         )
         self.run_id = self.client.create_run(experiment_id, run_name=directory.name).info.run_id
-        params = [Param(k, v[:MLFLOW_PARAM_CHARS]) for k, v in _flatten(dict(config or {})).items()]
+        params = [Param(_mlflow_key(k), v[:MLFLOW_PARAM_CHARS]) for k, v in flat_config(dict(config or {})).items()]
         for i in range(0, len(params), MLFLOW_BATCH):
             self.client.log_batch(self.run_id, params=params[i : i + MLFLOW_BATCH])
         id_file.write_text(self.run_id + "\n")

@@ -58,3 +58,37 @@ def test_mlflow_and_tensorboard_record_what_was_logged_and_a_resumed_run_continu
     assert (tmp_path / "mlflow_run_id").read_text().strip() == run_id
     assert [m.step for m in client.get_metric_history(run_id, "eval/success")] == [1, 2, 3]
     assert client.get_run(run_id).data.params["actor.lr"] == "1e-05"  # parameters are the first run's
+
+
+def test_a_new_run_starts_its_own_logs_and_a_resumed_one_continues_them(tmp_path, monkeypatch):
+    """Without ``resume`` a run in a used folder appended to the old ``metrics.jsonl`` (the report
+    blended two runs) and continued the old MLflow run; a resumed run opened a new wandb run."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    first = Tracker(["jsonl", "mlflow", "wandb"], tmp_path, config={"seed": 1}, resume=False)
+    first.log({"loss": 1.0}, step=1)
+    wandb_id = first._wandb.id
+    first.close()
+    mlflow_id = (tmp_path / "mlflow_run_id").read_text().strip()
+    assert (tmp_path / "wandb_run_id").read_text().strip() == wandb_id
+
+    resumed = Tracker(["jsonl", "mlflow", "wandb"], tmp_path, config={"seed": 1}, resume=True)
+    resumed.log({"loss": 0.5}, step=2)
+    assert resumed._wandb.id == wandb_id
+    resumed.close()
+    assert (tmp_path / "mlflow_run_id").read_text().strip() == mlflow_id
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+    new = Tracker(["jsonl", "mlflow", "wandb"], tmp_path, config={"seed": 2}, resume=False)
+    new.log({"loss": 9.0}, step=1)
+    assert new._wandb.id != wandb_id
+    new.close()
+    assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        {"step": 1, "loss": 9.0}
+    ]
+    new_mlflow = (tmp_path / "mlflow_run_id").read_text().strip()
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert new_mlflow != mlflow_id and client.get_run(new_mlflow).data.params == {"seed": "2"}

@@ -215,6 +215,7 @@ class MaxLength:
         mesh: the :class:`~rl2gem.parallel.mesh.ParallelMesh`.
         device: this rank's device.
         output_dir: where a multi-rank run records a halved length for its restart.
+        resume: whether this run continues one (only then is a recorded length read).
         reserved_bytes: with ``auto``, memory free now that the update will not have
             (:func:`auto_max_length`).
         cpu_length: ``auto`` off CUDA (no simulated device) without ``cpu_max_length_per_device``:
@@ -236,6 +237,7 @@ class MaxLength:
         output_dir: str | Path,
         reserved_bytes: int = 0,
         cpu_length: int = CPU_AUTO_LENGTH,
+        resume: bool = True,
     ):
         settings = WorkerSettings.from_section(section)
         setting = settings.max_length_per_device
@@ -251,7 +253,7 @@ class MaxLength:
             self.value = setting
         else:
             raise ValueError(f"actor.max_length_per_device must be a positive integer or auto, got {setting!r}")
-        if self.backoff and self.record.exists():  # left by a run that ran out of memory on several ranks
+        if resume and self.backoff and self.record.exists():  # left by a run that ran out of memory on several ranks
             self.value = min(self.value, int(self.record.read_text()))
 
     @property

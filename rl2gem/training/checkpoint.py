@@ -9,10 +9,13 @@
 * ``hf/``: the trained model as a Hugging Face folder (optional).
 
 ``output_dir/latest`` names the newest complete checkpoint and is written last, atomically: a
-run killed while saving resumes from the previous one. With ``keep`` set, once ``latest`` has
-moved, the checkpoints older than the newest ``keep`` lose their ``dcp/`` folder (the model and
-optimizer shards: about 12 bytes per fp32 parameter, most of a checkpoint's size); their ``hf/``
-export and small files stay, so every saved model can still be evaluated.
+run killed while saving resumes from the previous one. The checkpoint ``latest`` names is never
+written again (a save of its step returns it as it is), and a folder of the step being saved that
+``latest`` does not name (a killed save, another run's) is removed first. With ``keep`` set, once
+``latest`` has moved, the complete checkpoints up to ``latest``'s step older than the newest
+``keep`` lose their ``dcp/`` folder (the model and optimizer shards: about 12 bytes per fp32
+parameter, most of a checkpoint's size); their ``hf/`` export and small files stay, so every
+saved model can still be evaluated.
 """
 
 from __future__ import annotations
@@ -84,8 +87,13 @@ class Checkpointer:
         Returns the checkpoint folder.
         """
         path = self.output_dir / f"checkpoint-{step}"
-        dcp.save(self._sharded(), checkpoint_id=str(path / "dcp"))
+        if self.latest() == path and (path / "trainer_state.json").exists():
+            return path  # saved already (a run's last step, a finished run resumed): never rewritten in place
         rank = dist.get_rank()
+        if rank == 0 and path.exists():  # not what latest names: a killed save's, or another run's
+            shutil.rmtree(path)
+        dist.barrier()
+        dcp.save(self._sharded(), checkpoint_id=str(path / "dcp"))
         local = {"torch_rng": torch.get_rng_state(), **dict(rank_state or {})}
         if uses_cuda():  # the rank's device's generator (dropout, LoRA's included, draws from it)
             local["cuda_rng"] = torch.cuda.get_rng_state()
@@ -108,14 +116,21 @@ class Checkpointer:
         return path
 
     def prune(self) -> list[Path]:
-        """Remove ``dcp/`` from the checkpoints older than the newest :attr:`keep` (none when
-        ``keep`` is 0); returns the checkpoint folders pruned."""
-        if not self.keep:
+        """Remove ``dcp/`` from the complete checkpoints up to ``latest``'s step older than the
+        newest :attr:`keep` (none when ``keep`` is 0); returns the checkpoint folders pruned. A
+        folder without ``trainer_state.json`` (a save under way or killed) or past ``latest``'s
+        step (another run's) is left alone."""
+        latest = self.latest()
+        if not self.keep or latest is None:
             return []
+        newest = int(latest.name.removeprefix("checkpoint-"))
         steps = sorted(
-            int(match.group(1))
+            step
             for child in self.output_dir.iterdir()
-            if (match := re.fullmatch(r"checkpoint-(\d+)", child.name)) and (child / "dcp").exists()
+            if (match := re.fullmatch(r"checkpoint-(\d+)", child.name))
+            and (step := int(match.group(1))) <= newest
+            and (child / "dcp").exists()
+            and (child / "trainer_state.json").exists()
         )
         pruned = [self.output_dir / f"checkpoint-{step}" for step in steps[: max(0, len(steps) - self.keep)]]
         for folder in pruned:
@@ -127,9 +142,13 @@ class Checkpointer:
         pointer = self.output_dir / "latest"
         return self.output_dir / pointer.read_text().strip() if pointer.exists() else None
 
-    def load(self) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    def load(self, expected: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]] | None:
         """Restore every worker from :meth:`latest` and this rank's torch RNGs (the CPU's, and on
         CUDA its device's).
+
+        Args:
+            expected: entries the checkpoint's ``trainer_state`` must hold where it has them (e.g.
+                ``{"trainer": "sft"}``), checked before anything loads.
 
         Returns:
             ``(trainer_state, rank_state)`` as saved (``trainer_state["step"]`` included), or None
@@ -137,13 +156,20 @@ class Checkpointer:
 
         Raises:
             ValueError: the checkpoint was written by a run with another world size (on every
-                rank, before any loads: each rank's RNGs, rollout and engine state are its own).
+                rank, before any loads: each rank's RNGs, rollout and engine state are its own), or
+                it differs from ``expected``.
             FileNotFoundError: this rank's state file is missing.
         """
         path = self.latest()
         if path is None:
             return None
         meta = json.loads((path / "trainer_state.json").read_text())
+        for key, value in dict(expected or {}).items():
+            if meta.get(key, value) != value:
+                raise ValueError(
+                    f"{path} was written with {key}={meta[key]!r}, this run has {key}={value!r}: resume it with "
+                    f"that {key}, or start a new run in another trainer.output_dir (from its weights: {path / 'hf'})"
+                )
         world = dist.get_world_size()
         if meta.get("world_size", world) != world:
             raise ValueError(

@@ -99,7 +99,9 @@ class OfflineTrainer(Trainer):
         self.total_steps = int(c.trainer.total_steps or c.trainer.epochs * self.steps_per_epoch)
         self.actor = Worker(c.actor, self.mesh, self.device, head=self.head, total_steps=self.total_steps)
         # auto off CUDA: 4096, what SFT, DPO and RM ran at on the CPU before auto was their default
-        self.max_length = MaxLength(c.actor, [self.actor], self.mesh, self.device, self.out, cpu_length=4096)
+        self.max_length = MaxLength(
+            c.actor, [self.actor], self.mesh, self.device, self.out, cpu_length=4096, resume=bool(c.trainer.resume)
+        )
         self.checkpointer = Checkpointer(self.out, {"actor": self.actor}, c.trainer.keep_checkpoints)
         self.peak_flops = peak_flops_from_config(c.trainer.peak_flops, self.device, self.actor.dtype)
         self.step, self.engine, self.loop = 0, None, asyncio.new_event_loop()

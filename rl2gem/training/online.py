@@ -142,7 +142,9 @@ class OnlineTrainer(Trainer):
         # sized after the engine took its share of the device, less the KV store it may keep
         trained = [self.actor] + ([self.critic] if self.critic is not None else [])
         kept = self.engine.kept_kv_bytes
-        self.max_length = MaxLength(c.actor, trained, self.mesh, self.device, self.out, reserved_bytes=kept)
+        self.max_length = MaxLength(
+            c.actor, trained, self.mesh, self.device, self.out, reserved_bytes=kept, resume=bool(c.trainer.resume)
+        )
         self.tracker = self.open_tracker(self.out)
         if self.rank == 0:
             print(OmegaConf.to_yaml(c), flush=True)

@@ -14,6 +14,8 @@ the phases a ``train_step`` marks with ``self.memory.phase(name)``) is logged wi
 from __future__ import annotations
 
 import functools
+import itertools
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,7 @@ import rl2gem  # noqa: F401 (registers the rl2/ envs and loads plugins, for the 
 from rl2gem.config import ConfigError, command_line_config, config_error_exit_code
 from rl2gem.data import missing_data_files
 from rl2gem.models import model_problem
-from rl2gem.tracking import Tracker
+from rl2gem.tracking import Tracker, flat_config
 from rl2gem.training.metrics import PeakMemory
 
 __all__ = ["Trainer", "launch", "check_common_keys"]
@@ -48,13 +50,18 @@ class Trainer:
     max_length = None  # a subclass's MaxLength (rl2gem.training.autosize): logged each step
 
     def open_tracker(self, output_dir: Path) -> Tracker | None:
-        """On rank 0: create ``output_dir``, write the merged ``config.yaml`` there and open the
+        """On rank 0: create ``output_dir``, write the merged ``config.yaml`` there (a resumed run's
+        earlier ``config.yaml``, where it differs, is kept as ``config.<n>.yaml``) and open the
         tracker of ``trainer.loggers``; None on the other ranks."""
         if self.rank != 0:
             return None
         output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg))
-        return Tracker(self.cfg.trainer.loggers, output_dir, OmegaConf.to_container(self.cfg, resolve=True))
+        path, text = output_dir / "config.yaml", OmegaConf.to_yaml(self.cfg)
+        if self.cfg.trainer.resume and path.exists() and path.read_text() != text:
+            path.rename(next(p for n in itertools.count(1) if not (p := output_dir / f"config.{n}.yaml").exists()))
+        path.write_text(text)
+        config = OmegaConf.to_container(self.cfg, resolve=True)
+        return Tracker(self.cfg.trainer.loggers, output_dir, config, resume=bool(self.cfg.trainer.resume))
 
     @functools.cached_property
     def memory(self) -> PeakMemory:
@@ -83,17 +90,45 @@ class Trainer:
     def save(self) -> Path:
         """Checkpoint the current step (with a Hugging Face export of the actor)."""
         return self.checkpointer.save(
-            self.step, rank_state=self.rank_state(), export=lambda path: self.actor.export_hf(path, self.tokenizer)
+            self.step,
+            trainer_state={"trainer": self.name, "config": flat_config(OmegaConf.to_container(self.cfg, resolve=True))},
+            rank_state=self.rank_state(),
+            export=lambda path: self.actor.export_hf(path, self.tokenizer),
         )
 
     def load(self) -> bool:
-        """Resume from the newest checkpoint; False when there is none."""
-        restored = self.checkpointer.load()
+        """Resume from the newest checkpoint; False when there is none.
+
+        Raises:
+            ValueError: the checkpoint is another trainer's (or another world size's).
+        """
+        restored = self.checkpointer.load(expected={"trainer": self.name})
         if restored is None:
             return False
         self.step = int(restored[0]["step"])
         self.restore(*restored)
+        self._warn_changed_config(restored[0].get("config"))
         return True
+
+    def _warn_changed_config(self, saved: dict[str, str] | None) -> None:
+        """On rank 0, name the keys whose values differ from the checkpoint's run (a changed seed or
+        batch size skips or repeats rows; a changed schedule is applied from here on)."""
+        if saved is None or self.rank != 0:
+            return
+        now = flat_config(OmegaConf.to_container(self.cfg, resolve=True))
+        changed = [
+            key
+            for key in sorted(saved.keys() | now.keys())
+            if key != "trainer.resume" and saved.get(key) != now.get(key)
+        ]
+        if changed:
+            shown = ", ".join(
+                f"{key}: {saved.get(key, '(unset)')} -> {now.get(key, '(unset)')}" for key in changed[:12]
+            )
+            more = f" and {len(changed) - 12} more" if len(changed) > 12 else ""
+            print(
+                f"warning: resuming step {self.step} with a changed config: {shown}{more}", file=sys.stderr, flush=True
+            )
 
     def log(self, metrics: dict[str, float]) -> None:
         if self.tracker is not None and metrics:
@@ -165,6 +200,13 @@ def check_common_keys(cfg) -> None:
         value = (cfg.get(section) or {}).get(key)
         if isinstance(value, int) and value < low:
             raise ConfigError(f"{section}.{key}: must be >= {low}, got {value}")
+    trainer = cfg.get("trainer") or {}
+    latest = Path(str(trainer.get("output_dir") or ".")) / "latest"
+    if not trainer.get("resume") and latest.exists():  # a new run would mix its metrics and checkpoints in
+        raise ConfigError(
+            f"trainer.output_dir: {latest.parent} holds a run (latest: {latest.read_text().strip()}); "
+            "continue it with trainer.resume=true, or start this one in another trainer.output_dir"
+        )
 
 
 def launch(

@@ -82,17 +82,45 @@ def test_a_checkpoint_of_another_world_size_is_refused_on_every_rank(group, tiny
 
 
 def test_prune_keeps_the_newest_resumable_checkpoints_and_every_export(tmp_path):
-    for step in (5, 10, 15, 20):
+    for step in (5, 10, 15, 20, 30):
         for part in ("dcp", "hf"):
             (tmp_path / f"checkpoint-{step}" / part).mkdir(parents=True)
+        (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
     (tmp_path / "checkpoint-notes").mkdir()  # not a checkpoint: left alone
+    (tmp_path / "checkpoint-3" / "dcp").mkdir(parents=True)  # a save killed before its state: left alone
+    assert Checkpointer(tmp_path, {}, keep=2).prune() == []  # no latest yet: nothing is known to be older
+    (tmp_path / "latest").write_text("checkpoint-20")  # checkpoint-30 is another run's, past latest
     assert Checkpointer(tmp_path, {}, keep=0).prune() == []
     pruned = Checkpointer(tmp_path, {}, keep=2).prune()
     assert pruned == [tmp_path / "checkpoint-5", tmp_path / "checkpoint-10"]  # by step, not by name
-    assert sorted(p.parent.name for p in tmp_path.glob("*/dcp")) == ["checkpoint-15", "checkpoint-20"]
-    assert len(list(tmp_path.glob("checkpoint-*/hf"))) == 4
+    assert sorted(p.parent.name for p in tmp_path.glob("*/dcp")) == [f"checkpoint-{s}" for s in (15, 20, 3, 30)]
+    assert len(list(tmp_path.glob("checkpoint-*/hf"))) == 5
+    (tmp_path / "latest").write_text("checkpoint-15")  # a new run's checkpoint of a lower step
+    assert Checkpointer(tmp_path, {}, keep=1).prune() == []  # latest's own dcp stays: it is the newest kept
     with pytest.raises(ValueError, match="keep must be >= 0"):
         Checkpointer(tmp_path, {}, keep=-1)
+
+
+def test_the_checkpoint_latest_names_is_never_written_again(group, tiny_dir, tmp_path):
+    """A run whose last step is a periodic save step saved it twice, in place, under ``latest``: a
+    kill during the second save (dcp empties its files first) left no checkpoint that loads. A
+    folder of the step being saved that ``latest`` does not name is another run's and is replaced."""
+    device, mesh = group
+    worker = Worker({"model": str(tiny_dir), "lr": 1e-2}, mesh, device, total_steps=10)
+    checkpointer = Checkpointer(tmp_path, {"actor": worker})
+    path = checkpointer.save(2, trainer_state={"trainer": "sft"})
+    files = {f: f.stat().st_mtime_ns for f in path.rglob("*") if f.is_file()}
+    train_once(worker, device)
+    assert checkpointer.save(2, trainer_state={"trainer": "sft"}) == path
+    assert {f: f.stat().st_mtime_ns for f in path.rglob("*") if f.is_file()} == files  # untouched
+    stale = tmp_path / "checkpoint-3"
+    (stale / "dcp").mkdir(parents=True)
+    (stale / "rank5.pkl").write_bytes(b"another run's")
+    checkpointer.save(3, trainer_state={"trainer": "sft"})
+    assert not (stale / "rank5.pkl").exists() and (tmp_path / "latest").read_text() == "checkpoint-3"
+    with pytest.raises(ValueError, match="written with trainer='sft', this run has trainer='dpo'"):
+        checkpointer.load(expected={"trainer": "dpo"})  # before anything loads
+    assert checkpointer.load(expected={"trainer": "sft"})[0]["step"] == 3
 
 
 def _full_float32(tensor: torch.Tensor) -> torch.Tensor:

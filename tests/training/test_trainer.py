@@ -9,8 +9,8 @@ from omegaconf import OmegaConf
 from rl2gem.trainers import ppo
 
 from rl2gem.parallel.fsdp import init_distributed
-from rl2gem.tracking import Tracker
-from rl2gem.training.trainer import Trainer, launch
+from rl2gem.tracking import Tracker, flat_config
+from rl2gem.training.trainer import Trainer, check_common_keys, launch
 
 
 class Recorder:
@@ -19,7 +19,7 @@ class Recorder:
     def __init__(self, metrics_path):
         self.metrics_path, self.saves = metrics_path, []
 
-    def save(self, step, rank_state, export):
+    def save(self, step, trainer_state, rank_state, export):
         self.saves.append((step, metrics_rows(self.metrics_path)))
         return self.metrics_path.parent / f"checkpoint-{step}"
 
@@ -103,3 +103,38 @@ def test_a_failed_fit_leaves_the_process_group_to_the_process_exit(fails):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_a_new_run_in_a_folder_that_holds_a_run_is_refused_before_anything_loads(tmp_path, capsys):
+    """``trainer.resume=false`` in a folder with a checkpoint mixed the new run's metrics into the
+    old run's and a later resume could continue the old run."""
+    (tmp_path / "latest").write_text("checkpoint-6")
+    args = [f"trainer.output_dir={tmp_path}", "trainer.total_steps=1"]
+    assert launch(lambda cfg: pytest.fail("the trainer was built"), ppo.CONFIG, ppo.check_config, args) == 2
+    line = capsys.readouterr().err.strip()
+    assert line == (
+        f"config error: trainer.output_dir: {tmp_path} holds a run (latest: checkpoint-6); "
+        "continue it with trainer.resume=true, or start this one in another trainer.output_dir"
+    )
+    check_common_keys(OmegaConf.create({"trainer": {"output_dir": str(tmp_path), "resume": True}}))
+
+
+def test_a_resume_with_a_changed_config_names_the_changes_and_keeps_the_first_config(tmp_path, capsys):
+    trainer = Counting(tmp_path, total_steps=2, save_every=0)
+    trainer.cfg.trainer.resume = True
+    trainer.cfg.data = {"batch_size": 4, "seed": 0}
+    trainer.open_tracker(tmp_path)
+    saved = flat_config(OmegaConf.to_container(trainer.cfg))
+    trainer._warn_changed_config(saved)
+    assert capsys.readouterr().err == ""
+    trainer.cfg.data = {"batch_size": 5, "seed": 0, "shuffle": True}
+    trainer.step = 2
+    trainer.open_tracker(tmp_path)
+    trainer._warn_changed_config(saved)
+    assert capsys.readouterr().err.strip() == (
+        "warning: resuming step 2 with a changed config: data.batch_size: 4 -> 5, data.shuffle: (unset) -> True"
+    )
+    assert "batch_size: 4" in (tmp_path / "config.1.yaml").read_text()
+    assert "batch_size: 5" in (tmp_path / "config.yaml").read_text()
+    trainer.open_tracker(tmp_path)  # the same config again: nothing more kept
+    assert sorted(p.name for p in tmp_path.glob("config*.yaml")) == ["config.1.yaml", "config.yaml"]
