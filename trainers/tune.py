@@ -26,6 +26,7 @@ optuna's optimisation-history and parameter-importance plots as PNG.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import shutil
@@ -40,14 +41,19 @@ import optuna
 import psutil
 from omegaconf import OmegaConf
 
-from rl2gem.config import ConfigError, command_line_config
+from rl2gem.config import ConfigError, command_line_config, load_config
 from rl2gem.parallel.fsdp import ranks_per_node
 from rl2gem.procs import run_main
+from rl2gem.training.trainer import check_common_keys
 
 CONFIG = Path(__file__).with_name("config") / "tune.yaml"
 TRAINERS = ("ppo", "sft", "rm", "dpo")
 SAMPLERS = ("tpe", "random", "grid")
 HEARTBEAT_SECONDS = 2
+#: Failed trials in a row after which the study stops (exit code 1): a bad ``base``, a metric no
+#: run logs or a trainer that always crashes would fail every trial, and failures do not count
+#: towards ``n_trials``.
+FAILURES_IN_A_ROW = 3
 
 
 def distributions(space) -> dict[str, optuna.distributions.BaseDistribution]:
@@ -124,6 +130,42 @@ def check_config(cfg) -> None:
         if unknown:
             raise ConfigError(f"enqueue[{i}]: {sorted(unknown)} not in space (keys: {sorted(cfg.space)})")
     script(cfg)
+    check_trials(cfg)
+
+
+def check_trials(cfg) -> None:
+    """A built-in trainer's own check (:func:`rl2gem.training.trainer.launch`'s) on ``base`` with
+    each ``enqueue`` entry and with each end of every ``space`` range, before the study opens: a
+    typo'd key or a bad value fails here in one line, not in every trial.
+
+    Raises:
+        rl2gem.config.ConfigError: naming ``base``, ``enqueue[i]`` or ``space``, and the trainer's message.
+    """
+    if cfg.trainer not in TRAINERS:
+        return  # a script of the user's: its own command line
+    module = importlib.import_module(f"rl2gem.trainers.{cfg.trainer}")
+    points = [("space", {key: value for key, value in point.items()}) for point in corner_points(cfg.space)]
+    points += [(f"enqueue[{i}]", dict(params)) for i, params in enumerate(cfg.enqueue)]
+    for where, point in points:
+        overrides = [f"{key}={format_value(value)}" for key, value in point.items()]
+        argv = [*map(str, cfg.base), *overrides, f"trainer.output_dir={Path(cfg.output_dir) / 'trial-check'}"]
+        try:
+            trial = load_config(module.CONFIG, argv)
+            check_common_keys(trial)
+            module.check_config(trial)
+        except ConfigError as error:
+            raise ConfigError(f"{where} {' '.join(overrides)} (with base): {error}") from None
+
+
+def corner_points(space) -> list[dict]:
+    """Every ``space`` key at its low end (first choice), then each at its high end (last choice)."""
+    specs = {key: dict(spec) for key, spec in dict(space).items()}
+
+    def end(spec, index):
+        values = spec.get("grid") or spec.get("choices")
+        return list(values)[index] if values else spec["high" if index else "low"]
+
+    return [{key: end(spec, index) for key, spec in specs.items()} for index in (0, -1)]
 
 
 def script(cfg) -> Path:
@@ -163,6 +205,9 @@ def grid_points(cfg) -> int | None:
 
 
 def format_value(value) -> str:
+    """``value`` as a command-line override reads it back (None as null, booleans as true/false)."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
     return json.dumps(value) if isinstance(value, str) and any(ch in value for ch in " ,[]{}:") else str(value)
 
 
@@ -221,7 +266,8 @@ class Objective:
         run_dir = self.out / f"trial-{trial.number}"
         overrides = [f"{k}={format_value(v)}" for k, v in params.items()]
         overrides += [f"trainer.output_dir={run_dir}", "trainer.progress=false"]
-        run_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(run_dir, ignore_errors=True)  # a trial of this number in an earlier study: not this one's
+        run_dir.mkdir(parents=True)
         start, seen, last = time.monotonic(), 0, None
         with open(run_dir / "trial.log", "w") as log:
             proc = subprocess.Popen(
@@ -242,7 +288,9 @@ class Objective:
                         break
                     if self.cfg.trial_timeout and time.monotonic() - start > float(self.cfg.trial_timeout):
                         stop(proc)
-                        raise RuntimeError(f"trial {trial.number} ran past trial_timeout={self.cfg.trial_timeout} s")
+                        problem = f"trial {trial.number} ran past trial_timeout={self.cfg.trial_timeout} s"
+                        trial.set_user_attr("error", problem)
+                        raise RuntimeError(problem)
                     time.sleep(0.5)
             finally:
                 if proc.poll() is None:
@@ -250,11 +298,16 @@ class Objective:
                 if not self.cfg.keep_checkpoints:
                     for checkpoint in run_dir.glob("checkpoint-*"):
                         shutil.rmtree(checkpoint, ignore_errors=True)
+                    (run_dir / "latest").unlink(missing_ok=True)  # it named a deleted checkpoint
         trial.set_user_attr("seconds", time.monotonic() - start)
+        problem = None
         if proc.returncode != 0:
-            raise RuntimeError(f"trial {trial.number} exited with {proc.returncode}; see {run_dir / 'trial.log'}")
-        if last is None:
-            raise RuntimeError(f"trial {trial.number} logged no {self.cfg.metric!r}; see {run_dir / 'metrics.jsonl'}")
+            problem = f"trial {trial.number} exited with {proc.returncode}; see {run_dir / 'trial.log'}"
+        elif last is None:
+            problem = f"trial {trial.number} logged no {self.cfg.metric!r}; see {run_dir / 'metrics.jsonl'}"
+        if problem is not None:
+            trial.set_user_attr("error", problem)
+            raise RuntimeError(problem)
         return last
 
 
@@ -372,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = open_study(cfg, out)
     objective = Objective(cfg, out)
-    start = time.monotonic()
+    start, failures = time.monotonic(), 0
     while finished(study) < int(cfg.n_trials):
         points = grid_points(cfg)
         if points is not None and finished(study) >= points:
@@ -381,6 +434,14 @@ def main(argv: list[str] | None = None) -> int:
         t = study.trials[-1]
         value = t.value if t.value is not None else t.intermediate_values.get(max(t.intermediate_values, default=0))
         print(f"trial {t.number}: {t.state.name.lower()} {cfg.metric}={value} {t.params}", flush=True)
+        failures = failures + 1 if t.state == optuna.trial.TrialState.FAIL else 0
+        if failures == FAILURES_IN_A_ROW:  # a failure that repeats would repeat without end
+            print(
+                f"stopped: {failures} trials in a row failed; the last: {t.user_attrs.get('error', '?')}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 1
     table = results_table(study, cfg.metric)
     (out / "results.md").write_text(table + "\n")
     print(table)

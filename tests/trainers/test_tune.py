@@ -79,6 +79,66 @@ def test_search_space_and_config_errors(monkeypatch):
     assert r.returncode == 2 and "trainer='ppx'" in r.stderr
 
 
+def test_a_built_in_trainers_check_runs_on_base_space_and_enqueue_before_the_study(tmp_path):
+    """A typo'd space key (or a bad base value) failed every trial, and failed trials do not count
+    towards n_trials: the study ran without end. Now the trainer's own check refuses it first."""
+    for extra, message in (
+        (["space={actor.lrr: {type: float, low: 1e-6, high: 1e-4}}"], "space actor.lrr=1e-06 (with base): unknown key"),
+        (
+            ["space={actor.lr: {type: float, low: 1e-6, high: 1e-4}}", "base=[rollout.responses_per_prompt=0]"],
+            "rollout.responses_per_prompt: must be >= 1, got 0",
+        ),
+        (
+            ["space={actor.lr: {type: float, low: 1e-6, high: 1e-4}}", "enqueue=[{actor.lr: abc}]"],
+            "enqueue[0] actor.lr=abc (with base): actor.lr: expected a float",
+        ),
+    ):
+        r = run_module("rl2gem.trainers.tune", "trainer=ppo", f"output_dir={tmp_path}", *extra)
+        assert r.returncode == 2 and message in r.stderr, r.stderr
+        assert not (tmp_path / "study.db").exists()  # refused before the study opened
+
+
+def test_format_value_writes_what_the_command_line_reads_back():
+    """A null choice reached the trial as the string 'None'."""
+    assert [tune.format_value(v) for v in (None, True, False, 3.0, "a b", "x")] == [
+        "null",
+        "true",
+        "false",
+        "3.0",
+        '"a b"',
+        "x",
+    ]
+    cfg = load_config(tune.CONFIG, [f"seed={tune.format_value(None)}"])
+    assert cfg.seed is None
+
+
+def test_failed_trials_in_a_row_stop_the_study(tmp_path):
+    """A metric no trial logs failed every trial: the study never ended (failures do not count)."""
+    r = run_module("rl2gem.trainers.tune", *study_args(tmp_path, "metric=eval/scor", "n_trials=2"))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert (
+        r.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            f"stopped: {tune.FAILURES_IN_A_ROW} trials in a row failed; the last: trial 2 logged no 'eval/scor'"
+        )
+    )
+    states = [
+        t.state for t in optuna.load_study(study_name="tune", storage=f"sqlite:///{tmp_path / 'study.db'}").trials
+    ]
+    assert states == [optuna.trial.TrialState.FAIL] * tune.FAILURES_IN_A_ROW
+
+
+def test_a_new_studys_trial_does_not_read_an_old_trials_metrics(tmp_path):
+    """trial-<n> of a deleted study was reused: its metrics.jsonl was read from the start, so the new
+    trial reported the old run's values (and its latest refused the real trainers)."""
+    tune_run(*study_args(tmp_path, "n_trials=1", "enqueue=[{x: 7.0}]"))
+    (tmp_path / "study.db").unlink()
+    tune_run(*study_args(tmp_path, "n_trials=1", "enqueue=[{x: 2.0}]"))
+    study = optuna.load_study(study_name="tune", storage=f"sqlite:///{tmp_path / 'study.db'}")
+    assert study.trials[0].intermediate_values == {s: s * 5.0 for s in range(1, 6)}  # x=2, not x=7's s*10
+
+
 def test_study_prunes_resumes_and_writes_the_best_recipe(tmp_path):
     out = tmp_path / "study"
     stdout = tune_run(*study_args(out, "n_trials=6"))
