@@ -20,7 +20,9 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 __all__ = [
     "ConfigError",
@@ -111,9 +113,20 @@ def load_config(defaults: str | Path | Mapping[str, Any], argv: list[str]) -> Di
             raise ConfigError(f"{path}: {e}") from None
         base = OmegaConf.merge(base, recipe)
     check_overrides(plain, argv)
+    for argument in argv:
+        try:
+            OmegaConf.from_dotlist([argument.lstrip("+")])
+        except (yaml.YAMLError, OmegaConfBaseException) as error:
+            raise ConfigError(f"{argument}: not a value OmegaConf reads ({one_line(error)})") from None
     merged = OmegaConf.merge(base, OmegaConf.from_dotlist([a.lstrip("+") for a in argv]))
     check_types(plain, OmegaConf.to_container(merged, resolve=False))
     return merged
+
+
+def one_line(error: BaseException) -> str:
+    """The first line of ``error``'s message (OmegaConf's and YAML's run over several)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 #: What a default's type accepts: a float default takes an int; a bool only a bool. (A string default
@@ -125,7 +138,8 @@ _NAMES = {bool: "a bool (true or false)", int: "an int", float: "a float"}
 def check_types(defaults: Mapping[str, Any], config: Mapping[str, Any], prefix: str = "") -> None:
     """Raise :class:`ConfigError` ``key: expected a float, got 'abc'`` for a value whose type does
     not fit its default's (a ``null`` default, or an ``${...}`` interpolation, takes anything; a
-    number default also takes ``auto``)."""
+    number default also takes ``auto``; a number or bool default does not take ``null``, nor a
+    mapping default a value that is not one)."""
     for key, default in defaults.items():
         if key not in config:
             continue
@@ -133,6 +147,10 @@ def check_types(defaults: Mapping[str, Any], config: Mapping[str, Any], prefix: 
         if isinstance(default, Mapping) and isinstance(value, Mapping):
             check_types(default, value, name + ".")
             continue
+        if isinstance(default, Mapping) and value is not None and not isinstance(value, Mapping):
+            raise ConfigError(f"{name}: expected a mapping ({name}.KEY=VALUE), got {value!r}")
+        if value is None and type(default) in _ACCEPTS:
+            raise ConfigError(f"{name}: expected {_NAMES[type(default)]}, got null")
         if default is None or value is None or (isinstance(value, str) and value.startswith("${")):
             continue
         if value == "auto" and type(default) in (int, float):  # numeric keys probed at start take ``auto``
@@ -195,8 +213,9 @@ def command_line_config(
     try:
         cfg = load_config(defaults, argv)
         check(cfg)
-    except ConfigError as e:
+    except (ConfigError, OmegaConfBaseException) as e:  # OmegaConf's: an interpolation that does not resolve
         if os.environ.get("RANK", "0") == "0":  # every rank checks and exits; one says why
-            print(f"config error: {e}", file=sys.stderr)
+            key = getattr(e, "full_key", None)
+            print(f"config error: {f'{key}: ' if key else ''}{one_line(e)}", file=sys.stderr)
         return None
     return cfg

@@ -214,12 +214,16 @@ def _evaluate(pipe: Pipeline, label: str, model: str, out: Path, extra: list[str
     return path
 
 
+#: The pipeline's stages, in the order they run.
+STAGES = ("collect", "sft", "ppo", "eval", "table")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m rl2gem.trainers.agentic", description=__doc__.split("\n\n")[0])
     p.add_argument("env", choices=sorted(PIPELINES))
     p.add_argument("--out", default=None, help="run folder (default runs/agentic-<env>[-toy])")
     p.add_argument("--toy", action="store_true", help="a few items and one step per stage (CI)")
-    p.add_argument("--stages", default="collect,sft,ppo,eval,table")
+    p.add_argument("--stages", default=",".join(STAGES))
     p.add_argument(
         "--nproc",
         default="auto",
@@ -239,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or f"runs/agentic-{args.env}{'-toy' if args.toy else ''}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     stages = args.stages.split(",")
+    if unknown := [stage for stage in stages if stage not in STAGES]:
+        raise SystemExit(f"--stages: unknown stage {unknown[0]!r} (choose from {', '.join(STAGES)})")
     evaluated = args.eval_models.split(",")
     if unknown := sorted(set(evaluated) - {"base", "sft", "sft+rl"}):
         raise SystemExit(f"--eval-models: unknown model {unknown[0]!r} (choose from base, sft, sft+rl)")
@@ -264,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     elif (sft_dir / "latest").exists():
         models["sft"] = str(_checkpoint_hf(sft_dir))
     if "ppo" in stages:
+        if "sft" not in models:
+            raise SystemExit(f"--stages ppo starts from the SFT model: {sft_dir} has none (run the sft stage first)")
         extra = ["trainer.progress=false", f"actor.model={models['sft']}", *toy.get("ppo", [])]
         models["sft+rl"] = str(_trained("ppo", pipe.ppo_config, out / "ppo", extra, nproc, out / "ppo.log"))
     elif (out / "ppo" / "latest").exists():

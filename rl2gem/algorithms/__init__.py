@@ -24,6 +24,7 @@ from rl2gem.algorithms.advantages import (
     vtrace,
 )
 from rl2gem.algorithms.losses import (
+    IS_MODES,
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
     aggregate,
@@ -49,6 +50,7 @@ __all__ = [
     "vtrace",
     "DPO_LOSS_TYPES",
     "ESTIMATORS",
+    "IS_MODES",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "aggregate",

@@ -12,6 +12,7 @@ import torch
 __all__ = [
     "LOSS_AGGREGATIONS",
     "KL_ESTIMATORS",
+    "IS_MODES",
     "aggregate",
     "loss_weights",
     "packed_loss_weights",
@@ -24,6 +25,8 @@ __all__ = [
 
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+#: ``importance_weights``' modes: no correction, truncated (TIS) or masked (MIS) weights.
+IS_MODES = ("none", "truncated", "masked")
 #: |log-ratio| past which the PPO ratio and the k3 estimate stop following it (verl's 20)
 LOG_RATIO_CLAMP = 20.0
 
@@ -163,7 +166,7 @@ def importance_weights(
     if mode == "masked":
         keep = m & (w <= cap) & (w >= 1.0 / cap)
         return torch.where(keep, w, torch.zeros_like(w)), keep
-    raise ValueError(f"unknown importance sampling mode {mode!r}; choose from ('none', 'truncated', 'masked')")
+    raise ValueError(f"unknown importance sampling mode {mode!r}; choose from {IS_MODES}")
 
 
 def policy_loss(

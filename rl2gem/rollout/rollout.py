@@ -94,7 +94,21 @@ class RolloutConfig:
     context: ContextConfig = dataclasses.field(default_factory=ContextConfig)
 
     def __post_init__(self) -> None:
+        """Raises ``ValueError`` naming the field of a value that cannot work (a count below 1, a
+        negative temperature, a ``top_p`` outside (0, 1], a bad ``context``)."""
         self.context = ContextConfig.from_value(self.context)
+        for name in ("responses_per_prompt", "max_new_tokens", "max_length", "concurrency", "max_staleness"):
+            value, least = getattr(self, name), 0 if name == "max_staleness" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0: greedy), got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.partial_oversample, (int, float)) or self.partial_oversample < 0:
+            raise ValueError(f"partial_oversample must be >= 0, got {self.partial_oversample!r}")
+        if not isinstance(self.max_groups_factor, (int, float)) or self.max_groups_factor < 1:
+            raise ValueError(f"max_groups_factor must be >= 1, got {self.max_groups_factor!r}")
 
     @classmethod
     def from_mapping(cls, section: Any, *, known: Iterable[str] | None = None, **overrides: Any) -> RolloutConfig:

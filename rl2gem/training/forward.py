@@ -93,8 +93,10 @@ def check_attention(actor) -> str:
 
 
 def check_actor(actor) -> None:
-    """``actor.dtype``, ``actor.master_dtype`` (:func:`rl2gem.models.resolve_master_dtype`), ``actor.compile`` and
-    ``actor.max_length_per_device`` and ``actor.cpu_max_length_per_device`` checked before anything loads.
+    """``actor.dtype``, ``actor.master_dtype`` (:func:`rl2gem.models.resolve_master_dtype`), ``actor.compile``,
+    ``actor.max_length_per_device``, ``actor.cpu_max_length_per_device`` and the optimizer's, schedule's,
+    mesh's and LoRA's values (:meth:`~rl2gem.training.settings.WorkerSettings.problems`) checked
+    before anything loads.
 
     Raises:
         rl2gem.config.ConfigError: an unknown dtype name, a master dtype less precise than the
@@ -102,7 +104,13 @@ def check_actor(actor) -> None:
     """
     from rl2gem.config import ConfigError
 
-    settings = WorkerSettings.from_section(actor)
+    try:
+        settings = WorkerSettings.from_section(actor)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"actor: {error}") from None
+    problems = settings.problems()
+    if problems:
+        raise ConfigError(f"actor.{problems[0]}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         resolve_master_dtype(settings.master_dtype, resolve_dtype(settings.dtype, device), trainable=True)

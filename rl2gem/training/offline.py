@@ -96,7 +96,8 @@ class OfflineTrainer(Trainer):
         if not self.train:
             raise ConfigError(f"data.train={c.data.train}: no usable {self.unit} (see the trainer's docstring)")
         self.steps_per_epoch = math.ceil(len(self.train) / c.data.batch_size)
-        self.total_steps = int(c.trainer.total_steps or c.trainer.epochs * self.steps_per_epoch)
+        steps = c.trainer.total_steps  # null: the epochs' steps; 0 is no step, as in PPO
+        self.total_steps = int(c.trainer.epochs * self.steps_per_epoch if steps is None else steps)
         self.actor = Worker(c.actor, self.mesh, self.device, head=self.head, total_steps=self.total_steps)
         # auto off CUDA: 4096, what SFT, DPO and RM ran at on the CPU before auto was their default
         self.max_length = MaxLength(

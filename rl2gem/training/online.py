@@ -37,15 +37,18 @@ from rl2gem.training.evaluation import evaluate_env
 from rl2gem.training.metrics import peak_flops_from_config
 from rl2gem.training.old_logprobs import OldLogprobs
 from rl2gem.training.reward_model import RewardModel
-from rl2gem.training.rl_config import constraints, engine_options, kl_controller, reward_objectives
+from rl2gem.training.rl_config import (
+    TRAINER_ROLLOUT_KEYS,
+    constraints,
+    engine_options,
+    kl_controller,
+    reward_objectives,
+)
 from rl2gem.training.samples import Sample, episode_samples, gathered_samples, shape_rewards
 from rl2gem.training.trainer import Trainer
 from rl2gem.training.worker import Worker, setup_distributed
 
 __all__ = ["OnlineTrainer", "TRAINER_ROLLOUT_KEYS"]
-
-#: The keys of a trainer's ``rollout:`` section that are not :class:`rl2gem.rollout.RolloutConfig` fields.
-TRAINER_ROLLOUT_KEYS = ("prompts_per_rollout", "chat_template", "engine")
 
 
 #: The embedded engine's counters logged per rollout (``engine/<name>``; times in seconds).

@@ -12,15 +12,35 @@ import os
 import torch
 from omegaconf import OmegaConf
 
-from rl2gem.algorithms import CRITIC_ESTIMATORS, ESTIMATORS, compute_advantages
+from rl2gem.algorithms import (
+    CRITIC_ESTIMATORS,
+    ESTIMATORS,
+    IS_MODES,
+    KL_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    compute_advantages,
+)
 from rl2gem.algorithms.constraints import Constraints
 from rl2gem.algorithms.kl_control import KLController, make_kl_controller
 from rl2gem.config import ConfigError
 from rl2gem.rewards.objectives import COMBINERS, ParetoArchive, load_transform
+from rl2gem.rollout import RolloutConfig
 from rl2gem.training.forward import check_actor, check_attention, check_packing
 from rl2gem.training.reward_model import REWARD_MODES
+from rl2gem.training.settings import WorkerSettings
 
-__all__ = ["OLD_LOGPROBS", "check_config", "constraints", "estimator_options", "kl_controller", "reward_objectives"]
+__all__ = [
+    "OLD_LOGPROBS",
+    "TRAINER_ROLLOUT_KEYS",
+    "check_config",
+    "constraints",
+    "estimator_options",
+    "kl_controller",
+    "reward_objectives",
+]
+
+#: The keys of a trainer's ``rollout:`` section that are not :class:`rl2gem.rollout.RolloutConfig` fields.
+TRAINER_ROLLOUT_KEYS = ("prompts_per_rollout", "chat_template", "engine")
 
 #: ``actor.old_logprobs``: where the PPO ratio's denominator comes from (see :class:`rl2gem.training.old_logprobs.OldLogprobs`).
 OLD_LOGPROBS = ("auto", "recompute", "rollout")
@@ -66,6 +86,7 @@ def check_config(cfg) -> None:
     check_packing(cfg.actor)
     check_attention(cfg.actor)
     check_actor(cfg.actor)
+    check_loss_and_rollout(cfg)
     constraints(cfg)
     reward_objectives(cfg)
     try:  # the estimator's own options, checked on a one-token batch
@@ -75,6 +96,41 @@ def check_config(cfg) -> None:
         )
     except (ValueError, TypeError) as e:
         raise ConfigError(f"adv.{cfg.adv.estimator}: {e}") from None
+
+
+def check_loss_and_rollout(cfg) -> None:
+    """The PPO loss's, the critic's, the KL's and the rollout's values, which the trainer reads only
+    once its models are loaded (or in its first step).
+
+    Raises:
+        rl2gem.config.ConfigError: naming the key.
+    """
+    actor = cfg.actor
+    choices = {"is_mode": IS_MODES, "loss_agg": LOSS_AGGREGATIONS}
+    for key, allowed in choices.items():
+        if actor[key] not in allowed:
+            raise ConfigError(f"actor.{key}={actor[key]!r} is not one of {list(allowed)}")
+    if actor.is_mode != "none" and not actor.is_cap > 1:
+        raise ConfigError(f"actor.is_cap={actor.is_cap} must be > 1 (actor.is_mode={actor.is_mode})")
+    if actor.dual_clip is not None and (not isinstance(actor.dual_clip, (int, float)) or actor.dual_clip <= 1):
+        raise ConfigError(f"actor.dual_clip={actor.dual_clip!r} must be null or a number > 1 (Ye et al. 2020)")
+    for key in ("update_per_rollout", "minibatches_per_update"):
+        if actor[key] < 1:
+            raise ConfigError(f"actor.{key}={actor[key]} must be >= 1")
+    if cfg.kl.estimator not in KL_ESTIMATORS:
+        raise ConfigError(f"kl.estimator={cfg.kl.estimator!r} is not one of {list(KL_ESTIMATORS)}")
+    if cfg.get("critic") is not None:
+        critic = {key: cfg.critic[key] for key in ("lr", "weight_decay", "max_grad_norm") if key in cfg.critic}
+        problems = WorkerSettings.from_section(critic).problems()
+        if problems:
+            raise ConfigError(f"critic.{problems[0]}")
+    if cfg.rollout.prompts_per_rollout < 1:
+        raise ConfigError(f"rollout.prompts_per_rollout={cfg.rollout.prompts_per_rollout} must be >= 1")
+    try:
+        RolloutConfig.from_mapping(cfg.rollout, known=TRAINER_ROLLOUT_KEYS)
+    except (TypeError, ValueError) as error:
+        message = str(error)
+        raise ConfigError(message if message.startswith("rollout") else f"rollout.{message}") from None
 
 
 #: The keys of a trainer's ``rollout.engine`` section, the embedded engine's arguments of the same names.

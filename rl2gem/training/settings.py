@@ -14,7 +14,14 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["LoraSettings", "WorkerSettings", "is_length_setting", "resolve_compile"]
+__all__ = ["LoraSettings", "SCHEDULES", "WorkerSettings", "is_length_setting", "resolve_compile"]
+
+#: ``scheduler``: the learning rate after warm-up.
+SCHEDULES = ("constant", "linear", "cosine")
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +55,17 @@ class LoraSettings:
         if unknown:
             raise ValueError(f"actor.lora: unknown keys {unknown} (known: {names})")
         return cls(**{key: value for key, value in values.items() if value is not None})  # null: the default
+
+    def problems(self) -> list[str]:
+        """What cannot work, each ``lora.<key>: ...``."""
+        out = []
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
+            out.append(f"lora.rank: expected an int >= 0 (0: off), got {self.rank!r}")
+        if not _number(self.alpha) or self.alpha <= 0:
+            out.append(f"lora.alpha: expected a number > 0, got {self.alpha!r}")
+        if not _number(self.dropout) or not 0 <= self.dropout < 1:
+            out.append(f"lora.dropout: expected a number in [0, 1), got {self.dropout!r}")
+        return out
 
 
 def resolve_compile(settings: WorkerSettings, device_type: str) -> bool:
@@ -155,3 +173,27 @@ class WorkerSettings:
         if "lora" in values:
             values["lora"] = LoraSettings.from_section(values["lora"])
         return cls(**values)
+
+    def problems(self) -> list[str]:
+        """What cannot work in the numbers and names a worker only reads once it is built (the
+        optimizer, the schedule, the mesh, LoRA), each ``<key>: ...``; checked before anything loads."""
+        out = []
+        bounds = {
+            "lr": (0, False),
+            "max_grad_norm": (0, False),
+            "weight_decay": (0, True),
+            "memory_fraction": (0, False),
+        }
+        for key, (low, inclusive) in bounds.items():
+            value = getattr(self, key)
+            if not _number(value) or value < low or (value == low and not inclusive):
+                out.append(f"{key}: expected a number {'>=' if inclusive else '>'} {low}, got {value!r}")
+        if _number(self.memory_fraction) and self.memory_fraction > 1:
+            out.append(f"memory_fraction: expected a share of the device in (0, 1], got {self.memory_fraction!r}")
+        for key, low in (("warmup_steps", 0), ("ddp_size", 1), ("tp_size", 1), ("sp_size", 1)):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                out.append(f"{key}: expected an int >= {low}, got {value!r}")
+        if self.scheduler not in SCHEDULES:
+            out.append(f"scheduler: expected one of {list(SCHEDULES)}, got {self.scheduler!r}")
+        return out + self.lora.problems()

@@ -29,7 +29,7 @@ import rl2gem  # noqa: F401 (registers the rl2/ envs and loads plugins, for the 
 from rl2gem.config import ConfigError, command_line_config, config_error_exit_code
 from rl2gem.data import missing_data_files
 from rl2gem.models import model_problem
-from rl2gem.tracking import Tracker, flat_config
+from rl2gem.tracking import LOGGERS, Tracker, flat_config
 from rl2gem.training.metrics import PeakMemory
 
 __all__ = ["Trainer", "launch", "check_common_keys"]
@@ -171,20 +171,23 @@ class Trainer:
 
 
 def check_common_keys(cfg) -> None:
-    """Checks every trainer's config gets before anything loads: the env id is registered, each
-    model key names a built-in model, a folder or a hub id, every data file named in ``env_kwargs``,
-    ``eval_env_kwargs`` and ``data`` exists, and counts are in range.
+    """Checks every trainer's config gets before anything loads: the env ids (``env``,
+    ``trainer.eval_env``) are registered, each model key names a built-in model, a folder or a hub
+    id, every data file named in ``env_kwargs``, ``eval_env_kwargs`` and ``data`` exists, counts are
+    in range, ``trainer.loggers`` names loggers, and ``trainer.output_dir`` holds no run unless
+    ``trainer.resume``.
 
     Raises:
         rl2gem.config.ConfigError: naming the key.
     """
-    env = cfg.get("env")
-    if env:
-        try:
-            gym.spec(env)
-        except Exception as e:  # gymnasium's own errors (NameNotFound, ...), with its hint
-            raise ConfigError(f"env: {e}") from None
-    for section in ("actor", "critic", "reference", "reward"):
+    for key in ("env", "trainer.eval_env"):
+        env = OmegaConf.select(cfg, key, default=None)
+        if env:
+            try:
+                gym.spec(env)
+            except Exception as e:  # gymnasium's own errors (NameNotFound, ...), with its hint
+                raise ConfigError(f"{key}: {e}") from None
+    for section in ("actor", "critic", "reference", "ref", "reward"):
         model = (cfg.get(section) or {}).get("model")
         if isinstance(model, str) and (problem := model_problem(model)):
             raise ConfigError(f"{section}.model: {problem}")
@@ -195,12 +198,19 @@ def check_common_keys(cfg) -> None:
         ("rollout", "responses_per_prompt"): 1,
         ("trainer", "total_steps"): 0,
         ("trainer", "keep_checkpoints"): 0,
+        ("trainer", "save_every"): 0,
+        ("trainer", "eval_every"): 0,
     }
     for (section, key), low in minimums.items():
         value = (cfg.get(section) or {}).get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ConfigError(f"{section}.{key}: expected an int >= {low}, got {value!r}")
         if isinstance(value, int) and value < low:
             raise ConfigError(f"{section}.{key}: must be >= {low}, got {value}")
     trainer = cfg.get("trainer") or {}
+    loggers = trainer.get("loggers")
+    if loggers is not None and (isinstance(loggers, str) or any(name not in LOGGERS for name in loggers)):
+        raise ConfigError(f"trainer.loggers: expected a list of {list(LOGGERS)}, e.g. [stdout,jsonl], got {loggers}")
     latest = Path(str(trainer.get("output_dir") or ".")) / "latest"
     if not trainer.get("resume") and latest.exists():  # a new run would mix its metrics and checkpoints in
         raise ConfigError(

@@ -26,11 +26,9 @@ from rl2gem.parallel.attention import resolve_attention
 from rl2gem.parallel.fsdp import clip_grad_norm, full_state_dict, head_class, init_distributed, load_sharded
 from rl2gem.parallel.mesh import ParallelMesh, build_mesh
 from rl2gem.training import lora
-from rl2gem.training.settings import WorkerSettings, resolve_compile
+from rl2gem.training.settings import SCHEDULES, WorkerSettings, resolve_compile
 
 __all__ = ["Worker", "resolve_dtype", "setup_distributed", "SCHEDULES"]
-
-SCHEDULES = ("constant", "linear", "cosine")
 
 
 def setup_distributed(seed: int, section: Mapping[str, Any]) -> tuple[int, int, torch.device, ParallelMesh]:

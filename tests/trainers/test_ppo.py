@@ -48,7 +48,7 @@ def test_unknown_config_key_names_the_closest(capsys):
             "rollout.engine.decode_overlap=true needs decode graphs",
         ),
         (["rollout.engine.max_batch_size=auto"], "rollout.engine.max_batch_size='auto' must be an int >= 1"),
-        (["rollout.engine.prefix_cache_tokens=null"], "rollout.engine.prefix_cache_tokens=None must be an int >= 0"),
+        (["rollout.engine.prefix_cache_tokens=null"], "rollout.engine.prefix_cache_tokens: expected an int, got null"),
     ]:
         assert ppo.main(arguments) == 2
         assert message in capsys.readouterr().err, arguments

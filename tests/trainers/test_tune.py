@@ -108,8 +108,10 @@ def test_format_value_writes_what_the_command_line_reads_back():
         '"a b"',
         "x",
     ]
-    cfg = load_config(tune.CONFIG, [f"seed={tune.format_value(None)}"])
-    assert cfg.seed is None
+    cfg = load_config(
+        tune.CONFIG, [f"trial_timeout={tune.format_value(None)}", f"keep_checkpoints={tune.format_value(True)}"]
+    )
+    assert cfg.trial_timeout is None and cfg.keep_checkpoints is True
 
 
 def test_failed_trials_in_a_row_stop_the_study(tmp_path):

@@ -50,6 +50,30 @@ CASES = [
         "env=rl2/Math-v0 env_kwargs.dataset=/no/such/data.jsonl",
         "config error: env_kwargs.dataset: no such data file '/no/such/data.jsonl'",
     ),
+    # values the trainer reads only once its models are loaded: checked first now
+    ("actor.max_grad_norm=-1", "config error: actor.max_grad_norm: expected a number > 0, got -1"),
+    ("actor.lr=-1e-5", "config error: actor.lr: expected a number > 0, got -1e-05"),
+    ("critic.lr=0", "config error: critic.lr: expected a number > 0, got 0"),
+    ("actor.scheduler=bogus", "config error: actor.scheduler: expected one of ['constant', 'linear', 'cosine']"),
+    ("actor.lora.dropout=1.5", "config error: actor.lora.dropout: expected a number in [0, 1), got 1.5"),
+    ("actor.ddp_size=0", "config error: actor.ddp_size: expected an int >= 1, got 0"),
+    ("actor.is_mode=bogus", "config error: actor.is_mode='bogus' is not one of ['none', 'truncated', 'masked']"),
+    ("actor.loss_agg=bogus", "config error: actor.loss_agg='bogus' is not one of ['token_mean'"),
+    ("actor.dual_clip=0.5", "config error: actor.dual_clip=0.5 must be null or a number > 1"),
+    ("actor.update_per_rollout=0", "config error: actor.update_per_rollout=0 must be >= 1"),
+    ("kl.estimator=k9", "config error: kl.estimator='k9' is not one of ['k1', 'k2', 'k3']"),
+    ("rollout.concurrency=0", "config error: rollout.concurrency must be an int >= 1, got 0"),  # it hung
+    ("rollout.top_p=1.5", "config error: rollout.top_p must be in (0, 1], got 1.5"),
+    ("rollout.max_new_tokens=0", "config error: rollout.max_new_tokens must be an int >= 1, got 0"),
+    ("rollout.prompts_per_rollout=0", "config error: rollout.prompts_per_rollout=0 must be >= 1"),
+    ("rollout.context.policy=bogus", "config error: rollout.context.policy must be one of ('truncate', 'summarize')"),
+    ("trainer.save_every=-1", "config error: trainer.save_every: must be >= 0, got -1"),
+    ("trainer.loggers=jsonl", "config error: trainer.loggers: expected a list of ['stdout', 'jsonl', 'wandb'"),
+    ("trainer.loggers=[jsonl,wandbb]", "config error: trainer.loggers: expected a list of"),
+    ("actor.lr=null", "config error: actor.lr: expected a float, got null"),
+    ("env_kwargs=5", "config error: env_kwargs: expected a mapping (env_kwargs.KEY=VALUE), got 5"),
+    ("trainer.loggers=[stdout", "config error: trainer.loggers=[stdout: not a value OmegaConf reads"),
+    ("actor.lr=${oops}", "config error: actor.lr: Interpolation key 'oops' not found"),
     (
         "reward.model=smollm2-135m-instruct rollout.dynamic_filter=true",
         "config error: rollout.dynamic_filter=true compares each group's rewards as it finishes, before reward.model",
@@ -81,6 +105,27 @@ def test_every_trainer_checks_types_models_and_data_files(trainer, capsys):
     for argument, line in [CASES[0], model, missing_data]:
         assert launch(MustNotBuild, trainer.CONFIG, trainer.check_config, [argument]) == 2
         assert capsys.readouterr().err.strip().startswith(line)
+
+
+@pytest.mark.parametrize("trainer", [sft, rm, dpo])
+def test_every_trainer_checks_the_eval_env_and_its_workers_values(trainer, capsys, tmp_path):
+    """A typo'd trainer.eval_env failed at the final evaluation, before the final checkpoint (the
+    run was lost); DPO's frozen ref.model was loaded unchecked; a null or string step count failed
+    after loading."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("")
+    cases = [
+        ("actor.lr=0", "config error: actor.lr: expected a number > 0, got 0"),
+        ("trainer.total_steps=abc", "config error: trainer.total_steps: expected an int >= 0, got 'abc'"),
+        ("data.batch_size=null", "config error: data.batch_size: expected an int, got null"),
+    ]
+    if trainer is not rm:  # RM evaluates on its test pairs only
+        cases.append(("trainer.eval_env=rl2/NoSuch-v0", "config error: trainer.eval_env: Environment `NoSuch`"))
+    if trainer is dpo:
+        cases.append(("ref.model=/no/such/model", "config error: ref.model: no such model folder '/no/such/model'"))
+    for argument, line in cases:
+        assert launch(MustNotBuild, trainer.CONFIG, trainer.check_config, [argument, f"data.train={data}"]) == 2
+        assert capsys.readouterr().err.strip().startswith(line), argument
 
 
 def test_every_rank_stops_and_only_rank_0_says_why(monkeypatch, capsys):

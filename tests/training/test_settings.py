@@ -64,7 +64,7 @@ def test_rollout_defaults_live_in_rollout_config_and_every_difference_is_declare
     defaults, except where declared above: a default changed in one place only fails here."""
     from rl2gem.evaluation import DEFAULTS
     from rl2gem.rollout import RolloutConfig
-    from rl2gem.training.online import TRAINER_ROLLOUT_KEYS
+    from rl2gem.training.rl_config import TRAINER_ROLLOUT_KEYS
 
     defaults = dataclasses.asdict(RolloutConfig())
     section = OmegaConf.to_container(OmegaConf.load(ppo.CONFIG).rollout)
