@@ -306,7 +306,9 @@ def offline_section(
             counted = rated[2:] or rated  # past the first two steps (compilation) when there are more
             if not counted:
                 raise RuntimeError(f"{out / 'metrics.jsonl'} has no perf/tokens_per_second row")
-            rate = statistics.median(r["perf/tokens_per_second"] for r in counted)
+            # total tokens over total time, as the plain loop's (a median of per-step rates is another measure)
+            seconds = sum(r["time/step"] for r in counted)
+            rate = sum(r["perf/tokens_per_second"] * r["time/step"] for r in counted) / seconds
             mfu = 6 * baseline["parameters"] * rate / peak  # the same model and peak as the plain loop's
             loss = counted[-1].get(LOSS_KEY[trainer], float("nan"))
             print(

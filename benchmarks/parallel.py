@@ -179,7 +179,7 @@ def measure_layout(model_dir: str, device: torch.device, opts: dict[str, str]) -
         if float(peak) > cap:
             break
         longest, length = length, max(length + 64, int(length * GROWTH) // 64 * 64)
-        if float(peak) * GROWTH > cap:  # activations grow at least linearly: the next cannot fit
+        if float(peak) * length / longest > cap:  # activations grow at least linearly: the next cannot fit
             break
     return {"rows": rows, "longest": longest}
 

@@ -8,7 +8,9 @@ tokens, one optimizer step per generation batch, Dr. GRPO advantages on both sid
 - rl2gem: ``torchrun --nproc_per_node=2 trainers/ppo.py`` (two ranks, one thread each, FSDP2 over
   gloo, the embedded continuous-batching engine).
 - TRL: ``GRPOTrainer`` in one process with two threads (``bf16=False``: TRL's default bf16
-  autocast runs about 8x slower on this CPU), generation with ``model.generate``.
+  autocast runs about 8x slower on this CPU; ``gradient_checkpointing=False``, as ours: TRL turns
+  it on by default, which recomputes every layer's forward in the backward), generation with
+  ``model.generate``.
 
 ``--packings flat,tree`` runs our trainer once per packing (``actor.packing``: a flat row, or each
 group's prefix tree with the shared prompt computed once); TRL has no such option.
@@ -16,7 +18,9 @@ group's prefix tree with the shared prompt computed once); TRL has no such optio
 head; ours ``actor.lora.*``, TRL ``peft_config``) after the full fine-tuning rows.
 
 The first step of each side is a warm-up and is not counted. MFU counts 2N FLOPs per generated
-or scored token and 6N per trained token against ``--peak`` (the measured fp32 matmul peak).
+or scored token and 6N per trained token (``rl2gem.training.metrics.train_flops`` on both sides;
+neither side scores old log-probs in a pass of its own here) against ``--peak`` (the measured fp32
+matmul peak of the machine's two cores; each of our two ranks gets half).
 Mean response length (tokens) is printed for both sides, so that the episodes/s ratio can be read
 against the work per episode. Peak memory is the resident set size: the largest over our two ranks
 (each holds its shard, the optimizer states of its shard and the embedded engine's full copy), and
@@ -68,6 +72,7 @@ def ours(
     lora: int = 0,
     packing: str = "flat",
     extra: list[str] | None = None,
+    peak: float = 1.52e11,
 ) -> dict[str, float]:
     """Run the trainer for ``steps + 1`` steps (``extra``: more ``key=value`` overrides); seconds
     per step after the first, and the seconds of each phase of a step."""
@@ -94,6 +99,7 @@ def ours(
         "trainer.progress=false",
         f"trainer.output_dir={out}",
         f"actor.packing={packing}",
+        f"trainer.peak_flops={peak / 2}",  # per rank: the two ranks share the machine's peak
         *([f"actor.lora.rank={lora}", f"actor.lora.alpha={2 * lora}"] if lora else []),
         *(extra or []),
     ]
@@ -142,6 +148,7 @@ def trl(
 
     import rl2gem
     from rl2gem.models import load_model
+    from rl2gem.training.metrics import train_flops
 
     torch.set_num_threads(2)
     env = rl2gem.make("rl2/ReasoningGym-v0", split="train", **TASK).unwrapped
@@ -175,6 +182,7 @@ def trl(
         save_strategy="no",
         shuffle_dataset=False,
         seed=0,
+        gradient_checkpointing=False,  # TRL's default is on; ours is off (actor.gradient_checkpointing)
     )
     stamps: list[float] = []
     tokens: list[int] = []
@@ -205,12 +213,16 @@ def trl(
     times = [b - a for a, b in itertools.pairwise(stamps)]
     sec = sum(times) / len(times)
     n = sum(p.numel() for p in model.parameters())
-    prompt_len = sum(len(tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True)) for r in rows) / len(
-        rows
-    )
+    prompt_ids = [
+        tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)
+        for r in rows
+    ]
+    prompt_len = sum(map(len, prompt_ids)) / len(rows)
     completion = sum(tokens[1:]) / max(len(tokens[1:]), 1) if len(tokens) > 1 else max_new
     per_step = prompts * group * (prompt_len + completion)
-    flops = 2 * n * prompts * group * completion + 2 * n * per_step + 6 * n * per_step
+    # generation and the update, as ours counts them: with one update per generation batch and
+    # beta=0 TRL runs no old-log-prob nor reference pass (grpo_trainer: old_per_token_logps None)
+    flops = train_flops(n, generated_tokens=prompts * group * completion, train_tokens=per_step)
     rewards = [x["reward"] for x in trainer.state.log_history if "reward" in x][1:]
     return {
         "seconds_per_step": sec,
@@ -248,7 +260,7 @@ def main(argv=None) -> int:
                 if "rl2gem" in only:
                     res[f"rl2gem PPO trainer (2 ranks, FSDP2, embedded engine, {packing} packing){tag}"] = ours(
                         args.steps, args.prompts, args.group, args.max_new, Path(tmp) / f"ours{lora}{packing}",
-                        args.model, lora, packing, args.ours_args.split(),
+                        args.model, lora, packing, args.ours_args.split(), args.peak,
                     )  # fmt: skip
             if "trl" in only:
                 res[f"TRL GRPOTrainer (1 process, 2 threads, bf16=False){tag}"] = trl_in_child(
@@ -261,7 +273,8 @@ def main(argv=None) -> int:
     )
     base = next(iter(res.values()))["episodes_per_second"] if res else 1.0
     print(
-        "| trainer | seconds/step | episodes/s | mean response tokens | MFU | mean reward | peak RSS MiB "
+        "| trainer | seconds/step | episodes/s | mean response tokens | MFU | mean reward "
+        "| peak RSS MiB (ours: the largest of 2 ranks) "
         "| episodes/s vs first |\n|---|---:|---:|---:|---:|---:|---:|---:|"
     )
     for name, r in res.items():
