@@ -39,11 +39,15 @@ __all__ = ["Checkpointer", "atomic_write"]
 
 
 def atomic_write(path: str | Path, data: bytes) -> None:
-    """Write ``path`` so that a crash leaves the old content or the new one, never half of it."""
+    """Write ``path`` so that a crash (a power loss too: the bytes reach the disk before the
+    rename) leaves the old content or the new one, never half of it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
+    with open(tmp, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
     os.replace(tmp, path)
 
 
