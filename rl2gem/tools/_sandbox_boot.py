@@ -275,7 +275,25 @@ _SYSCALLS = {
                 "rt_sigqueueinfo": 129,
                 "rt_tgsigqueueinfo": 297,
                 "ioctl": 16,
+                "fcntl": 72,
                 "seccomp": 317,
+                "shmget": 29,
+                "shmat": 30,
+                "shmctl": 31,
+                "shmdt": 67,
+                "semget": 64,
+                "semop": 65,
+                "semctl": 66,
+                "semtimedop": 220,
+                "msgget": 68,
+                "msgsnd": 69,
+                "msgrcv": 70,
+                "msgctl": 71,
+                "memfd_create": 319,
+                "memfd_secret": 447,
+                "inotify_init": 253,
+                "inotify_init1": 294,
+                "fanotify_init": 300,
             },
         ),
     ),
@@ -341,16 +359,53 @@ _SYSCALLS = {
                 "rt_sigqueueinfo": 138,
                 "rt_tgsigqueueinfo": 240,
                 "ioctl": 29,
+                "fcntl": 25,
                 "seccomp": 277,
+                "shmget": 194,
+                "shmctl": 195,
+                "shmat": 196,
+                "shmdt": 197,
+                "msgget": 186,
+                "msgctl": 187,
+                "msgrcv": 188,
+                "msgsnd": 189,
+                "semget": 190,
+                "semctl": 191,
+                "semtimedop": 192,
+                "semop": 193,
+                "memfd_create": 279,
+                "memfd_secret": 447,
+                "inotify_init1": 26,
+                "fanotify_init": 262,
             },
         ),
     ),
 }
 #: Refused outright (EPERM): new sockets of any family (``socketpair`` stays, for asyncio), program
 #: execution, process inspection, kernel facilities that bypass or widen filters (io_uring, bpf,
-#: userfaultfd, perf), keys, modules, mounts and namespaces, host settings, and changes of file
-#: metadata (mode, owner, times, extended attributes), which Landlock does not cover.
+#: userfaultfd, perf), keys, modules, mounts and namespaces, host settings, changes of file
+#: metadata (mode, owner, times, extended attributes), which Landlock does not cover, SysV IPC
+#: (shared memory, queues and semaphores outside any process's memory limit, and the host's own
+#: where there is no IPC namespace), memory files (``memfd``: memory ``RLIMIT_AS`` does not count)
+#: and file-system watches (inotify, fanotify: names of files Landlock keeps the code from opening).
 SECCOMP_DENIED = (
+    "shmget",
+    "shmat",
+    "shmctl",
+    "shmdt",
+    "semget",
+    "semop",
+    "semctl",
+    "semtimedop",
+    "msgget",
+    "msgsnd",
+    "msgrcv",
+    "msgctl",
+    "memfd_create",
+    "memfd_secret",
+    "inotify_init",
+    "inotify_init1",
+    "fanotify_init",
     "socket",
     "fork",
     "vfork",
@@ -437,6 +492,9 @@ _SIGNALS = ("kill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo")  # only to
 _CLONE_THREAD = 0x00010000
 _CLONE_NEW = 0x7E020080  # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET | NEWTIME
 _TIOCSTI, _TIOCLINUX = 0x5412, 0x541C  # type into / control the terminal
+# who gets a file's SIGIO (or the signal F_SETSIG picks): any pid, past the kill() rule below
+_FIOSETOWN, _SIOCSPGRP = 0x8901, 0x8902
+_F_SETOWN, _F_SETOWN_EX = 8, 15
 _LD, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ/JGE/JSET|K, BPF_RET|K
 _ALLOW, _KILL_PROCESS = 0x7FFF0000, 0x80000000
 
@@ -484,11 +542,23 @@ def seccomp_program(machine, own_pid):
             (_RET, 0, 0, _errno(errno.EPERM)),
             (_RET, 0, 0, _ALLOW),
         ]
+    # fcntl: no F_SETOWN / F_SETOWN_EX (the kernel would signal the owner it names for the code)
     prog += [
-        (_JEQ, 0, 4, numbers["ioctl"]),
+        (_JEQ, 0, 5, numbers["fcntl"]),
         (_LD, 0, 0, _arg(1)),
-        (_JEQ, 1, 0, _TIOCSTI),
-        (_JEQ, 0, 1, _TIOCLINUX),
+        (_JEQ, 1, 0, _F_SETOWN),
+        (_JEQ, 0, 1, _F_SETOWN_EX),
+        (_RET, 0, 0, _errno(errno.EPERM)),
+        (_RET, 0, 0, _ALLOW),
+        (_LD, 0, 0, 0),
+    ]
+    prog += [
+        (_JEQ, 0, 6, numbers["ioctl"]),
+        (_LD, 0, 0, _arg(1)),
+        (_JEQ, 3, 0, _TIOCSTI),
+        (_JEQ, 2, 0, _TIOCLINUX),
+        (_JEQ, 1, 0, _FIOSETOWN),
+        (_JEQ, 0, 1, _SIOCSPGRP),
         (_RET, 0, 0, _errno(errno.EPERM)),
         (_RET, 0, 0, _ALLOW),
     ]
@@ -527,9 +597,10 @@ def install_seccomp():
 
 
 # ---------------------------------------------------------------------------------------------
-# Namespaces for the fork server's children: what ``unshare --user --map-root-user --net --pid
+# Namespaces for the fork server's children: what ``unshare --user --map-root-user --net --ipc --pid
 # --fork --mount-proc --kill-child`` gives the one-process path, made by clone(2) in one step.
 _CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
+_CLONE_NEWIPC = 0x08000000
 _SIGCHLD = 17
 _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE = 2, 4, 8, 0x4000, 0x40000
 _PR_SET_PDEATHSIG = 1
@@ -544,7 +615,7 @@ def _write(path, text):
 
 
 def fork_into_namespaces():
-    """``os.fork()`` into new user, network (loopback only, down), PID and mount namespaces.
+    """``os.fork()`` into new user, network (loopback only, down), PID, mount and IPC namespaces.
 
     One ``clone(2)`` with the ``CLONE_NEW*`` flags and ``SIGCHLD``, wrapped in CPython's own fork
     hooks (``PyOS_BeforeFork`` / ``PyOS_AfterFork_*``, the calls ``os.fork`` makes, with the GIL
@@ -562,7 +633,7 @@ def fork_into_namespaces():
     api = ctypes.pythonapi
     libc = ctypes.PyDLL(None, use_errno=True)  # PyDLL: the GIL stays held across the call, as in os.fork
     libc.syscall.restype = ctypes.c_long
-    flags = _CLONE_NEWUSER | _CLONE_NEWNET | _CLONE_NEWPID | _CLONE_NEWNS | _SIGCHLD
+    flags = _CLONE_NEWUSER | _CLONE_NEWNET | _CLONE_NEWPID | _CLONE_NEWNS | _CLONE_NEWIPC | _SIGCHLD
     api.PyOS_BeforeFork()
     pid = libc.syscall(*(ctypes.c_long(a) for a in (_SYSCALLS[machine][1]["clone"], flags, 0, 0, 0, 0)))
     if pid == 0:
@@ -571,7 +642,7 @@ def fork_into_namespaces():
     code = ctypes.get_errno()
     api.PyOS_AfterFork_Parent()
     if pid < 0:
-        raise OSError(code, f"clone(CLONE_NEWUSER|NEWNET|NEWPID|NEWNS): {os.strerror(code)}")
+        raise OSError(code, f"clone(CLONE_NEWUSER|NEWNET|NEWPID|NEWNS|NEWIPC): {os.strerror(code)}")
     return pid
 
 

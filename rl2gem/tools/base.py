@@ -21,7 +21,6 @@ what was wrong and the episode goes on.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import re
@@ -111,10 +110,24 @@ def openai_call_arguments(tool_calls: Any) -> list[tuple[str, Any]]:
             raise ValueError(f"a tool call has no function name: {call!r}"[:300])
         arguments = function.get("arguments") or "{}"
         if isinstance(arguments, str):
-            with contextlib.suppress(json.JSONDecodeError):
-                arguments = json.loads(arguments)
+            loaded, problem = _load_json(arguments)
+            arguments = arguments if problem else loaded
         out.append((name, arguments))
     return out
+
+
+def _load_json(text: str) -> tuple[Any, str | None]:
+    """``(value, None)`` for JSON ``text``, else ``(None, why)``: model output may be any text, and
+    besides malformed JSON Python refuses integers of more than 4300 digits (``ValueError``) and
+    nesting past the recursion limit (``RecursionError``); none of them may end an episode."""
+    try:
+        return json.loads(text), None
+    except json.JSONDecodeError as e:
+        return None, f"not valid JSON ({e.msg} at position {e.pos})"
+    except RecursionError:
+        return None, "nested too deeply to read as JSON"
+    except ValueError as e:  # e.g. "Exceeds the limit (4300 digits) for integer string conversion"
+        return None, f"not readable as JSON ({str(e)[:120]})"
 
 
 def hermes_tool_calls(tool_calls: list[dict[str, Any]]) -> str:
@@ -140,12 +153,9 @@ def _call_from_obj(obj: Any, raw: str) -> ToolCall:
         return ToolCall("", {}, raw, 'the tool call has no "name" string')
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):  # some templates emit the arguments as a JSON string
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as e:
-            return ToolCall(
-                name.strip(), {}, raw, f"the arguments of {name} are not valid JSON ({e.msg} at position {e.pos})"
-            )
+        args, problem = _load_json(args) if args.strip() else ({}, None)
+        if problem:
+            return ToolCall(name.strip(), {}, raw, f"the arguments of {name} are {problem}")
     if args is None:
         args = {}
     if not isinstance(args, dict):
@@ -156,11 +166,14 @@ def _call_from_obj(obj: Any, raw: str) -> ToolCall:
 
 
 def _looks_like_call(obj: Any) -> bool:
-    if isinstance(obj, list):
-        return bool(obj) and all(_looks_like_call(o) for o in obj)
-    if isinstance(obj, dict) and isinstance(obj.get("function"), dict):
-        obj = obj["function"]
-    return isinstance(obj, dict) and "name" in obj and ("arguments" in obj or "parameters" in obj)
+    """A call object, or a non-empty list of them (one level: never recursive, whatever the nesting)."""
+
+    def call(item: Any) -> bool:
+        if isinstance(item, dict) and isinstance(item.get("function"), dict):
+            item = item["function"]
+        return isinstance(item, dict) and "name" in item and ("arguments" in item or "parameters" in item)
+
+    return (bool(obj) and all(map(call, obj))) if isinstance(obj, list) else call(obj)
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
@@ -187,22 +200,16 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
             if not body:
                 calls.append(ToolCall("", {}, body, "the <tool_call> block is empty"))
                 continue
-            try:
-                obj = json.loads(body)
-            except json.JSONDecodeError as e:
-                calls.append(
-                    ToolCall("", {}, body, f"the <tool_call> block is not valid JSON ({e.msg} at position {e.pos})")
-                )
+            obj, problem = _load_json(body)
+            if problem:
+                calls.append(ToolCall("", {}, body, f"the <tool_call> block is {problem}"))
                 continue
             objs = obj if isinstance(obj, list) else [obj]
             calls.extend(_call_from_obj(o, body) for o in objs)
         return calls
     for _lang, body in _FENCED.findall(text):
-        try:
-            obj = json.loads(body)
-        except json.JSONDecodeError:
-            continue
-        if _looks_like_call(obj):
+        obj, problem = _load_json(body)
+        if not problem and _looks_like_call(obj):
             objs = obj if isinstance(obj, list) else [obj]
             calls.extend(_call_from_obj(o, body.strip()) for o in objs)
     return calls

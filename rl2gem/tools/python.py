@@ -19,10 +19,12 @@ each enforced for the process and anything it could start:
                              or with new namespaces, ``ptrace``, ``process_vm_*``, ``pidfd_*``,
                              ``io_uring``, ``bpf``, ``userfaultfd``, ``perf_event_open``, keys,
                              modules, kexec, mounts, ``unshare``/``setns``, host clock and name, reboot,
-                             file mode/owner/time/xattr changes; signals only to the sandbox's own pid.
+                             file mode/owner/time/xattr changes, SysV IPC, ``memfd_create``, inotify
+                             and fanotify; signals only to the sandbox's own pid, and no ``SIGIO``
+                             owner (``F_SETOWN``, ``FIOSETOWN``) to carry one elsewhere.
                              A 32-bit or x32 system call kills the process.
-**namespaces**               a new user, network (only a down loopback), PID (its own ``/proc``) and
-                             mount namespace, made by ``unshare`` where unprivileged user namespaces
+**namespaces**               a new user, network (only a down loopback), PID (its own ``/proc``), IPC
+                             and mount namespace, made by ``unshare`` where unprivileged user namespaces
                              are allowed; ``RLIMIT_NPROC`` = ``max_processes`` counts in it.
 **audit hook** (PEP 578)     a Python-level guard installed last that turns the same refusals into
                              readable errors ("network access is disabled in the sandbox"). It is not
@@ -103,7 +105,7 @@ __all__ = [
 _FLOOD_BYTES = 1 << 20
 _BOOT = str(Path(__file__).with_name("_sandbox_boot.py"))
 _ZYGOTE = str(Path(__file__).with_name("_sandbox_zygote.py"))
-_UNSHARE = ["--user", "--map-root-user", "--net", "--pid", "--fork", "--mount-proc", "--kill-child"]
+_UNSHARE = ["--user", "--map-root-user", "--net", "--ipc", "--pid", "--fork", "--mount-proc", "--kill-child"]
 #: Every layer, in the order they are installed around the code.
 LAYERS = ("namespaces", "landlock", "seccomp", "audit_hook")
 #: Read-only for the code, beside the interpreter's own prefixes (missing ones are skipped).
@@ -136,7 +138,7 @@ class SandboxMode:
     """What this host offers the sandbox (see the module doc for each layer).
 
     Attributes:
-        namespaces: ``unshare`` can make unprivileged user, network, PID and mount namespaces.
+        namespaces: ``unshare`` can make unprivileged user, network, IPC, PID and mount namespaces.
         seccomp: a seccomp-bpf filter could be installed (x86_64 or arm64 Linux).
         landlock: the kernel's Landlock ABI version, ``0`` when it has none.
         fork_namespaces: a child of the fork server can make the same namespaces itself (the

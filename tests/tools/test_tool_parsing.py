@@ -62,3 +62,23 @@ def test_tools_prompt_lists_every_schema_and_the_format():
     assert "<tool_call>" in text and "Prefer add for sums." in text
     # the example in the prompt is itself a parseable call
     assert parse_tool_calls(text.split("</tools>")[1])[0].name == "add"
+
+
+def test_replies_python_cannot_read_as_json_are_reported_not_raised():
+    """An integer of more than 4300 digits raised ValueError and nesting past the recursion limit
+    RecursionError, through env.step: one model reply ended the rollout (and the training step)."""
+    from rl2gem.tools.base import openai_call_arguments
+
+    huge = "9" * 5000
+    deep = "[" * 2000 + "]" * 2000
+    cases = {
+        f'<tool_call>{{"name": "f", "arguments": {{"n": {huge}}}}}</tool_call>': "not readable as JSON",
+        f'<tool_call>{{"name": "f", "arguments": {deep}}}</tool_call>': "nested too deeply",
+        f'<tool_call>{{"name": "f", "arguments": "{{\\"n\\": {huge}}}"}}</tool_call>': "arguments of f are not readable",
+    }
+    for text, problem in cases.items():
+        (call,) = parse_tool_calls(text)
+        assert call.error and problem in call.error, call.error
+    assert parse_tool_calls(f"```json\n{deep}\n```") == []  # a fenced block that is no call is prose
+    assert parse_tool_calls("```json\n" + "[" * 800 + "]" * 800 + "\n```") == []
+    assert openai_call_arguments([{"function": {"name": "f", "arguments": f'{{"n": {huge}}}'}}])[0][0] == "f"
