@@ -623,7 +623,8 @@ async def _run_pooled(code: str, cfg: SandboxConfig, layers: tuple[str, ...]) ->
     child, (stdin, (stdout, stderr), transports) = await _hand_over(lambda fds: server.spawn("run", fds))
     try:
         out, err, cut, flood, timed_out = await _exchange(code, stdin, stdout, stderr, cfg, child.kill)
-        exit_code = await _exit_status(child, kill=False)
+        exit_code, overran = await _exit_status(child, kill=False, wait=_time_left(cfg, start))
+        timed_out = timed_out or overran
     except BaseException:
         child.kill()
         with contextlib.suppress(Exception, asyncio.CancelledError):
@@ -639,19 +640,29 @@ async def _run_pooled(code: str, cfg: SandboxConfig, layers: tuple[str, ...]) ->
 _SERVER_STOPPED = "The sandbox's fork server stopped during this run; the next run starts a new one"
 
 
-async def _exit_status(child: Child, *, kill: bool) -> int | None:
-    """The child's exit status (``kill`` it first; or after 10 s of waiting for it to end), or ``None``
+#: Seconds past ``timeout_s`` a process that closed its output is given to end (or a session to answer).
+_GRACE_S = 1.0
+
+
+def _time_left(cfg: SandboxConfig, start: float) -> float:
+    """What remains of ``cfg.timeout_s`` since ``start`` (``time.perf_counter()``), plus the grace."""
+    return max(0.0, cfg.timeout_s - (time.perf_counter() - start)) + _GRACE_S
+
+
+async def _exit_status(child: Child, *, kill: bool, wait: float = 10.0) -> tuple[int | None, bool]:
+    """``(exit status, stopped)``: the child's status (``kill`` it first; or after ``wait`` seconds of
+    waiting for it to end, when ``stopped`` is True: it closed its output and ran on), or ``None``
     when its fork server stopped before reporting it."""
     try:
         if kill:
             child.kill()
         try:
-            return await asyncio.wait_for(asyncio.shield(child.exited), 10.0)
+            return await asyncio.wait_for(asyncio.shield(child.exited), wait), False
         except asyncio.TimeoutError:  # it closed its output but does not end: stop it
             child.kill()
-            return await asyncio.wait_for(asyncio.shield(child.exited), 10.0)
+            return await asyncio.wait_for(asyncio.shield(child.exited), 10.0), True
     except ForkServerError:
-        return None
+        return None, False
 
 
 async def _run_fresh(code: str, cfg: SandboxConfig, layers: tuple[str, ...]) -> SandboxResult:
@@ -801,13 +812,16 @@ class PythonSession:
                 code, stdin, stdout, stderr, self.config, child.kill, answered
             )
             try:
-                reply = b"" if (timed_out or flood) else await asyncio.wait_for(asyncio.shield(answered), 10.0)
-            except (asyncio.TimeoutError, OSError):
+                wait = _time_left(self.config, start)
+                reply = b"" if (timed_out or flood) else await asyncio.wait_for(asyncio.shield(answered), wait)
+            except asyncio.TimeoutError:  # it closed its output and ran on past the time limit
+                reply, timed_out = b"", True
+            except OSError:
                 reply = b""
             if reply.startswith(b"done ") and reply[5:].lstrip(b"-").isdigit():
                 exit_code: int | None = int(reply[5:])
             else:  # the session ended (or lied): make sure, and take the status it ended with
-                exit_code = await _exit_status(child, kill=True)
+                exit_code, _ = await _exit_status(child, kill=True)
         except BaseException:
             self.close()
             raise

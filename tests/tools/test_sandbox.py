@@ -43,6 +43,29 @@ def test_infinite_loop_is_killed_at_the_wall_clock_limit(mode):
     assert sandbox_pids() == []
 
 
+@pytest.mark.parametrize("runner", ["pool", "session"])
+def test_code_that_closes_its_output_is_stopped_at_the_time_limit(runner):
+    """Code that closed stdout and stderr and ran on held a pool or session call 10 s, whatever
+    timeout_s, and came back as not timed out."""
+    from rl2gem.tools import PythonSession
+
+    code = "import os, time\nos.close(1)\nos.close(2)\ntime.sleep(30)"
+    config = SandboxConfig(timeout_s=1.5, cpu_s=30, pool_size=1)
+
+    async def call():
+        if runner == "pool":
+            return await run_python(code, config)
+        session = PythonSession(config)
+        try:
+            return await session.run(code)
+        finally:
+            await session.aclose()
+
+    t0 = time.perf_counter()
+    r = asyncio.run(call())
+    assert r.timed_out and r.runner == runner and time.perf_counter() - t0 < 5, (r, time.perf_counter() - t0)
+
+
 def test_cpu_time_limit_kills_a_busy_process_before_the_wall_clock():
     r = run("while True:\n    pass", timeout_s=30, cpu_s=1)
     assert not r.timed_out and not r.ok and r.elapsed_s < 10 and "CPU time limit exceeded" in r.text()
