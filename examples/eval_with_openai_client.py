@@ -3,7 +3,8 @@
     .venv/bin/python -m rl2gem.serve --model smollm2-135m-instruct --port 30000 &
     .venv/bin/python examples/eval_with_openai_client.py --base-url http://127.0.0.1:30000/v1
 
-Nothing of rl2gem is used beyond the env: the model is whatever the server runs (rl2gem.serve,
+Nothing of rl2gem is used beyond the env (and ``standard_kwargs``, which passes ``--split`` to the
+envs that take one): the model is whatever the server runs (rl2gem.serve,
 SGLang, vLLM, a hosted API; the key comes from OPENAI_API_KEY), and the loop is a plain
 Gymnasium loop. Each turn sends the whole conversation; the env's reply is the next user message.
 """
@@ -15,6 +16,7 @@ import gymnasium as gym
 from openai import OpenAI
 
 import rl2gem  # noqa: F401  (registers the rl2/ envs with Gymnasium)
+from rl2gem.registry import standard_kwargs
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--base-url", default=os.environ.get("OPENAI_BASE_URL", "http://127.0.0.1:30000/v1"))
@@ -23,12 +25,10 @@ parser.add_argument("--env", default="rl2/SearchQA-v0")
 parser.add_argument("--episodes", type=int, default=5)
 parser.add_argument("--max-tokens", type=int, default=48)
 parser.add_argument("--max-turns", type=int, default=None, help="the env's turn limit (default: its own)")
-parser.add_argument("--split", default="test", help="a data-set env's split ('none' for envs without one)")
+parser.add_argument("--split", default="test", help="the data split, for envs that have one")
 args = parser.parse_args()
-kwargs = {
-    **({"max_turns": args.max_turns} if args.max_turns else {}),
-    **({} if args.split == "none" else {"split": args.split}),
-}
+# split= goes only to envs that take one (a data set's), as python -m rl2gem.evaluate passes it
+kwargs = standard_kwargs(args.env, {"max_turns": args.max_turns} if args.max_turns else {}, split=args.split)
 
 client = OpenAI(base_url=args.base_url, api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"), max_retries=5)
 model = args.model or client.models.list().data[0].id

@@ -14,6 +14,7 @@ other overrides; its keys are checked the same way.
 from __future__ import annotations
 
 import difflib
+import fnmatch
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping
@@ -129,6 +130,10 @@ def one_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+#: Keys whose number or bool default also takes ``null``, where null means something: off
+#: (``critic.value_clip``), or the default (a LoRA setting: :meth:`rl2gem.training.settings.LoraSettings.from_section`).
+NULLABLE = ("critic.value_clip", "*.lora.*")
+
 #: What a default's type accepts: a float default takes an int; a bool only a bool. (A string default
 #: takes any value: keys like ``max_length: auto`` also take a number.)
 _ACCEPTS = {bool: (bool,), int: (int,), float: (int, float)}
@@ -138,8 +143,8 @@ _NAMES = {bool: "a bool (true or false)", int: "an int", float: "a float"}
 def check_types(defaults: Mapping[str, Any], config: Mapping[str, Any], prefix: str = "") -> None:
     """Raise :class:`ConfigError` ``key: expected a float, got 'abc'`` for a value whose type does
     not fit its default's (a ``null`` default, or an ``${...}`` interpolation, takes anything; a
-    number default also takes ``auto``; a number or bool default does not take ``null``, nor a
-    mapping default a value that is not one)."""
+    number default also takes ``auto``; a number or bool default does not take ``null`` unless the
+    key is :data:`NULLABLE`, nor a mapping default a value that is not one)."""
     for key, default in defaults.items():
         if key not in config:
             continue
@@ -149,7 +154,7 @@ def check_types(defaults: Mapping[str, Any], config: Mapping[str, Any], prefix: 
             continue
         if isinstance(default, Mapping) and value is not None and not isinstance(value, Mapping):
             raise ConfigError(f"{name}: expected a mapping ({name}.KEY=VALUE), got {value!r}")
-        if value is None and type(default) in _ACCEPTS:
+        if value is None and type(default) in _ACCEPTS and not any(fnmatch.fnmatch(name, k) for k in NULLABLE):
             raise ConfigError(f"{name}: expected {_NAMES[type(default)]}, got null")
         if default is None or value is None or (isinstance(value, str) and value.startswith("${")):
             continue

@@ -346,8 +346,9 @@ def default_output(folder: str, env: str, who: str) -> str:
 
 
 def episode_max_length(requested: int | None, context_length: int | None) -> int:
-    """Tokens an evaluation episode's sequence may hold: ``requested`` (None: all of the context),
-    at most the model's ``context_length`` (None: unknown, then 4096 by default).
+    """Tokens an evaluation episode's sequence may hold: ``requested`` (None: all it can), at most
+    ``context_length - 1`` (SGLang refuses a request whose prompt and ``max_new_tokens`` reach the
+    context; None: unknown, then 4096 by default).
 
     Raises:
         SystemExit: ``requested`` is not a positive integer.
@@ -356,7 +357,8 @@ def episode_max_length(requested: int | None, context_length: int | None) -> int
         raise SystemExit(f"max_length must be a positive integer or null, got {requested!r}")
     if context_length is None:
         return requested or 4096
-    return min(requested or context_length, context_length)
+    room = max(1, context_length - 1)
+    return min(requested or room, room)
 
 
 def _served_context_length(url: str) -> int | None:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import aiohttp
@@ -449,3 +450,39 @@ def test_a_remote_data_set_env_has_its_splits_size_and_evaluation_plays_its_item
         with pytest.raises(TypeError, match="has no data set"):
             len(RemoteEnv(url))
         assert task_resets("rl2/Remote-v0", {"url": url}, 2, seed=5) == [(5, None), (6, None)]
+
+
+def test_schema_builds_for_env_kwargs_are_shared_and_take_a_session_slot(monkeypatch):
+    """Every RemoteEnv's first reset asks /schema?env_kwargs=: concurrent ones each built and closed
+    an env of their own, outside max_sessions (any client could make the server build any number)."""
+    from rl2gem.serving.env_server import EnvSessions
+
+    builds = []
+    make_env = EnvSessions.make_env
+
+    async def counted(self, overrides):
+        builds.append(dict(overrides or {}))
+        await asyncio.sleep(0.2)  # the requests below arrive while it builds
+        return await make_env(self, overrides)
+
+    monkeypatch.setattr(EnvSessions, "make_env", counted)
+    with serving_env("rl2/GSM8K-v0", max_sessions=1) as (url, _):
+        query = f"{url}/schema?env_kwargs=" + urllib.parse.quote(json.dumps({"split": "test"}))
+
+        async def four():
+            async with aiohttp.ClientSession() as client:
+
+                async def get():
+                    async with client.get(query) as answer:
+                        return answer.status, await answer.json()
+
+                return await asyncio.gather(*(get() for _ in range(4)))
+
+        answers = asyncio.run(four())
+        assert [status for status, _ in answers] == [200] * 4 and len(builds) == 1
+        assert len({json.dumps(body, sort_keys=True) for _, body in answers}) == 1
+        session = call(f"{url}/reset", "POST", {"seed": 0})[1]["session_id"]  # the one slot taken
+        other = f"{url}/schema?env_kwargs=" + urllib.parse.quote(json.dumps({"split": "train"}))
+        assert call(other)[0] == 503 and len(builds) == 2  # the session's build, none for the schema
+        call(f"{url}/close", "POST", {"session_id": session})
+        assert call(other)[0] == 200

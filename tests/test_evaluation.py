@@ -60,9 +60,9 @@ def test_format_followed_counts_an_episode_that_did_not_report_it_as_not_followe
 def test_an_episodes_max_length_defaults_to_the_context_and_never_passes_it():
     """``max_length`` was fixed at max(4096, 2 * max_new_tokens): a 16k model lost every prompt past
     4096 tokens (ToolUse-v0's median) and a 2k model aborted the run on the first long prompt."""
-    assert episode_max_length(None, 16384) == 16384
+    assert episode_max_length(None, 16384) == 16383  # SGLang refuses prompt + max_new_tokens >= context
     assert episode_max_length(1000, 16384) == 1000
-    assert episode_max_length(100_000, 2048) == 2048
+    assert episode_max_length(100_000, 2048) == 2047
     assert episode_max_length(None, None) == 4096 and episode_max_length(512, None) == 512
     for bad in (0, -5, 2.5, True, "long"):
         with pytest.raises(SystemExit, match="max_length must be a positive integer"):

@@ -388,7 +388,7 @@ def test_evaluate_through_a_server_equals_local_evaluation(server, tiny_dir, tmp
 def test_the_openai_client_example_runs_against_a_local_server(server):
     r = subprocess.run(
         [sys.executable, "examples/eval_with_openai_client.py", "--base-url", server.url + "/v1"]
-        + ["--env", "rl2/GuessTheNumber-v0", "--split", "none", "--episodes", "2", "--max-tokens", "8"],
+        + ["--env", "rl2/GuessTheNumber-v0", "--episodes", "2", "--max-tokens", "8"],  # no split: none passed
         cwd=ROOT,
         capture_output=True,
         text=True,

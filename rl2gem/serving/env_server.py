@@ -127,20 +127,33 @@ class EnvSessions:
         except (TypeError, ValueError, KeyError, FileNotFoundError) as error:
             raise RequestError(422, "bad_env_kwargs", f"cannot make {self.env_id} with {kwargs}: {error}") from None
 
-    async def open(self, overrides: Mapping[str, Any] | None = None) -> EnvSession:
-        """A new session with its own env (not reset)."""
+    async def _make_in_a_slot(self, overrides: Mapping[str, Any] | None) -> tuple[Any, dict[str, Any]]:
+        """:meth:`make_env` in one of the ``max_sessions`` slots (503 when none is free)."""
         if len(self.sessions) + self._opening >= self.max_sessions:
             raise RequestError(
                 503, "capacity_reached", f"server at capacity: {self.max_sessions} sessions open; close one or retry"
             )
         self._opening += 1
         try:
-            env, kwargs = await self.make_env(overrides)
+            return await self.make_env(overrides)
         finally:
             self._opening -= 1
+
+    async def open(self, overrides: Mapping[str, Any] | None = None) -> EnvSession:
+        """A new session with its own env (not reset)."""
+        env, kwargs = await self._make_in_a_slot(overrides)
         session = EnvSession(uuid.uuid4().hex, env, kwargs)
         self.sessions[session.id] = session
         return session
+
+    async def schema(self, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The schema of the env a session made with ``overrides`` gets (an env made for it in a
+        slot, then closed)."""
+        env, kwargs = await self._make_in_a_slot(overrides)
+        try:
+            return env_schema(self.env_id, env, kwargs)
+        finally:
+            await close_env(env)
 
     def get(self, session_id: Any) -> EnvSession:
         """The session ``session_id``, its idle clock restarted.
@@ -236,7 +249,7 @@ class EnvRoutes:
     def __init__(self, sessions: EnvSessions, schema: dict[str, Any], description: str, toolbox: EnvToolbox):
         self.sessions, self.schema, self.description, self.toolbox = sessions, schema, description, toolbox
         self._resets: collections.OrderedDict[str, asyncio.Future] = collections.OrderedDict()
-        self._schemas: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()  # by env_kwargs
+        self._schemas: collections.OrderedDict[str, asyncio.Future] = collections.OrderedDict()  # by env_kwargs
 
     def table(self) -> list[web.RouteDef]:
         return [
@@ -402,18 +415,15 @@ class EnvRoutes:
         except ValueError as error:
             return _error(RequestError(400, "bad_env_kwargs", f"env_kwargs must be a JSON object: {error}"))
         key = json.dumps(overrides, sort_keys=True)
-        if key not in self._schemas:
-            try:
-                env, kwargs = await self.sessions.make_env(overrides)
-            except RequestError as error:
-                return _error(error)
-            try:
-                self._schemas[key] = env_schema(self.sessions.env_id, env, kwargs)
-            finally:
-                await close_env(env)
+        built = self._schemas.get(key)
+        if built is None or (built.done() and (built.cancelled() or built.exception() is not None)):
+            built = self._schemas[key] = asyncio.ensure_future(self.sessions.schema(overrides))
             while len(self._schemas) > 64:
                 self._schemas.popitem(last=False)
-        return web.json_response(self._schemas[key])
+        try:  # concurrent first resets with the same kwargs share one build
+            return web.json_response(await asyncio.shield(built))
+        except RequestError as error:
+            return _error(error)
 
     async def openapi(self, request):
         paths: dict[str, dict[str, Any]] = {}

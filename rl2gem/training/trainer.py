@@ -57,7 +57,7 @@ class Trainer:
             return None
         output_dir.mkdir(parents=True, exist_ok=True)
         path, text = output_dir / "config.yaml", OmegaConf.to_yaml(self.cfg)
-        if self.cfg.trainer.resume and path.exists() and path.read_text() != text:
+        if self.cfg.trainer.resume and path.exists() and _settings(OmegaConf.load(path)) != _settings(self.cfg):
             path.rename(next(p for n in itertools.count(1) if not (p := output_dir / f"config.{n}.yaml").exists()))
         path.write_text(text)
         config = OmegaConf.to_container(self.cfg, resolve=True)
@@ -91,7 +91,7 @@ class Trainer:
         """Checkpoint the current step (with a Hugging Face export of the actor)."""
         return self.checkpointer.save(
             self.step,
-            trainer_state={"trainer": self.name, "config": flat_config(OmegaConf.to_container(self.cfg, resolve=True))},
+            trainer_state={"trainer": self.name, "config": _settings(self.cfg)},
             rank_state=self.rank_state(),
             export=lambda path: self.actor.export_hf(path, self.tokenizer),
         )
@@ -115,12 +115,9 @@ class Trainer:
         batch size skips or repeats rows; a changed schedule is applied from here on)."""
         if saved is None or self.rank != 0:
             return
-        now = flat_config(OmegaConf.to_container(self.cfg, resolve=True))
-        changed = [
-            key
-            for key in sorted(saved.keys() | now.keys())
-            if key != "trainer.resume" and saved.get(key) != now.get(key)
-        ]
+        now = _settings(self.cfg)
+        saved = {key: value for key, value in saved.items() if key != "trainer.resume"}
+        changed = [key for key in sorted(saved.keys() | now.keys()) if saved.get(key) != now.get(key)]
         if changed:
             shown = ", ".join(
                 f"{key}: {saved.get(key, '(unset)')} -> {now.get(key, '(unset)')}" for key in changed[:12]
@@ -168,6 +165,14 @@ class Trainer:
 
     def close(self) -> None:
         """Release engines and event loops."""
+
+
+def _settings(cfg) -> dict[str, str]:
+    """A run's config as ``{"dotted.key": text}`` without ``trainer.resume`` (a relaunch that
+    resumes changes only that)."""
+    flat = flat_config(OmegaConf.to_container(cfg, resolve=True))
+    flat.pop("trainer.resume", None)
+    return flat
 
 
 def check_common_keys(cfg) -> None:

@@ -9,8 +9,9 @@ from helpers import ROOT
 from omegaconf import OmegaConf
 from rl2gem.trainers import dpo, ppo, rm, sft
 
+from rl2gem.config import load_config
 from rl2gem.data import missing_data_files
-from rl2gem.training.trainer import launch
+from rl2gem.training.trainer import check_common_keys, launch
 
 
 class MustNotBuild:
@@ -184,3 +185,12 @@ def test_help_prints_every_key_with_its_default_and_the_recipes(argument, capsys
     assert out.rstrip().endswith(
         "recipes (config=<name>): arithmetic, guess, guess_hard, multihop, multihop_summarize, multihop_truncate, searchqa"
     )
+
+
+def test_documented_nulls_pass_the_check():
+    """null turns the value clip off and gives a LoRA setting its default: the check refused both."""
+    arguments = ["adv.estimator=gae", "critic.value_clip=null", "actor.lora.rank=4", "actor.lora.alpha=null"]
+    cfg = load_config(ppo.CONFIG, arguments)
+    check_common_keys(cfg)
+    ppo.check_config(cfg)
+    assert cfg.critic.value_clip is None and cfg.actor.lora.alpha is None

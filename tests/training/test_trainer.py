@@ -121,12 +121,13 @@ def test_a_new_run_in_a_folder_that_holds_a_run_is_refused_before_anything_loads
 
 def test_a_resume_with_a_changed_config_names_the_changes_and_keeps_the_first_config(tmp_path, capsys):
     trainer = Counting(tmp_path, total_steps=2, save_every=0)
-    trainer.cfg.trainer.resume = True
     trainer.cfg.data = {"batch_size": 4, "seed": 0}
     trainer.open_tracker(tmp_path)
     saved = flat_config(OmegaConf.to_container(trainer.cfg))
+    trainer.cfg.trainer.resume = True  # the documented relaunch: only trainer.resume differs
+    trainer.open_tracker(tmp_path)
     trainer._warn_changed_config(saved)
-    assert capsys.readouterr().err == ""
+    assert capsys.readouterr().err == "" and not (tmp_path / "config.1.yaml").exists()
     trainer.cfg.data = {"batch_size": 5, "seed": 0, "shuffle": True}
     trainer.step = 2
     trainer.open_tracker(tmp_path)

@@ -160,7 +160,8 @@ class HTTPEngine(Engine):
 
         def abort_timed_out():  # the timed-out copy may still run: stop it, re-send under a new id
             self._background(self._abort_quietly(payload["rid"]))  # a hung worker does not delay the retry
-            payload["rid"] = self._attempt_rids[base] = f"{base}-retry{uuid.uuid4().hex[:6]}"
+            # a fresh id, no prefix of another's: SGLang aborts every request whose id starts with the given one
+            payload["rid"] = self._attempt_rids[base] = uuid.uuid4().hex
 
         try:
             body = await self._call("POST", self.url + "/generate", payload, on_timeout=abort_timed_out)
