@@ -47,7 +47,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -233,6 +233,27 @@ def _mapping(body: Mapping[str, Any], key: str) -> dict[str, Any] | None:
     return None if value is None else dict(value)
 
 
+class _Shared:
+    """Results of coroutines by key, the newest ``size`` kept: the first call of a key runs, the
+    calls after it share that run (while it runs too); one that failed, or whose result ``stale``
+    rejects, runs again."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._runs: collections.OrderedDict[str, asyncio.Future] = collections.OrderedDict()
+
+    async def run(self, key: str, start: Callable[[], Awaitable[Any]], stale: Callable[[Any], bool] = lambda _: False):
+        """``start()``'s result, or that of the run already made for ``key``. A caller that is
+        cancelled (a client that hung up) does not stop the run."""
+        run = self._runs.get(key)
+        if run is None or (run.done() and (run.cancelled() or run.exception() is not None or stale(run.result()))):
+            run = self._runs[key] = asyncio.ensure_future(start())
+            run.add_done_callback(lambda done: done.cancelled() or done.exception())  # its error read, if no one waits
+            while len(self._runs) > self.size:
+                self._runs.popitem(last=False)
+        return await asyncio.shield(run)
+
+
 class EnvRoutes:
     """The routes of an env server (see the module docstring), one method per route.
 
@@ -243,13 +264,10 @@ class EnvRoutes:
         toolbox: the env's tools (``/mcp``).
     """
 
-    #: How many resets are remembered by request id (for retries whose answer was lost).
-    REMEMBERED_RESETS = 1024
-
     def __init__(self, sessions: EnvSessions, schema: dict[str, Any], description: str, toolbox: EnvToolbox):
         self.sessions, self.schema, self.description, self.toolbox = sessions, schema, description, toolbox
-        self._resets: collections.OrderedDict[str, asyncio.Future] = collections.OrderedDict()
-        self._schemas: collections.OrderedDict[str, asyncio.Future] = collections.OrderedDict()  # by env_kwargs
+        self._resets = _Shared(1024)  # by request id: retries whose answer was lost
+        self._schemas = _Shared(64)  # by env_kwargs
 
     def table(self) -> list[web.RouteDef]:
         return [
@@ -347,20 +365,9 @@ class EnvRoutes:
 
         if not isinstance(request_id, str) or not request_id:
             return await run()
-        first = self._resets.get(request_id)
-        if first is None or (
-            first.done()
-            and (first.cancelled() or first.exception() or first.result()["session_id"] not in self.sessions.sessions)
-        ):
-            first = self._resets[request_id] = asyncio.ensure_future(run())
-            first.add_done_callback(lambda done: self._forget_failed(request_id, done))
-            while len(self._resets) > self.REMEMBERED_RESETS:
-                self._resets.popitem(last=False)
-        return await asyncio.shield(first)  # a client that hangs up does not stop the reset
-
-    def _forget_failed(self, request_id: str, reset: asyncio.Future) -> None:
-        if (reset.cancelled() or reset.exception() is not None) and self._resets.get(request_id) is reset:
-            del self._resets[request_id]  # a failed reset is tried afresh by a retry
+        return await self._resets.run(
+            request_id, run, stale=lambda answer: answer["session_id"] not in self.sessions.sessions
+        )
 
     async def step(self, request):
         try:
@@ -414,16 +421,13 @@ class EnvRoutes:
                 raise ValueError("not an object")
         except ValueError as error:
             return _error(RequestError(400, "bad_env_kwargs", f"env_kwargs must be a JSON object: {error}"))
-        key = json.dumps(overrides, sort_keys=True)
-        built = self._schemas.get(key)
-        if built is None or (built.done() and (built.cancelled() or built.exception() is not None)):
-            built = self._schemas[key] = asyncio.ensure_future(self.sessions.schema(overrides))
-            while len(self._schemas) > 64:
-                self._schemas.popitem(last=False)
         try:  # concurrent first resets with the same kwargs share one build
-            return web.json_response(await asyncio.shield(built))
+            schema = await self._schemas.run(
+                json.dumps(overrides, sort_keys=True), lambda: self.sessions.schema(overrides)
+            )
         except RequestError as error:
             return _error(error)
+        return web.json_response(schema)
 
     async def openapi(self, request):
         paths: dict[str, dict[str, Any]] = {}
