@@ -82,6 +82,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -179,10 +180,27 @@ class SandboxMode:
         return ", ".join(names) + f"; {pool}" + (f" ({missing})" if missing else "")
 
 
-@functools.cache
+#: The host's layers, once a probe finished (a probe that timed out is not kept: the next run probes again).
+_PROBED: list[SandboxMode] = []
+
+
 def sandbox_mode() -> SandboxMode:
-    """Probe (once per process) which sandbox layers this host offers; see :class:`SandboxMode`."""
-    missing = {}
+    """Probe (once per process) which sandbox layers this host offers; see :class:`SandboxMode`.
+    A probe that timed out (a loaded host) counts the layers it did not see as missing for this
+    call only, with a warning, and the next call probes again."""
+    if _PROBED:
+        return _PROBED[0]
+    mode, finished = _probe()
+    if finished:
+        _PROBED.append(mode)
+    else:
+        warnings.warn(f"the sandbox's probe of the host timed out; this run has {mode}", RuntimeWarning, stacklevel=2)
+    return mode
+
+
+def _probe() -> tuple[SandboxMode, bool]:
+    """:func:`sandbox_mode`'s probe: ``(mode, finished)``, ``finished`` False when a probe timed out."""
+    missing, finished = {}, True
     namespaces = False
     exe = _unshare()
     if exe is None:
@@ -195,6 +213,7 @@ def sandbox_mode() -> SandboxMode:
                 missing["namespaces"] = r.stderr.decode(errors="replace").strip() or f"unshare exited {r.returncode}"
         except (OSError, subprocess.SubprocessError) as e:
             missing["namespaces"] = str(e)
+            finished = finished and not isinstance(e, subprocess.TimeoutExpired)
     found = {}
     with tempfile.TemporaryDirectory(prefix="rl2gem-sandbox-probe-") as folder:
         try:
@@ -213,6 +232,7 @@ def sandbox_mode() -> SandboxMode:
                     missing[key] = why
         except (OSError, subprocess.SubprocessError, ValueError) as e:
             missing.setdefault("seccomp", str(e))
+            finished = finished and not isinstance(e, subprocess.TimeoutExpired)
     for layer in ("landlock", "seccomp"):
         if not found.get(layer):
             missing.setdefault(layer, "the probe could not install it")
@@ -220,7 +240,8 @@ def sandbox_mode() -> SandboxMode:
     why = missing.pop("userns", "the probe could not make them in a forked child")
     if namespaces and not fork_namespaces:
         missing["fork_namespaces"] = why
-    return SandboxMode(namespaces, bool(found.get("seccomp")), found.get("landlock", 0), fork_namespaces, missing)
+    mode = SandboxMode(namespaces, bool(found.get("seccomp")), found.get("landlock", 0), fork_namespaces, missing)
+    return mode, finished
 
 
 @dataclasses.dataclass(frozen=True)
@@ -467,9 +488,10 @@ def _boot_args(cfg: SandboxConfig, layers: tuple[str, ...], *, session: bool = F
 
 
 async def _host_layers(cfg: SandboxConfig) -> tuple[SandboxMode, tuple[str, ...]]:
-    if sandbox_mode.cache_info().currsize == 0:  # the one-time probe starts processes: not on the loop
-        await asyncio.to_thread(sandbox_mode)
-    host = sandbox_mode()
+    if not _PROBED:  # the probe starts processes: not on the loop
+        host = await asyncio.to_thread(sandbox_mode)
+    else:
+        host = sandbox_mode()
     return host, _layers(cfg, host)
 
 

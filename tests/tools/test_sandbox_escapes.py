@@ -373,6 +373,25 @@ def test_require_refuses_a_host_without_the_layer(monkeypatch):
         SandboxConfig(require=("docker",))
 
 
+def test_a_probe_that_timed_out_is_not_kept(monkeypatch):
+    """A probe that timed out on a loaded host counted Landlock and seccomp as missing for the
+    process's life, silently (the sandbox then ran without them unless require= named them)."""
+    from rl2gem.tools import python
+
+    real_run = subprocess.run
+
+    def slow(*args, **kw):
+        raise subprocess.TimeoutExpired(args[0], kw.get("timeout"))
+
+    monkeypatch.setattr(python, "_PROBED", [])
+    monkeypatch.setattr(subprocess, "run", slow)
+    with pytest.warns(RuntimeWarning, match="probe of the host timed out"):
+        hurried = python.sandbox_mode()
+    assert not hurried.seccomp and hurried.landlock == 0 and python._PROBED == []
+    monkeypatch.setattr(subprocess, "run", real_run)
+    assert python.sandbox_mode() == HOST and python._PROBED == [HOST]  # probed again, and kept
+
+
 @pytest.mark.skipif(not KERNEL, reason="needs the kernel layers")
 def test_results_name_the_layers_that_confined_them():
     r = asyncio.run(run_python("print(1)", SandboxConfig(require=("landlock", "seccomp"))))
