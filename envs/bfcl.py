@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rl2gem.assets import fetch
-from rl2gem.core import Env, StepResult
+from rl2gem.core import Env, StepResult, fit_tool_results
 from rl2gem.tools import parse_tool_calls, tools_prompt
 from rl2gem.tools.wrapper import format_tool_results
 
@@ -243,18 +243,20 @@ def decode_calls(text: str) -> tuple[list[tuple[str, dict[str, Any]]], list[str]
     with the positions under ``"__args__"`` (the callers resolve or reject
     them). ``errors`` lists the calls that could not be read (bad JSON...).
     """
+    items = ordered_calls(text)
+    return [item for item in items if not isinstance(item, str)], [item for item in items if isinstance(item, str)]
+
+
+def ordered_calls(text: str) -> list[tuple[str, dict[str, Any]] | str]:
+    """The calls of a reply in their order, each ``(name, arguments)`` as :func:`decode_calls`
+    gives them, or the error (a ``str``) of one that could not be read: its result's place."""
     parsed = parse_tool_calls(text)
     if parsed:
-        return [(c.name, c.arguments) for c in parsed if c.error is None], [c.error for c in parsed if c.error]
+        return [c.error if c.error else (c.name, c.arguments) for c in parsed]
     py = _python_calls(text)
     if py is None:
-        return [], []
-    out = []
-    for name, args, kwargs in py:
-        if args:
-            kwargs = dict(kwargs, __args__=args)
-        out.append((name, kwargs))
-    return out, []
+        return []
+    return [(name, dict(kwargs, __args__=args) if args else kwargs) for name, args, kwargs in py]
 
 
 def gold_calls(ground_truth: list[dict[str, dict[str, list[Any]]]]) -> list[dict[str, dict[str, Any]]]:
@@ -639,10 +641,10 @@ class ToolUseEnv(Env):
     def _step(self, action: str) -> StepResult:
         item = self.item
         assert item is not None
-        calls, errors = decode_calls(action)
+        calls = ordered_calls(action)  # results go back in the calls' order, unreadable ones in place
         n_turns = len(item["question"])
         base_info = {"id": item["id"], "user_turn": self._user_turn, "num_user_turns": n_turns}
-        if calls or errors:
+        if calls:
             self._steps_in_turn += 1
             if self._steps_in_turn > self.max_steps_per_turn:
                 return (
@@ -654,7 +656,11 @@ class ToolUseEnv(Env):
                 )
             results: list[str | None] = []
             runnable: list[str] = []
-            for name, args in calls:
+            for call in calls:
+                if isinstance(call, str):  # could not be read
+                    results.append(f"Error: {call}")
+                    continue
+                name, args = call
                 if name not in self._functions:
                     results.append(f"Error: unknown function {name!r}.")
                     continue
@@ -675,7 +681,7 @@ class ToolUseEnv(Env):
                 )
                 self.calls[self._user_turn].append(runnable)
             it = iter(executed)
-            texts = [r if r is not None else next(it) for r in results] + [f"Error: {e}" for e in errors]
+            texts = fit_tool_results([r if r is not None else next(it) for r in results], self.observation_space)
             info = dict(base_info, role="tool", executed=runnable, tool_results=texts)
             if not runnable:
                 info["invalid_action"] = "no runnable function call"

@@ -76,6 +76,7 @@ __all__ = [
     "StepResult",
     "ResetResult",
     "fit_observation",
+    "fit_tool_results",
     "MAX_OBSERVATION_CHARS",
     "MAX_ACTION_CHARS",
     "VALID_ROLES",
@@ -189,7 +190,21 @@ def fit_observation(text: str, space: Any) -> str:
     other spaces leave it as it is), its end marked ``[... observation truncated]``: an env's own
     text and what wrappers add (tool results, the tool prompt)."""
     limit = getattr(space, "max_length", None)
-    if limit is not None and len(text) > limit:
+    return text if limit is None else _cut(text, limit)
+
+
+def fit_tool_results(results: Sequence[str], space: Any) -> list[str]:
+    """A turn's tool ``results``, each cut to an equal share of the observation ``space``'s
+    ``max_length`` (as :func:`fit_observation`): the rollout renders them one message each
+    (``info["tool_results"]``), not the observation that joins them."""
+    limit = getattr(space, "max_length", None)
+    if limit is None or not results:
+        return list(results)
+    return [_cut(text, max(1, limit // len(results))) for text in results]
+
+
+def _cut(text: str, limit: int) -> str:
+    if len(text) > limit:
         marker = "\n[... observation truncated]"
         text = text[: limit - len(marker)] + marker if limit > len(marker) else text[:limit]  # no room: cut only
     return text

@@ -357,14 +357,22 @@ class LazyRetrieval:
         self._client: RetrievalClient | None = None
         self._retired: list[RetrievalClient] = []  # closed on one loop, maybe open on others
         self._embedded = False
+        self._making = threading.Lock()
 
     async def client(self) -> RetrievalClient:
+        """The client, made by the first call (concurrent first calls, from any loop, share it:
+        each made its own and acquired the service, and all but one leaked)."""
         if self._client is None:
-            url = self.url
+            url, acquired = self.url, False
             if url is None:
-                url = await asyncio.to_thread(EmbeddedService.acquire)
-                self._embedded = True
-            self._client = RetrievalClient(url, timeout=self.timeout, retries=self.retries)
+                url, acquired = await asyncio.to_thread(EmbeddedService.acquire), True
+            with self._making:
+                first = self._client is None
+                if first:
+                    self._client = RetrievalClient(url, timeout=self.timeout, retries=self.retries)
+                    self._embedded = acquired
+            if acquired and not first:  # another call got there first: its hold on the service is the one kept
+                EmbeddedService.release()
         return self._client
 
     async def aclose(self) -> None:
@@ -388,6 +396,9 @@ class LazyRetrieval:
             "url": self.url, "timeout": self.timeout, "retries": self.retries,
             "_client": None, "_retired": [], "_embedded": False,
         }  # fmt: skip
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _making=threading.Lock())
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from typing import Any
 import gymnasium as gym
 from gymnasium.error import ResetNeeded
 
-from rl2gem.core import ResetResult, StepResult, Wrapper, _PrivateLoop, fit_observation
+from rl2gem.core import ResetResult, StepResult, Wrapper, _PrivateLoop, fit_observation, fit_tool_results
 from rl2gem.tools.base import (
     Tool,
     ToolArgumentError,
@@ -225,6 +225,7 @@ class ToolEnvWrapper(Wrapper):
                 "reward_components": {"tool_calls": float(self._num_calls)},
                 "invalid_action": None,
                 "turn": self._turn,
+                "num_invalid_actions": self._num_invalid,
             }
             return obs, 0.0, False, True, info
         self._num_calls += len(calls)
@@ -240,7 +241,7 @@ class ToolEnvWrapper(Wrapper):
             "invalid_action": f"invalid tool call: {failed[0]}" if len(failed) == len(results) else None,
             "turn": self._turn,
             "num_invalid_actions": self._num_invalid,
-            "tool_results": [text for text, _ in results],
+            "tool_results": fit_tool_results([text for text, _ in results], self.observation_space),
         }
         return (
             fit_observation(format_tool_results(info["tool_results"]), self.observation_space),

@@ -206,6 +206,19 @@ def test_calls_have_effects_and_episodes_are_isolated():
     assert executor_instances() == []
 
 
+def test_tool_results_come_back_in_the_calls_order():
+    """A call that could not be read had its error put after every other result: the rollout renders
+    one tool message per call in order, so each call got another call's result."""
+    env = ToolUseEnv("base")
+    env.reset(options={"index": 0})
+    action = "<tool_call>{bad json</tool_call>" + tool_call("pwd", {}) + tool_call("no_such_fn", {})
+    *_, info = env.step(action)
+    results = info["tool_results"]
+    assert len(results) == 3 and "not valid JSON" in results[0], results
+    assert "current_working_directory" in results[1] and "unknown function 'no_such_fn'" in results[2], results
+    env.close()
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 def test_a_copy_mid_episode_has_back_ends_of_its_own_and_still_solves_the_task(how):
     """BFCL keeps an episode's back-ends (here a file system) in its module's globals by name: a

@@ -2,6 +2,7 @@
 
 import asyncio
 import socket
+import time
 
 import gymnasium as gym
 import rl2gem.envs  # noqa: F401  (registers the envs)
@@ -55,3 +56,28 @@ def test_closing_an_env_spawned_from_a_search_env_leaves_the_shared_tool_open():
     assert EmbeddedService._users == users - 1
     kids[1].close()
     assert retrieval._retired and all(not client._sessions._sessions for client in retrieval._retired)
+
+
+def test_concurrent_first_searches_share_one_client_and_one_hold_on_the_service(monkeypatch):
+    """Concurrent first calls each acquired the embedded service and made a client; aclose released
+    one: the BM25 service outlived every env and the other clients' sessions leaked."""
+    from rl2gem.retrieval import LazyRetrieval
+
+    users = []
+
+    def acquire(cls, startup_timeout=120.0):
+        time.sleep(0.05)  # the calls overlap here
+        users.append(1)
+        return "http://127.0.0.1:9"
+
+    monkeypatch.setattr(EmbeddedService, "acquire", classmethod(acquire))
+    monkeypatch.setattr(EmbeddedService, "release", classmethod(lambda cls: users.pop()))
+    lazy = LazyRetrieval(None)
+
+    async def main():
+        clients = await asyncio.gather(*(lazy.client() for _ in range(4)))
+        assert len({id(client) for client in clients}) == 1 and len(users) == 1
+        await lazy.aclose()
+
+    asyncio.run(main())
+    assert users == []  # every hold released

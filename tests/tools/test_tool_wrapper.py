@@ -109,6 +109,7 @@ def test_call_limit_truncates_with_a_clear_observation():
     obs, r, term, trunc, info = env.step(call("multiply", a=1, b=2) + call("multiply", a=3, b=4))
     assert "Tool-call limit reached" in obs and "none of the 2 requested was run" in obs
     assert (term, trunc, info["truncated_reason"], info["num_tool_calls"]) == (False, True, "max_tool_calls", 2)
+    assert info["num_invalid_actions"] == 0  # the episode's count reaches its last info (objectives read it)
     with pytest.raises(ResetNeeded):
         env.step("391")
     env.reset(seed=1)  # a new episode has the full budget again
@@ -180,6 +181,11 @@ def test_a_tool_result_longer_than_the_observation_space_is_cut_to_it():
     obs = env.step(call)[0]
     limit = env.observation_space.max_length
     assert len(obs) == limit and obs.endswith("[... observation truncated]") and obs in env.observation_space
+    # the results the rollout renders (one message each, not the observation) are cut too: each to
+    # its share of the space (they went whole into the prompt)
+    *_, info = env.step(call + call)
+    assert [len(text) for text in info["tool_results"]] == [limit // 2] * 2
+    assert all(text.endswith("[... observation truncated]") for text in info["tool_results"])
     env.close()
     envs = gym.vector.AsyncVectorEnv([make])
     try:
