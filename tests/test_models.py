@@ -188,3 +188,14 @@ def test_device_and_dtype_resolve_to_the_machine():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device"):
             resolve_device("cuda")
+
+
+def test_a_home_relative_model_folder_resolves_as_the_check_finds_it(tmp_path, monkeypatch):
+    """model_problem expanded "~" and passed the config; load_model then sent "~/x" to the hub."""
+    from rl2gem.models import model_problem, resolve_model
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "tinymodel").mkdir()
+    assert model_problem("~/tinymodel") is None
+    assert resolve_model("~/tinymodel") == str(tmp_path / "tinymodel")
+    assert resolve_model("~/no_such_model") == "~/no_such_model"  # left as given: the check names it

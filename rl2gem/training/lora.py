@@ -162,7 +162,8 @@ def load_adapter(path: str | Path):
 
     Raises:
         FileNotFoundError: no ``adapter_config.json`` / ``adapter_model.safetensors`` there.
-        ValueError: an adapter that is not LoRA.
+        ValueError: an adapter that is not LoRA, or one the merge cannot apply exactly (per-module
+            ranks or scales, DoRA, saved modules, embedding adapters).
     """
     from peft import LoraConfig
     from safetensors.torch import load_file
@@ -174,7 +175,19 @@ def load_adapter(path: str | Path):
     config = LoraConfig.from_pretrained(str(path))
     if str(getattr(config, "peft_type", "LORA")).upper().split(".")[-1] != "LORA":
         raise ValueError(f"{path}: not a LoRA adapter ({config.peft_type})")
-    return config, load_file(str(path / "adapter_model.safetensors"))
+    # one scale alpha / r for every module and plain B @ A: what merge_adapter applies
+    unsupported = [
+        option
+        for option in ("alpha_pattern", "rank_pattern", "use_dora", "modules_to_save")
+        if getattr(config, option, None)
+    ]
+    if unsupported:
+        raise ValueError(f"{path}: the adapter uses {unsupported}, which the merge here does not apply")
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    other = sorted(name for name in tensors if not name.endswith((".lora_A.weight", ".lora_B.weight")))
+    if other:
+        raise ValueError(f"{path}: tensors other than linear LoRA pairs, e.g. {other[:3]} (the merge would drop them)")
+    return config, tensors
 
 
 def adapter_state_dict(
@@ -225,5 +238,10 @@ def inject(model, config, trainable: Sequence[str] = ()) -> None:
     from peft import inject_adapter_in_model
 
     inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    not_linear = sorted({name.split(".lora_")[0] for name, _ in model.named_parameters() if ".lora_embedding_" in name})
+    if not_linear:  # peft adapts embeddings with other tensors, which the merge into the engine and export miss
+        raise ValueError(
+            f"actor.lora.target_modules: LoRA here adapts linear layers only, not the embedding(s) {not_linear}"
+        )
     for name, parameter in model.named_parameters():
         parameter.requires_grad_(".lora_" in name or any(t in name for t in trainable))

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import FSDPModule
 
-from rl2gem.models import resolve_dtype, resolve_master_dtype
+from rl2gem.models import resolve_dtype, resolve_master_dtype, resolve_model
 from rl2gem.parallel.attention import resolve_attention
 from rl2gem.parallel.fsdp import clip_grad_norm, full_state_dict, head_class, init_distributed, load_sharded
 from rl2gem.parallel.mesh import ParallelMesh, build_mesh
@@ -232,6 +232,15 @@ class Worker:
         else:
             set_state_dict(self.model, [], model_state_dict=state["model"], optim_state_dict={})
 
+    def _generation_config(self):
+        """The base model's ``generation_config.json`` as a ``GenerationConfig``, or None without one."""
+        from transformers import GenerationConfig
+
+        try:
+            return GenerationConfig.from_pretrained(resolve_model(str(self.name_or_path)))
+        except (OSError, ValueError):
+            return None
+
     def export_hf(
         self, path: str | Path, tokenizer=None, state: Mapping[str, torch.Tensor] | None = None
     ) -> Path | None:
@@ -259,6 +268,13 @@ class Worker:
         skeleton.load_state_dict(dict(full), strict=False, assign=True)
         if getattr(config, "tie_word_embeddings", False) and self.head == "lm":
             skeleton.tie_weights()
+        # the model's own generation settings (an instruct model's end-of-turn ids, sampling
+        # defaults), not ones made from config.json; the KV cache on (training turned it off)
+        skeleton.config.use_cache = True
+        generation = self._generation_config()
+        if generation is not None:
+            skeleton.generation_config = generation
+        skeleton.generation_config.use_cache = True
         path = Path(path)
         skeleton.save_pretrained(path, is_main_process=True)
         if tokenizer is not None:

@@ -156,3 +156,43 @@ def test_merge_by_hand():
     on_meta = merged_state_dict({name: t.to("meta") for name, t in state.items()}, LoraConfig(r=2, lora_alpha=8))
     assert {t.device.type for t in on_meta.values()} == {"meta"}
     assert adapter_state_dict(state)["base_model.model.layer.q_proj.lora_A.weight"].device.type == "cpu"
+
+
+def test_lora_on_an_embedding_is_refused_and_foreign_adapters_the_merge_cannot_apply_are_refused(
+    group, tiny_dir, tmp_path
+):
+    """An embedding's adapter (peft's lora_embedding_A/B) was trained but never merged: the engine
+    and the export ran the base embeddings (log-probs 4.2 nats away). Per-module ranks or scales
+    and DoRA were merged with one global scale and no magnitude (2-13 nats away from peft's)."""
+    from rl2gem.training.lora import load_adapter
+
+    device, mesh = group
+    with pytest.raises(ValueError, match=r"linear layers only, not the embedding\(s\) \['model.embed_tokens'\]"):
+        Worker({"model": str(tiny_dir), "lora": {**LORA, "target_modules": ["q_proj", "embed_tokens"]}}, mesh, device)
+    for name, extra in (("pattern", {"alpha_pattern": {"q_proj": 32}}), ("dora", {"use_dora": True})):
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], **extra)
+        model = PeftModel(AutoModelForCausalLM.from_pretrained(tiny_dir), config)
+        model.save_pretrained(tmp_path / name)
+        with pytest.raises(ValueError, match="which the merge here does not apply"):
+            load_adapter(tmp_path / name)
+    plain = PeftModel(AutoModelForCausalLM.from_pretrained(tiny_dir), LoraConfig(r=4, target_modules=["q_proj"]))
+    plain.save_pretrained(tmp_path / "plain")
+    assert load_adapter(tmp_path / "plain")[0].r == 4
+
+
+def test_the_export_keeps_the_models_generation_settings_and_its_kv_cache(group, tiny_dir, tmp_path):
+    """The export wrote a generation config made from config.json (an instruct model's end-of-turn
+    ids and sampling defaults lost: the engine stopped on other tokens) and use_cache=false from
+    training (Hugging Face generate ran 40x slower)."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    device, mesh = group
+    base = tmp_path / "base"
+    shutil.copytree(tiny_dir, base)
+    GenerationConfig(eos_token_id=[2, 0], do_sample=True, temperature=0.7, top_p=0.8).save_pretrained(base)
+    folder = Worker({"model": str(base)}, mesh, device).export_hf(tmp_path / "hf")
+    exported = GenerationConfig.from_pretrained(folder)
+    assert (exported.eos_token_id, exported.temperature, exported.top_p) == ([2, 0], 0.7, 0.8)
+    assert AutoModelForCausalLM.from_pretrained(folder).config.use_cache is True
