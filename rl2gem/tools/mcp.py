@@ -75,6 +75,14 @@ class MCPTool:
         return f"MCPTool({self.name!r} on {self.server.target})"
 
 
+def _connection_lost(error: BaseException) -> bool:
+    """Whether ``error`` says the connection to the server is gone (its process exited, its
+    stream closed), not that a call failed."""
+    if isinstance(error, (ConnectionError, BrokenPipeError, EOFError)):
+        return True
+    return "connection closed" in str(error).lower()
+
+
 class MCPServerTools:
     """A connection to one MCP server, opened on first use, and its tools. A call after
     :meth:`close`, or after the connection was lost (a stdio server that exited), opens a new one.
@@ -162,6 +170,9 @@ class MCPServerTools:
             try:
                 ready.result(timeout=self.timeout)
             except Exception as error:
+                if not ready.done():  # timed out: stop the start under way (its server and thread)
+                    loop.call_soon_threadsafe(lambda: [task.cancel() for task in asyncio.all_tasks(loop)])
+                    thread.join(timeout=self.timeout)
                 raise ConnectionError(f"MCP server {self.target}: {type(error).__name__}: {error}") from error
             self._loop, self._thread = loop, thread
         return self
@@ -192,15 +203,24 @@ class MCPServerTools:
 
     async def call(self, name: str, arguments: dict[str, Any]) -> str:
         """Call tool ``name`` (``tools/call``) from any event loop; its text (:func:`call_result_text`)
-        or ``Error: ...`` (timeout, connection lost). Never raises."""
-        try:
-            future = self._submit(self._client_call, name, arguments)
-            result = await asyncio.wait_for(asyncio.wrap_future(future), self.timeout)
-        except asyncio.TimeoutError:
-            return f"Error: the MCP tool {name} did not answer within {self.timeout:g} s."
-        except Exception as error:
-            return f"Error: the MCP tool {name} failed: {type(error).__name__}: {error}"
-        return call_result_text(result)
+        or ``Error: ...`` (timeout, connection lost). A connection found lost (a stdio server that
+        exited) is opened again and the call tried once more; connecting runs in a worker thread,
+        not on the caller's loop. Never raises."""
+        for attempt in range(2):
+            try:
+                if self._client is None:  # a first call, or after a close: the start waits off the loop
+                    await asyncio.to_thread(self.connect)
+                future = self._submit(self._client_call, name, arguments)
+                result = await asyncio.wait_for(asyncio.wrap_future(future), self.timeout)
+            except asyncio.TimeoutError:
+                return f"Error: the MCP tool {name} did not answer within {self.timeout:g} s."
+            except Exception as error:
+                if attempt == 0 and _connection_lost(error):
+                    await asyncio.to_thread(self.close)  # the next attempt opens a new connection
+                    continue
+                return f"Error: the MCP tool {name} failed: {type(error).__name__}: {error}"
+            return call_result_text(result)
+        raise AssertionError("unreachable")
 
     async def _client_call(self, name: str, arguments: dict[str, Any]):
         if self._client is None:

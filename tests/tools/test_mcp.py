@@ -160,3 +160,45 @@ def test_envserver_mcp_serves_the_python_sandbox_over_streamable_http():
 def test_envserver_mcp_refuses_an_env_without_tools_in_one_line(capsys):
     assert envserver.main(["rl2/GuessTheNumber-v0", "--mcp"]) == 2
     assert capsys.readouterr().err == "config error: rl2/GuessTheNumber-v0 has no tools to serve over MCP\n"
+
+
+def test_a_lost_connection_is_opened_again_and_a_slow_start_does_not_block_the_loop(tmp_path):
+    """After the stdio server exited every later call failed with 'Connection closed' (the dead
+    connection was kept), and a first call connected on the caller's event loop, holding every
+    other coroutine up while the server started."""
+    script = tmp_path / "dying_server.py"
+    script.write_text(
+        SERVER.replace("server = MCPServer", "import os, time\ntime.sleep(1.5)\nserver = MCPServer").replace(
+            "server.run()",
+            '@server.tool()\ndef die() -> int:\n    """Exit."""\n    os._exit(3)\n\nserver.run()',
+        )
+    )
+    server = MCPServerTools([sys.executable, str(script)], timeout=60)
+
+    async def main():
+        gaps, stop = [], asyncio.Event()
+
+        async def heartbeat():
+            last = asyncio.get_running_loop().time()
+            while not stop.is_set():
+                await asyncio.sleep(0.05)
+                now = asyncio.get_running_loop().time()
+                gaps.append(now - last)
+                last = now
+
+        beat = asyncio.ensure_future(heartbeat())
+        await asyncio.sleep(0.1)  # the heartbeat runs
+        first = await server.call("add", {"a": 1, "b": 2})  # the server takes 1.5 s to start
+        stop.set()
+        await beat
+        died = await server.call("die", {})
+        again = await server.call("add", {"a": 2, "b": 3})
+        return first, max(gaps), died, again
+
+    try:
+        first, longest_gap, died, again = asyncio.run(main())
+    finally:
+        server.close()
+    assert first == "3" and longest_gap < 0.5, (first, longest_gap)
+    assert died.startswith("Error") and again == "5", (died, again)
+    assert children_running(str(script)) == []
