@@ -20,7 +20,9 @@ class GameEnv(Env):
     including ``max_turns``) and implement ``_reset`` and ``_move(move: str)``.
     Any preset value can be overridden by a keyword argument.
 
-    Reward: 1.0 on the winning move, 0.0 otherwise (no shaping).
+    Reward: 1.0 on the winning move, 0.0 otherwise (no shaping). The turn limit is part of the
+    game: a last allowed move that does not win loses it (``terminated``, ``success`` False, the
+    answer shown: :meth:`answer`), as a game's own losses do, rather than truncating the episode.
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}
@@ -47,8 +49,18 @@ class GameEnv(Env):
     def _step(self, action: str) -> StepResult:
         move = extract_boxed(action)
         if move is None:
-            return self.invalid_action("no \\boxed{} move", f"I could not find a move. {self.move_hint()}")
-        return self._move(move.strip())
+            result = self.invalid_action("no \\boxed{} move", f"I could not find a move. {self.move_hint()}")
+        else:
+            result = self._move(move.strip())
+        observation, reward, terminated, truncated, info = result
+        if not (terminated or truncated) and self.max_turns is not None and self.turn + 1 >= self.max_turns:
+            told = f" {self.answer()}" if self.answer() else ""
+            return self.lose(f"{observation}\nNo moves left: you lost.{told}", **info)
+        return result
+
+    def answer(self) -> str:
+        """What a lost game shows of its answer (``The word was ...``); empty for games without one."""
+        return ""
 
     def _move(self, move: str) -> StepResult:
         raise NotImplementedError

@@ -68,8 +68,8 @@ class FifteenPuzzleEnv(GameEnv):
     }
 
     def _check_params(self) -> None:
-        if not 2 <= self.size <= 5 or self.scramble < 1:
-            raise ValueError("size must be 2..5 and scramble >= 1")
+        if not 3 <= self.size <= 5 or self.scramble < 1:  # 2x2: a scramble walks one 12-board cycle (it hung)
+            raise ValueError("size must be 3..5 and scramble >= 1")
 
     def board_text(self) -> str:
         w = len(str(self.size**2 - 1))

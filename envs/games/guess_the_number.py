@@ -43,6 +43,9 @@ class GuessTheNumberEnv(GameEnv):
             "the number is higher or lower. Give one guess per turn as \\boxed{N}."
         ), {}
 
+    def answer(self) -> str:
+        return f"The number was {self.target}."
+
     def move_hint(self) -> str:
         return "Answer with \\boxed{N}."
 

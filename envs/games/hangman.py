@@ -55,6 +55,9 @@ class HangmanEnv(GameEnv):
             f"letter like \\boxed{{e}} or the whole word. {self.max_misses} misses and you lose.\n{self._state()}"
         ), {}
 
+    def answer(self) -> str:
+        return f"The word was '{self.secret}'."
+
     def move_hint(self) -> str:
         return "Guess one letter like \\boxed{e}, or the whole word."
 
@@ -105,7 +108,9 @@ class HangmanEnv(GameEnv):
             if len(cands) == 1:
                 return "\\boxed{" + cands[0] + "}"
             freq = collections.Counter(c for w in cands for c in set(w) if c not in tried)
-            letter = max(freq, key=freq.get) if freq else next(c for c in string.ascii_lowercase if c not in tried)
+            letter = (
+                max(sorted(freq), key=freq.get) if freq else next(c for c in string.ascii_lowercase if c not in tried)
+            )
             return "\\boxed{" + letter + "}"
 
         return solve

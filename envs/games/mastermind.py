@@ -59,6 +59,9 @@ class MastermindEnv(GameEnv):
             + "}."
         ), {}
 
+    def answer(self) -> str:
+        return f"The code was {self.code}."
+
     def move_hint(self) -> str:
         return f"Guess {self.code_length} digits from 1 to {self.num_digits}, like \\boxed{{{'1' * self.code_length}}}."
 

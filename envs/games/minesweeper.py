@@ -67,7 +67,7 @@ class MinesweeperEnv(GameEnv):
             cells = []
             for c in range(self.cols):
                 if self.revealed[r, c]:
-                    cells.append(str(self._count(r, c)))
+                    cells.append("*" if self.mine[r, c] else str(self._count(r, c)))  # a lost game shows its mines
                 else:
                     cells.append("F" if self.flagged[r, c] else ".")
             rows.append(f"{r + 1:>2} " + " ".join(cells))

@@ -65,6 +65,9 @@ class WordleEnv(GameEnv):
             "X = not in the word. Guess one word per turn, like \\boxed{" + self.secrets[0] + "}."
         ), {}
 
+    def answer(self) -> str:
+        return f"The word was '{self.secret}'."
+
     def move_hint(self) -> str:
         return f"Guess one {self.word_length}-letter English word, like \\boxed{{{self.secrets[0]}}}."
 

@@ -1,5 +1,9 @@
 """Every game: a solver that reads only the observations wins; rules checked on hand-made cases."""
 
+import os
+import subprocess
+import sys
+
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -166,3 +170,50 @@ def test_fifteen_puzzle_solver_is_optimal_and_bad_tiles_are_invalid():
     assert env.step(f"\\boxed{{{far}}}")[4]["invalid_action"] == "tile not next to the blank"
     total, info = play(gym.make("rl2/FifteenPuzzle-Easy-v0"), 0)
     assert total == 1.0 and info["turn"] <= 8
+
+
+def test_running_out_of_moves_loses_the_game_and_shows_the_answer():
+    """The last allowed move that did not win truncated the episode (a value bootstrapped past a lost
+    game) with no word that it was lost; now it terminates as a loss, the answer shown."""
+    env = rl2gem.make("rl2/GuessTheNumber-Easy-v0")
+    env.reset(seed=4)
+    target, limit = env.unwrapped.target, env.unwrapped.max_turns
+    wrong = env.unwrapped.min_number if target != env.unwrapped.min_number else target + 1
+    for turn in range(limit):
+        obs, reward, terminated, truncated, info = env.step(f"\\boxed{{{wrong}}}")
+        assert terminated == (turn == limit - 1) and not truncated and reward == 0.0
+    assert info["success"] is False and obs.endswith(f"No moves left: you lost. The number was {target}.")
+    env = rl2gem.make("rl2/Wordle-v0")
+    env.reset(seed=0)
+    for _ in range(env.unwrapped.max_turns - 1):
+        env.step("no move")  # invalid moves count as turns too
+    obs, _, terminated, truncated, info = env.step("still none")
+    assert terminated and not truncated and f"The word was '{env.unwrapped.secret}'." in obs
+
+
+def test_a_lost_minesweeper_board_shows_its_mines_and_small_boards_are_refused():
+    env = rl2gem.make("rl2/Minesweeper-v0")
+    env.reset(seed=1)
+    env.step("\\boxed{1 1}")  # the first reveal is safe
+    rows, cols = np.nonzero(env.unwrapped.mine & ~env.unwrapped.revealed)
+    obs, _, terminated, *_ = env.step(f"\\boxed{{{rows[0] + 1} {cols[0] + 1}}}")
+    assert terminated and obs.count("*") == int(env.unwrapped.mine.sum())  # mines were shown as counts
+    with pytest.raises(ValueError, match="size must be 3..5"):
+        rl2gem.make("rl2/FifteenPuzzle-v0", size=2, scramble=12)  # 2x2 scrambles of 12 hung in reset
+
+
+def test_the_hangman_solver_plays_the_same_in_every_process():
+    """Its ties between letters were broken in set order, which changes with PYTHONHASHSEED."""
+    code = (
+        "import rl2gem\nenv = rl2gem.make('rl2/Hangman-v0')\nobs, _ = env.reset(seed=4)\n"
+        "solve, moves = env.unwrapped.make_solver(), []\n"
+        "for _ in range(6):\n    move = solve(obs)\n    moves.append(move)\n    obs, _, t, tr, _ = env.step(move)\n"
+        "    if t or tr: break\nprint(moves)"
+    )
+    outputs = {
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": seed}
+        ).stdout
+        for seed in ("1", "2", "3")
+    }
+    assert len(outputs) == 1 and "boxed" in outputs.pop()
