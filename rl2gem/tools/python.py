@@ -410,10 +410,21 @@ def _kill_group(pid: int) -> None:
 
 
 class _Capture:
-    """What a reader kept of one stream (at most ``cap`` bytes) and how much it saw."""
+    """What a reader kept of one stream (at most ``cap`` bytes: its first, or with ``tail`` its
+    last, where an error's traceback ends) and how much it saw."""
 
-    def __init__(self, cap: int):
-        self.cap, self.kept, self.total = cap, bytearray(), 0
+    def __init__(self, cap: int, tail: bool = False):
+        self.cap, self.tail, self.kept, self.total = cap, tail, bytearray(), 0
+
+    def add(self, chunk: bytes) -> None:
+        self.total += len(chunk)
+        if self.tail:
+            self.kept = (self.kept + chunk)[-self.cap :]
+            if self.total > len(self.kept):  # cut at the front: no half of a UTF-8 character first
+                while self.kept and self.kept[0] & 0xC0 == 0x80:
+                    del self.kept[0]
+        elif len(self.kept) < self.cap:
+            self.kept += chunk[: self.cap - len(self.kept)]
 
     @property
     def cut(self) -> bool:
@@ -425,9 +436,7 @@ async def _read_capped(stream: asyncio.StreamReader, capture: _Capture, overflow
         chunk = await stream.read(65536)
         if not chunk:
             break
-        capture.total += len(chunk)
-        if len(capture.kept) < capture.cap:
-            capture.kept += chunk[: capture.cap - len(capture.kept)]
+        capture.add(chunk)
         if capture.total > max(_FLOOD_BYTES, 64 * capture.cap):
             # Signal the flood, but keep draining (and dropping) until EOF: a reader that
             # stopped would leave asyncio's pipe transport paused, so it would never see
@@ -565,7 +574,7 @@ async def _exchange(
     the rest is read for at most 0.25 s. Returns stdout, stderr, whether output was cut, whether it
     flooded, whether it timed out."""
     overflow = asyncio.Event()
-    captures = _Capture(cfg.max_output_chars * 4), _Capture(cfg.max_output_chars * 4)
+    captures = _Capture(cfg.max_output_chars * 4), _Capture(cfg.max_output_chars * 4, tail=True)
 
     async def feed() -> None:
         try:

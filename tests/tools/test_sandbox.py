@@ -162,6 +162,29 @@ def test_output_is_truncated():
     assert r.ok and r.truncated and len(r.stdout) == 100 and "[Output truncated]" in r.text()
 
 
+@pytest.mark.parametrize("runner", ["pool", "session"])
+def test_an_error_after_much_stderr_keeps_its_last_line(runner):
+    """stderr kept its first 4 x max_output_chars bytes and showed their tail: after 8 KB of warnings
+    the exception's own line never reached the model."""
+    from rl2gem.tools import PythonSession
+
+    code = "import sys\nfor i in range(100):\n    print('warning', i, 'é' * 40, file=sys.stderr)\nraise ValueError('THE_REAL_ERROR')"
+    config = SandboxConfig(max_output_chars=200, pool_size=1)
+
+    async def call():
+        if runner == "pool":
+            return await run_python(code, config)
+        session = PythonSession(config)
+        try:
+            return await session.run(code)
+        finally:
+            await session.aclose()
+
+    r = asyncio.run(call())
+    assert r.truncated and r.stderr.rstrip().endswith("ValueError: THE_REAL_ERROR"), r.stderr[-300:]
+    assert "\ufffd" not in r.stderr and len(r.stderr) <= 200
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_flood_is_stopped_every_time(mode):
     # Regression: stopping the read at the flood left the pipe paused, and about one run in four
