@@ -11,6 +11,8 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
+import pydantic
+
 __all__ = ["FunctionTool", "json_schema_of"]
 
 _SIMPLE = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
@@ -108,12 +110,16 @@ class FunctionTool:
         hints = typing.get_type_hints(fn)
         props: dict[str, Any] = {}
         required: list[str] = []
+        self._types: dict[str, pydantic.TypeAdapter] = {}
         for p in inspect.signature(fn).parameters.values():
             if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
                 raise TypeError(f"{self.name}: *args/**kwargs parameters cannot be described to a model")
+            if p.kind is p.POSITIONAL_ONLY:
+                raise TypeError(f"{self.name}: parameter {p.name!r} is positional-only; a model names its arguments")
             if p.name not in hints:
                 raise TypeError(f"{self.name}: parameter {p.name!r} has no type hint")
             schema = json_schema_of(hints[p.name])
+            self._types[p.name] = pydantic.TypeAdapter(hints[p.name])
             if param_docs.get(p.name):
                 schema["description"] = param_docs[p.name]
             if p.default is p.empty:
@@ -129,7 +135,18 @@ class FunctionTool:
         }
 
     async def call(self, arguments: dict[str, Any]) -> str:
-        """Call the function with ``arguments`` (keyword arguments); see the class doc for the result text."""
+        """Call the function with ``arguments`` (keyword arguments), each converted to its parameter's
+        type hint (a JSON string to an ``Enum``, a list to a ``tuple``, ``3.0`` to an ``int``...: what
+        the schema offered the model); see the class doc for the result text."""
+        converted = {}
+        for key, value in arguments.items():
+            try:
+                converted[key] = self._types[key].validate_python(value) if key in self._types else value
+            except pydantic.ValidationError as e:
+                problem = e.errors()[0]
+                where = ".".join(str(part) for part in (key, *problem["loc"]))
+                return f"Error: {self.name}: argument {where}: {problem['msg']}"
+        arguments = converted
         try:
             if inspect.iscoroutinefunction(self.fn):
                 value = await self.fn(**arguments)

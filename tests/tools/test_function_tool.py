@@ -105,3 +105,29 @@ def test_results_errors_and_no_blocking():
     assert results == ["slept"] * 4  # the four blocking calls met at the barrier: they ran in threads
     assert err == "Error: RuntimeError: bad 3"
     assert as_json == '{"city": "Oslo", "nights": 1}'
+
+
+def test_arguments_reach_the_function_as_its_type_hints_say():
+    """JSON values went in as they were: an Enum parameter got "red", a tuple a list, an int 3.0, so
+    calls the schema accepted failed in the function; a positional-only parameter was offered by name."""
+
+    class Color(enum.Enum):
+        RED = "red"
+        BLUE = "blue"
+
+    def paint(color: Color, corner: tuple[int, int], times: int) -> str:
+        """Paint."""
+        return f"{color.name} at {hash(corner) == hash((1, 2))} x{'ab' * times}"
+
+    tool = FunctionTool(paint)
+    arguments = {"color": "red", "corner": [1, 2], "times": 3.0}
+    validate_arguments(tool, arguments)  # the schema takes them as JSON has them
+    assert asyncio.run(tool.call(arguments)) == "RED at True xababab"
+    assert asyncio.run(tool.call({**arguments, "color": "green"})).startswith("Error: paint: argument color:")
+
+    def positional(a: int, /) -> int:
+        """Positional."""
+        return a
+
+    with pytest.raises(TypeError, match="positional-only"):
+        FunctionTool(positional)
