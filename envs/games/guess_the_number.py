@@ -20,7 +20,8 @@ class GuessTheNumberEnv(GameEnv):
 
     Presets (``difficulty=``): ``easy`` 1..10 in 4 turns, ``medium`` 1..20 in 5,
     ``hard`` 1..50 in 7 (GEM's hard), ``expert`` 1..1000 in 12. Bisection needs
-    ceil(log2(range)) guesses, so every preset is winnable. Out-of-range or
+    ceil(log2(n + 1)) guesses for n numbers, so every preset is winnable (fewer turns, as a
+    ``max_turns=`` may set, leave it to luck). Out-of-range or
     non-integer guesses are invalid moves (reward 0, the episode goes on).
     """
 

@@ -78,6 +78,8 @@ class SudokuEnv(GameEnv):
     def _check_params(self) -> None:
         if self.box not in (2, 3) or not 1 <= self.blanks <= self.box**4 - 1:
             raise ValueError("box must be 2 or 3 and blanks in 1..n*n-1")
+        if self.max_turns < self.blanks:  # one cell per move
+            raise ValueError(f"max_turns={self.max_turns} cannot fill {self.blanks} blanks, one per move")
 
     def _generate(self) -> tuple[np.ndarray, np.ndarray]:
         b, n, rng = self.box, self.box**2, self.np_random

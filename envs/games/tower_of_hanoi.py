@@ -57,6 +57,10 @@ class TowerOfHanoiEnv(GameEnv):
     def _check_params(self) -> None:
         if not 1 <= self.disks <= 9:
             raise ValueError("disks must be 1..9")
+        if self.max_turns < 2**self.disks - 1:  # the fewest moves that solve it
+            raise ValueError(
+                f"max_turns={self.max_turns} cannot solve {self.disks} disks: it takes {2**self.disks - 1} moves"
+            )
 
     def pegs_text(self) -> str:
         return "\n".join(f"{p}: {' '.join(map(str, s))}".rstrip() for p, s in self.pegs.items())

@@ -217,3 +217,13 @@ def test_the_hangman_solver_plays_the_same_in_every_process():
         for seed in ("1", "2", "3")
     }
     assert len(outputs) == 1 and "boxed" in outputs.pop()
+
+
+def test_a_turn_budget_that_cannot_win_is_refused():
+    """TowerOfHanoi with 6 disks in its 40 moves (63 needed) or Sudoku with fewer moves than blanks
+    were made without a word, and no policy could ever win them."""
+    with pytest.raises(ValueError, match="max_turns=40 cannot solve 6 disks: it takes 63 moves"):
+        rl2gem.make("rl2/TowerOfHanoi-v0", disks=6)
+    with pytest.raises(ValueError, match="cannot fill 45 blanks"):
+        rl2gem.make("rl2/Sudoku-v0", max_turns=20)
+    assert rl2gem.make("rl2/TowerOfHanoi-v0", disks=6, max_turns=63).unwrapped.max_turns == 63
