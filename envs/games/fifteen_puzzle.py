@@ -110,7 +110,10 @@ class FifteenPuzzleEnv(GameEnv):
 
     def sample_random_action(self, rng: np.random.Generator | None = None) -> str:
         rng = rng if rng is not None else self.np_random
-        return f"\\boxed{{{int(rng.integers(1, self.size**2))}}}"
+        if getattr(self, "state", None) is None:  # before a reset: any tile
+            return f"\\boxed{{{int(rng.integers(1, self.size**2))}}}"
+        tiles = [tile for tile, _ in _slides(self.state, self.size)]  # a legal slide: a tile next to the blank
+        return f"\\boxed{{{tiles[int(rng.integers(len(tiles)))]}}}"
 
     def make_solver(self):
         """Parses the board, finds a shortest solution with A*, slides its first tile."""

@@ -86,7 +86,9 @@ class HangmanEnv(GameEnv):
 
     def sample_random_action(self, rng: np.random.Generator | None = None) -> str:
         rng = rng if rng is not None else self.np_random
-        return "\\boxed{" + string.ascii_lowercase[int(rng.integers(26))] + "}"
+        tried = set(getattr(self, "guessed", ())) | set(getattr(self, "missed", ()))
+        letters = [c for c in string.ascii_lowercase if c not in tried] or list(string.ascii_lowercase)
+        return "\\boxed{" + letters[int(rng.integers(len(letters)))] + "}"  # a letter not tried yet
 
     def make_solver(self):
         """Keeps the words matching the revealed pattern and misses; guesses their most common new letter."""

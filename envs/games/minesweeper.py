@@ -120,6 +120,10 @@ class MinesweeperEnv(GameEnv):
 
     def sample_random_action(self, rng: np.random.Generator | None = None) -> str:
         rng = rng if rng is not None else self.np_random
+        hidden = np.argwhere(~self.revealed) if getattr(self, "revealed", None) is not None else []
+        if len(hidden):  # a cell not revealed yet
+            r, c = (int(x) + 1 for x in hidden[int(rng.integers(len(hidden)))])
+            return f"\\boxed{{reveal {r} {c}}}"
         return f"\\boxed{{reveal {int(rng.integers(1, self.rows + 1))} {int(rng.integers(1, self.cols + 1))}}}"
 
     def make_solver(self):

@@ -158,6 +158,10 @@ class SudokuEnv(GameEnv):
         rng = rng if rng is not None else self.np_random
         n = self.box**2
         r, c, d = (int(x) for x in rng.integers(1, n + 1, size=3))
+        if getattr(self, "grid", None) is not None:  # an empty cell (the digit may be a mistake)
+            empty = np.argwhere(self.grid == 0)
+            if len(empty):
+                r, c = (int(x) + 1 for x in empty[int(rng.integers(len(empty)))])
         return f"\\boxed{{{r} {c} {d}}}"
 
     def make_solver(self):

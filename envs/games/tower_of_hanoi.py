@@ -98,7 +98,14 @@ class TowerOfHanoiEnv(GameEnv):
 
     def sample_random_action(self, rng: np.random.Generator | None = None) -> str:
         rng = rng if rng is not None else self.np_random
-        a, b = rng.choice(list("ABC"), size=2, replace=False)
+        pegs = getattr(self, "pegs", None)
+        moves = [  # legal: a top disk onto an empty peg or a larger one
+            (a, b)
+            for a in "ABC"
+            for b in "ABC"
+            if a != b and pegs and pegs[a] and (not pegs[b] or pegs[b][-1] > pegs[a][-1])
+        ]
+        a, b = moves[int(rng.integers(len(moves)))] if moves else rng.choice(list("ABC"), size=2, replace=False)
         return f"\\boxed{{{a} {b}}}"
 
     def make_solver(self):
