@@ -144,7 +144,7 @@ def check_trials(cfg) -> None:
     if cfg.trainer not in TRAINERS:
         return  # a script of the user's: its own command line
     module = importlib.import_module(f"rl2gem.trainers.{cfg.trainer}")
-    points = [("space", {key: value for key, value in point.items()}) for point in corner_points(cfg.space)]
+    points = [("space", point) for point in corner_points(cfg.space)]
     points += [(f"enqueue[{i}]", dict(params)) for i, params in enumerate(cfg.enqueue)]
     for where, point in points:
         overrides = [f"{key}={format_value(value)}" for key, value in point.items()]

@@ -9,7 +9,7 @@ import time
 import pytest
 from helpers import lasting_sandbox_pids, sandbox_pids
 
-from rl2gem.tools import PythonTool, SandboxConfig, run_python, sandbox_mode
+from rl2gem.tools import PythonSession, PythonTool, SandboxConfig, run_python, sandbox_mode
 
 ISOLATIONS = ["audit"] + (["namespaces"] if sandbox_mode().namespaces else [])
 # each isolation mode through the fork server (the default) and through a fresh interpreter
@@ -22,6 +22,17 @@ MODES = [
 
 def run(code, **kw):
     return asyncio.run(run_python(code, SandboxConfig(**kw)))
+
+
+async def run_by(runner: str, code: str, config: SandboxConfig):
+    """``code`` run by the fork server (``pool``) or as one call of a persistent ``session``."""
+    if runner == "pool":
+        return await run_python(code, config)
+    session = PythonSession(config)
+    try:
+        return await session.run(code)
+    finally:
+        await session.aclose()
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -47,22 +58,11 @@ def test_infinite_loop_is_killed_at_the_wall_clock_limit(mode):
 def test_code_that_closes_its_output_is_stopped_at_the_time_limit(runner):
     """Code that closed stdout and stderr and ran on held a pool or session call 10 s, whatever
     timeout_s, and came back as not timed out."""
-    from rl2gem.tools import PythonSession
-
     code = "import os, time\nos.close(1)\nos.close(2)\ntime.sleep(30)"
     config = SandboxConfig(timeout_s=1.5, cpu_s=30, pool_size=1)
 
-    async def call():
-        if runner == "pool":
-            return await run_python(code, config)
-        session = PythonSession(config)
-        try:
-            return await session.run(code)
-        finally:
-            await session.aclose()
-
     t0 = time.perf_counter()
-    r = asyncio.run(call())
+    r = asyncio.run(run_by(runner, code, config))
     assert r.timed_out and r.runner == runner and time.perf_counter() - t0 < 5, (r, time.perf_counter() - t0)
 
 
@@ -166,21 +166,10 @@ def test_output_is_truncated():
 def test_an_error_after_much_stderr_keeps_its_last_line(runner):
     """stderr kept its first 4 x max_output_chars bytes and showed their tail: after 8 KB of warnings
     the exception's own line never reached the model."""
-    from rl2gem.tools import PythonSession
-
     code = "import sys\nfor i in range(100):\n    print('warning', i, 'é' * 40, file=sys.stderr)\nraise ValueError('THE_REAL_ERROR')"
     config = SandboxConfig(max_output_chars=200, pool_size=1)
 
-    async def call():
-        if runner == "pool":
-            return await run_python(code, config)
-        session = PythonSession(config)
-        try:
-            return await session.run(code)
-        finally:
-            await session.aclose()
-
-    r = asyncio.run(call())
+    r = asyncio.run(run_by(runner, code, config))
     assert r.truncated and r.stderr.rstrip().endswith("ValueError: THE_REAL_ERROR"), r.stderr[-300:]
     assert "\ufffd" not in r.stderr and len(r.stderr) <= 200
 
