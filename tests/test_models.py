@@ -124,6 +124,37 @@ def test_a_cache_folder_marked_complete_but_broken_is_rebuilt(fake_conversion, c
     assert len(fake_conversion["calls"]) == 1 and not caplog.records
 
 
+def test_a_cache_folder_an_older_conversion_wrote_is_rebuilt(fake_conversion, caplog):
+    # what rl2gem before conversion 2 left: every model file, no conversion record
+    old = cache_dir() / "models" / NAME
+    old.mkdir(parents=True)
+    write_tiny_model(old)
+    (old / ".complete").write_text("ok")
+    with caplog.at_level(logging.WARNING, logger="rl2gem.models"):
+        assert resolve_model(NAME) == str(old)
+    assert len(fake_conversion["calls"]) == 1
+    [record] = [r for r in caplog.records if r.name == "rl2gem.models"]
+    assert "older rl2gem (conversion 1, now 2)" in record.getMessage() and "rebuilding" in record.getMessage()
+    assert json.loads((old / models.CONVERSION_FILE).read_text())["version"] == models.CONVERSION_VERSION == 2
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rl2gem.models"):
+        assert resolve_model(NAME) == str(old)  # current now: used as it is, silently
+    assert len(fake_conversion["calls"]) == 1 and not caplog.records
+
+
+def test_smollm2_tokenizer_splits_digits_as_the_original_does():
+    """SmolLM2's tokenizer.json pre-tokenizes with Digits(individual_digits=True) before the byte-level
+    split (llama.cpp's ``smollm`` pre-type: ``\\p{N}`` first); the GGUF loader drops that step."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_model(NAME))
+    split = [piece for piece, _ in tok.backend_tokenizer.pre_tokenizer.pre_tokenize_str("x 12 ½5 a²")]
+    # each numeral its own piece, the space before one a piece of its own; "a" and "²" apart
+    assert split == ["x", "Ġ", "1", "2", "Ġ", "Â½", "5", "Ġa", "Â²"]
+    assert tok.convert_ids_to_tokens(tok(" ½5")["input_ids"]) == ["Ġ", "Â½", "5"]
+    assert tok.decode(tok("What is 1,234 + ½ of 2⁵?")["input_ids"]) == "What is 1,234 + ½ of 2⁵?"
+
+
 @pytest.mark.slow
 def test_smollm2_converts_once_to_safetensors_and_generates():
     import torch
