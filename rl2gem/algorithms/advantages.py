@@ -67,14 +67,22 @@ def _check(rewards: torch.Tensor, action_mask: torch.Tensor, group: torch.Tensor
 
 
 def _group_stats(scores: torch.Tensor, group: torch.Tensor):
-    """Per-sequence group mean, unbiased std and size of ``scores`` [B]."""
+    """Per-sequence ``(score - group mean, group mean, unbiased group std, group size)`` of ``scores`` [B].
+
+    The statistics are taken relative to each group's first member, so a group of equal scores
+    gets deviations and a std of exactly 0 (a float32 mean of 16 scores of 7.3 is off by one
+    rounding step, and dividing that by an equally tiny std gave every member about -0.48).
+    """
     _, inv, counts = torch.unique(group, return_inverse=True, return_counts=True)
     n = counts.to(scores.dtype)
-    s = torch.zeros_like(n).index_add_(0, inv, scores)
-    mean = s / n
-    dev = torch.zeros_like(n).index_add_(0, inv, (scores - mean[inv]) ** 2)
+    rows = torch.arange(scores.shape[0], device=scores.device)
+    first = torch.zeros_like(counts).scatter_reduce_(0, inv, rows, "amin", include_self=False)
+    shifted = scores - scores[first][inv]
+    shift_mean = torch.zeros_like(n).index_add_(0, inv, shifted) / n
+    centered = shifted - shift_mean[inv]
+    dev = torch.zeros_like(n).index_add_(0, inv, centered**2)
     std = torch.sqrt(dev / (n - 1).clamp(min=1))
-    return mean[inv], std[inv], n[inv]
+    return centered, scores[first][inv] + shift_mean[inv], std[inv], n[inv]
 
 
 def _broadcast(score: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -87,18 +95,16 @@ def grpo(rewards, action_mask, group, eps: float = 1e-6):
     ``R`` is the sequence's total reward; std is the unbiased group std.
     """
     r, m = _check(rewards, action_mask, group)
-    score = r.sum(-1)
-    mean, std, _ = _group_stats(score, group)
-    return _broadcast((score - mean) / (std + eps), m)
+    centered, _, std, _ = _group_stats(r.sum(-1), group)
+    return _broadcast(centered / (std + eps), m)
 
 
 def drgrpo(rewards, action_mask, group):
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): ``R - mean_group``, no std division
     (pair it with a constant loss normaliser, ``loss_agg="seq_mean_token_sum_norm"``)."""
     r, m = _check(rewards, action_mask, group)
-    score = r.sum(-1)
-    mean, _, _ = _group_stats(score, group)
-    return _broadcast(score - mean, m)
+    centered, _, _, _ = _group_stats(r.sum(-1), group)
+    return _broadcast(centered, m)
 
 
 def rloo(rewards, action_mask, group):
@@ -107,9 +113,8 @@ def rloo(rewards, action_mask, group):
     A group of one gets advantage 0.
     """
     r, m = _check(rewards, action_mask, group)
-    score = r.sum(-1)
-    mean, _, n = _group_stats(score, group)
-    adv = torch.where(n > 1, n / (n - 1).clamp(min=1) * (score - mean), torch.zeros_like(score))
+    centered, _, _, n = _group_stats(r.sum(-1), group)
+    adv = torch.where(n > 1, n / (n - 1).clamp(min=1) * centered, torch.zeros_like(centered))
     return _broadcast(adv, m)
 
 
@@ -127,10 +132,13 @@ def returns_to_go(rewards, action_mask, gamma: float = 1.0):
 
 
 def _batch_normalize(x: torch.Tensor, m: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x`` normalised to mean 0 and std 1 over the tokens of ``m`` (taken relative to the first
+    such value, so equal values give exactly 0), 0 elsewhere."""
     vals = x[m]
     if vals.numel() < 2:
         return torch.zeros_like(x)
-    return torch.where(m, (x - vals.mean()) / (vals.std() + eps), torch.zeros_like(x))
+    shifted = vals - vals[0]
+    return torch.where(m, (x - vals[0] - shifted.mean()) / (shifted.std() + eps), torch.zeros_like(x))
 
 
 def reinforce_pp(rewards, action_mask, group=None, gamma: float = 1.0, baseline: bool = True):
@@ -142,8 +150,7 @@ def reinforce_pp(rewards, action_mask, group=None, gamma: float = 1.0, baseline:
     """
     r, m = _check(rewards, action_mask, group)
     if baseline and group is not None:
-        score = r.sum(-1)
-        mean, _, _ = _group_stats(score, group)
+        _, mean, _, _ = _group_stats(r.sum(-1), group)
         last = _last_action_token(m)
         r = r.clone()
         rows = torch.arange(r.shape[0], device=r.device)
@@ -247,6 +254,9 @@ def _turn_rloo_tokens(rewards, action_mask, group, gamma: float = 1.0):
 
 
 def _last_action_token(m: torch.Tensor) -> torch.Tensor:
+    """Per row ``[B]``, the index of its last action token, -1 for a row without one."""
+    if m.shape[1] == 0:
+        return torch.full((m.shape[0],), -1, dtype=torch.long, device=m.device)
     idx = torch.arange(m.shape[1], device=m.device).expand_as(m)
     return torch.where(m, idx, torch.full_like(idx, -1)).max(-1).values
 

@@ -271,12 +271,18 @@ def value_loss(
         loss = 0.5 * aggregate(err, m, loss_agg)
     n = m.sum().clamp(min=1)
     with torch.no_grad():
-        clipped = ((values - old_values).abs() > (clip or float("inf"))) & m
+        clipped = ((values - old_values).abs() > (float("inf") if clip is None else clip)) & m
         return loss, {"vf_loss": loss.detach(), "vf_clip_ratio": clipped.sum() / n}
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the softmax of ``logits`` ``[..., V]`` -> ``[...]`` (nats)."""
+    """Entropy of the softmax of finite ``logits`` ``[..., V]`` -> ``[...]`` (nats, float32).
+
+    ``logsumexp - sum(softmax * logits)``: one ``[..., V]`` temporary besides the softmax, and
+    finite gradients where a probability underflows to 0 (``-sum(p log p)`` would give ``0 * inf``
+    there). A ``-inf`` logit gives NaN (``0 * -inf``); an LM head's logits are finite, and masking
+    the vocabulary here would cost the trainer another ``[tokens, V]`` tensor.
+    """
     logits = logits.float()
     logz = torch.logsumexp(logits, -1)
     return logz - (torch.softmax(logits, -1) * logits).sum(-1)

@@ -121,9 +121,7 @@ def set_final_reward(episode, value: float, mode: str = "replace") -> None:
         for sequence in episode.sequences:
             sequence.rewards = [0.0] * len(sequence.rewards)
     episode.turn_rewards[-1] += value
-    last = episode.sequences[-1]
-    position = max((i for i, m in enumerate(last.action_mask) if m), default=len(last.rewards) - 1)
-    last.rewards[position] += value
+    episode.sequences[-1].add_reward(value)
 
 
 #: ``Episode.info`` key of the reward :func:`objective_value` gave an episode when dynamic filtering

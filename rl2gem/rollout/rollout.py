@@ -361,7 +361,7 @@ class Rollout:
             episode.turns += 1
             episode.turn_rewards.append(float(reward))
             episode.finish_reasons.append(finish)
-            sequence.rewards[-1] += float(reward)
+            sequence.add_reward(reward)
             kept = {key: value for key, value in episode.info.items() if key in ("seed", "index")}
             episode.info = {**kept, **info}
             assistant = {"role": "assistant", "content": text}

@@ -103,6 +103,14 @@ class Sequence:
     def num_action_tokens(self) -> int:
         return sum(self.action_mask)
 
+    def add_reward(self, value: float) -> None:
+        """Add ``value`` to the reward of the last action token (the last token if none), where every
+        advantage estimator reads a turn's reward: a turn whose action is empty keeps its reward on
+        the previous action rather than on a context token, which the estimators that read action
+        tokens only would drop while the outcome ones (GRPO, RLOO) count it."""
+        position = next((i for i in range(len(self) - 1, -1, -1) if self.action_mask[i]), len(self) - 1)
+        self.rewards[position] += float(value)
+
 
 @dataclasses.dataclass
 class Episode:

@@ -108,7 +108,12 @@ def test_value_loss_and_entropy():
     v, old, ret = torch.tensor([[1.5]]), torch.tensor([[1.0]]), torch.tensor([[2.0]])
     loss, m = value_loss(v, old, ret, torch.ones(1, 1), clip=0.2)
     assert loss.item() == pytest.approx(0.5 * (1.2 - 2.0) ** 2)
-    loss, _ = value_loss(v, old, ret, torch.ones(1, 1), clip=None)
-    assert loss.item() == pytest.approx(0.5 * 0.25)
+    assert m["vf_clip_ratio"].item() == 1.0
+    loss, m = value_loss(v, old, ret, torch.ones(1, 1), clip=None)
+    assert loss.item() == pytest.approx(0.5 * 0.25) and m["vf_clip_ratio"].item() == 0.0
+    # a clip range of 0 holds every value at the old one: each token that moved counts as clipped
+    values, old = torch.tensor([[1.5, 1.0]]), torch.tensor([[1.0, 1.0]])
+    loss, m = value_loss(values, old, torch.tensor([[1.5, 2.0]]), torch.ones(1, 2), clip=0.0)
+    assert loss.item() == pytest.approx(0.5 * (0.25 + 1.0) / 2) and m["vf_clip_ratio"].item() == 0.5
     ent = entropy_from_logits(torch.zeros(2, 3, 4))
     assert ent.shape == (2, 3) and torch.allclose(ent, torch.full((2, 3), math.log(4)))

@@ -4,9 +4,10 @@ import asyncio
 
 import pytest
 
+from rl2gem import Env
 from rl2gem.rollout import Rollout, RolloutConfig
 from rl2gem.rollout.engines.base import Engine, GenerateOutput
-from rl2gem.rollout.tito import ChatRenderer
+from rl2gem.rollout.tito import ChatRenderer, Sequence
 
 THINK_TEMPLATE = (
     "{%- for m in messages -%}"
@@ -207,3 +208,46 @@ def test_a_searchqa_episode_masks_every_retrieved_token(tokenizer):
     assert information.startswith("<information>") and len(tokenizer.encode(information)) > 20
     context = tokenizer.decode([t for t, m in zip(seq.input_ids, seq.action_mask, strict=True) if not m])
     assert information in context  # the retrieved passages are all in the mask-0 part
+
+
+class RewardEveryTurnEnv(Env):
+    """Two turns: reward 1.0 for an action, -0.25 for an empty one (refused as invalid)."""
+
+    invalid_action_reward = -0.25
+
+    def __init__(self):
+        super().__init__(max_turns=2)
+
+    def _reset(self, options):
+        return "Say anything, twice.", {}
+
+    def _step(self, action):
+        return "Again.", 1.0, False, False, {}
+
+
+def test_an_empty_actions_reward_goes_on_the_previous_action_token(tokenizer):
+    first = tokenizer.encode("hello", add_special_tokens=False)
+    engine = ScriptedEngine([first, []], finish="length")  # the second turn generates nothing
+
+    async def main():
+        rollout = Rollout(engine, tokenizer, RewardEveryTurnEnv, RolloutConfig(responses_per_prompt=1))
+        batch = await rollout.collect(1)
+        await rollout.close()
+        return batch.episodes[0]
+
+    ep = asyncio.run(main())
+    assert ep.turn_rewards == [1.0, -0.25] and len(ep.sequences) == 1
+    seq = ep.sequences[0]
+    last_action = max(i for i, m in enumerate(seq.action_mask) if m)
+    assert seq.rewards[last_action] == 0.75 and sum(seq.rewards) == 0.75  # none on a context token
+    assert seq.input_ids[last_action] == first[-1]
+
+
+def test_add_reward_finds_the_last_action_token():
+    seq = Sequence()
+    seq.extend_context([1, 2])
+    assert seq.add_reward(0.5) is None and seq.rewards == [0.0, 0.5]  # no action yet: the last token
+    seq.extend_action([3, 4], [-0.1, -0.2], 0)
+    seq.extend_context([5, 6])
+    seq.add_reward(1.0)
+    assert seq.rewards == [0.0, 0.5, 0.0, 1.0, 0.0, 0.0]
