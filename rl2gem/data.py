@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import tempfile
@@ -106,7 +107,7 @@ def load_table(
         fmt = FILE_FORMATS.get(path.suffix.lower())
         if fmt is None:
             raise DataUnavailable(f"unknown data file type {path.suffix!r}; use one of {sorted(FILE_FORMATS)}")
-        ds = datasets.load_dataset(fmt, data_files={split: str(path)}, split=split)
+        ds = _load_file(datasets, fmt, path, split)
     else:
         try:
             ds = datasets.load_dataset(str(source), config, split=split)
@@ -121,6 +122,33 @@ def load_table(
     return [dict(row) for row in ds]
 
 
+def _load_file(datasets, fmt: str, path: Path, split: str):
+    """``path`` read by ``datasets`` as format ``fmt``. A CSV's cells stay text (pandas would turn
+    ``4`` into an int and ``NA``/``null`` into a missing value), an empty cell is a missing value.
+
+    Raises:
+        DataUnavailable: the file is empty or ``datasets`` cannot read it (the message names it).
+    """
+    if path.stat().st_size == 0:
+        raise DataUnavailable(f"{path}: the data file is empty")
+    options: dict[str, Any] = {}
+    if fmt == "csv":
+        with open(path, encoding="utf-8", newline="") as handle:
+            header = next(csv.reader(handle), [])
+        options = {
+            "features": datasets.Features({column: datasets.Value("string") for column in header}),
+            "keep_default_na": False,
+            "na_values": [""],
+        }
+    try:
+        return datasets.load_dataset(fmt, data_files={split: str(path)}, split=split, **options)
+    except Exception as e:  # datasets wraps the reader's error (DatasetGenerationError, StopIteration...)
+        cause = e.__cause__ or e
+        raise DataUnavailable(
+            f"{path}: could not read it as {fmt}: {type(cause).__name__}: {str(cause)[:300]}"
+        ) from e
+
+
 #: Message roles :func:`load_conversations` accepts.
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -131,7 +159,8 @@ def load_conversations(source: str | Mapping[str, str], split: str = "train") ->
     Row shapes:
 
     * ``{"prompt": str, "response": str}`` -> ``[user: prompt, assistant: response]``; a
-      ``prompt`` that is already a list of messages is kept as the messages before the response;
+      ``prompt`` that is already a list of messages (or its JSON string, a CSV cell) is kept as
+      the messages before the response;
     * ``{"messages": [{"role", "content"}, ...]}`` -> the messages (multi-turn); a JSON string
       (a CSV cell) is parsed.
 
@@ -149,7 +178,7 @@ def load_conversations(source: str | Mapping[str, str], split: str = "train") ->
     Raises:
         DataUnavailable: anything :func:`load_table` raises; a row (numbered from 0) that has
             neither shape, a malformed message list, a role outside :data:`CHAT_ROLES`, a
-            non-string content, or no assistant turn.
+            non-string content or response, no assistant turn, or an assistant turn first.
     """
     conversations = []
     for number, row in enumerate(load_table(source, split)):
@@ -163,14 +192,14 @@ def load_conversations(source: str | Mapping[str, str], split: str = "train") ->
                 except json.JSONDecodeError as e:
                     raise DataUnavailable(f"{where}: 'messages' is a string but not JSON ({e})") from None
         elif "prompt" in present and "response" in present:
-            prompt = present["prompt"]
-            if isinstance(prompt, str):
-                prompt = [{"role": "user", "content": prompt}]
-            if not isinstance(prompt, list):
+            prompt, response = present["prompt"], present["response"]
+            if not isinstance(prompt, (str, list)):
                 raise DataUnavailable(
                     f"{where}: 'prompt' must be a string or a list of messages, got {type(prompt).__name__}"
                 )
-            messages = [*prompt, {"role": "assistant", "content": present["response"]}]
+            if not isinstance(response, str):
+                raise DataUnavailable(f"{where}: 'response' must be a string, got {type(response).__name__}")
+            messages = [*_messages(prompt, "user", where), {"role": "assistant", "content": response}]
         else:
             raise DataUnavailable(
                 f"{where}: unknown row shape with keys {sorted(present)}; "
@@ -218,6 +247,8 @@ def _conversation(messages: Any, where: str) -> list[dict[str, Any]]:
         out.append(message)
     if not any(message["role"] == "assistant" for message in out):
         raise DataUnavailable(f"{where}: the conversation has no assistant turn")
+    if out[0]["role"] == "assistant":
+        raise DataUnavailable(f"{where}: the conversation starts with an assistant turn; it needs a prompt first")
     return out
 
 

@@ -95,6 +95,11 @@ def test_prompt_given_as_messages_is_kept(tmp_path):
         ),
         ({"messages": [SYSTEM, {"role": "user", "content": "hi"}]}, r"row 1 .*no assistant turn"),
         ({"messages": []}, r"row 1 .*non-empty list"),
+        (
+            {"messages": [{"role": "assistant", "content": "Hi."}, {"role": "user", "content": "2+2?"}]},
+            r"row 1 .*starts with an assistant turn",
+        ),
+        ({"prompt": "2+2?", "response": 4}, r"row 1 .*'response' must be a string, got int"),
         (  # OpenAI's function-calling shape: the call would be dropped, the model trained to stop at once
             {
                 "messages": [
@@ -118,6 +123,35 @@ def test_csv_cell_that_is_not_json_is_named(tmp_path):
     path = tmp_path / "rows.csv"
     path.write_text('messages\n"[{""role"": ""user""}, oops"\n', encoding="utf-8")
     with pytest.raises(DataUnavailable, match=r"row 0 .*not JSON"):
+        load_conversations(str(path))
+
+
+def test_csv_cells_stay_text(tmp_path):
+    # pandas would read 4 and 0.5 as numbers and NA / null as missing values; a messages cell and a
+    # prompt cell may hold JSON message lists; an empty cell is a missing key (rows of mixed shapes)
+    path = tmp_path / "rows.csv"
+    prompt = [SYSTEM, {"role": "user", "content": "Name a prime."}]
+    with open(path, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["prompt", "response", "messages"])
+        writer.writeheader()
+        writer.writerow({"prompt": "What is 2+2?", "response": "4"})
+        writer.writerow({"prompt": "1/2 as a decimal?", "response": "0.5"})
+        writer.writerow({"prompt": "Symbol of sodium, upper case?", "response": "NA"})
+        writer.writerow({"prompt": "SQL's missing value?", "response": "null"})
+        writer.writerow({"prompt": json.dumps(prompt), "response": "7"})
+        writer.writerow({"messages": json.dumps(EXPECTED[0])})
+    replies = [conversation[-1]["content"] for conversation in load_conversations(str(path))]
+    assert replies == ["4", "0.5", "NA", "null", "7", "Paris."]
+    assert load_conversations(str(path))[4] == [*prompt, {"role": "assistant", "content": "7"}]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"), [("", "the data file is empty"), ('{"prompt": "a",\n', "could not read it as json")]
+)
+def test_unreadable_files_are_named(tmp_path, text, message):
+    path = tmp_path / "rows.jsonl"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(DataUnavailable, match=f"rows.jsonl: {message}"):
         load_conversations(str(path))
 
 
