@@ -84,13 +84,15 @@ def extract_boxed(text: str) -> str | None:
     return None  # unbalanced
 
 
-def _verify(answer: str, reference: str, timeout: float | None) -> tuple[bool, str | None, str | None]:
+def _verify(prediction: str, reference: str, timeout: float | None) -> tuple[bool, str | None, str | None]:
+    """``prediction`` (a ``\\boxed{}`` answer, or free text math_verify's extraction searches)
+    against ``reference`` (parsed as a boxed answer): ``(correct, parsed prediction, error)``."""
     from math_verify import parse, verify
 
     kw = {} if timeout is None else {"parsing_timeout": max(1, int(timeout))}
     try:
         gold = parse("\\boxed{" + reference + "}", **({"parsing_timeout": None} if timeout is None else kw))
-        pred = parse("\\boxed{" + answer + "}", **({"parsing_timeout": None} if timeout is None else kw))
+        pred = parse(prediction, **({"parsing_timeout": None} if timeout is None else kw))
         if not pred:
             return False, None, "unparsable"
         ok = verify(gold, pred, timeout_seconds=None if timeout is None else max(1, int(timeout)))
@@ -166,7 +168,9 @@ def score_math(response: str, reference: str, *, require_boxed: bool = True, tim
         response: the model's full response text.
         reference: the reference answer (a number or LaTeX, without ``\\boxed``).
         require_boxed: without a ``\\boxed{}`` the response scores 0
-            (``format_ok=False``). With ``False`` the whole response is parsed.
+            (``format_ok=False``). With ``False`` math_verify's own extraction searches the
+            response's last :data:`MAX_ANSWER_CHARS` characters (LaTeX such as ``$-3$``, or the
+            last number or expression: ``The answer is 42``).
         timeout: seconds allowed for parsing and comparing.
 
     Returns:
@@ -177,13 +181,15 @@ def score_math(response: str, reference: str, *, require_boxed: bool = True, tim
     if answer is None:
         if require_boxed:
             return MathScore(0.0, False, False, None)
-        answer = response[-MAX_ANSWER_CHARS:]
-    if len(answer) > MAX_ANSWER_CHARS:
+        answer = prediction = response[-MAX_ANSWER_CHARS:]
+    elif len(answer) > MAX_ANSWER_CHARS:
         return MathScore(0.0, False, format_ok, answer[:80] + "...", None, "too_long")
-    if threading.current_thread() is threading.main_thread():
-        ok, parsed, err = _verify(answer, reference, timeout)
     else:
-        ok, parsed, err = _Pool.run(answer, reference, timeout)
+        prediction = "\\boxed{" + answer + "}"
+    if threading.current_thread() is threading.main_thread():
+        ok, parsed, err = _verify(prediction, reference, timeout)
+    else:
+        ok, parsed, err = _Pool.run(prediction, reference, timeout)
     if err and "imeout" in err:
         err = "timeout"
     return MathScore(float(ok), ok, format_ok, answer, parsed, err)

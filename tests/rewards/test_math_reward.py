@@ -1,6 +1,7 @@
 """math-verify equivalence cases, format rule, extraction, timeouts."""
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -41,6 +42,24 @@ def test_missing_box_scores_zero_unless_allowed():
     s = score_math("The answer is 42.", "42")
     assert s.reward == 0.0 and not s.format_ok and s.answer is None
     assert score_math("The answer is 42.", "42", require_boxed=False).reward == 1.0
+
+
+@pytest.mark.parametrize(
+    ("response", "reference", "correct"),
+    [
+        ("The answer is 42", "42", True),  # no final period: the words are not parsed as LaTeX products
+        ("Answer: $-3$", "-3", True),
+        ("So x = 1/2", "0.5", True),
+        ("The result is $\\frac{1}{2}$.", "0.5", True),
+        ("I think 4, no: 5", "4", False),  # the last answer counts
+        ("The answer is 41", "42", False),
+    ],
+)
+def test_unboxed_responses_are_read_by_math_verifys_extraction(response, reference, correct):
+    score = score_math(response, reference, require_boxed=False)
+    assert score.correct is correct and not score.format_ok
+    threaded = ThreadPoolExecutor(1).submit(score_math, response, reference, require_boxed=False).result()
+    assert threaded.correct is correct  # off the main thread a worker process scores it
 
 
 def test_extract_boxed_balances_braces():
