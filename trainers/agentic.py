@@ -31,16 +31,22 @@ of the 2 cores: it never searches in the tags the env reads).
 Resuming: a stage whose output is complete is skipped (collect and eval write to a temporary file
 renamed at the end; SFT and PPO write ``<out>/<stage>/DONE`` when they exit cleanly), and an
 interrupted SFT or PPO stage continues from its last checkpoint (``trainer.resume=true``). So the
-same command, run again after a crash, picks up where it stopped.
+same command, run again after a crash, picks up where it stopped. Only a finished stage (``DONE``)
+feeds the next: ``DONE`` records the model the stage started from (with that stage's run id), and a
+finished stage whose input has changed since (SFT trained again, another ``--base``) is refused
+with a message naming the folder to remove; an evaluation of another model than its file's
+(``eval/<label>.model``) is run again.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -185,17 +191,67 @@ def _checkpoint_hf(run_dir: Path) -> Path:
     return run_dir / (run_dir / "latest").read_text().strip() / "hf"
 
 
-def _trained(stage: str, config: str, run_dir: Path, extra: list[str], nproc: int, log: Path) -> Path:
-    """Run (or resume) a trainer stage; returns its final Hugging Face export."""
-    if not (run_dir / "DONE").exists():
-        args = [f"config={config}", f"trainer.output_dir={run_dir}", "trainer.resume=true", *extra]
-        _run(_torchrun(str(ROOT / f"{stage}.py"), args, nproc), log)
-        (run_dir / "DONE").write_text(time.strftime("%Y-%m-%d %H:%M:%S\n"))
+def _model_id(model: str) -> str:
+    """``model`` as the records name it: a stage's export (``<stage>/checkpoint-N/hf``) with the id
+    its ``DONE`` file got, since a stage trained again writes the same paths."""
+    done = Path(model).parent.parent / "DONE"
+    try:
+        run_id = json.loads(done.read_text()).get("id") if done.exists() else None
+    except (ValueError, AttributeError):
+        run_id = None
+    return f"{model} (run {run_id})" if run_id else model
+
+
+def _finished(run_dir: Path, source: str | None) -> Path | None:
+    """The final Hugging Face export of a finished trainer stage (its ``DONE`` file written), or
+    ``None`` if it has not finished: an interrupted stage's checkpoint is never another stage's input.
+
+    ``DONE`` records the model the stage started from; ``source`` (when known) must be that one.
+
+    Raises:
+        SystemExit: the stage finished from another model than ``source`` (an SFT stage run again
+            since, or another ``--base``): its results would not follow from the stages before.
+    """
+    done = run_dir / "DONE"
+    if not done.exists():
+        return None
+    try:
+        started = json.loads(done.read_text()).get("from")
+    except (ValueError, AttributeError):
+        started = None  # an older run's DONE: a time stamp only
+    if source is not None and started is not None and started != _model_id(source):
+        raise SystemExit(
+            f"{run_dir} was trained from {started}, but its input is now {source}: "
+            f"remove {run_dir} (or use another --out) to train it again"
+        )
+    return _checkpoint_hf(run_dir)
+
+
+def _trained(stage: str, config: str, run_dir: Path, source: str, extra: list[str], nproc: int, log: Path) -> Path:
+    """Run (or resume) a trainer stage from the model ``source``; returns its final Hugging Face
+    export. ``DONE`` (with ``source`` in it) is written once the trainer exits cleanly.
+
+    Raises:
+        SystemExit: the stage failed, or finished earlier from another model (:func:`_finished`).
+    """
+    finished = _finished(run_dir, source)
+    if finished is not None:
+        return finished
+    args = [f"config={config}", f"trainer.output_dir={run_dir}", "trainer.resume=true", f"actor.model={source}"]
+    _run(_torchrun(str(ROOT / f"{stage}.py"), [*args, *extra], nproc), log)
+    record = {"finished": time.strftime("%Y-%m-%d %H:%M:%S"), "id": uuid.uuid4().hex, "from": _model_id(source)}
+    (run_dir / "DONE").write_text(json.dumps(record) + "\n")
     return _checkpoint_hf(run_dir)
 
 
 def _evaluate(pipe: Pipeline, label: str, model: str, out: Path, extra: list[str]) -> Path:
+    """``eval/<label>.jsonl``: ``model``'s evaluation, run unless that file holds one of this very
+    model (``eval/<label>.model`` names it; a file of another model is evaluated again)."""
     path = out / "eval" / f"{label}.jsonl"
+    record, model_id = path.with_suffix(".model"), _model_id(model)
+    if path.exists() and record.exists() and record.read_text().strip() != model_id:
+        print(f"{path} evaluated {record.read_text().strip()}; evaluating {model_id}", flush=True)
+        path.unlink()
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".partial")
@@ -210,6 +266,7 @@ def _evaluate(pipe: Pipeline, label: str, model: str, out: Path, extra: list[str
             "progress=false",
         ]
         _run([sys.executable, "-m", "rl2gem.evaluate", *args], out / "eval" / f"{label}.log", _one_process_threads())
+        record.write_text(model_id + "\n")
         tmp.rename(path)
     return path
 
@@ -262,20 +319,23 @@ def main(argv: list[str] | None = None) -> int:
         collect = [f"env={pipe.env}", "policy=solver", "split=train", *pipe.collect, *toy.get("collect", [])]
         _run([sys.executable, "-m", "rl2gem.collect", *collect, f"output={tmp}", "progress=false"], out / "collect.log")
         tmp.rename(oracle)
-    common = [f"actor.model={args.base}", "trainer.progress=false"]
     models = {"base": args.base}
     if "sft" in stages:
-        extra = [*common, f"data.train={oracle}", *toy.get("sft", [])]
-        models["sft"] = str(_trained("sft", pipe.sft_config, sft_dir, extra, nproc, out / "sft.log"))
-    elif (sft_dir / "latest").exists():
-        models["sft"] = str(_checkpoint_hf(sft_dir))
+        extra = ["trainer.progress=false", f"data.train={oracle}", *toy.get("sft", [])]
+        models["sft"] = str(_trained("sft", pipe.sft_config, sft_dir, args.base, extra, nproc, out / "sft.log"))
+    elif (sft := _finished(sft_dir, None if args.sft_from else args.base)) is not None:
+        models["sft"] = str(sft)
     if "ppo" in stages:
         if "sft" not in models:
-            raise SystemExit(f"--stages ppo starts from the SFT model: {sft_dir} has none (run the sft stage first)")
-        extra = ["trainer.progress=false", f"actor.model={models['sft']}", *toy.get("ppo", [])]
-        models["sft+rl"] = str(_trained("ppo", pipe.ppo_config, out / "ppo", extra, nproc, out / "ppo.log"))
-    elif (out / "ppo" / "latest").exists():
-        models["sft+rl"] = str(_checkpoint_hf(out / "ppo"))
+            raise SystemExit(
+                f"--stages ppo starts from the SFT model: {sft_dir} has no finished one (run the sft stage first)"
+            )
+        extra = ["trainer.progress=false", *toy.get("ppo", [])]
+        models["sft+rl"] = str(
+            _trained("ppo", pipe.ppo_config, out / "ppo", models["sft"], extra, nproc, out / "ppo.log")
+        )
+    elif (ppo := _finished(out / "ppo", models.get("sft"))) is not None:
+        models["sft+rl"] = str(ppo)
     if "eval" in stages:
         for label, model in models.items():
             if label in evaluated:

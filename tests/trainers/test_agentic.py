@@ -89,6 +89,61 @@ def test_sft_from_trains_ppo_from_another_runs_sft_model_and_skips_its_stages(tm
     assert not (out / "oracle.jsonl").exists() and not (out / "sft").exists()
 
 
+def test_only_finished_stages_feed_the_next_and_a_changed_input_is_refused(tmp_path, monkeypatch):
+    """An SFT stage killed after its first checkpoint is not PPO's start; a PPO stage finished from
+    another SFT model (SFT trained again, another --base) is refused, not kept beside the new SFT;
+    an evaluation of another model is run again."""
+    import rl2gem.trainers.agentic as agentic
+
+    out, commands, crash = tmp_path / "run", [], {"sft": True}
+
+    def fake_run(cmd, log, threads=1):
+        commands.append(cmd)
+        if "rl2gem.evaluate" in cmd:
+            Path(next(a for a in cmd if a.startswith("output=")).split("=", 1)[1]).write_text("{}\n")
+            return
+        run_dir = Path(next(a for a in cmd if a.startswith("trainer.output_dir=")).split("=", 1)[1])
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "latest").write_text("checkpoint-1\n" if crash.get(run_dir.name) else "checkpoint-9\n")
+        if crash.get(run_dir.name):
+            raise SystemExit("stage failed (exit 1)")
+
+    monkeypatch.setattr(agentic, "_run", fake_run)
+    out.mkdir()
+    (out / "oracle.jsonl").write_text("{}\n")  # collected
+    with pytest.raises(SystemExit, match="stage failed"):
+        main(["guess", "--out", str(out), "--nproc", "1", "--stages", "sft"])
+    with pytest.raises(SystemExit, match="has no finished one"):
+        main(["guess", "--out", str(out), "--nproc", "1", "--stages", "ppo"])
+    crash["sft"] = False
+    assert (
+        main(["guess", "--out", str(out), "--nproc", "1", "--stages", "sft,ppo,eval", "--eval-models", "sft+rl"]) == 0
+    )
+    sft_model = str(out / "sft" / "checkpoint-9" / "hf")
+    ppo_command = next(c for c in commands if any(a.endswith("ppo.py") for a in c))
+    assert f"actor.model={sft_model}" in ppo_command
+    ppo_model = str(out / "ppo" / "checkpoint-9" / "hf")
+    assert (out / "eval" / "sft+rl.model").read_text().strip().startswith(f"{ppo_model} (run ")
+    # the SFT stage trained again from another base: the PPO stage built on the old one is refused
+    (out / "sft" / "DONE").unlink()
+    with pytest.raises(
+        SystemExit, match=r"ppo was trained from .*sft/checkpoint-9/hf \(run \w+\), but its input is now"
+    ):
+        main(["guess", "--out", str(out), "--nproc", "1", "--stages", "sft,ppo", "--base", "/models/other"])
+    assert "actor.model=/models/other" in commands[-1]  # SFT ran from the new base
+    with pytest.raises(SystemExit, match=r"sft was trained from /models/other, but its input is now smollm2"):
+        main(["guess", "--out", str(out), "--nproc", "1", "--stages", "eval"])
+    # an evaluation of another model is run again; one of this model is kept
+    (out / "eval" / "sft+rl.model").write_text("/models/older\n")
+    monkeypatch.setattr(agentic, "_finished", lambda run_dir, source: run_dir / "checkpoint-9" / "hf")
+    count = len(commands)
+    main(["guess", "--out", str(out), "--nproc", "1", "--stages", "eval", "--eval-models", "sft+rl"])
+    assert len(commands) == count + 1
+    assert (out / "eval" / "sft+rl.model").read_text().strip().startswith(f"{ppo_model} (run ")
+    main(["guess", "--out", str(out), "--nproc", "1", "--stages", "eval", "--eval-models", "sft+rl"])
+    assert len(commands) == count + 1
+
+
 def test_eval_models_chooses_which_models_the_eval_stage_evaluates(tmp_path, monkeypatch):
     import rl2gem.trainers.agentic as agentic
 
@@ -96,6 +151,7 @@ def test_eval_models_chooses_which_models_the_eval_stage_evaluates(tmp_path, mon
     for stage in ("sft", "ppo"):  # finished stages, as the trainers leave them
         (out / stage).mkdir(parents=True)
         (out / stage / "latest").write_text("checkpoint-2\n")
+        (out / stage / "DONE").write_text("2026-11-20 10:00:00\n")  # an older run's DONE: no source
     evaluated = []
 
     def fake_evaluate(pipe, label, model, out, extra):
@@ -127,6 +183,7 @@ def test_the_table_of_a_run_that_left_out_the_base_model(tmp_path, monkeypatch, 
     for stage in ("sft", "ppo"):
         tokenizer.save_pretrained(out / stage / "checkpoint-2" / "hf")  # the table reads the tokenizer only
         (out / stage / "latest").write_text("checkpoint-2\n")
+        (out / stage / "DONE").write_text("2026-11-20 10:00:00\n")
     right = {"sft": [1, 1, 0, 0], "sft+rl": [1, 1, 1, 0]}  # one item gained, none lost
 
     def fake_evaluate(pipe, label, model, out, extra):
