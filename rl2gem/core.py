@@ -738,7 +738,12 @@ class Wrapper(gym.Wrapper[str, str, str, str]):
         )
 
     async def aclose(self) -> None:
-        await self.env.aclose()  # type: ignore[attr-defined]
+        """Close the wrapped env: its ``aclose``, or its ``close`` in a thread when it has no async
+        twin (a Gymnasium wrapper below, such as ``gym.make(..., max_episode_steps=N)``'s TimeLimit)."""
+        if hasattr(self.env, "aclose"):
+            await self.env.aclose()  # type: ignore[attr-defined]
+        else:
+            await asyncio.to_thread(self.env.close)
 
     def spawn(self, n: int):
         """Spawn from the wrapped env; the copies are not wrapped."""

@@ -144,9 +144,7 @@ def _load_file(datasets, fmt: str, path: Path, split: str):
         return datasets.load_dataset(fmt, data_files={split: str(path)}, split=split, **options)
     except Exception as e:  # datasets wraps the reader's error (DatasetGenerationError, StopIteration...)
         cause = e.__cause__ or e
-        raise DataUnavailable(
-            f"{path}: could not read it as {fmt}: {type(cause).__name__}: {str(cause)[:300]}"
-        ) from e
+        raise DataUnavailable(f"{path}: could not read it as {fmt}: {type(cause).__name__}: {str(cause)[:300]}") from e
 
 
 #: Message roles :func:`load_conversations` accepts.

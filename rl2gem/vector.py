@@ -34,7 +34,11 @@ spends on the reset.
 An env whose step raises does not break the batch: its slot returns a
 truncated step (observation ``""``, reward 0) with ``info["error"]`` (the
 exception) and ``info["traceback"]``, and the env is reset (at its next step,
-or at once with SAME_STEP).
+or at once with SAME_STEP). An env whose reset raises there reports
+``info["reset_error"]`` (NEXT_STEP: on a step that is neither terminated nor
+truncated, the last episode's final observation and info kept) and is reset
+again at its next step. ``close()`` closes every env whatever one of them
+raises, then raises the first error.
 """
 
 from __future__ import annotations
@@ -58,6 +62,12 @@ __all__ = ["AsyncVectorEnv", "SyncVectorEnv", "VectorStep"]
 
 VectorStep = tuple[list[str], np.ndarray, np.ndarray, np.ndarray, list[dict[str, Any]]]
 _Slot = tuple[str, float, bool, bool, dict[str, Any]]
+
+
+def _raise_first(errors: list[Exception]) -> None:
+    """Raise the first of ``errors`` (the envs' close errors, all collected first), if any."""
+    if errors:
+        raise errors[0]
 
 
 class _TextVectorEnv(gym.vector.VectorEnv):
@@ -155,6 +165,14 @@ class _TextVectorEnv(gym.vector.VectorEnv):
         info["final_obs"], info["final_info"] = final[0], final[4]
         return obs, final[1], final[2], final[3], info
 
+    @staticmethod
+    def _autoreset_failed(e: BaseException) -> _Slot:
+        """NEXT_STEP: the reset of an ended episode raised. No episode was stepped, so nothing is
+        terminated or truncated and the last episode's final observation and info stay; the error
+        is ``info["reset_error"]`` as in SAME_STEP, and the next step tries the reset again."""
+        info = {"reset_error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(), "autoreset": True}
+        return "", 0.0, False, False, info
+
     def _reset_failed(self, slot: _Slot, e: BaseException) -> _Slot:
         slot[4]["reset_error"] = f"{type(e).__name__}: {e}"  # reset again at the next step
         return slot
@@ -189,9 +207,12 @@ class _TextVectorEnv(gym.vector.VectorEnv):
 
     def _sync_step_one(self, i: int, action: Any) -> _Slot:
         env = self.envs[i]
-        try:
-            if self._needs_reset[i]:
+        if self._needs_reset[i]:
+            try:
                 return self._autoreset_slot(i, *env.reset())
+            except Exception as e:
+                return self._autoreset_failed(e)
+        try:
             slot = self._record(i, self._as_slot(env.step(action)))
         except Exception as e:
             slot = self._record(i, self._error_slot(e))
@@ -207,9 +228,24 @@ class _TextVectorEnv(gym.vector.VectorEnv):
         self._after_reset(i)
         return obs, info
 
+    def close(self, **kwargs: Any) -> None:
+        """Close every env, each whatever the others raised; the vector env is closed afterwards
+        (a second call does nothing) and the first env's error is raised at the end."""
+        if self.closed:
+            return
+        try:
+            self.close_extras(**kwargs)
+        finally:
+            self.closed = True
+
     def close_extras(self, **kwargs: Any) -> None:
+        errors = []
         for env in self.envs:
-            env.close()
+            try:
+                env.close()
+            except Exception as e:
+                errors.append(e)
+        _raise_first(errors)
 
     def __len__(self) -> int:
         return self.num_envs
@@ -415,9 +451,12 @@ class AsyncVectorEnv(_TextVectorEnv):
         def native_step(i, action):
             async def run() -> _Slot:
                 env = self.envs[i]
-                try:
-                    if self._needs_reset[i]:
+                if self._needs_reset[i]:
+                    try:
                         return self._autoreset_slot(i, *await env.areset())
+                    except Exception as e:
+                        return self._autoreset_failed(e)
+                try:
                     slot = self._record(i, self._as_slot(await env.astep(action)))
                 except Exception as e:
                     slot = self._record(i, self._error_slot(e))
@@ -439,23 +478,32 @@ class AsyncVectorEnv(_TextVectorEnv):
         """Close every env from the running loop (async envs release their sessions there)."""
         if self.closed:
             return
-        await self._close_envs_async()
         self.closed = True
-        self._shutdown()
+        try:
+            await self._close_envs_async()
+        finally:
+            self._shutdown()
 
     def close_extras(self, **kwargs: Any) -> None:
-        if self._loop is not None:
-            self._loop.run(self._close_envs_async())
-        else:
-            super().close_extras(**kwargs)
-        self._shutdown()
+        try:
+            if self._loop is not None:
+                self._loop.run(self._close_envs_async())
+            else:
+                super().close_extras(**kwargs)
+        finally:
+            self._shutdown()
 
     async def _close_envs_async(self) -> None:
+        errors = []
         for env in self.envs:
-            if hasattr(env, "aclose"):
-                await env.aclose()
-            else:
-                env.close()
+            try:
+                if hasattr(env, "aclose"):
+                    await env.aclose()
+                else:
+                    env.close()
+            except Exception as e:
+                errors.append(e)
+        _raise_first(errors)
 
     def _shutdown(self) -> None:
         if self._executor is not None:

@@ -11,7 +11,7 @@ from rl2gem.core import ResetResult, StepResult, Wrapper
 __all__ = ["ChatHistory"]
 
 
-class ChatHistory(Wrapper):
+class ChatHistory(Wrapper, gym.utils.RecordConstructorArgs):
     """Keeps the whole conversation as a chat message list.
 
     Envs return only the new text of each turn; evaluation code that wants the
@@ -24,7 +24,8 @@ class ChatHistory(Wrapper):
     After each ``step(action)`` the list gains ``{"role": "assistant",
     "content": action}`` and, when the env replied, ``{"role": info["role"],
     "content": obs}``. ``info["messages"]`` holds a copy when
-    ``include_in_info=True``.
+    ``include_in_info=True``. ``gym.make(env.spec)`` builds the wrapped env again, this wrapper
+    included (its arguments are in the spec).
 
     Args:
         env: the env to wrap.
@@ -33,6 +34,7 @@ class ChatHistory(Wrapper):
     """
 
     def __init__(self, env: gym.Env, system_prompt: str | None = None, include_in_info: bool = True):
+        gym.utils.RecordConstructorArgs.__init__(self, system_prompt=system_prompt, include_in_info=include_in_info)
         super().__init__(env)
         self.system_prompt = system_prompt
         self.include_in_info = include_in_info

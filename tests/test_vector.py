@@ -253,3 +253,84 @@ def test_an_int_seed_gives_env_i_seed_plus_i_also_when_it_is_reset_alone():
     assert [info["seed"] for info in together] == [10, 11, 12] and alone[0]["seed"] == 12
     assert alone[0]["goal"] == together[2]["goal"]
     venv.close()
+
+
+class CloseRecordingEnv(CountEnv):
+    """Records its close in ``closed``; the one with ``fail=True`` raises there instead."""
+
+    closed: list[int] = []
+
+    def __init__(self, fail: bool = False):
+        super().__init__()
+        self.fail = fail
+
+    def _close(self):
+        if self.fail:
+            raise RuntimeError("close failed")
+        CloseRecordingEnv.closed.append(id(self))
+
+
+@pytest.mark.parametrize("cls", VECTORS)
+def test_close_closes_every_env_when_one_raises(cls):
+    CloseRecordingEnv.closed = []
+    venv = cls([lambda: CloseRecordingEnv(fail=True), CloseRecordingEnv, CloseRecordingEnv])
+    venv.reset(seed=0)
+    with pytest.raises(RuntimeError, match="close failed"):
+        venv.close()
+    assert len(CloseRecordingEnv.closed) == 2 and venv.closed
+    assert getattr(venv, "_loop", None) is None  # the async vector's loop thread ended too
+    venv.close()  # closed: nothing to do, nothing raised
+
+
+class FailingSecondResetEnv(CountEnv):
+    """A CountEnv whose second reset raises once (a service down for a moment)."""
+
+    def __init__(self):
+        super().__init__()
+        self.resets = 0
+
+    def _reset(self, options):
+        self.resets += 1
+        if self.resets == 2:
+            raise RuntimeError("reset failed")
+        return super()._reset(options)
+
+
+@pytest.mark.parametrize("cls", VECTORS)
+def test_a_failed_autoreset_keeps_the_final_episode_and_is_retried(cls):
+    venv = cls([FailingSecondResetEnv])
+    _, infos = venv.reset(seed=0)
+    for k in range(1, infos[0]["goal"] + 1):
+        venv.step([str(k)])
+    assert venv.final_observations[0] == "Done."
+    obs, reward, terminated, truncated, infos = venv.step(["ignored"])  # the autoreset raises
+    assert obs == [""] and reward.tolist() == [0.0] and not terminated[0] and not truncated[0]
+    assert infos[0]["reset_error"] == "RuntimeError: reset failed" and "error" not in infos[0]
+    assert venv.final_observations[0] == "Done." and venv.final_infos[0]["turn"] == venv.envs[0].goal
+    obs, _, _, _, infos = venv.step(["ignored"])  # tried again
+    assert infos[0]["autoreset"] is True and obs[0].startswith("Count to") and venv.envs[0].resets == 3
+    venv.close()
+
+
+def test_a_wrapper_over_a_gymnasium_time_limit_closes():
+    """rl2gem wrappers over ``gym.make(..., max_episode_steps=N)``'s TimeLimit, which has no
+    ``aclose``: closing the vector env raised AttributeError and left every env open."""
+    from rl2gem.wrappers import ChatHistory
+
+    CloseRecordingEnv.closed = []
+
+    def make():
+        return ChatHistory(gym.wrappers.TimeLimit(CloseRecordingEnv(), 3))
+
+    venv = AsyncVectorEnv([make, make])
+    venv.reset(seed=0)
+    venv.close()
+    assert len(CloseRecordingEnv.closed) == 2
+
+    async def main():
+        vector = AsyncVectorEnv([make, make])
+        await vector.areset(seed=0)
+        await vector.aclose()
+
+    asyncio.run(main())
+    assert len(CloseRecordingEnv.closed) == 4

@@ -43,3 +43,12 @@ def test_chat_history_async_and_tool_role():
 def test_chat_history_is_a_gymnasium_wrapper():
     env = ChatHistory(CountEnv())
     assert isinstance(env, gym.Wrapper) and env.unwrapped.__class__ is CountEnv
+
+
+def test_gym_make_of_a_chat_history_spec_builds_it_again():
+    env = ChatHistory(gym.make("rl2/GuessTheNumber-v0"), system_prompt="Be brief.", include_in_info=False)
+    again = gym.make(env.spec)
+    assert isinstance(again, ChatHistory) and again.system_prompt == "Be brief." and again.include_in_info is False
+    obs, info = again.reset(seed=0)
+    assert again.messages[0] == {"role": "system", "content": "Be brief."} and "messages" not in info
+    assert obs == env.reset(seed=0)[0]

@@ -352,6 +352,8 @@ class Rollout:
             if budget <= 0:
                 episode.truncated = True
                 episode.info = {**episode.info, "truncated_reason": "max_length"}
+                if not sequence.num_action_tokens:  # a prompt over the limit: nothing of it trains,
+                    sequence.truncate(config.max_length)  # so no forward goes past max_length for it
                 break
             max_new = min(config.max_new_tokens, budget)
             ids, logprobs, versions, finish = await self._generate(sequence.input_ids, max_new, episode)

@@ -103,6 +103,11 @@ class Sequence:
     def num_action_tokens(self) -> int:
         return sum(self.action_mask)
 
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` tokens (every list cut alike)."""
+        for name in ("input_ids", "action_mask", "logprobs", "versions", "rewards"):
+            del getattr(self, name)[length:]
+
     def add_reward(self, value: float) -> None:
         """Add ``value`` to the reward of the last action token (the last token if none), where every
         advantage estimator reads a turn's reward: a turn whose action is empty keeps its reward on

@@ -251,3 +251,20 @@ def test_add_reward_finds_the_last_action_token():
     seq.extend_context([5, 6])
     seq.add_reward(1.0)
     assert seq.rewards == [0.0, 0.5, 0.0, 1.0, 0.0, 0.0]
+
+
+def test_a_prompt_over_max_length_ends_the_episode_within_the_limit(tokenizer):
+    engine = ScriptedEngine([tokenizer.encode("hello", add_special_tokens=False)])
+
+    async def main():
+        config = RolloutConfig(responses_per_prompt=1, max_length=20, max_new_tokens=8)
+        rollout = Rollout(engine, tokenizer, "rl2/GuessTheNumber-Easy-v0", config)
+        batch = await rollout.collect(1)
+        await rollout.close()
+        return batch.episodes[0]
+
+    ep = asyncio.run(main())  # GuessTheNumber's prompt is about 100 tokens
+    assert ep.truncated and ep.info["truncated_reason"] == "max_length" and engine.calls == []
+    [seq] = ep.sequences
+    assert len(seq) == 20 and not any(seq.action_mask)  # never a sequence longer than the limit
+    assert all(len(getattr(seq, name)) == 20 for name in ("action_mask", "logprobs", "versions", "rewards"))
