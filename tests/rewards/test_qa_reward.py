@@ -39,3 +39,33 @@ def test_a_gold_answer_of_one_article_keeps_it():
     for answer in ("", "the", "?", "O", "an"):
         assert exact_match(answer, "A") == 0.0 and token_f1(answer, "A") == 0.0
     assert exact_match("the A", ["A"]) == 0.0 and token_f1("the A", "A") == pytest.approx(2 / 3)
+
+
+@pytest.mark.parametrize(
+    ("prediction", "gold"),
+    [
+        ("\u201cParis\u201d", "Paris"),  # curly quotes
+        ("Paris\u2019", "Paris"),
+        ("Zu\u0308rich", "Z\u00fcrich"),  # u + combining diaeresis against the precomposed letter
+        ("\uff30\uff21\uff32\uff29\uff33", "Paris"),  # full-width letters
+        ("Lyndon B. Johnson \u2014 the 36th", "Lyndon B Johnson 36th"),  # an em dash
+        ("\u00bfMadrid?", "Madrid"),
+    ],
+)
+def test_unicode_forms_and_punctuation_normalise_like_ascii(prediction, gold):
+    assert exact_match(prediction, gold) == 1.0 and token_f1(prediction, gold) == 1.0
+
+
+def test_ascii_punctuation_and_symbols_are_squads():
+    # SQuAD removes string.punctuation, symbols included ($, +); Unicode symbols stay (not P*)
+    assert normalize_answer("$5 + 3%") == "5 3"
+    assert normalize_answer("\u00a35") == "\u00a35" and normalize_answer("x\u00b2") == "x2"  # NFKC: ² is 2
+
+
+def test_numeric_gold_answers_are_compared_as_text():
+    assert exact_match("1984", 1984) == 1.0 and exact_match("It was 1984.", [1983, 1984]) == 0.0
+    assert token_f1("in 1984", 1984) == pytest.approx(2 / 3)
+    with pytest.raises(TypeError, match="a gold answer must be text or a number, got NoneType"):
+        exact_match("x", [None])
+    with pytest.raises(TypeError, match="got NoneType"):
+        token_f1("x", None)
