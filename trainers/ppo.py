@@ -273,10 +273,13 @@ class PPOTrainer(OnlineTrainer):
                 norms["actor/grad_norm"] = self.actor.step()
                 if self.critic is not None:
                     norms["critic/grad_norm"] = self.critic.step()
-        means = {(k if k.startswith("critic/") else f"actor/{k}"): v for k, v in stats.means().items()}
+        # a micro-batch's losses are its share of its minibatch's (weights normalised by the
+        # minibatch's totals, over every rank): their sum over a step is the step's loss
+        steps = float(len(minibatches) * int(actor.update_per_rollout))
+        means = stats.means(divisors={"pg_loss": steps, "critic/vf_loss": steps})
+        means = {(k if k.startswith("critic/") else f"actor/{k}"): v for k, v in means.items()}
         if self.check_in_update:  # auto's check, measured by this update's forwards (every rank alike)
             means.update(self.old_logprobs.decide(measured, self.rank))
-        steps = float(len(minibatches) * int(actor.update_per_rollout))
         return {**means, **norms, "actor/lr": self.actor.lr, "actor/optimizer_steps": steps}
 
     def micro_batch_loss(self, part, scale: float, score: dict, totals: dict) -> dict[str, torch.Tensor]:

@@ -266,7 +266,10 @@ def gae(rewards, action_mask, values, gamma: float = 1.0, lam: float = 1.0):
 
     ``values``: float32 ``[B, T]`` critic values. The TD step goes from one action token to the
     next action token of the same sequence (env tokens are skipped, so multi-turn episodes are one
-    MDP); after the last action token the next value is 0.
+    MDP); after the last action token the next value is 0. That is terminal for an episode cut
+    short too (``max_turns``, ``max_length``): there is no state after its last action to value,
+    so it is not bootstrapped; an env that should not be learned as ending there is one whose
+    budget the policy cannot reach.
 
     Returns:
         ``(advantages, returns)``, both ``[B, T]``; ``returns = advantages + values`` on action tokens.

@@ -105,14 +105,20 @@ class Averager:
             self.sums[key] = self.sums[key] + weight * value
             self.weights[key] = self.weights[key] + weight
 
-    def means(self, prefix: str = "") -> dict[str, float]:
+    def means(self, prefix: str = "", divisors: Mapping[str, float] | None = None) -> dict[str, float]:
+        """``prefix + key -> mean`` over every rank; a key in ``divisors`` gets its sum over every
+        rank divided by that number instead (a loss whose micro-batch values are shares of it)."""
+        divisors = divisors or {}
         names = sorted(self.sums)
         table = torch.tensor(
             [[float(self.sums[k]) for k in names], [float(self.weights[k]) for k in names]], dtype=torch.float64
         )
         if dist.is_initialized() and dist.get_world_size() > 1 and names:
             dist.all_reduce(table)
-        return {f"{prefix}{k}": (s / w if w > 0 else 0.0) for k, s, w in zip(names, *table.tolist(), strict=True)}
+        return {
+            f"{prefix}{k}": (s / divisors[k] if k in divisors else s / w if w > 0 else 0.0)
+            for k, s, w in zip(names, *table.tolist(), strict=True)
+        }
 
 
 def reduce_mean(metrics: dict[str, float], keys: Iterable[str] | None = None) -> dict[str, float]:

@@ -521,10 +521,12 @@ def test_tree_packing_steps_equal_flat_packing_on_fewer_tokens(tiny_dir, tmp_pat
         assert tree[step]["rollout/reward"] == flat[step]["rollout/reward"]
         # the gradients of the whole loss (PPO + KL + entropy; the critic's value loss) are the flat
         # ones, and so are the per-token metrics, means over the step's action tokens however the
-        # two packings cut the micro-batches (pg_loss and the value loss are means over micro-batches)
+        # two packings cut the micro-batches, and so are the losses (sums of the micro-batches' shares)
         for key in ("actor/grad_norm", "critic/grad_norm", "critic/values", "actor/kl", "actor/entropy"):
             assert tree[step][key] == pytest.approx(flat[step][key], rel=1e-5, abs=1e-9), (step, key)
         assert tree[step]["actor/clip_ratio"] == pytest.approx(flat[step]["actor/clip_ratio"], abs=1e-9)
+        for key in ("actor/pg_loss", "critic/vf_loss"):
+            assert tree[step][key] == pytest.approx(flat[step][key], rel=1e-4, abs=1e-7), (step, key)
     assert ppo.main(["actor.packing=tree", "actor.sp_size=2"]) == 2
     err = capsys.readouterr().err
     assert "actor.packing=tree" in err
