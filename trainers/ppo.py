@@ -258,7 +258,7 @@ class PPOTrainer(OnlineTrainer):
         ]
         pairs = zip(micro_batches, scores, strict=True)  # in minibatch order (plan_minibatches)
         minibatches = [list(group) for _, group in groupby(pairs, key=lambda pair: pair[0].minibatch)]
-        stats, norms, measured = Averager(), {}, torch.zeros(3, device=self.device)
+        stats, measured = Averager(), torch.zeros(3, device=self.device)
         for _ in range(int(actor.update_per_rollout)):
             for minibatch in minibatches:
                 for micro_batch, score in minibatch:
@@ -270,9 +270,10 @@ class PPOTrainer(OnlineTrainer):
                     tokens = micro_batch.scale * row.pop("tokens")
                     stats.add({k: v for k, v in row.items() if k in PER_TOKEN_METRICS}, tokens)
                     stats.add({k: v for k, v in row.items() if k not in PER_TOKEN_METRICS}, micro_batch.scale)
-                norms["actor/grad_norm"] = self.actor.step()
+                # the mean over the step's optimizer steps (each the same global norm on every rank)
+                stats.add({"grad_norm": self.actor.step()})
                 if self.critic is not None:
-                    norms["critic/grad_norm"] = self.critic.step()
+                    stats.add({"critic/grad_norm": self.critic.step()})
         # a micro-batch's losses are its share of its minibatch's (weights normalised by the
         # minibatch's totals, over every rank): their sum over a step is the step's loss
         steps = float(len(minibatches) * int(actor.update_per_rollout))
@@ -280,7 +281,7 @@ class PPOTrainer(OnlineTrainer):
         means = {(k if k.startswith("critic/") else f"actor/{k}"): v for k, v in means.items()}
         if self.check_in_update:  # auto's check, measured by this update's forwards (every rank alike)
             means.update(self.old_logprobs.decide(measured, self.rank))
-        return {**means, **norms, "actor/lr": self.actor.lr, "actor/optimizer_steps": steps}
+        return {**means, "actor/lr": self.actor.lr, "actor/optimizer_steps": steps}
 
     def micro_batch_loss(self, part, scale: float, score: dict, totals: dict) -> dict[str, torch.Tensor]:
         """Backward of ``pg_loss + kl.coef * kl_loss - entropy_coef * entropy`` (and the critic's value
