@@ -17,8 +17,10 @@ rollout starts a new segment from a shorter conversation, chosen by the policy:
   the episode's credit, like any action; the env never sees it) and the new segment starts from
   the task, the summary as the assistant's turn and :data:`CONTINUE_PROMPT`. The request and the
   summary may take the old segment past ``max_tokens`` (up to the rollout's ``max_length``): the
-  model has to read the reply that did not fit to summarise it. Without that room the policy
-  falls back to ``truncate``.
+  model has to read the reply that did not fit to summarise it. Without that room, or when the
+  new segment (task, summary, continue prompt) would leave no room for an action within
+  ``max_tokens``, the policy falls back to ``truncate`` (the summary stays a trained action of
+  the old segment).
 
 Every segment is a training sequence of the episode (:attr:`rl2gem.rollout.tito.Episode.sequences`):
 every estimator takes the episode's segments as one row (:func:`rl2gem.training.samples.episode_rows`:

@@ -31,7 +31,7 @@ import math
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from rl2gem.rollout.context import CONTINUE_PROMPT, SUMMARY_PROMPT, ContextConfig, truncated_messages
@@ -264,6 +264,9 @@ class Rollout:
             self._env_fn = env
         self._pool: list[Any] = []
         self._all_envs: list[Any] = []
+        # id(env) -> its reset or step running now, shielded: a cancelled episode's env finishes
+        # that call before the env is reset for another episode
+        self._env_calls: dict[int, asyncio.Future] = {}
         self._next_gid = 0
         self._inflight: dict[int, _Group] = {}
         self._ready: list[_Group] = []  # completed but not yet returned (partial rollouts)
@@ -286,13 +289,42 @@ class Rollout:
         self._all_envs.append(env)
         return env
 
+    async def _on_env(self, env, call: Awaitable):
+        """Await ``call`` (``env``'s reset or step), shielded from cancellation: a compute-only env
+        steps in a worker thread that a cancel does not stop, and an async env's step cancelled
+        half-way would leave its episode state half-written."""
+        task = asyncio.ensure_future(call)
+        self._env_calls[id(env)] = task
+        try:
+            return await asyncio.shield(task)
+        finally:
+            if task.done():
+                self._env_calls.pop(id(env), None)
+
+    def _release(self, env) -> None:
+        """Give ``env`` back to the pool, once the call a cancelled episode left running ends."""
+        running = self._env_calls.pop(id(env), None)
+        if running is None or running.done():
+            self._pool.append(env)
+            return
+
+        def finished(call: asyncio.Future) -> None:
+            if not call.cancelled():
+                call.exception()  # retrieved: nobody awaits it any more
+            self._pool.append(env)
+
+        running.add_done_callback(finished)
+        self._env_calls[id(env)] = running  # close() waits for it
+
     async def close(self) -> None:
-        """Cancel carried-over episodes and close every env."""
+        """Cancel carried-over episodes, let the env calls they left running end, close every env."""
         for g in list(self._inflight.values()):
             if g.task is not None:
                 g.task.cancel()
         await asyncio.gather(*(g.task for g in self._inflight.values() if g.task), return_exceptions=True)
         self._inflight.clear()
+        await asyncio.gather(*self._env_calls.values(), return_exceptions=True)
+        self._env_calls.clear()
         for env in self._all_envs:
             await env.aclose()
         self._all_envs.clear()
@@ -359,7 +391,7 @@ class Rollout:
             ids, logprobs, versions, finish = await self._generate(sequence.input_ids, max_new, episode)
             sequence.extend_action(ids, logprobs, versions)
             text = renderer.decode(ids)
-            observation, reward, terminated, truncated, info = await env.astep(text)
+            observation, reward, terminated, truncated, info = await self._on_env(env, env.astep(text))
             episode.turns += 1
             episode.turn_rewards.append(float(reward))
             episode.finish_reasons.append(finish)
@@ -423,6 +455,8 @@ class Rollout:
                 episode.summaries += 1
                 summary = {"role": "assistant", "content": renderer.decode(ids)}
                 kept = task + [summary, {"role": "user", "content": CONTINUE_PROMPT}]
+                if not context.fits(len(renderer.prompt_ids(kept, tools)), self.config.max_new_tokens):
+                    kept = None  # the task and summary leave no room for an action: truncate instead
         if kept is None:  # truncate, or no room left to ask for a summary
             budget = context.max_tokens - self.config.max_new_tokens
             kept = truncated_messages(history, len(task), lambda m: len(renderer.prompt_ids(m, tools)), budget)
@@ -438,17 +472,24 @@ class Rollout:
         n = self.config.responses_per_prompt
         seed = (self.config.seed * 1_000_003 + g.gid) % (2**31)
         g.episodes = [Episode(group=g.gid, sampling_seed=mix_seed(self.config.seed, g.gid, j)) for j in range(n)]
-        await asyncio.gather(*(self._play(seed, None, ep) for ep in g.episodes))
+        plays = [asyncio.ensure_future(self._play(seed, None, ep)) for ep in g.episodes]
+        try:
+            await asyncio.gather(*plays)
+        except BaseException:  # an episode failed, or the group was cancelled: none of it plays on
+            for play in plays:
+                play.cancel()
+            await asyncio.gather(*plays, return_exceptions=True)
+            raise
         return g
 
     async def _play(self, seed: int | None, options: dict | None, ep: Episode) -> Episode:
         env = self._env()
         try:
-            obs, info = await env.areset(seed=seed, options=options)
+            obs, info = await self._on_env(env, env.areset(seed=seed, options=options))
             ep.info = {"seed": info.get("seed"), **({"index": info["index"]} if "index" in info else {})}
             return await self._episode(env, obs, info, ep)
         finally:
-            self._pool.append(env)
+            self._release(env)
 
     async def play(
         self, resets: list[tuple[int | None, dict | None]], on_episode: Callable[[int, Episode], None] | None = None
@@ -544,7 +585,12 @@ class Rollout:
 
         Raises:
             ValueError: ``num_groups < 1``.
-            EngineError: the engine failed a request repeatedly.
+            EngineError: the engine failed a request repeatedly, or reported an older policy
+                version than it was at for a group started in this call (which would drop every
+                group as stale).
+            Exception: whatever an env raised in an episode. The failed group's other episodes
+                are cancelled first (their env calls end before the envs are reused), and the
+                groups this call had finished are returned by the next call.
         """
         if num_groups < 1:
             raise ValueError("num_groups must be >= 1")
@@ -570,7 +616,7 @@ class Rollout:
             await self.engine.resume()
             self._gate.set()
         kept: list[_Group] = []
-        launched = 0
+        launched, first_new = 0, self._next_gid  # groups from first_new on start in this call
         ready, self._ready = self._ready, []
         if c.dynamic_filter:
             budget = max(num_groups, int(c.max_groups_factor * num_groups))
@@ -607,6 +653,12 @@ class Rollout:
                         continue
                     mv = g.min_version()
                     if mv is not None and self.staleness(mv, version) > c.max_staleness:
+                        if g.gid >= first_new:  # sampled after this call began, at `version`
+                            raise EngineError(
+                                f"a group started now has tokens of policy version {mv} while the engine is at "
+                                f"version {version}: the engine reports versions it did not run (every group "
+                                f"would be dropped as more than max_staleness={c.max_staleness} versions stale)"
+                            )
                         m["dropped_stale"] += 1
                         continue
                     m["unfiltered_episodes"] += len(g.episodes)
@@ -620,6 +672,9 @@ class Rollout:
                     kept.append(g)
                     if bar is not None:
                         bar.update(1)
+        except Exception:  # a group failed (env or engine): the finished ones wait for the next call
+            self._ready = kept + ready + self._ready
+            raise
         finally:
             if bar is not None:
                 bar.close()

@@ -194,3 +194,15 @@ def test_the_trainer_recomputes_each_segments_logprobs(tokenizer):
         mask = torch.tensor(s.action_mask, dtype=torch.bool)
         assert torch.allclose(got[mask], want[mask], atol=1e-4), (got[mask] - want[mask]).abs().max()
         start += len(s)
+
+
+def test_summarize_falls_back_to_truncate_where_the_summary_leaves_no_room(tokenizer):
+    """A long summary: the task, the summary and the request to go on would leave no room for an
+    action within max_tokens, so the segment is the truncate policy's (the summary stays trained)."""
+    batch, inputs = play(tokenizer, ContextConfig(max_tokens=112, policy="summarize", summary_max_new_tokens=40))
+    _segments_are_what_the_engine_saw(batch, inputs)
+    assert batch.metrics["rollout/summaries"] >= 1
+    for episode in batch.episodes:
+        for sequence in episode.sequences[1:]:
+            prompt = sequence.input_ids[: sequence.action_mask.index(1)]
+            assert len(prompt) + 8 <= 112 and CONTINUE_PROMPT not in tokenizer.decode(prompt)

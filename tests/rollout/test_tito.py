@@ -1,6 +1,8 @@
 """Token-in/token-out episodes: prefix merging with real chat templates, splits where the template rewrites history."""
 
 import asyncio
+import threading
+import time
 
 import pytest
 
@@ -268,3 +270,129 @@ def test_a_prompt_over_max_length_ends_the_episode_within_the_limit(tokenizer):
     [seq] = ep.sequences
     assert len(seq) == 20 and not any(seq.action_mask)  # never a sequence longer than the limit
     assert all(len(getattr(seq, name)) == 20 for name in ("action_mask", "logprobs", "versions", "rewards"))
+
+
+class SlowStepEnv(Env):
+    """Three turns; each step takes 0.2 s in a worker thread. Records a reset or step that starts
+    while another call of the same env runs (the env is shared state: that corrupts an episode)."""
+
+    overlaps: list[str] = []
+
+    def __init__(self):
+        super().__init__(max_turns=None)
+        self.busy = threading.Lock()
+
+    def _reset(self, options):
+        if self.busy.locked():
+            SlowStepEnv.overlaps.append("reset during a step")
+        self.turn_count = 0
+        return "Say anything.", {}
+
+    def _step(self, action):
+        if not self.busy.acquire(blocking=False):
+            SlowStepEnv.overlaps.append("step during a step")
+        else:
+            time.sleep(0.2)
+            self.busy.release()
+        self.turn_count += 1
+        return "Again.", 1.0, self.turn_count >= 3, False, {}
+
+
+def test_a_cancelled_episodes_env_is_reused_only_after_its_step_ends(tokenizer):
+    """Partial rollouts drop a carried-over group that went stale while its env stepped in a thread:
+    the env went back to the pool at once and the next group reset it mid-step (episodes of 2 turns
+    where the env plays 3)."""
+    SlowStepEnv.overlaps = []
+    engine = ScriptedEngine([tokenizer.encode("hi", add_special_tokens=False)], finish="length")
+    config = RolloutConfig(
+        responses_per_prompt=2, max_new_tokens=4, partial_rollout=True, partial_oversample=1.0, max_staleness=0
+    )
+
+    async def main():
+        rollout = Rollout(engine, tokenizer, SlowStepEnv, config)
+        batches = []
+        for _ in range(3):
+            batches.append(await rollout.collect(1))
+            engine.weight_version += 1  # the carried-over group is stale at the next collect
+        await rollout.close()
+        return batches
+
+    batches = asyncio.run(main())
+    assert sum(batch.metrics["rollout/dropped_stale"] for batch in batches) >= 1
+    assert SlowStepEnv.overlaps == []
+    assert all(episode.turns == 3 for batch in batches for episode in batch.episodes)
+
+
+class ExplodingEnv(Env):
+    """Seed 0 ends after one turn; other seeds play 6 turns, and seed 1's second step raises once."""
+
+    fired = False
+    steps_after_close = 0
+    closed = False
+
+    def __init__(self):
+        super().__init__(max_turns=None)
+
+    def _reset(self, options):
+        self.turn_count, self.turns = 0, 1 if self._episode_seed == 0 else 6
+        return "Say anything.", {}
+
+    def _step(self, action):
+        ExplodingEnv.steps_after_close += ExplodingEnv.closed
+        if self._episode_seed == 1 and self.turn_count == 1 and not ExplodingEnv.fired:
+            ExplodingEnv.fired = True
+            raise RuntimeError("env exploded")
+        time.sleep(0.01)
+        self.turn_count += 1
+        return "Again.", 1.0, self.turn_count >= self.turns, False, {}
+
+
+def test_an_env_error_cancels_its_group_and_keeps_the_finished_ones(tokenizer):
+    ExplodingEnv.fired, ExplodingEnv.steps_after_close, ExplodingEnv.closed = False, 0, False
+    engine = ScriptedEngine([tokenizer.encode("hi", add_special_tokens=False)], finish="length")
+
+    async def main():
+        rollout = Rollout(engine, tokenizer, ExplodingEnv, RolloutConfig(responses_per_prompt=2, max_new_tokens=4))
+        with pytest.raises(RuntimeError, match="env exploded"):
+            await rollout.collect(2)
+        calls = len(engine.calls)
+        batch = await rollout.collect(1)  # group 0 finished in the failed call: returned now
+        assert len(engine.calls) == calls and batch.metrics["rollout/groups_started"] == 0
+        await rollout.close()
+        ExplodingEnv.closed = True
+        await asyncio.sleep(0.3)
+        return batch
+
+    batch = asyncio.run(main())
+    assert [e.group for e in batch.episodes] == [0, 0] and all(e.turns == 1 for e in batch.episodes)
+    assert ExplodingEnv.steps_after_close == 0  # the failed group's other episode was stopped
+
+
+def test_an_engine_reporting_an_old_version_is_an_error_not_an_endless_collect(tokenizer):
+    """Partial rollouts start groups until enough are fresh: an engine whose answers all carry
+    version 0 (a server that reports none) made every group stale and collect() never returned."""
+    from rl2gem.rollout.engines.base import EngineError
+    from rl2gem.rollout.engines.http import parse_generate_response
+
+    class OldVersionEngine(ScriptedEngine):
+        async def generate(self, input_ids, sampling_params=None, **kw):
+            out = await super().generate(input_ids, sampling_params, **kw)
+            return GenerateOutput(out.output_ids, out.output_logprobs, out.finish_reason, out.prompt_tokens, 0)
+
+    engine = OldVersionEngine([tokenizer.encode("hi", add_special_tokens=False)], finish="length")
+    engine.weight_version = 5
+    config = RolloutConfig(responses_per_prompt=2, max_new_tokens=4, partial_rollout=True, max_staleness=1)
+
+    async def main():
+        rollout = Rollout(engine, tokenizer, "rl2/GuessTheNumber-Easy-v0", config)
+        try:
+            with pytest.raises(EngineError, match="version 0 while the engine is at version 5"):
+                await asyncio.wait_for(rollout.collect(1), 30)
+        finally:
+            await rollout.close()
+
+    asyncio.run(main())
+    # HTTPEngine's answers without a version carry the version the request was sent at
+    answer = {"output_ids": [7], "meta_info": {"finish_reason": {"type": "length"}}}
+    assert parse_generate_response(answer, 3, weight_version=4).weight_version == 4
+    assert parse_generate_response({**answer, "meta_info": {"weight_version": "2"}}, 3, 4).weight_version == 2

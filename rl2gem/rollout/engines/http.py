@@ -31,8 +31,13 @@ from rl2gem.rollout.engines.base import Engine, EngineError, GenerateOutput, Sam
 __all__ = ["HTTPEngine", "parse_generate_response"]
 
 
-def parse_generate_response(body: Mapping[str, Any], prompt_tokens: int | None = None) -> GenerateOutput:
-    """A ``/generate`` answer (SGLang's format) as a :class:`GenerateOutput`.
+def parse_generate_response(
+    body: Mapping[str, Any], prompt_tokens: int | None = None, weight_version: int = 0
+) -> GenerateOutput:
+    """A ``/generate`` answer (SGLang's format) as a :class:`GenerateOutput`; ``weight_version`` is
+    the version of an answer whose ``meta_info`` has no integer ``weight_version`` (a server that
+    does not report one, or names versions: the sender's version, not 0, which would make every
+    token look stale once the engine's version passed ``max_staleness``).
 
     Raises:
         EngineError: the answer lacks ``output_ids`` / ``meta_info``.
@@ -50,11 +55,11 @@ def parse_generate_response(body: Mapping[str, Any], prompt_tokens: int | None =
     finish = meta.get("finish_reason") or {"type": "stop"}
     if isinstance(finish, str):
         finish = {"type": finish}
-    version = meta.get("weight_version", 0)
+    version = meta.get("weight_version", weight_version)
     try:
         version = int(version)
     except (TypeError, ValueError):
-        version = 0
+        version = weight_version
     return GenerateOutput(
         output_ids=ids,
         output_logprobs=logprobs,
@@ -157,6 +162,7 @@ class HTTPEngine(Engine):
         if self.lora_name is not None:
             payload["lora_path"] = self.lora_name
         self._attempt_rids[base] = base
+        version = self.weight_version  # update_weights pauses and aborts first: what this request runs
 
         def abort_timed_out():  # the timed-out copy may still run: stop it, re-send under a new id
             self._background(self._abort_quietly(payload["rid"]))  # a hung worker does not delay the retry
@@ -167,7 +173,7 @@ class HTTPEngine(Engine):
             body = await self._call("POST", self.url + "/generate", payload, on_timeout=abort_timed_out)
         finally:
             self._attempt_rids.pop(base, None)
-        return parse_generate_response(body, len(ids))
+        return parse_generate_response(body, len(ids), version)
 
     async def _abort_quietly(self, rid: str) -> None:
         with contextlib.suppress(EngineError, ValueError):
