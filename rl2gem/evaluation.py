@@ -59,6 +59,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from rl2gem.env_protocol import dataset_size
+from rl2gem.rollout.engines.http import served_context_length
 
 __all__ = [
     "paired_comparison",
@@ -311,7 +312,7 @@ def _evaluate_model(cfg, resets, emit) -> None:
     async def run() -> None:
         if cfg.server:
             engine = HTTPEngine(cfg.server)
-            context = _served_context_length(cfg.server)
+            context = served_context_length(cfg.server)
         else:
             engine = EmbeddedEngine(model, tokenizer, max_batch_size=cfg.batch_size, seed=cfg.seed)
             context = engine.context_length
@@ -359,18 +360,6 @@ def episode_max_length(requested: int | None, context_length: int | None) -> int
         return requested or 4096
     room = max(1, context_length - 1)
     return min(requested or room, room)
-
-
-def _served_context_length(url: str) -> int | None:
-    """The context length ``url``'s ``/get_server_info`` reports (ours and SGLang's), else None."""
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url.rstrip("/") + "/get_server_info", timeout=30) as answer:
-            value = json.loads(answer.read().decode()).get("context_length")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 def _served_tokenizer(cfg):

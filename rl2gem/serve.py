@@ -15,12 +15,12 @@ import asyncio
 import contextlib
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from rl2gem.models import DTYPES, load_model, resolve_device, resolve_model
 from rl2gem.procs import run_main, serve_app
 from rl2gem.rollout.engines.embedded import EmbeddedEngine
-from rl2gem.rollout.engines.http import HTTPEngine
+from rl2gem.rollout.engines.http import HTTPEngine, served_context_length
 from rl2gem.rollout.tito import load_chat_template
 from rl2gem.serving.server import READY_PREFIX, make_app
 
@@ -35,6 +35,11 @@ async def _serve(args) -> None:
     if args.upstream:
         tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
         engine = HTTPEngine(args.upstream)
+        # the OpenAI API refuses prompts past the context: the upstream's, not a default
+        engine.context_length = args.context_length or await asyncio.to_thread(served_context_length, args.upstream)
+        if not engine.context_length:
+            config = AutoConfig.from_pretrained(resolve_model(args.model))
+            engine.context_length = getattr(config, "max_position_embeddings", None)
         app = make_app(engine, tokenizer=tokenizer, served_model_name=name, chat_template=template, native=False)
     else:
         model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
@@ -72,6 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--served-model-name", default=None, help="model id of the OpenAI API (default: --model)")
     p.add_argument("--chat-template", default=None, help="built-in name, Jinja file or text (OpenAI API rendering)")
     p.add_argument("--upstream", default=None, help="serve the OpenAI API in front of this SGLang-API server/router")
+    p.add_argument(
+        "--context-length",
+        type=int,
+        default=0,
+        help="with --upstream: the model's context (default: the upstream's /get_server_info, else the model config)",
+    )
     p.add_argument("--exit-on-stdin-eof", action="store_true", help="stop when stdin closes (used by launchers)")
     args = p.parse_args(argv)
     try:

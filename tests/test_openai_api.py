@@ -229,7 +229,6 @@ def test_completions_follow_the_model_and_cut_at_stop_strings(client, tokenizer)
 
 def test_requests_it_cannot_serve_get_400_with_a_reason(client):
     cases = [
-        ({"model": "gpt-4o"}, "not served here"),
         ({"top_logprobs": 3, "logprobs": True}, "top_logprobs"),
         ({"tools": [PYTHON_TOOL], "tool_choice": "required"}, "tool_choice"),
         ({"tools": [PYTHON_TOOL]}, "--chat-template"),  # SmolLM2's own template has no tools
@@ -243,6 +242,63 @@ def test_requests_it_cannot_serve_get_400_with_a_reason(client):
             client.chat.completions.create(**kwargs)
     with pytest.raises(openai.BadRequestError, match="non-empty list"):
         client.chat.completions.create(model="tiny", messages=[], max_tokens=2)
+    with pytest.raises(openai.NotFoundError, match="model_not_found"):  # as OpenAI answers an unknown model
+        client.chat.completions.create(model="gpt-4o", messages=QUESTION, max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+    assert client.models.retrieve("tiny").id == "tiny"
+
+
+@pytest.mark.parametrize(
+    ("extra", "reason"),
+    [
+        ({"max_tokens": 1e400}, "max_tokens must be an integer, got inf"),  # valid JSON: it gave a 500
+        ({"seed": 1e400}, "seed must be an integer"),
+        ({"stream": "false"}, "stream must be true or false"),  # a string streamed
+        ({"logprobs": "yes"}, "logprobs must be true or false"),
+        ({"stream_options": {"include_usage": True}}, "only allowed with stream=true"),
+        ({"functions": [{"name": "f", "parameters": {}}]}, "functions="),
+        (
+            {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": "f"}]}]},
+            "a tool call's function must be an object",  # a 500 (AttributeError) before
+        ),
+    ],
+)
+def test_malformed_chat_requests_are_400s(server, extra, reason):
+    body = {"model": "tiny", "messages": QUESTION, "max_tokens": 2, **extra}
+    raw = json.dumps(body).replace("Infinity", "1e400").encode()  # json writes inf as Infinity
+    request = urllib.request.Request(server.url + "/v1/chat/completions", raw, {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as error:
+        urllib.request.urlopen(request, timeout=60)
+    answer = json.loads(error.value.read())
+    assert error.value.code == 400 and reason in answer["error"]["message"], answer
+
+
+def test_completion_prompts_of_token_ids_hold_integers(server):
+    status, answer = _post(server.url + "/v1/completions", {"model": "tiny", "prompt": [[1, 2.7]], "max_tokens": 2})
+    assert status == 400 and "integers only" in answer["error"]["message"]  # 2.7 was read as 2
+
+
+def test_max_completion_tokens_null_falls_back_to_max_tokens(client):
+    """The openai client sends null for an explicit None: max_tokens was ignored then (the reply ran
+    to the end of the context)."""
+    reply = client.chat.completions.create(
+        model="tiny", messages=QUESTION, max_tokens=3, max_completion_tokens=None, temperature=1.0, seed=1
+    )
+    assert reply.usage.completion_tokens <= 3
+
+
+def test_a_stream_the_engine_refuses_at_once_is_a_400(client):
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        list(client.completions.create(model="tiny", prompt=[[99999999]], max_tokens=2, stream=True))
+
+
+def test_streamed_text_offsets_count_from_the_start_of_the_text(client):
+    kwargs = {"model": "tiny", "prompt": "hi", "max_tokens": 8, "temperature": 1.0, "seed": 5, "logprobs": 0}
+    whole = client.completions.create(**kwargs).choices[0].logprobs.text_offset
+    chunks = client.completions.create(**kwargs, stream=True)
+    streamed = [o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert streamed == whole and len(whole) == 8
 
 
 def test_the_api_in_front_of_another_server_answers_the_same(server, client, tiny_dir):
@@ -256,6 +312,9 @@ def test_the_api_in_front_of_another_server_answers_the_same(server, client, tin
             model="tiny", messages=QUESTION, max_tokens=8, temperature=0, stream=True
         )
         assert "".join(c.choices[0].delta.content or "" for c in streamed) == direct.choices[0].message.content
+        # the front knows the upstream's context (2048, from /get_server_info), not a default 4096
+        with pytest.raises(openai.BadRequestError, match="this model's context is 2048 tokens"):
+            via.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=3000)
     finally:
         front.stop()
 
@@ -267,11 +326,12 @@ class ScriptedEngine(Engine):
 
     def __init__(self, tokenizer):
         self.tokenizer, self.prompts = tokenizer, []
+        self.reply: str | None = None  # a test's own reply, else the call then the answer
 
     async def generate(self, input_ids, sampling_params=None, *, return_logprob=True, logprob_start_len=-1, rid=None):
         prompt = self.tokenizer.decode(input_ids)
         self.prompts.append(prompt)
-        reply = ANSWER if "<tool_response>" in prompt else CALL
+        reply = self.reply or (ANSWER if "<tool_response>" in prompt else CALL)
         ids = self.tokenizer.encode(reply, add_special_tokens=False) + [
             self.tokenizer.convert_tokens_to_ids("<|im_end|>")
         ]
@@ -343,6 +403,58 @@ def test_a_tool_call_round_trip_with_the_openai_client(scripted):
     )
     text = "".join(c.choices[0].delta.content or "" for c in stream)
     assert "<tool_call" not in text and text.strip() == "Let me compute it."
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        '\n\nA <tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}}\n</tool_call> Bcdef',
+        'Sure.\n<tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}}\n</tool_call>\nDone now.  ',
+    ],
+)
+def test_a_streamed_tool_call_reply_has_the_whole_replys_content(scripted, reply):
+    """The prose around a call, streamed, is what the whole reply's content is (stripped at both
+    ends, the call removed): a reply opening with white space lost the character after the call."""
+    engine, url = scripted
+    client = openai.OpenAI(base_url=url + "/v1", api_key="EMPTY", max_retries=0)
+    engine.reply = reply
+    try:
+        whole = client.chat.completions.create(model="scripted", messages=QUESTION, tools=[PYTHON_TOOL])
+        stream = list(
+            client.chat.completions.create(model="scripted", messages=QUESTION, tools=[PYTHON_TOOL], stream=True)
+        )
+    finally:
+        engine.reply = None
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream)
+    before, after = reply.split("<tool_call>")[0], reply.split("</tool_call>")[1]
+    assert streamed == whole.choices[0].message.content == (before + after).strip()
+
+
+def test_log_prob_bytes_of_a_character_split_over_tokens_join_to_its_utf8(scripted):
+    engine, url = scripted
+    client = openai.OpenAI(base_url=url + "/v1", api_key="EMPTY", max_retries=0)
+    engine.reply = "\U0001f389"  # three byte-level tokens
+    try:
+        reply = client.chat.completions.create(model="scripted", messages=QUESTION, logprobs=True)
+    finally:
+        engine.reply = None
+    entries = reply.choices[0].logprobs.content[:-1]  # the end-of-turn token last
+    assert len(entries) == 3 and b"".join(bytes(e.bytes) for e in entries) == "\U0001f389".encode()
+
+
+def test_a_chat_template_that_refuses_the_conversation_gives_a_400(tokenizer):
+    strict = (
+        "{%- for m in messages -%}{%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant') }}{%- endif -%}"
+        "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{%- endfor -%}<|im_start|>assistant\n"
+    )
+    app = make_app(
+        ScriptedEngine(tokenizer), tokenizer=tokenizer, served_model_name="s", chat_template=strict, native=False
+    )
+    with serving(app) as url:
+        body = {"messages": [{"role": "assistant", "content": "Hi."}, {"role": "user", "content": "2+2?"}]}
+        status, answer = _post(url + "/v1/chat/completions", body)
+    assert status == 400 and "roles must alternate" in answer["error"]["message"]  # a 500 before
 
 
 def test_evaluate_plays_a_tool_env_through_the_openai_api(scripted, tmp_path):
@@ -594,13 +706,27 @@ def test_max_tokens_0_and_a_stream_options_that_is_no_object_are_400s(server):
         assert status == 400 and named in answer["error"]["message"]  # 0 ran to the context's end; "x" was a 500
 
 
-def test_a_completion_the_engine_aborts_is_an_error_not_a_stop(server):
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_completion_the_engine_aborts_is_an_error_not_a_stop(server, stream):
     """A pause in abort mode cuts a running chat completion short: the client gets a 503 with an
-    error body (it got 200 with finish_reason "stop": a truncated reply read as a finished one)."""
+    error body, or a stream's error event (it got finish_reason "stop": a truncated reply read as
+    a finished one)."""
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1900}
     body["temperature"] = 0.0  # the tiny model's greedy reply never ends on its own before 1900 tokens
     result = {}
-    thread = threading.Thread(target=lambda: result.update(answer=_post(server.url + "/v1/chat/completions", body)))
+
+    def request():
+        if not stream:
+            result["answer"] = _post(server.url + "/v1/chat/completions", body)
+            return
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="EMPTY", max_retries=0)
+        try:
+            chunks = list(client.chat.completions.create(**body, stream=True))
+            result["answer"] = ("finished", chunks[-1].choices[0].finish_reason)
+        except openai.APIError as error:
+            result["answer"] = ("error", str(error))
+
+    thread = threading.Thread(target=request)
     thread.start()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -612,7 +738,10 @@ def test_a_completion_the_engine_aborts_is_an_error_not_a_stop(server):
     thread.join(60)
     assert _post(server.url + "/continue_generation", {})[0] == 200
     status, answer = result["answer"]
-    assert status == 503 and answer["error"]["type"] == "server_error" and "aborted" in answer["error"]["message"]
+    if stream:
+        assert status == "error" and "the engine aborted the request" in answer
+    else:
+        assert status == 503 and answer["error"]["type"] == "server_error" and "aborted" in answer["error"]["message"]
 
 
 def test_the_tiny_model_s_greedy_chat_reply_runs_to_its_length(server):

@@ -41,18 +41,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import jinja2
 from aiohttp import web
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from rl2gem.aio import read_json_object
 from rl2gem.rollout.engines.base import Engine, EngineError, GenerateOutput, SamplingParams
 from rl2gem.rollout.tito import ChatRenderer
-from rl2gem.tools.base import hermes_tool_calls, openai_call_arguments, parse_tool_calls, remove_tool_calls
+from rl2gem.tools.base import (
+    hermes_tool_calls,
+    openai_call_arguments,
+    parse_tool_calls,
+    remove_tool_calls,
+    without_tool_call_blocks,
+)
 
 __all__ = [
     "IncrementalText",
@@ -72,11 +81,30 @@ UNSUPPORTED: dict[str, tuple] = {
     "response_format": (None, {"type": "text"}),
     "best_of": (None, 1),
     "suffix": (None, ""),
+    "functions": (None, []),  # the pre-tools form of function calling: send tools
+    "function_call": (None, "auto", "none"),
 }
 
 
 class OpenAIRequestError(ValueError):
     """A request the API cannot serve (answered with HTTP 400 and OpenAI's error body)."""
+
+
+class UnknownModel(OpenAIRequestError):
+    """A request for a model this server does not serve (answered with HTTP 404, as OpenAI does)."""
+
+    def __init__(self, model: Any, served: str):
+        super().__init__(f"model {model!r} is not served here; /v1/models lists {served!r}")
+        self.model = model
+
+
+def _unknown_model(model: Any, served: str):
+    return _error(
+        f"the model {model!r} does not exist here; /v1/models lists {served!r}"[:300],
+        404,
+        "invalid_request_error",
+        code="model_not_found",
+    )
 
 
 # --------------------------------------------------------------------------- conversions
@@ -221,7 +249,12 @@ def _number(body: dict, key: str, default, kind=float, low=None, high=None):
     value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)  # 1e400 is valid JSON: inf
+        or (kind is int and value != int(value))
+    ):
         raise OpenAIRequestError(f"{key} must be a{'n integer' if kind is int else ' number'}, got {value!r}")
     value = kind(value)
     if (low is not None and value < low) or (high is not None and value > high):
@@ -246,24 +279,31 @@ def add_openai_routes(routes, engine: Engine, tokenizer, **options: Any) -> Open
     :class:`OpenAIRoutes` that serves them (``options``: its keyword arguments)."""
     api = OpenAIRoutes(engine, tokenizer, **options)
     routes.get("/v1/models")(api.models)
+    routes.get("/v1/models/{model}")(api.model)
     routes.post("/v1/chat/completions")(api.chat_completions)
     routes.post("/v1/completions")(api.completions)
     return api
 
 
-def _error(message: str, status: int = 400, kind: str = "invalid_request_error"):
-    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": None}}, status=status)
+def _error(message: str, status: int = 400, kind: str = "invalid_request_error", code: str | None = None):
+    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": code}}, status=status)
 
 
-def _aborted(choices: list[_Choice]):
-    """A 503 error response when the engine aborted a choice (a pause in abort mode, a weight
-    update, an engine error): its text is cut short, which a finish reason of ``stop`` would hide
-    from the client; None when every choice finished."""
+def _abort_message(choices: list[_Choice]) -> str | None:
+    """Why the engine aborted a choice (a pause in abort mode, a weight update, an engine error):
+    its text is cut short, which a finish reason of ``stop`` would hide from the client; None when
+    every choice finished."""
     for choice in choices:
         if choice.output is not None and choice.output.aborted:
             message = choice.output.finish_reason.get("message") or "aborted"
-            return _error(f"the engine aborted the request ({message}); send it again", 503, "server_error")
+            return f"the engine aborted the request ({message}); send it again"
     return None
+
+
+def _aborted(choices: list[_Choice]):
+    """A 503 error response when the engine aborted a choice (:func:`_abort_message`), else None."""
+    message = _abort_message(choices)
+    return None if message is None else _error(message, 503, "server_error")
 
 
 def _usage(prompt: list[int], choices: list[_Choice]) -> dict[str, int]:
@@ -295,23 +335,37 @@ class OpenAIRoutes:
         self.renderer = ChatRenderer(tokenizer, chat_template)
         self.reads_tool_calls = "tool_calls" in str(chat_template or tokenizer.chat_template or "")
         self.limit = int(context_length or getattr(engine, "context_length", 0) or 4096)
+        # a byte-level BPE vocabulary's character -> byte (GPT-2's table), for log-prob entries' bytes
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        byte_level = type(decoder).__name__ == "ByteLevel"
+        self.byte_of = {character: byte for byte, character in bytes_to_unicode().items()} if byte_level else {}
 
     # ------------------------------------------------------------------ routes
+    def _model_entry(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rl2gem"}
+
     async def models(self, _request):
         """``GET /v1/models``."""
-        entry = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rl2gem"}
-        return web.json_response({"object": "list", "data": [entry]})
+        return web.json_response({"object": "list", "data": [self._model_entry()]})
+
+    async def model(self, request):
+        """``GET /v1/models/{model}``: the served model, or 404."""
+        if request.match_info["model"] != self.model_name:
+            return _unknown_model(request.match_info["model"], self.model_name)
+        return web.json_response(self._model_entry())
 
     async def chat_completions(self, request):
         """``POST /v1/chat/completions``."""
         try:
             body = await read_json_object(request)
-            self._check_common(body)
+            self._check_common(body, chat=True)
             tools = self._tools(body)
             messages = template_messages(body.get("messages"), template_reads_tool_calls=self.reads_tool_calls)
             prompt = self.renderer.prompt_ids(messages, tools=tools)
             params, stops = self._sampling(body, len(prompt), None)
-        except (OpenAIRequestError, ValueError, TypeError) as e:
+        except UnknownModel as e:
+            return _unknown_model(e.model, self.model_name)
+        except (OpenAIRequestError, ValueError, TypeError, jinja2.TemplateError) as e:  # a template's raise_exception
             return _error(str(e))
         reply = _ChatReply(self, body, tools, prompt)
         if body.get("stream"):
@@ -323,12 +377,14 @@ class OpenAIRoutes:
         """``POST /v1/completions``."""
         try:
             body = await read_json_object(request)
-            self._check_common(body)
+            self._check_common(body, chat=False)
             prompts = self._completion_prompts(body.get("prompt"))
             logprobs = _number(body, "logprobs", None, int, 0, 1)
             plans = [self._sampling(body, len(p), 16) for p in prompts]
             if body.get("stream") and len(prompts) > 1:
                 raise OpenAIRequestError("stream=true takes one prompt")
+        except UnknownModel as e:
+            return _unknown_model(e.model, self.model_name)
         except (OpenAIRequestError, ValueError, TypeError) as e:
             return _error(str(e))
         reply = _CompletionReply(self, body, logprobs is not None)
@@ -338,17 +394,20 @@ class OpenAIRoutes:
         return await reply.whole(prompts, plans)
 
     # ------------------------------------------------------------------ request checks
-    def _check_common(self, body: dict) -> None:
+    def _check_common(self, body: dict, chat: bool) -> None:
         for key, no_ops in UNSUPPORTED.items():
             if body.get(key) not in no_ops:
                 raise OpenAIRequestError(f"{key}={body[key]!r} is not supported (the engine would ignore it)"[:300])
+        for key in ("stream", "logprobs" if chat else "echo"):
+            if body.get(key) is not None and not isinstance(body[key], bool):
+                raise OpenAIRequestError(f"{key} must be true or false, got {body[key]!r}"[:200])
         options = body.get("stream_options")
         if options is not None and not isinstance(options, dict):
             raise OpenAIRequestError(f"stream_options must be an object, got {options!r}"[:200])
+        if options is not None and not body.get("stream"):
+            raise OpenAIRequestError("stream_options is only allowed with stream=true")
         if body.get("model") not in (None, self.model_name):
-            raise OpenAIRequestError(
-                f"model {body.get('model')!r} is not served here; /v1/models lists {self.model_name!r}"
-            )
+            raise UnknownModel(body.get("model"), self.model_name)
         if body.get("top_logprobs"):
             raise OpenAIRequestError("top_logprobs > 0 is not supported: the engine returns the sampled token's only")
         if body.get("echo"):
@@ -374,16 +433,21 @@ class OpenAIRoutes:
             prompts = prompt
         else:
             raise OpenAIRequestError("prompt must be a string, a list of token ids, or a non-empty list of those")
-        ids = [self.renderer.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+        for p in prompts:
+            if isinstance(p, list) and not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                raise OpenAIRequestError("a prompt given as token ids must hold integers only")
+        ids = [self.renderer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         if any(not p for p in ids):
             raise OpenAIRequestError("a prompt is empty")
         return ids
 
     def _sampling(self, body: dict, prompt_len: int, default_max: int | None) -> tuple[list[SamplingParams], list[str]]:
-        room = self.limit - prompt_len - 1
+        room = self.limit - prompt_len - 1  # below the context, as SGLang (an --upstream) requires
         if room < 1:
             raise OpenAIRequestError(f"the prompt has {prompt_len} tokens; this model's context is {self.limit}")
-        requested = body.get("max_completion_tokens", body.get("max_tokens"))
+        requested = body.get("max_completion_tokens")
+        if requested is None:  # absent, or null (the openai client's None): max_tokens, its older name
+            requested = body.get("max_tokens")
         # 0 is a value (refused below), not "not given"
         max_tokens = (room if default_max is None else default_max) if requested is None else requested
         max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", room, int, 1, None)
@@ -418,12 +482,20 @@ class OpenAIRoutes:
         return "length" if kind == "length" else "stop"
 
     def token_logprobs(self, ids: list[int], lps: list[float]) -> list[dict[str, Any]]:
-        """Chat-style log-prob entries of ``ids``."""
+        """Chat-style log-prob entries of ``ids``. ``bytes`` are the token's own bytes (a
+        byte-level BPE token can be part of a character, which its decoded text shows as U+FFFD;
+        the bytes of consecutive tokens join to the UTF-8 text)."""
         out = []
         for t, lp in zip(ids, lps, strict=True):
             piece = self.tokenizer.decode([t])
-            out.append({"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []})
+            out.append({"token": piece, "logprob": lp, "bytes": self._token_bytes(t, piece), "top_logprobs": []})
         return out
+
+    def _token_bytes(self, token_id: int, piece: str) -> list[int]:
+        token = self.tokenizer.convert_ids_to_tokens(token_id) if self.byte_of else None
+        if token and all(character in self.byte_of for character in token):
+            return [self.byte_of[character] for character in token]
+        return list(piece.encode())
 
     async def run_choices(
         self,
@@ -478,13 +550,17 @@ class OpenAIRoutes:
     async def _stream(self, request, prompt, params, stops, reply, markers):
         """Server-sent events: ``reply.chunk(choice, text, logprob_entries)`` for new text,
         ``reply.final(choice, reason, rest, entries)`` when a choice ends, ``reply.usage_chunk`` last
-        when the request asked for usage."""
+        when the request asked for usage. The headers go with the first event: a request the engine
+        refuses before any (a token id past the vocabulary) gets its 400 as a whole response. A
+        choice the engine aborted ends the stream with an error event, not a finish reason."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
         lock = asyncio.Lock()
+        tool_prose = "<tool_call>" in markers  # a chat reply whose content is its text without the calls
 
         async def send(obj: dict) -> None:
             async with lock:
+                if not response.prepared:
+                    await response.prepare(request)
                 await response.write(f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode())
 
         async def on_token(choice: _Choice) -> None:
@@ -497,12 +573,17 @@ class OpenAIRoutes:
                 end = choice.stopped_at
             else:
                 end = len(text) - _held_back(text, markers)
-            if "<tool_call>" in markers and (i := text.find("<tool_call>")) >= 0:  # a tool call: sent whole at the end
-                end = min(end, i)  # (also before a stop string: the call is no content)
-            if end > choice.sent_chars:
+            start = choice.sent_chars
+            if tool_prose:  # as remove_tool_calls: no call, and the content stripped at both ends
+                if (i := text.find("<tool_call>")) >= 0:  # a tool call: sent whole at the end
+                    end = min(end, i)  # (also before a stop string: the call is no content)
+                end = min(end, len(text[:end].rstrip()))  # trailing space waits: it may end the content
+                if not choice.started:
+                    start = max(start, len(text[:end]) - len(text[:end].lstrip()))
+            if end > start:
                 new_lps = self.token_logprobs(choice.ids[choice.sent_tokens :], choice.logprobs[choice.sent_tokens :])
                 choice.sent_tokens = len(choice.ids)
-                await send(reply.chunk(choice, text[choice.sent_chars : end], new_lps))
+                await send(reply.chunk(choice, text[start:end], new_lps, offset=start))
                 choice.sent_chars = end
 
         # a client that leaves mid-stream makes a write fail with ConnectionResetError: its choices are
@@ -512,8 +593,17 @@ class OpenAIRoutes:
                 choices = await self.run_choices(prompt, params, on_token=on_token)
             except ConnectionResetError:
                 raise
-            except Exception as e:  # headers are sent: the error goes into the stream
+            except Exception as e:
+                if not response.prepared:  # nothing sent yet: an error response as without streaming
+                    if isinstance(e, EngineError):
+                        return _error(str(e), 502, "server_error")
+                    if isinstance(e, ValueError):
+                        return _error(str(e))
                 await send({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}})
+                await response.write(b"data: [DONE]\n\n")
+                return response
+            if (aborted := _abort_message(choices)) is not None:
+                await send({"error": {"message": aborted, "type": "server_error", "param": None, "code": None}})
                 await response.write(b"data: [DONE]\n\n")
                 return response
             for c in choices:
@@ -570,7 +660,7 @@ class _ChatReply:
             }
         )
 
-    def chunk(self, choice, text, lps, reason=None, extra=None):
+    def chunk(self, choice, text, lps, reason=None, extra=None, offset=0):
         delta: dict[str, Any] = {} if choice.started else {"role": "assistant"}
         choice.started = True
         if text:
@@ -582,10 +672,11 @@ class _ChatReply:
 
     def final(self, choice, reason, rest, lps):
         extra: dict[str, Any] = {}
-        if self.tools:
-            content, calls = openai_tool_calls(choice.text)
-            if calls:  # the calls were held back: send them whole, with any prose not yet sent
-                rest = (content or "")[choice.sent_chars :]
+        if self.tools:  # the prose not yet sent, as remove_tool_calls leaves it (stripped at both ends)
+            _, calls = openai_tool_calls(choice.text)
+            rest = without_tool_call_blocks(rest).rstrip()
+            rest = rest if choice.started else rest.lstrip()
+            if calls:  # the calls were held back: send them whole, with that prose
                 extra["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
                 reason = "tool_calls"
         return self.chunk(choice, rest, lps, reason, extra)
@@ -607,11 +698,13 @@ class _CompletionReply:
             "model": api.model_name,
         }
 
-    def legacy_logprobs(self, ids: list[int], lps: list[float]) -> dict | None:
+    def legacy_logprobs(self, ids: list[int], lps: list[float], offset: int = 0) -> dict | None:
+        """The legacy ``logprobs`` object of ``ids``; ``text_offset`` counts from ``offset`` (the
+        characters a stream sent before these tokens)."""
         if not self.logprobs:
             return None
         pieces = [self.api.tokenizer.decode([t]) for t in ids]
-        offsets, at = [], 0
+        offsets, at = [], offset
         for piece in pieces:
             offsets.append(at)
             at += len(piece)
@@ -637,16 +730,16 @@ class _CompletionReply:
             return _error(str(e), 502, "server_error")
         return web.json_response({**self.head, "choices": out, "usage": total})
 
-    def chunk(self, choice, text, lps, reason=None):
+    def chunk(self, choice, text, lps, reason=None, offset=0):
         ids = choice.ids[choice.sent_tokens - len(lps) : choice.sent_tokens] if lps else []
         entry = {"index": choice.index, "text": text, "finish_reason": reason}
-        entry["logprobs"] = self.legacy_logprobs(ids, [x["logprob"] for x in lps])
+        entry["logprobs"] = self.legacy_logprobs(ids, [x["logprob"] for x in lps], offset)
         return {**self.head, "choices": [entry]}
 
     def final(self, choice, reason, rest, lps):
         ids = choice.ids[len(choice.ids) - len(lps) :] if lps else []
         entry = {"index": choice.index, "text": rest, "finish_reason": reason}
-        entry["logprobs"] = self.legacy_logprobs(ids, [x["logprob"] for x in lps])
+        entry["logprobs"] = self.legacy_logprobs(ids, [x["logprob"] for x in lps], choice.sent_chars)
         return {**self.head, "choices": [entry]}
 
     def usage_chunk(self, usage):

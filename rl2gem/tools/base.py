@@ -32,6 +32,7 @@ __all__ = [
     "ToolCall",
     "parse_tool_calls",
     "remove_tool_calls",
+    "without_tool_call_blocks",
     "tool_schema",
     "tools_prompt",
     "validate_arguments",
@@ -98,15 +99,18 @@ def openai_call_arguments(tool_calls: Any) -> list[tuple[str, Any]]:
     then tells the model so).
 
     Raises:
-        ValueError: not a list, or a call without a function name.
+        ValueError: not a list, a function that is not an object, or a call without a function
+            name (a string).
     """
     if not isinstance(tool_calls, list):
         raise ValueError("tool_calls must be a list")
     out = []
     for call in tool_calls:
         function = (call.get("function") if isinstance(call, dict) else None) or {}
+        if not isinstance(function, dict):
+            raise ValueError(f"a tool call's function must be an object, got {function!r}"[:300])
         name = function.get("name")
-        if not name:
+        if not name or not isinstance(name, str):
             raise ValueError(f"a tool call has no function name: {call!r}"[:300])
         arguments = function.get("arguments") or "{}"
         if isinstance(arguments, str):
@@ -218,7 +222,12 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
 def remove_tool_calls(text: str) -> str:
     """``text`` without its ``<tool_call>...</tool_call>`` blocks (a block cut off by the end of the
     text included), stripped: the prose of a reply whose calls :func:`parse_tool_calls` read."""
-    return _TAGGED.sub("", text).strip()
+    return without_tool_call_blocks(text).strip()
+
+
+def without_tool_call_blocks(text: str) -> str:
+    """``text`` without its ``<tool_call>...</tool_call>`` blocks, not stripped (a part of a reply)."""
+    return _TAGGED.sub("", text)
 
 
 def tool_schema(tool: Tool) -> dict[str, Any]:

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import tempfile
+import urllib.request
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,7 +30,18 @@ from typing import Any
 from rl2gem.aio import LoopSessions
 from rl2gem.rollout.engines.base import Engine, EngineError, GenerateOutput, SamplingParams
 
-__all__ = ["HTTPEngine", "parse_generate_response"]
+__all__ = ["HTTPEngine", "parse_generate_response", "served_context_length"]
+
+
+def served_context_length(url: str) -> int | None:
+    """The context length ``url``'s ``/get_server_info`` reports (ours and SGLang's), else None
+    (blocking; called before a run starts)."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/get_server_info", timeout=30) as answer:
+            value = json.loads(answer.read().decode()).get("context_length")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 def parse_generate_response(
@@ -99,6 +112,7 @@ class HTTPEngine(Engine):
         self.workers = [w.rstrip("/") for w in (workers or [self.url])]
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
         self.weight_version = 0
+        self.context_length: int | None = None  # the served model's, where known (python -m rl2gem.serve sets it)
         self.retried = 0
         self.lora_name: str | None = None  # the adapter every request names (update_lora_adapter)
         self._sessions = LoopSessions(timeout, limit=0)
