@@ -26,6 +26,7 @@ is logged.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import math
 import statistics
@@ -215,6 +216,11 @@ def reply_messages(obs: str, info: dict[str, Any]) -> list[dict[str, str]]:
 _reply_messages = reply_messages  # the former private name
 
 
+#: seconds a partial-rollout pause waits for the requests it cut to answer (the embedded engine's
+#: answer at once; a remote one's take a round trip), so their aborts count in that collect's metrics
+PAUSE_ANSWER_SECONDS = 5.0
+
+
 class Rollout:
     """Collects groups of multi-turn episodes from an engine and an env.
 
@@ -267,6 +273,9 @@ class Rollout:
         # id(env) -> its reset or step running now, shielded: a cancelled episode's env finishes
         # that call before the env is reset for another episode
         self._env_calls: dict[int, asyncio.Future] = {}
+        # generate requests awaiting the engine; set when none is (a pause's aborts are all counted)
+        self._requests_out = 0
+        self._requests_back = asyncio.Event()
         self._next_gid = 0
         self._inflight: dict[int, _Group] = {}
         self._ready: list[_Group] = []  # completed but not yet returned (partial rollouts)
@@ -352,7 +361,14 @@ class Rollout:
                 if not self._gate.is_set():
                     continue
                 self.stats["requests"] += 1
-                out = await self.engine.generate(ids + out_ids, params)
+                self._requests_out += 1
+                self._requests_back.clear()
+                try:
+                    out = await self.engine.generate(ids + out_ids, params)
+                finally:
+                    self._requests_out -= 1
+                    if not self._requests_out:
+                        self._requests_back.set()
             out_ids += out.output_ids
             out_logprobs += out.output_logprobs
             out_versions += [out.weight_version] * len(out.output_ids)
@@ -682,6 +698,9 @@ class Rollout:
             if c.partial_rollout:
                 self._gate.clear()
                 await self.engine.pause("abort")
+                if self._requests_out:  # the cut requests answer now: this call reports their aborts
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._requests_back.wait(), PAUSE_ANSWER_SECONDS)
             else:  # only with dynamic filtering: surplus groups are not needed
                 for g in self._inflight.values():
                     g.task.cancel()

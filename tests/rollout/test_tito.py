@@ -396,3 +396,38 @@ def test_an_engine_reporting_an_old_version_is_an_error_not_an_endless_collect(t
     answer = {"output_ids": [7], "meta_info": {"finish_reason": {"type": "length"}}}
     assert parse_generate_response(answer, 3, weight_version=4).weight_version == 4
     assert parse_generate_response({**answer, "meta_info": {"weight_version": "2"}}, 3, 4).weight_version == 2
+
+
+def test_the_requests_a_collects_pause_cuts_count_in_that_collect(tokenizer):
+    """rollout/aborted_requests: the requests cut by the pause that ends a partial-rollout collect
+    answer after it, and were counted in the next collect's metrics (or in none)."""
+
+    class PausedEngine(ScriptedEngine):
+        """The first request answers at once; the second waits for a pause, which aborts it."""
+
+        def __init__(self, scripts):
+            super().__init__(scripts, finish="length")
+            self.cut = asyncio.Event()
+
+        async def generate(self, input_ids, sampling_params=None, **kw):
+            out = await super().generate(input_ids, sampling_params, **kw)
+            if len(self.calls) == 2:
+                await self.cut.wait()
+                return GenerateOutput([], [], {"type": "abort", "message": "paused"}, len(input_ids), 0)
+            return out
+
+        async def pause(self, mode="abort"):
+            self.cut.set()
+
+    engine = PausedEngine([tokenizer.encode("hi", add_special_tokens=False)])
+    config = RolloutConfig(responses_per_prompt=1, max_new_tokens=4, partial_rollout=True, partial_oversample=1.0)
+
+    async def main():
+        rollout = Rollout(engine, tokenizer, RewardEveryTurnEnv, config)
+        first = await rollout.collect(1)
+        second = await rollout.collect(1)
+        await rollout.close()
+        return first, second
+
+    first, second = asyncio.run(main())
+    assert first.metrics["rollout/aborted_requests"] == 1.0 and second.metrics["rollout/aborted_requests"] == 0.0
