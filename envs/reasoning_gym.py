@@ -14,15 +14,28 @@ would reward any output. With ``reward="binary"`` (default) the reward is 1.0
 when the raw score is 1.0 and 0.0 otherwise; with ``reward="raw"`` it is the
 raw score. ``info["raw_score"]`` always holds the raw score. A response without
 the answer tags scores 0 (``info["format_ok"] = False``).
+
+The answer is scored in the Python sandbox (:func:`rl2gem.tools.run_python`, :data:`SCORING`):
+several reasoning-gym scorers evaluate the answer as Python (countdown and puzzle24 through
+sympy's ``parse_expr``, n_queens and spiral_matrix through ``eval``), so an answer such as
+``[__import__('os').system(...), 1+2].pop()`` ran in the trainer's process, and one that patched
+``numpy.isclose`` made every later answer score 1.0. Each scoring is a fresh child of a warm fork
+server (about 30 ms; the first in a process starts the server, about 2 s), with the sandbox's
+limits: a scorer past :data:`SCORING`'s ``timeout_s`` (``9**9**9**9``) scores 0.
 """
 
 from __future__ import annotations
 
+import base64
 import functools
+import json
+import pickle
 import re
+import secrets
 from typing import Any
 
 from rl2gem.core import Env, StepResult
+from rl2gem.tools import SandboxConfig, run_python
 
 __all__ = ["ReasoningGymEnv", "task_names"]
 
@@ -32,6 +45,28 @@ PLAIN_FORMAT = "Answer with just the final answer, nothing else."
 NUMBER_FORMAT = "Answer with just the number."
 ANSWER_MODES = ("tag", "plain", "last_number")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+#: Answers that script Python rather than state a result: a dunder, or a call of a builtin that
+#: runs code or reaches objects (no task's answer is either). The sandbox keeps such an answer off
+#: the host and away from other episodes; refusing it keeps it from rewriting its own scorer
+#: (``setattr(numpy, "isclose", ...)`` before the comparison).
+_SCRIPTED = re.compile(
+    r"__|\b(?:exec|eval|compile|open|getattr|setattr|delattr|globals|locals|vars|breakpoint|input)\s*\("
+)
+
+#: Where answers are scored: the sandbox, reasoning-gym imported once by its fork server.
+SCORING = SandboxConfig(timeout_s=10.0, memory_mb=2048, preload=("reasoning_gym",), max_output_chars=2000)
+
+# Run in the sandbox: the item (pickled by this process) and the answer (a literal) in, the score
+# out on a line that starts with this call's random tag (an answer that prints a score of its own,
+# then exits, prints no such line)
+_SCORE_CODE = """
+import base64, json, pickle, reasoning_gym
+task, seed, config, item = pickle.loads(base64.b64decode({blob!r}))
+dataset = reasoning_gym.create_dataset(task, size=1, seed=seed, **config)
+score = float(dataset.score_answer({answer!r}, item))
+print({tag!r}, json.dumps(score))
+"""
 
 
 def last_number(text: str) -> str | None:
@@ -114,7 +149,7 @@ class ReasoningGymEnv(Env):
     def dataset(self):
         return _dataset(self.task, self.split, self.size, self.config)
 
-    def _reset(self, options: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
+    async def _areset(self, options: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
         index = self.task_index(self.size, options)
         self.item = self.dataset[index]
         return f"{self.item['question']}\n\n{self.instructions}", {
@@ -123,7 +158,23 @@ class ReasoningGymEnv(Env):
             "split": self.split,
         }
 
-    def _step(self, action: str) -> StepResult:
+    async def _score(self, answer: str) -> tuple[float, str | None]:
+        """``(raw score, None)`` of ``answer`` by the task's scorer in the sandbox, or ``(0.0, why)``
+        when the scorer failed, ran out of time or printed no score."""
+        if _SCRIPTED.search(answer):
+            return 0.0, "the answer is Python code"
+        task = (self.task, SPLIT_SEEDS[self.split], dict(self.config), self.item)
+        blob, tag = base64.b64encode(pickle.dumps(task)).decode(), secrets.token_hex(16)
+        result = await run_python(_SCORE_CODE.format(blob=blob, answer=answer, tag=tag), SCORING)
+        if result.timed_out:
+            return 0.0, "timed out"
+        scores = [line.split(" ", 1)[1] for line in result.stdout.splitlines() if line.startswith(tag + " ")]
+        if result.exit_code == 0 and len(scores) == 1:
+            return float(json.loads(scores[0])), None
+        error = result.stderr.strip().splitlines()[-1:] or [f"no score (exit {result.exit_code})"]
+        return 0.0, error[0][:200]
+
+    async def _astep(self, action: str) -> StepResult:
         from reasoning_gym.utils import extract_answer
 
         assert self.item is not None
@@ -143,11 +194,9 @@ class ReasoningGymEnv(Env):
                 reference=self.item["answer"],
                 reward_components={"correctness": 0.0, "format": 0.0},
             )
-        try:
-            raw = float(self.dataset.score_answer(answer, self.item))
-        except Exception as e:
-            raw = 0.0
-            answer = f"{answer} (scorer error: {type(e).__name__})"
+        raw, error = await self._score(answer)
+        if error is not None:
+            answer = f"{answer} (scorer error: {error})"
         reward = raw if self.reward_mode == "raw" else float(raw >= 1.0)
         info = {
             "answer": answer,

@@ -1,3 +1,7 @@
+import dataclasses
+import re
+import time
+
 import gymnasium as gym
 import pytest
 from rl2gem.envs.reasoning_gym import ReasoningGymEnv
@@ -99,3 +103,49 @@ def test_answer_mode_errors_and_last_number_extraction():
     env.reset(seed=5)
     _, reward, terminated, _, info = env.step("I do not know")
     assert reward == 0.0 and terminated and info["format_ok"] is False
+
+
+def countdown_sum(env) -> str:
+    """A wrong answer that passes countdown's check that the item's numbers are used."""
+    return "+".join(map(str, env.unwrapped.item["metadata"]["numbers"]))
+
+
+def test_an_answer_that_runs_python_reaches_nothing_on_the_host(tmp_path, monkeypatch):
+    """Countdown's scorer evaluates the answer (sympy's parse_expr). With the refusal of scripted
+    answers switched off, the code runs, in the sandbox: the file it writes is not on the host,
+    and its forged score (printed, then exit) is not read."""
+    from rl2gem.envs import reasoning_gym as module
+
+    monkeypatch.setattr(module, "_SCRIPTED", re.compile(r"(?!)"))  # matches nothing
+    env = gym.make("rl2/Countdown-v0")
+    env.reset(seed=0)
+    marker = tmp_path / "written-by-the-answer"
+    payload = f"[__import__('os').system('touch {marker}'), {countdown_sum(env)}].pop()"
+    _, reward, _, _, info = env.step(f"<answer>{payload}</answer>")
+    assert not marker.exists() and reward == 0.0
+    env.reset(seed=1)
+    forged = f"[print(1.0), __import__('os')._exit(0), {countdown_sum(env)}].pop()"
+    _, reward, _, _, info = env.step(f"<answer>{forged}</answer>")
+    assert reward == 0.0 and info["raw_score"] == 0.0 and "scorer error" in info["answer"]
+
+
+def test_an_answer_that_rewrites_its_scorer_is_refused_and_nothing_persists():
+    env = gym.make("rl2/Countdown-v0")
+    env.reset(seed=1)
+    hack = f"[setattr(__import__('numpy'), 'isclose', eval('lambda *a, **k: True')), {countdown_sum(env)}].pop()"
+    _, reward, _, _, info = env.step(f"<answer>{hack}</answer>")
+    assert reward == 0.0 and "the answer is Python code" in info["answer"]
+    for seed in range(2, 5):  # it patched numpy in the trainer's process: every later sum scored 1.0
+        env.reset(seed=seed)
+        assert env.step(f"<answer>{countdown_sum(env)}</answer>")[1] == 0.0
+
+
+def test_a_scorer_past_its_time_limit_scores_zero(monkeypatch):
+    from rl2gem.envs import reasoning_gym as module
+
+    monkeypatch.setattr(module, "SCORING", dataclasses.replace(module.SCORING, timeout_s=2.0))
+    env = ReasoningGymEnv("countdown")
+    env.reset(seed=0)
+    start = time.monotonic()
+    _, reward, terminated, _, info = env.step("<answer>9**9**9**9</answer>")  # hung the step before
+    assert time.monotonic() - start < 30 and reward == 0.0 and terminated and "timed out" in info["answer"]
