@@ -14,7 +14,12 @@ unless given. With ``min_reward`` only episodes whose reward reaches it are kept
 
     {"messages": [...], "reward": 1.0, "env": "rl2/SearchQA-v0", "seed": 0, "index": 0, "policy": "solver"}
 
-(``"model": name`` is added when a model played).
+(``"model": name`` is added when a model played: ``model=``, or the ``server=`` URL, which plays
+without ``model=`` too). ``openai_base_url=`` is refused: it renders the env's tools with the API's
+template, which the rows could not carry. The file is opened at the first finished task, so a run
+refused before it leaves an existing ``output`` as it was. An episode that failed rather than
+ended (a served env whose server went away: an empty observation and ``info["error"]``) is
+counted on stderr, not written.
 
 With ``pairs=true`` (a model policy) each task is played ``responses_per_prompt`` times (default
 4) and each task whose episodes got different rewards yields one preference pair, RL2's RM / DPO
@@ -80,18 +85,21 @@ def _resolve(cfg: DictConfig) -> DictConfig:
             with ``model=``, ``tools_in_template=true`` (the rows would lack the tool schemas).
     """
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    served = cfg.server or cfg.openai_base_url  # a model plays there
     if cfg.policy is None:
-        cfg.policy = "model" if cfg.model else "solver"
+        cfg.policy = "model" if cfg.model or served else "solver"
     if cfg.policy not in POLICIES:
         raise SystemExit(f"unknown policy {cfg.policy!r}; use one of {', '.join(POLICIES)}")
-    if cfg.policy == "model" and not cfg.model:
-        raise SystemExit("policy=model needs model=... (e.g. model=smollm2-135m-instruct)")
-    if cfg.policy != "model" and cfg.model:
-        raise SystemExit(f"policy={cfg.policy} does not use model={cfg.model}; use policy=model or drop model=")
-    if cfg.tools_in_template:
+    if cfg.policy == "model" and not (cfg.model or served):
+        raise SystemExit("policy=model needs model=... (e.g. model=smollm2-135m-instruct), server= or openai_base_url=")
+    if cfg.policy != "model" and (cfg.model or served):
+        given = "model" if cfg.model else "server" if cfg.server else "openai_base_url"
+        raise SystemExit(f"policy={cfg.policy} does not use {given}={cfg[given]}; use policy=model or drop {given}=")
+    if cfg.tools_in_template or cfg.openai_base_url:
         raise SystemExit(
-            "tools_in_template=true is not supported by collect: the rows would not carry the tool schemas "
-            "the prompts were rendered with; leave the tools in the env's text"
+            ("openai_base_url= (tools go to the API's template)" if cfg.openai_base_url else "tools_in_template=true")
+            + " is not supported by collect: the rows would not carry the tool schemas the prompts were "
+            "rendered with; use model= or server=, which leave the tools in the env's text"
         )
     if cfg.temperature is None:
         cfg.temperature = MODEL_TEMPERATURE if cfg.policy == "model" else 0.0
@@ -119,7 +127,7 @@ def episode_row(record: EpisodeRecord, cfg: DictConfig) -> dict[str, Any]:
         "policy": cfg.policy,
     }
     if cfg.policy == "model":
-        row["model"] = cfg.model
+        row["model"] = cfg.model or cfg.server
     return row
 
 
@@ -156,30 +164,51 @@ def pair_rows(records: list[EpisodeRecord], cfg: DictConfig) -> list[dict[str, A
     return rows
 
 
-class _RowWriter:
-    """Writes rows as episodes end, in episode order: a task's rows as soon as it and every task
-    before it are done, flushed, so a crash keeps every row of the tasks completed before it."""
+def failed(record: EpisodeRecord) -> bool:
+    """Whether an episode ended on a failure rather than by the env's rules (a served env whose
+    server went away: an empty observation and ``info["error"]``): not a demonstration."""
+    return "error" in record.final_info or record.final_info.get("truncated_reason") == "remote_error"
 
-    def __init__(self, sink, cfg: DictConfig):
-        self.sink, self.cfg = sink, cfg
+
+class _RowWriter:
+    """Writes rows to ``output`` as episodes end, in episode order: a task's rows as soon as it and
+    every task before it are done, flushed, so a crash keeps every row of the tasks completed
+    before it. The file is opened (rewritten) at the first task done: a run refused before any
+    episode leaves an existing file as it was. Failed episodes (:func:`failed`) are counted, not
+    written."""
+
+    def __init__(self, output: Path, cfg: DictConfig):
+        self.output, self.cfg, self.sink = output, cfg, None
         self.group = int(cfg.responses_per_prompt) if cfg.pairs else 1
         self.pending: dict[int, EpisodeRecord] = {}
         self.next = 0  # the first episode not yet written
         self.rows: list[dict[str, Any]] = []
+        self.failed = 0
 
     def __call__(self, record: EpisodeRecord) -> None:
         self.pending[record.episode] = record
         while all(self.next + k in self.pending for k in range(self.group)):
             records = [self.pending.pop(self.next + k) for k in range(self.group)]
             self.next += self.group
+            self.failed += sum(map(failed, records))
+            records = [r for r in records if not failed(r)]
             if self.cfg.pairs:
-                rows = pair_rows(records, self.cfg)
+                rows = pair_rows(records, self.cfg) if len(records) > 1 else []
             else:
                 minimum = self.cfg.min_reward
                 rows = [episode_row(r, self.cfg) for r in records if minimum is None or r.reward >= minimum]
-            self.sink.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-            self.sink.flush()
-            self.rows += rows
+            self.write(rows)
+
+    def write(self, rows: list[dict[str, Any]]) -> None:
+        if self.sink is None:
+            self.sink = open(self.output, "w", encoding="utf-8")  # noqa: SIM115 (closed by close())
+        self.sink.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        self.sink.flush()
+        self.rows += rows
+
+    def close(self) -> None:
+        if self.sink is not None:
+            self.sink.close()
 
 
 def collect(cfg: DictConfig) -> tuple[int, list[dict[str, Any]]]:
@@ -202,9 +231,15 @@ def collect(cfg: DictConfig) -> tuple[int, list[dict[str, Any]]]:
         play.model = None
     output = Path(cfg.output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    with open(output, "w", encoding="utf-8") as sink:
-        writer = _RowWriter(sink, cfg)
+    writer = _RowWriter(output, cfg)
+    try:
         records = evaluate(play, on_record=writer)
+        writer.write([])  # a run that kept no row still rewrites the file
+    finally:
+        writer.close()
+    if writer.failed:
+        print(f"collect: {writer.failed} episodes failed (e.g. a served env's server went away); not written",
+              file=sys.stderr)  # fmt: skip
     return len(records), writer.rows
 
 

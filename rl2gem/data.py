@@ -107,6 +107,8 @@ def load_table(
         fmt = FILE_FORMATS.get(path.suffix.lower())
         if fmt is None:
             raise DataUnavailable(f"unknown data file type {path.suffix!r}; use one of {sorted(FILE_FORMATS)}")
+        if fmt == "json":  # JSON values as written: pandas (datasets' fallback for mixed types) turns "50" into 50
+            return _checked_columns(source, _json_rows(path), required)
         ds = _load_file(datasets, fmt, path, split)
     else:
         try:
@@ -116,15 +118,50 @@ def load_table(
                 f"could not load the Hugging Face dataset {source!r} (split {split!r}): {type(e).__name__}: {e}. "
                 "Without access to the hub, download it elsewhere and pass the file path instead."
             ) from e
-    missing = [c for c in required if c not in ds.column_names]
+    return _checked_columns(source, [dict(row) for row in ds], required)
+
+
+def _checked_columns(source, rows: list[dict[str, Any]], required: tuple[str, ...]) -> list[dict[str, Any]]:
+    columns = sorted({key for row in rows for key in row})
+    missing = [c for c in required if c not in columns]
     if missing:
-        raise DataUnavailable(f"{source}: missing column(s) {missing}; found {ds.column_names}")
-    return [dict(row) for row in ds]
+        raise DataUnavailable(f"{source}: missing column(s) {missing}; found {columns}")
+    return rows
+
+
+def _json_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a ``.json`` file (a list of objects) or a ``.jsonl`` file (an object a line, blank
+    lines skipped), each value as the JSON has it.
+
+    Raises:
+        DataUnavailable: an empty file, a line or file that is not JSON, or a row that is not an
+            object (the message names the file and the line).
+    """
+    text = path.read_text(encoding="utf-8")
+    if not text.strip():
+        raise DataUnavailable(f"{path}: the data file is empty")
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError:  # JSON Lines
+        rows = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DataUnavailable(f"{path}: could not read it as json: line {number}: {e}") from None
+    if isinstance(rows, dict):  # a .jsonl file of one row, or a .json file of one object
+        rows = [rows]
+    if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+        raise DataUnavailable(f"{path}: a JSON data file holds objects (one a line, or a list of them)")
+    return rows
 
 
 def _load_file(datasets, fmt: str, path: Path, split: str):
-    """``path`` read by ``datasets`` as format ``fmt``. A CSV's cells stay text (pandas would turn
-    ``4`` into an int and ``NA``/``null`` into a missing value), an empty cell is a missing value.
+    """``path`` read by ``datasets`` as format ``fmt`` (CSV, Parquet, Arrow). A CSV's cells stay
+    text (pandas would turn ``4`` into an int and ``NA``/``null`` into a missing value), an empty
+    cell is a missing value.
 
     Raises:
         DataUnavailable: the file is empty or ``datasets`` cannot read it (the message names it).

@@ -247,3 +247,42 @@ def test_a_crash_keeps_the_rows_of_the_episodes_before_it(tmp_path, monkeypatch)
         main([*common, f"output={path}", "progress=false"])
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
     assert rows == everything[:7]
+
+
+def test_a_refused_run_leaves_an_existing_output_as_it_was(tmp_path):
+    """The output was opened (emptied) before evaluate's own checks: an unknown env, a bad
+    max_length... wiped the file a previous run had written."""
+    output = tmp_path / "precious.jsonl"
+    output.write_text('{"kept": true}\n', encoding="utf-8")
+    for bad in ("env=rl2/NoSuchEnv-v0", "max_length=-3"):
+        with pytest.raises((SystemExit, Exception)):
+            main(["env=rl2/GuessTheNumber-v0", "policy=random", "n=2", bad, f"output={output}", "progress=false"])
+        assert output.read_text(encoding="utf-8") == '{"kept": true}\n', bad
+    assert collect(output, "env=rl2/GuessTheNumber-v0", "policy=random", "n=2") != [{"kept": True}]
+
+
+def test_failed_episodes_are_counted_not_written(tmp_path, capsys):
+    from rl2gem.collect import _RowWriter
+    from rl2gem.evaluation import EpisodeRecord
+
+    def record(episode, info):
+        messages = [{"role": "user", "content": "" if info else "Guess."}, {"role": "assistant", "content": "5"}]
+        return EpisodeRecord(episode, episode, episode, 0.0, 1, False, True, False, 0, None, 1, messages, info)
+
+    cfg = _resolve(parse_args(["env=rl2/GuessTheNumber-v0", "policy=random", f"output={tmp_path / 'o.jsonl'}"]))
+    writer = _RowWriter(tmp_path / "o.jsonl", cfg)
+    writer(record(0, {}))
+    writer(record(1, {"error": "ClientConnectorError: the env server went away"}))
+    writer(record(2, {"truncated_reason": "remote_error"}))
+    writer.close()
+    rows = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert [row["index"] for row in rows] == [0] and writer.failed == 2
+
+
+def test_a_served_model_plays_as_policy_model_and_the_openai_api_is_refused():
+    cfg = _resolve(parse_args(["env=rl2/GuessTheNumber-v0", "server=http://127.0.0.1:1"]))
+    assert cfg.policy == "model" and cfg.temperature == 1.0  # was "solver", sampling at 0
+    with pytest.raises(SystemExit, match="openai_base_url= .* is not supported by collect"):
+        _resolve(parse_args(["env=rl2/ToolUse-v0", "openai_base_url=http://127.0.0.1:1/v1", "openai_model=m"]))
+    with pytest.raises(SystemExit, match="policy=random does not use server="):
+        _resolve(parse_args(["env=rl2/GuessTheNumber-v0", "policy=random", "server=http://127.0.0.1:1"]))

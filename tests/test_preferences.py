@@ -71,3 +71,20 @@ def test_bad_rows_name_the_row_and_the_problem(tmp_path, row, message):
     with pytest.raises(DataUnavailable, match=message) as info:
         load_preferences(path)
     assert "row 1" in str(info.value)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_file_mixing_reply_strings_and_message_lists_keeps_every_value(tmp_path, suffix):
+    """collect pairs=true writes one-turn replies as strings and multi-turn ones as lists: datasets'
+    JSON reader fell back to pandas on the mix and read the reply "50" as the number 50."""
+    multi = [{"role": "assistant", "content": "<search>x</search>"}, {"role": "user", "content": "ok"}]
+    multi += [{"role": "assistant", "content": "49"}]
+    rows = [
+        {"prompt": "Guess.", "chosen": "50", "rejected": multi},
+        {"prompt": "Guess again.", "chosen": multi, "rejected": "50"},
+    ]
+    path = tmp_path / f"pairs{suffix}"
+    path.write_text(json.dumps(rows) if suffix == ".json" else "".join(json.dumps(r) + "\n" for r in rows))
+    first, second = load_preferences(str(path))
+    assert first.chosen == [{"role": "assistant", "content": "50"}] and first.rejected == multi
+    assert second.chosen == multi and second.rejected == [{"role": "assistant", "content": "50"}]
