@@ -521,7 +521,8 @@ class ToolUseEnv(Env):
     matches, else 0.0 (``info["valid"]``, ``info["error_type"]``).
 
     More than ``max_steps_per_turn`` calling steps in one user turn truncates
-    the episode (BFCL's force-quit at 20 steps; reward 0). Unknown functions
+    the episode (BFCL's force-quit at 20 steps; reward 0); an action refused before
+    it is read (empty, too long) counts as such a step. Unknown functions
     and unreadable calls are answered with an ``Error: ...`` result and are
     not executed.
 
@@ -638,6 +639,27 @@ class ToolUseEnv(Env):
                 raise ValueError(f"{k!r} is not an argument name")
         return f"{name}(" + ", ".join(f"{k}={v!r}" for k, v in args.items()) + ")"
 
+    def _step_limit(self, base_info: dict[str, Any]) -> StepResult | None:
+        """Count a step of this user turn; past ``max_steps_per_turn``, the truncating result."""
+        self._steps_in_turn += 1
+        if self._steps_in_turn <= self.max_steps_per_turn:
+            return None
+        return (
+            f"Step limit reached: at most {self.max_steps_per_turn} calling steps per request.",
+            0.0,
+            False,
+            True,
+            dict(base_info, role="tool", truncated_reason="max_steps_per_turn", valid=False, success=False),
+        )
+
+    def _rejected(self, reason: str) -> StepResult:
+        """An action refused before :meth:`_step` (empty, too long, not UTF-8) counts as a step of
+        the turn too: 500 whitespace actions played on without an end."""
+        item = self.item
+        assert item is not None
+        base_info = {"id": item["id"], "user_turn": self._user_turn, "num_user_turns": len(item["question"])}
+        return self._step_limit(base_info) or super()._rejected(reason)
+
     def _step(self, action: str) -> StepResult:
         item = self.item
         assert item is not None
@@ -645,15 +667,8 @@ class ToolUseEnv(Env):
         n_turns = len(item["question"])
         base_info = {"id": item["id"], "user_turn": self._user_turn, "num_user_turns": n_turns}
         if calls:
-            self._steps_in_turn += 1
-            if self._steps_in_turn > self.max_steps_per_turn:
-                return (
-                    f"Step limit reached: at most {self.max_steps_per_turn} calling steps per request.",
-                    0.0,
-                    False,
-                    True,
-                    dict(base_info, role="tool", truncated_reason="max_steps_per_turn", valid=False, success=False),
-                )
+            if (limit := self._step_limit(base_info)) is not None:
+                return limit
             results: list[str | None] = []
             runnable: list[str] = []
             for call in calls:

@@ -234,6 +234,17 @@ class MathEnv(Env):
         }
         return "", s.reward, True, False, info
 
+    def unscored_info(self) -> dict[str, Any]:
+        """The scores of an action refused before it was read (empty, too long): 0, no format."""
+        assert self.problem is not None
+        return {
+            "correct": False,
+            "format_ok": False,
+            "reference": self.problem["answer"],
+            "success": False,
+            "reward_components": {"correctness": 0.0, "format": 0.0},
+        }
+
     def sample_random_action(self, rng=None) -> str:
         """A guess in the right format: a random small integer in ``\\boxed{}``."""
         rng = rng if rng is not None else self.np_random

@@ -13,7 +13,8 @@ credit (0.01 for none, about 0.05 for a wrong one, task-dependent), which
 would reward any output. With ``reward="binary"`` (default) the reward is 1.0
 when the raw score is 1.0 and 0.0 otherwise; with ``reward="raw"`` it is the
 raw score. ``info["raw_score"]`` always holds the raw score. A response without
-the answer tags scores 0 (``info["format_ok"] = False``).
+the answer tags, or with nothing in them but spaces or punctuation, scores 0
+(``info["format_ok"] = False``).
 
 The answer is scored in the Python sandbox (:func:`rl2gem.tools.run_python`, :data:`SCORING`):
 several reasoning-gym scorers evaluate the answer as Python (countdown and puzzle24 through
@@ -32,6 +33,7 @@ import json
 import pickle
 import re
 import secrets
+import string
 from typing import Any
 
 from rl2gem.core import Env, StepResult
@@ -184,6 +186,8 @@ class ReasoningGymEnv(Env):
             answer, missing = last_number(action), "no number in the reply"
         else:
             answer, missing = action.strip(), ""
+        if answer is not None and not answer.strip(string.whitespace + string.punctuation):
+            answer = None  # <answer></answer>, <answer> . </answer>: no answer, and no format credit
         if answer is None:
             return self.invalid_action(
                 missing,
@@ -207,6 +211,18 @@ class ReasoningGymEnv(Env):
             "reward_components": {"correctness": float(raw >= 1.0), "format": 1.0},
         }
         return "", reward, True, False, info
+
+    def unscored_info(self) -> dict[str, Any]:
+        """The scores of an action refused before it was read (empty, too long): ``raw_score``
+        0 (always present, as the module doc says), no format."""
+        assert self.item is not None
+        return {
+            "raw_score": 0.0,
+            "format_ok": False,
+            "reference": self.item["answer"],
+            "success": False,
+            "reward_components": {"correctness": 0.0, "format": 0.0},
+        }
 
     def sample_random_action(self, rng=None) -> str:
         rng = rng if rng is not None else self.np_random

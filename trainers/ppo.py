@@ -281,7 +281,7 @@ class PPOTrainer(OnlineTrainer):
         means = {(k if k.startswith("critic/") else f"actor/{k}"): v for k, v in means.items()}
         if self.check_in_update:  # auto's check, measured by this update's forwards (every rank alike)
             means.update(self.old_logprobs.decide(measured, self.rank))
-        return {**means, "actor/lr": self.actor.lr, "actor/optimizer_steps": steps}
+        return {**means, "actor/lr": self.actor.stepped_lr, "actor/optimizer_steps": steps}
 
     def micro_batch_loss(self, part, scale: float, score: dict, totals: dict) -> dict[str, torch.Tensor]:
         """Backward of ``pg_loss + kl.coef * kl_loss - entropy_coef * entropy`` (and the critic's value

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 import select
+import string
 import subprocess
 import sys
 import threading
@@ -167,7 +168,8 @@ def score_math(response: str, reference: str, *, require_boxed: bool = True, tim
     Args:
         response: the model's full response text.
         reference: the reference answer (a number or LaTeX, without ``\\boxed``).
-        require_boxed: without a ``\\boxed{}`` the response scores 0
+        require_boxed: without a ``\\boxed{}`` holding something (not only spaces or
+            punctuation) the response scores 0
             (``format_ok=False``). With ``False`` math_verify's own extraction searches the
             response's last :data:`MAX_ANSWER_CHARS` characters (LaTeX such as ``$-3$``, or the
             last number or expression: ``The answer is 42``).
@@ -177,6 +179,8 @@ def score_math(response: str, reference: str, *, require_boxed: bool = True, tim
         A :class:`MathScore`; never raises for any response text.
     """
     answer = extract_boxed(response)
+    if answer is not None and not answer.strip(string.whitespace + string.punctuation):
+        answer = None  # an empty box (\boxed{}, \boxed{ . }) is no answer: no format credit either
     format_ok = answer is not None
     if answer is None:
         if require_boxed:

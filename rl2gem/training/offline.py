@@ -159,7 +159,7 @@ class OfflineTrainer(Trainer):
             {
                 "train/sequences": float(len(items)),
                 "actor/grad_norm": grad_norm,
-                "actor/lr": self.actor.lr,
+                "actor/lr": self.actor.stepped_lr,
                 "train/epoch": self.step / self.steps_per_epoch,
                 **throughput_metrics(flops, sum(len(item) for item in items), seconds, self.peak_flops),
             }

@@ -6,6 +6,7 @@ and DPO compare them; RL2 packs them the same way, so a pair costs up to ``2 * m
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Sequence
 
 from rl2gem.data import PreferencePair
@@ -58,8 +59,10 @@ def tokenize_pairs(renderer: ChatRenderer, pairs: Sequence[PreferencePair], max_
     (:meth:`~rl2gem.rollout.tito.ChatRenderer.conversation`) and cut to ``max_length`` tokens.
     Pairs where either side keeps no response token after the cut are dropped. Reference
     log-probs are taken from ``extra["ref_chosen_logps"]`` / ``extra["ref_rejected_logps"]``
-    when both are present."""
-    out, cut = [], 0
+    when both are present, except for a cut pair: the data's sum covers the whole response and
+    the policy's only the kept tokens, so that pair gets none (DPO then computes every pair's
+    with the reference model, one source for all)."""
+    out, cut, unmatched = [], 0, 0
     for pair in pairs:
         (chosen, chosen_cut), (rejected, rejected_cut) = (
             _response_sample(renderer, pair, side, max_length) for side in ("chosen", "rejected")
@@ -69,8 +72,16 @@ def tokenize_pairs(renderer: ChatRenderer, pairs: Sequence[PreferencePair], max_
             continue
         refs = (pair.extra.get("ref_chosen_logps"), pair.extra.get("ref_rejected_logps"))
         refs = tuple(float(r) for r in refs) if None not in refs else (None, None)
+        if (chosen_cut or rejected_cut) and None not in refs:
+            refs, unmatched = (None, None), unmatched + 1
         out.append(PairSample(chosen, rejected, *refs))
     warn_cut("pairs", len(pairs), cut, len(pairs) - len(out), max_length)
+    if unmatched:
+        warnings.warn(
+            f"data.max_length={max_length}: {unmatched} cut pairs carry reference log-probs of their whole "
+            "responses, which no longer match; the reference model computes every pair's instead",
+            stacklevel=2,
+        )
     return out
 
 

@@ -154,6 +154,7 @@ class Worker:
         self.optimizer = self.scheduler = None
         self.fused_optimizer = False  # the fused AdamW (:func:`fused_adamw`)
         self.optimizer_steps = 0  # in this process (a resumed run counts from 0)
+        self.stepped_lr = 0.0  # the learning rate of the last optimizer step (step())
         if trainable:
             trained = [p for p in self.model.parameters() if p.requires_grad]
             self.fused_optimizer = fused_adamw(trained)
@@ -173,6 +174,7 @@ class Worker:
 
     @property
     def lr(self) -> float:
+        """The learning rate of the next optimizer step (the scheduler's current one)."""
         return self.scheduler.get_last_lr()[0] if self.scheduler else 0.0
 
     def reshard(self) -> None:
@@ -190,6 +192,7 @@ class Worker:
         the gradients. Returns the gradient norm before clipping (over all ranks)."""
         self.reshard()  # a no-grad forward since the backward left a root unit unsharded
         norm = clip_grad_norm([p for g in self.optimizer.param_groups for p in g["params"]], self.max_grad_norm)
+        self.stepped_lr = self.lr  # what this step uses: the scheduler moves on below (the logged ``actor/lr``)
         self.optimizer.step()
         self.optimizer_steps += 1
         self.scheduler.step()

@@ -288,3 +288,15 @@ def test_step_limit_per_user_turn_truncates():
     env.step(tool_call("ls", {}))
     obs, r, term, trunc, info = env.step(tool_call("ls", {}))
     assert (r, term, trunc, info["truncated_reason"]) == (0.0, False, True, "max_steps_per_turn")
+
+
+def test_refused_actions_count_toward_the_step_limit():
+    """Whitespace actions are refused before the env reads them: they never counted, so an episode
+    of them never ended (500 steps, not truncated)."""
+    env = ToolUseEnv("base", max_steps_per_turn=3)
+    env.reset(options={"index": 0})
+    for _ in range(3):
+        _, _, _, trunc, info = env.step("   ")
+        assert not trunc and info["invalid_action"]
+    _, r, term, trunc, info = env.step("   ")
+    assert (r, term, trunc, info["truncated_reason"]) == (0.0, False, True, "max_steps_per_turn")

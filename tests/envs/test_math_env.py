@@ -142,3 +142,11 @@ def test_making_many_envs_loads_nothing_until_reset(monkeypatch):
     assert len(calls) == 64 and len(set(calls)) == 1  # one data set, served from memory after the first
     assert len(data._memo) >= 1
     venv.close()
+
+
+def test_a_refused_action_reports_no_answer_and_no_format():
+    env = gym.make("rl2/GSM8K-v0")
+    env.reset(seed=0)
+    _, reward, terminated, _, info = env.step("")
+    assert reward == 0.0 and terminated and info["format_ok"] is False and info["correct"] is False
+    assert info["reward_components"] == {"correctness": 0.0, "format": 0.0} and "reference" in info

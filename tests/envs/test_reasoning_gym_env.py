@@ -149,3 +149,20 @@ def test_a_scorer_past_its_time_limit_scores_zero(monkeypatch):
     start = time.monotonic()
     _, reward, terminated, _, info = env.step("<answer>9**9**9**9</answer>")  # hung the step before
     assert time.monotonic() - start < 30 and reward == 0.0 and terminated and "timed out" in info["answer"]
+
+
+@pytest.mark.parametrize("answer", ["<answer></answer>", "<answer> . </answer>"])
+def test_an_empty_answer_gets_no_format_credit(answer):
+    env = ReasoningGymEnv("countdown", reward="raw")
+    env.reset(seed=0)
+    _, reward, terminated, _, info = env.step(answer)  # format 1.0 and a raw 0.01 before
+    assert reward == 0.0 and terminated and info["format_ok"] is False
+    assert info["reward_components"] == {"correctness": 0.0, "format": 0.0}
+
+
+def test_a_refused_action_reports_the_scores_fields():
+    env = ReasoningGymEnv("countdown")
+    env.reset(seed=0)
+    _, reward, _, _, info = env.step("   ")
+    assert reward == 0.0 and info["raw_score"] == 0.0 and info["format_ok"] is False
+    assert info["reward_components"] == {"correctness": 0.0, "format": 0.0} and "reference" in info

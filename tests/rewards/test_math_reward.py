@@ -31,11 +31,17 @@ def test_equivalent_answers_score_one(response, reference):
 
 @pytest.mark.parametrize(
     "response, reference",
-    [("\\boxed{0.51}", "\\frac{1}{2}"), ("\\boxed{5}", "-5"), ("\\boxed{x+1}", "x"), ("\\boxed{}", "3")],
+    [("\\boxed{0.51}", "\\frac{1}{2}"), ("\\boxed{5}", "-5"), ("\\boxed{x+1}", "x")],
 )
 def test_wrong_answers_score_zero(response, reference):
     s = score_math(response, reference)
     assert s.reward == 0.0 and not s.correct and s.format_ok
+
+
+@pytest.mark.parametrize("response", ["\\boxed{}", "\\boxed{ }", "So \\boxed{.}"])
+def test_an_empty_box_is_no_answer_and_gets_no_format_credit(response):
+    s = score_math(response, "3")
+    assert s.reward == 0.0 and not s.format_ok and s.answer is None
 
 
 def test_missing_box_scores_zero_unless_allowed():

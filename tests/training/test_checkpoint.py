@@ -353,3 +353,15 @@ def test_a_restored_optimizer_keeps_its_own_implementation(group, tiny_dir, tmp_
     Checkpointer(tmp_path / "fused", {"actor": again}).load()
     assert all(g["fused"] is None for g in again.optimizer.param_groups)
     assert all(state["step"].device.type == "cpu" for state in again.optimizer.state.values())
+
+
+def test_stepped_lr_is_the_rate_the_optimizer_step_used(group, tiny_dir):
+    """actor/lr logged the scheduler's rate after its step: the next step's (warm-up of 2 steps to
+    1e-2: the steps use 5e-3, 1e-2, 1e-2; 1e-2 was logged for the first)."""
+    device, mesh = group
+    worker = Worker({"model": str(tiny_dir), "lr": 1e-2, "warmup_steps": 2}, mesh, device, total_steps=10)
+    used = []
+    for _ in range(3):
+        train_once(worker, device)
+        used.append(worker.stepped_lr)
+    assert used == pytest.approx([5e-3, 1e-2, 1e-2]) and worker.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2)

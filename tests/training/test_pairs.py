@@ -54,6 +54,11 @@ def test_a_pair_cut_to_no_response_is_dropped_and_data_references_are_kept(rende
     cut = PreferencePair(given.prompt, [{"role": "assistant", "content": "hello " * 40}], given.rejected)
     with pytest.warns(UserWarning, match=r"1 of 1 pairs cut to it \(their end not trained on\), 0 dropped"):
         assert len(tokenize_pairs(renderer, [cut], limit + 5)) == 1  # kept, its response's end cut
+    # a cut pair's data references sum the whole response, the policy's only the kept tokens: dropped
+    cut = PreferencePair(cut.prompt, cut.chosen, cut.rejected, dict(given.extra))
+    with pytest.warns(UserWarning, match="1 cut pairs carry reference log-probs of their whole responses"):
+        (item,) = tokenize_pairs(renderer, [cut], limit + 5)
+    assert item.ref_chosen_logps is None and item.ref_rejected_logps is None
 
 
 def test_pairs_are_planned_whole_and_packed_chosen_then_rejected(renderer):
