@@ -32,6 +32,7 @@ with the same contract works.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -78,9 +79,36 @@ def env_dataset(env_id: str, n: int, split: str | None = "train", seed: int = 0,
     return Dataset.from_list(rows)
 
 
-def _reset(env, rl2gem_seed: int, rl2gem_index: int):
+def _reset(env, rl2gem_seed: int, rl2gem_index: int, prompt: Any = None):
+    """Reset ``env`` to a row's task; with the row's ``prompt``, check that it is that task's
+    first observation.
+
+    Raises:
+        ValueError: the prompt is another task's: the data set was made with another split or
+            other env kwargs than this env (its rows' indexes and seeds name other tasks here).
+    """
     options = {"index": int(rl2gem_index)} if rl2gem_index is not None and int(rl2gem_index) >= 0 else None
-    return env.reset(seed=int(rl2gem_seed), options=options)
+    observation, info = env.reset(seed=int(rl2gem_seed), options=options)
+    if prompt is not None and observation not in _prompt_texts(prompt):
+        raise ValueError(
+            f"the row (rl2gem_seed={rl2gem_seed}, rl2gem_index={rl2gem_index}) resets {env.spec.id if env.spec else env} "
+            "to another task than its prompt: give env_reward / env_factory the split and env kwargs the data set "
+            "was made with (env_dataset's)"
+        )
+    return observation, info
+
+
+def _prompt_texts(prompt: Any) -> list[str]:
+    """The texts of a row's prompt: its messages' contents (conversational), or the text itself."""
+    if isinstance(prompt, str):
+        return [prompt]
+    texts = []
+    for message in prompt:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        texts.append(content or "")
+    return texts
 
 
 class EnvironmentTool:
@@ -99,9 +127,17 @@ class EnvironmentTool:
         self.total_reward, self.done, self.info = 0.0, False, {}
 
     def reset(self, rl2gem_seed: int = 0, rl2gem_index: int = -1, **row) -> None:
-        """Start the row's task (the prompt already holds its first observation: nothing is added)."""
-        _, self.info = _reset(self.env, rl2gem_seed, rl2gem_index)
+        """Start the row's task (the prompt already holds its first observation: nothing is added).
+
+        Raises:
+            ValueError: the row's prompt is not that task's (another split or env kwargs).
+        """
+        _, self.info = _reset(self.env, rl2gem_seed, rl2gem_index, row.get("prompt"))
         self.total_reward, self.done = 0.0, False
+
+    def close(self) -> None:
+        """Close the env (its sessions, sandboxes)."""
+        self.env.close()
 
     def act(self, action: str) -> str:
         """Take one turn in the environment: send your action, written in the format the task asks
@@ -138,16 +174,17 @@ def env_factory(env_id: str, split: str | None = "train", **env_kwargs) -> Calla
 
 
 def _final_text(completion: Any) -> str:
-    """The last assistant message of a completion (conversational: a list of messages; else text)."""
+    """The final message of a completion (conversational: a list of messages; else the text), ""
+    when the completion ends on a tool call or a tool's reply: TRL's tool loop stopped (its
+    iteration or length limit) before the model wrote a final answer, so nothing is played."""
     if isinstance(completion, str):
         return completion
-    for message in reversed(completion):
-        if message.get("role") == "assistant":
-            content = message.get("content") or ""
-            if isinstance(content, list):
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            return content
-    return ""
+    if not completion:
+        return ""
+    last = completion[-1]
+    if last.get("role") != "assistant" or last.get("tool_calls"):
+        return ""
+    return _prompt_texts([last])[0]
 
 
 def env_reward(env_id: str, split: str | None = "train", **env_kwargs) -> Callable[..., list[float]]:
@@ -159,29 +196,41 @@ def env_reward(env_id: str, split: str | None = "train", **env_kwargs) -> Callab
     an env is reset to each row's task and the completion is played as one action.
 
     Returns:
-        a function returning one float per completion, named ``rl2gem/<env>`` in TRL's logs.
+        a function returning one float per completion, named ``rl2gem/<env>`` in TRL's logs;
+        its ``close()`` closes the env it scores with. It is thread-safe (one episode at a time).
 
     Raises:
         KeyError: the data set lacks ``rl2gem_seed`` (make it with :func:`env_dataset`).
+        ValueError: a row's prompt is not the task its seed and index reset to here: the data
+            set was made with another split or env kwargs (checked against TRL's ``prompts``).
     """
     scorer: list[Any] = []  # one env, made on first use and reused
+    lock = threading.Lock()  # one episode at a time on it (a caller may score from several threads)
 
-    def reward(completions, rl2gem_seed=None, rl2gem_index=None, environments=None, **_) -> list[float]:
+    def reward(completions, prompts=None, rl2gem_seed=None, rl2gem_index=None, environments=None, **_) -> list[float]:
         texts = [_final_text(c) for c in completions]
         if environments is not None:
             return [float(e._finish(t)) for e, t in zip(environments, texts, strict=True)]
         if rl2gem_seed is None:
             raise KeyError("the data set has no rl2gem_seed column; build it with rl2gem.integrations.trl.env_dataset")
-        if not scorer:
-            scorer.append(rl2gem.make(env_id, **_kwargs(env_id, split, env_kwargs)))
-        env = scorer[0]
         indexes = rl2gem_index if rl2gem_index is not None else [-1] * len(texts)
+        rows = prompts if prompts is not None else [None] * len(texts)
         out = []
-        for text, task_seed, index in zip(texts, rl2gem_seed, indexes, strict=True):
-            _reset(env, task_seed, index)
-            _, value, *_ = env.step(text)
-            out.append(float(value))
+        with lock:
+            if not scorer:
+                scorer.append(rl2gem.make(env_id, **_kwargs(env_id, split, env_kwargs)))
+            for text, task_seed, index, prompt in zip(texts, rl2gem_seed, indexes, rows, strict=True):
+                _reset(scorer[0], task_seed, index, prompt)
+                _, value, *_ = scorer[0].step(text)
+                out.append(float(value))
         return out
 
+    def close() -> None:
+        """Close the scoring env (its sessions, sandboxes), if one was made."""
+        with lock:
+            while scorer:
+                scorer.pop().close()
+
     reward.__name__ = f"rl2gem/{env_id.split('/')[-1]}"
+    reward.close = close  # type: ignore[attr-defined]
     return reward

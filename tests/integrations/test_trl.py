@@ -56,6 +56,41 @@ def test_the_dataset_holds_each_tasks_first_observation_and_how_to_reset_to_it()
     assert indexed["rl2gem_index"] == [0, 1]
 
 
+def test_a_reward_of_another_split_than_the_data_set_is_refused_not_scored_against_other_tasks():
+    """The rows carry only seeds and indexes: a reward made with the default split scored a test
+    data set's correct answers against the train items of the same indexes (0.0, no warning)."""
+    data = env_dataset("rl2/SearchQA-v0", n=2, split="test")
+    env = rl2gem.make("rl2/SearchQA-v0", split="test")
+    answers = []
+    for row in data:
+        env.reset(options={"index": row["rl2gem_index"]})
+        answers.append([{"role": "assistant", "content": f"<answer>{env.unwrapped.item['answers'][0]}</answer>"}])
+    env.close()
+    kwargs = {"rl2gem_seed": data["rl2gem_seed"], "rl2gem_index": data["rl2gem_index"], "prompts": data["prompt"]}
+    same = env_reward("rl2/SearchQA-v0", split="test")
+    assert same(completions=answers, **kwargs) == [1.0, 1.0]
+    same.close()
+    with pytest.raises(ValueError, match="to another task than its prompt: give env_reward / env_factory the split"):
+        env_reward("rl2/SearchQA-v0")(completions=answers, **kwargs)  # split="train"
+    tool = EnvironmentTool("rl2/SearchQA-v0")
+    with pytest.raises(ValueError, match="another task than its prompt"):
+        tool.reset(**data[0])
+    tool.close()
+
+
+def test_a_completion_ending_on_a_tool_call_plays_no_final_move():
+    """TRL's tool loop can stop (its iteration or length limit) after a call: the prose of the
+    calling message was played as an extra move (an invalid one, counted)."""
+    tool = EnvironmentTool("rl2/GuessTheNumber-v0")
+    tool.reset(rl2gem_seed=0)
+    tool.act("\\boxed{50}")
+    call = {"role": "assistant", "content": "Let me start low.", "tool_calls": [{"function": {"name": "act"}}]}
+    for completion in ([call], [call, {"role": "tool", "content": "Lower."}]):
+        assert env_reward("rl2/GuessTheNumber-v0")(completions=[completion], environments=[tool]) == [0.0]
+    assert tool.info["turn"] == 1 and tool.info.get("num_invalid_actions", 0) == 0
+    tool.close()
+
+
 def test_the_reward_is_the_envs_own_verdict():
     data = env_dataset("rl2/ReasoningGym-v0", n=3, split="train", **ARITHMETIC)
     env = rl2gem.make("rl2/ReasoningGym-v0", split="train", **ARITHMETIC).unwrapped
