@@ -128,8 +128,13 @@ def _read_jsonl(path: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in fh if line.strip()]
 
 
-def _split_of(item_id: str) -> str:
-    return "test" if int(hashlib.md5(item_id.encode()).hexdigest(), 16) % 100 < TEST_PERCENT else "train"
+def _split_of(key: str) -> str:
+    """``train`` or ``test`` (:data:`TEST_PERCENT`) by a hash of ``key``: what makes two items the
+    same task (a single-turn item's request, a multi-turn item's number), not its id: BFCL repeats
+    requests across categories under other ids (``multiple_172`` is ``simple_python_311``), and
+    each multi-turn category holds variants of the same numbered conversations, which an id hash
+    put on both sides."""
+    return "test" if int(hashlib.md5(key.encode()).hexdigest(), 16) % 100 < TEST_PERCENT else "train"
 
 
 _TYPES = {
@@ -309,7 +314,7 @@ def load_single_turn(category: str) -> list[dict[str, Any]]:
             "messages": [m for turn in q["question"] for m in turn],
             "functions": q.get("function", []),
             "ground_truth": answers.get(q["id"]),
-            "split": _split_of(q["id"]),
+            "split": _split_of(json.dumps(q["question"], sort_keys=True)),
         }
         for q in questions
     ]
@@ -489,7 +494,8 @@ def load_multi_turn(category: str) -> list[dict[str, Any]]:
     items = []
     for q in _read_jsonl(_data_file(name)):
         functions = [d for cls in q["involved_classes"] for d in docs[cls]]
-        items.append(dict(q, ground_truth=answers[q["id"]], functions=functions, split=_split_of(q["id"])))
+        number = q["id"].rsplit("_", 1)[-1]  # multi_turn_base_12, multi_turn_long_context_12: one conversation
+        items.append(dict(q, ground_truth=answers[q["id"]], functions=functions, split=_split_of(number)))
     return items
 
 

@@ -7,12 +7,14 @@ import numpy as np
 import pytest
 from rl2gem.envs.bfcl import (
     ANY_CALL_CATEGORIES,
+    MULTI_TURN_CATEGORIES,
     NO_CALL_CATEGORIES,
     SINGLE_TURN_CATEGORIES,
     FunctionCallEnv,
     ToolUseEnv,
     _bfcl,
     gold_calls,
+    load_multi_turn,
     load_single_turn,
 )
 
@@ -300,3 +302,20 @@ def test_refused_actions_count_toward_the_step_limit():
         assert not trunc and info["invalid_action"]
     _, r, term, trunc, info = env.step("   ")
     assert (r, term, trunc, info["truncated_reason"]) == (0.0, False, True, "max_steps_per_turn")
+
+
+def test_no_request_or_conversation_is_on_both_sides_of_the_split():
+    """BFCL repeats requests across categories under other ids (multiple_172 is simple_python_311),
+    and the multi-turn categories hold variants of one numbered conversation: an id hash put 11
+    single-turn and 34 long-context test items beside their train twins."""
+    single = [item for category in SINGLE_TURN_CATEGORIES for item in load_single_turn(category)]
+    sides: dict[str, set[str]] = {}
+    for item in single:
+        sides.setdefault(json.dumps(item["messages"], sort_keys=True), set()).add(item["split"])
+    assert all(len(found) == 1 for found in sides.values())
+    by_number: dict[str, set[str]] = {}
+    for category in MULTI_TURN_CATEGORIES:
+        for item in load_multi_turn(category):
+            by_number.setdefault(item["id"].rsplit("_", 1)[-1], set()).add(item["split"])
+    assert all(len(found) == 1 for found in by_number.values())
+    assert 0.1 < sum("test" in found for found in by_number.values()) / len(by_number) < 0.3
