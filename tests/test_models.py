@@ -102,12 +102,17 @@ def test_a_conversion_without_weights_is_not_marked_complete(fake_conversion):
     assert (models_dir / NAME / ".complete").exists() and len(fake_conversion["calls"]) == 2
 
 
+def cached_folder(write) -> Path:
+    """The built-in model's cache folder, filled by ``write`` and marked complete."""
+    folder = cache_dir() / "models" / NAME
+    folder.mkdir(parents=True)
+    write(folder)
+    (folder / ".complete").write_text("ok")
+    return folder
+
+
 def test_a_cache_folder_marked_complete_but_broken_is_rebuilt(fake_conversion, caplog):
-    # the folder the issue found: tokenizer and .complete, no config.json, no weights
-    broken = cache_dir() / "models" / NAME
-    broken.mkdir(parents=True)
-    write_tokenizer(broken)
-    (broken / ".complete").write_text("ok")
+    broken = cached_folder(write_tokenizer)  # the folder the issue found: no config.json, no weights
     with caplog.at_level(logging.WARNING, logger="rl2gem.models"):
         model, tok = load_model("SmolLM2-135M-Instruct")
     assert model.config.num_hidden_layers == 3 and tok("hello world")["input_ids"] == [3, 4]
@@ -125,11 +130,7 @@ def test_a_cache_folder_marked_complete_but_broken_is_rebuilt(fake_conversion, c
 
 
 def test_a_cache_folder_an_older_conversion_wrote_is_rebuilt(fake_conversion, caplog):
-    # what rl2gem before conversion 2 left: every model file, no conversion record
-    old = cache_dir() / "models" / NAME
-    old.mkdir(parents=True)
-    write_tiny_model(old)
-    (old / ".complete").write_text("ok")
+    old = cached_folder(write_tiny_model)  # what rl2gem before conversion 2 left: no conversion record
     with caplog.at_level(logging.WARNING, logger="rl2gem.models"):
         assert resolve_model(NAME) == str(old)
     assert len(fake_conversion["calls"]) == 1
