@@ -14,8 +14,10 @@ steps them one after another with ``step``, for debugging. Both are
 the envs whose model turn has finished). Results cover the stepped envs, in
 the order of their indices: ``observations`` and ``infos`` are lists (one
 ``str`` / one ``dict`` per env: text infos are ragged, so they are not packed
-into Gymnasium's dict of arrays), ``rewards`` is a float32 array of shape
-``(k,)`` and ``terminations`` / ``truncations`` bool arrays of shape ``(k,)``.
+into Gymnasium's dict of arrays; so Gymnasium's own vector wrappers, which expect
+that dict, e.g. ``gymnasium.wrappers.vector.RecordEpisodeStatistics``, do not
+apply), ``rewards`` is a float32 array of shape ``(k,)`` and ``terminations`` /
+``truncations`` bool arrays of shape ``(k,)``.
 
 Autoreset follows Gymnasium 1.x ``NEXT_STEP`` semantics: the step that ends an
 episode returns its final observation and info untouched; the *next* step of
