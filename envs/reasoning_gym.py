@@ -27,8 +27,10 @@ limits: a scorer past :data:`SCORING`'s ``timeout_s`` (``9**9**9**9``) scores 0.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import functools
+import inspect
 import json
 import pickle
 import re
@@ -49,9 +51,10 @@ ANSWER_MODES = ("tag", "plain", "last_number")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 #: Answers that script Python rather than state a result: a dunder, or a call of a builtin that
-#: runs code or reaches objects (no task's answer is either). The sandbox keeps such an answer off
-#: the host and away from other episodes; refusing it keeps it from rewriting its own scorer
-#: (``setattr(numpy, "isclose", ...)`` before the comparison).
+#: runs code or reaches objects, refused for the tasks whose module evaluates Python
+#: (:func:`_evaluates_python`: countdown, puzzle24, n_queens...; no answer of theirs is either).
+#: The sandbox keeps such an answer off the host and away from other episodes; refusing it keeps it
+#: from rewriting its own scorer (``setattr(numpy, "isclose", ...)`` before the comparison).
 _SCRIPTED = re.compile(
     r"__|\b(?:exec|eval|compile|open|getattr|setattr|delattr|globals|locals|vars|breakpoint|input)\s*\("
 )
@@ -86,6 +89,16 @@ def task_names() -> list[str]:
     import reasoning_gym
 
     return sorted(reasoning_gym.factory.DATASETS)
+
+
+@functools.cache
+def _evaluates_python(task: str) -> bool:
+    """Whether the module of ``task``'s dataset calls ``eval`` or sympy's ``parse_expr`` (its
+    scorer may evaluate an answer as Python)."""
+    import reasoning_gym
+
+    source = inspect.getsource(inspect.getmodule(reasoning_gym.factory.DATASETS[task][0]))
+    return "parse_expr" in source or re.search(r"\beval\(", source) is not None
 
 
 @functools.lru_cache(maxsize=64)
@@ -153,7 +166,8 @@ class ReasoningGymEnv(Env):
 
     async def _areset(self, options: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
         index = self.task_index(self.size, options)
-        self.item = self.dataset[index]
+        # generating an item can take 0.1-0.5 s (zebra_puzzles, futoshiki): not on the event loop
+        self.item = await asyncio.to_thread(lambda: self.dataset[index])
         return f"{self.item['question']}\n\n{self.instructions}", {
             "index": index,
             "task": self.task,
@@ -163,7 +177,7 @@ class ReasoningGymEnv(Env):
     async def _score(self, answer: str) -> tuple[float, str | None]:
         """``(raw score, None)`` of ``answer`` by the task's scorer in the sandbox, or ``(0.0, why)``
         when the scorer failed, ran out of time or printed no score."""
-        if _SCRIPTED.search(answer):
+        if _SCRIPTED.search(answer) and _evaluates_python(self.task):
             return 0.0, "the answer is Python code"
         task = (self.task, SPLIT_SEEDS[self.split], dict(self.config), self.item)
         blob, tag = base64.b64encode(pickle.dumps(task)).decode(), secrets.token_hex(16)

@@ -137,14 +137,14 @@ def _json_rows(path: Path) -> list[dict[str, Any]]:
         DataUnavailable: an empty file, a line or file that is not JSON, or a row that is not an
             object (the message names the file and the line).
     """
-    text = path.read_text(encoding="utf-8")
+    text = path.read_text(encoding="utf-8-sig")  # a byte-order mark is not part of the JSON
     if not text.strip():
         raise DataUnavailable(f"{path}: the data file is empty")
     try:
         rows = json.loads(text)
     except json.JSONDecodeError:  # JSON Lines
         rows = []
-        for number, line in enumerate(text.splitlines(), 1):
+        for number, line in enumerate(text.split("\n"), 1):  # not splitlines: U+2028 may be in a string
             if not line.strip():
                 continue
             try:

@@ -96,7 +96,7 @@ folder, name, out, table = sys.argv[1:5]
 table = json.loads(table)
 tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
 field = GGUFReader(f"{folder}/{name}").fields.get("tokenizer.ggml.pre")
-pre = field.contents() if field is not None else "default"
+pre = bytes(field.parts[field.data[0]]).decode() if field is not None else "default"  # any gguf version
 if pre not in table:
     sys.exit(f"the GGUF's pre-tokenizer {pre!r} has no entry in rl2gem.models.GGUF_PRE_TOKENIZERS")
 model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)

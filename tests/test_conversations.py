@@ -170,3 +170,15 @@ def test_unreachable_hub_dataset(monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(DataUnavailable, match="rl2gem-no-such-owner/no-such-sft-data"):
         load_conversations("rl2gem-no-such-owner/no-such-sft-data")
+
+
+def test_json_lines_with_a_line_separator_in_a_string_and_a_byte_order_mark(tmp_path):
+    """json.dumps(ensure_ascii=False), as collect writes rows, leaves U+2028 raw in a string: a
+    reader that split lines on it could not read the file; a BOM is not part of the JSON."""
+    row = {"messages": [{"role": "user", "content": "a\u2028b\x85c"}, {"role": "assistant", "content": "ok"}]}
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(row, ensure_ascii=False) + "\n" + json.dumps(row, ensure_ascii=False) + "\n")
+    assert load_conversations(str(path)) == [row["messages"]] * 2
+    with_bom = tmp_path / "bom.json"
+    with_bom.write_bytes(b"\xef\xbb\xbf" + json.dumps([row]).encode())
+    assert load_conversations(str(with_bom)) == [row["messages"]]

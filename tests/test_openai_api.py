@@ -253,6 +253,7 @@ def test_requests_it_cannot_serve_get_400_with_a_reason(client):
     ("extra", "reason"),
     [
         ({"max_tokens": 1e400}, "max_tokens must be an integer, got inf"),  # valid JSON: it gave a 500
+        ({"temperature": 10**400}, "temperature is out of range"),
         ({"seed": 1e400}, "seed must be an integer"),
         ({"stream": "false"}, "stream must be true or false"),  # a string streamed
         ({"logprobs": "yes"}, "logprobs must be true or false"),
@@ -410,6 +411,8 @@ def test_a_tool_call_round_trip_with_the_openai_client(scripted):
     [
         '\n\nA <tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}}\n</tool_call> Bcdef',
         'Sure.\n<tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}}\n</tool_call>\nDone now.  ',
+        "\n  Hello there.  \n",  # no call
+        "Hi <tool_call>not json</tool_call> after",  # a malformed call: text, not a call
     ],
 )
 def test_a_streamed_tool_call_reply_has_the_whole_replys_content(scripted, reply):
@@ -426,8 +429,12 @@ def test_a_streamed_tool_call_reply_has_the_whole_replys_content(scripted, reply
     finally:
         engine.reply = None
     streamed = "".join(c.choices[0].delta.content or "" for c in stream)
+    content = whole.choices[0].message.content
+    if "not json" in reply or "<tool_call>" not in reply:  # no (valid) call: the text, stripped
+        assert streamed == content == reply.strip() and not whole.choices[0].message.tool_calls
+        return
     before, after = reply.split("<tool_call>")[0], reply.split("</tool_call>")[1]
-    assert streamed == whole.choices[0].message.content == (before + after).strip()
+    assert streamed == content == (before + after).strip()
 
 
 def test_log_prob_bytes_of_a_character_split_over_tokens_join_to_its_utf8(scripted):

@@ -192,14 +192,15 @@ def _checkpoint_hf(run_dir: Path) -> Path:
 
 
 def _model_id(model: str) -> str:
-    """``model`` as the records name it: a stage's export (``<stage>/checkpoint-N/hf``) with the id
-    its ``DONE`` file got, since a stage trained again writes the same paths."""
+    """``model`` as the records name it: a stage's export (``<stage>/checkpoint-N/hf``) by the id
+    its ``DONE`` file got (a stage trained again writes the same paths; a moved run folder keeps its
+    ids), anything else (a base model's name or folder) as given."""
     done = Path(model).parent.parent / "DONE"
     try:
-        run_id = json.loads(done.read_text()).get("id") if done.exists() else None
+        run_id = json.loads(done.read_text()).get("id") if Path(model).is_dir() and done.exists() else None
     except (ValueError, AttributeError):
         run_id = None
-    return f"{model} (run {run_id})" if run_id else model
+    return f"run {run_id}" if run_id else model
 
 
 def _finished(run_dir: Path, source: str | None) -> Path | None:
@@ -221,7 +222,7 @@ def _finished(run_dir: Path, source: str | None) -> Path | None:
         started = None  # an older run's DONE: a time stamp only
     if source is not None and started is not None and started != _model_id(source):
         raise SystemExit(
-            f"{run_dir} was trained from {started}, but its input is now {source}: "
+            f"{run_dir} was trained from {started}, but its input is now {_model_id(source)} ({source}): "
             f"remove {run_dir} (or use another --out) to train it again"
         )
     return _checkpoint_hf(run_dir)

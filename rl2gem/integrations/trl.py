@@ -80,8 +80,8 @@ def env_dataset(env_id: str, n: int, split: str | None = "train", seed: int = 0,
 
 
 def _reset(env, rl2gem_seed: int, rl2gem_index: int, prompt: Any = None):
-    """Reset ``env`` to a row's task; with the row's ``prompt``, check that it is that task's
-    first observation.
+    """Reset ``env`` to a row's task; with the row's ``prompt``, check that one of its messages
+    holds that task's first observation (instructions added around it are fine).
 
     Raises:
         ValueError: the prompt is another task's: the data set was made with another split or
@@ -89,7 +89,7 @@ def _reset(env, rl2gem_seed: int, rl2gem_index: int, prompt: Any = None):
     """
     options = {"index": int(rl2gem_index)} if rl2gem_index is not None and int(rl2gem_index) >= 0 else None
     observation, info = env.reset(seed=int(rl2gem_seed), options=options)
-    if prompt is not None and observation not in _prompt_texts(prompt):
+    if prompt is not None and not any(observation in text for text in _prompt_texts(prompt)):
         raise ValueError(
             f"the row (rl2gem_seed={rl2gem_seed}, rl2gem_index={rl2gem_index}) resets {env.spec.id if env.spec else env} "
             "to another task than its prompt: give env_reward / env_factory the split and env kwargs the data set "

@@ -26,7 +26,6 @@ is logged.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import math
 import statistics
@@ -219,6 +218,8 @@ _reply_messages = reply_messages  # the former private name
 #: seconds a partial-rollout pause waits for the requests it cut to answer (the embedded engine's
 #: answer at once; a remote one's take a round trip), so their aborts count in that collect's metrics
 PAUSE_ANSWER_SECONDS = 5.0
+#: ... and how long without any answer ends that wait (the requests left are queued, not cut)
+PAUSE_QUIET_SECONDS = 0.2
 
 
 class Rollout:
@@ -273,9 +274,9 @@ class Rollout:
         # id(env) -> its reset or step running now, shielded: a cancelled episode's env finishes
         # that call before the env is reset for another episode
         self._env_calls: dict[int, asyncio.Future] = {}
-        # generate requests awaiting the engine; set when none is (a pause's aborts are all counted)
+        # generate requests awaiting the engine, and an event set whenever one of them returns
         self._requests_out = 0
-        self._requests_back = asyncio.Event()
+        self._request_back = asyncio.Event()
         self._next_gid = 0
         self._inflight: dict[int, _Group] = {}
         self._ready: list[_Group] = []  # completed but not yet returned (partial rollouts)
@@ -362,13 +363,11 @@ class Rollout:
                     continue
                 self.stats["requests"] += 1
                 self._requests_out += 1
-                self._requests_back.clear()
                 try:
                     out = await self.engine.generate(ids + out_ids, params)
                 finally:
                     self._requests_out -= 1
-                    if not self._requests_out:
-                        self._requests_back.set()
+                    self._request_back.set()
             out_ids += out.output_ids
             out_logprobs += out.output_logprobs
             out_versions += [out.weight_version] * len(out.output_ids)
@@ -698,9 +697,7 @@ class Rollout:
             if c.partial_rollout:
                 self._gate.clear()
                 await self.engine.pause("abort")
-                if self._requests_out:  # the cut requests answer now: this call reports their aborts
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._requests_back.wait(), PAUSE_ANSWER_SECONDS)
+                await self._cut_requests_back()
             else:  # only with dynamic filtering: surplus groups are not needed
                 for g in self._inflight.values():
                     g.task.cancel()
@@ -710,6 +707,19 @@ class Rollout:
         # same sequences in every run of the same seeds, however the engine's threads were scheduled
         groups = [g.episodes for g in sorted(kept, key=lambda g: g.gid)]
         return RolloutBatch(groups, self._metrics(groups, m, before, launched, time.perf_counter() - t0))
+
+    async def _cut_requests_back(self) -> None:
+        """Wait for the requests a pause in abort mode cut to answer, so that this collect reports
+        their aborts: until none is out, or none has answered for :data:`PAUSE_QUIET_SECONDS`
+        (the rest wait in the engine's queue, which a pause does not abort), at most
+        :data:`PAUSE_ANSWER_SECONDS` in all."""
+        deadline = time.monotonic() + PAUSE_ANSWER_SECONDS
+        while self._requests_out and time.monotonic() < deadline:
+            self._request_back.clear()
+            try:
+                await asyncio.wait_for(self._request_back.wait(), PAUSE_QUIET_SECONDS)
+            except asyncio.TimeoutError:  # quiet: queued requests, not cut ones (TimeoutError from 3.11)
+                return
 
     def _metrics(self, groups, m: Counter, before: Counter, launched: int, seconds: float) -> dict[str, float]:
         """The metrics of one :meth:`collect`. Means over the kept episodes are left out when none

@@ -252,11 +252,14 @@ def _number(body: dict, key: str, default, kind=float, low=None, high=None):
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
-        or not math.isfinite(value)  # 1e400 is valid JSON: inf
+        or (isinstance(value, float) and not math.isfinite(value))  # 1e400 is valid JSON: inf
         or (kind is int and value != int(value))
     ):
         raise OpenAIRequestError(f"{key} must be a{'n integer' if kind is int else ' number'}, got {value!r}")
-    value = kind(value)
+    try:
+        value = kind(value)
+    except OverflowError:  # an integer past a float's range (10**400)
+        raise OpenAIRequestError(f"{key} is out of range, got {value}"[:200]) from None
     if (low is not None and value < low) or (high is not None and value > high):
         raise OpenAIRequestError(f"{key} must be in [{low}, {high}], got {value}")
     return value
@@ -627,6 +630,8 @@ class _ChatReply:
 
     def message(self, choice: _Choice, reason: str) -> tuple[dict, str]:
         content, calls = openai_tool_calls(choice.text) if self.tools else (choice.text, [])
+        if self.tools and content is not None:  # stripped with tools offered, calls or not: as streamed
+            content = content.strip() or None
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls
@@ -672,13 +677,13 @@ class _ChatReply:
 
     def final(self, choice, reason, rest, lps):
         extra: dict[str, Any] = {}
-        if self.tools:  # the prose not yet sent, as remove_tool_calls leaves it (stripped at both ends)
+        if self.tools:  # the text not yet sent, stripped at both ends of the whole content (message())
             _, calls = openai_tool_calls(choice.text)
-            rest = without_tool_call_blocks(rest).rstrip()
-            rest = rest if choice.started else rest.lstrip()
-            if calls:  # the calls were held back: send them whole, with that prose
+            if calls:  # the calls were held back: send them whole, with the prose around them
+                rest = without_tool_call_blocks(rest)
                 extra["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
                 reason = "tool_calls"
+            rest = rest.rstrip() if choice.started else rest.strip()  # no call: a malformed block is text
         return self.chunk(choice, rest, lps, reason, extra)
 
     def usage_chunk(self, usage):

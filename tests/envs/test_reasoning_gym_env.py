@@ -166,3 +166,14 @@ def test_a_refused_action_reports_the_scores_fields():
     _, reward, _, _, info = env.step("   ")
     assert reward == 0.0 and info["raw_score"] == 0.0 and info["format_ok"] is False
     assert info["reward_components"] == {"correctness": 0.0, "format": 0.0} and "reference" in info
+
+
+def test_only_tasks_that_evaluate_python_refuse_scripted_looking_answers():
+    from rl2gem.envs.reasoning_gym import _evaluates_python
+
+    assert _evaluates_python("countdown") and _evaluates_python("n_queens")
+    assert not _evaluates_python("codeio")  # its answers may hold "__" (a codeio reference does)
+    env = ReasoningGymEnv("letter_counting")
+    env.reset(seed=0)
+    _, _, _, _, info = env.step("<answer>__init__</answer>")  # a wrong answer, scored (not refused)
+    assert "Python code" not in info["answer"]

@@ -76,6 +76,12 @@ def test_a_reward_of_another_split_than_the_data_set_is_refused_not_scored_again
     with pytest.raises(ValueError, match="another task than its prompt"):
         tool.reset(**data[0])
     tool.close()
+    # instructions a data set's map added around the observation are fine
+    edited = [[{"role": "user", "content": p[0]["content"] + "\nAnswer briefly."}] for p in data["prompt"]]
+    assert env_reward("rl2/SearchQA-v0", split="test")(completions=answers, **{**kwargs, "prompts": edited}) == [
+        1.0,
+        1.0,
+    ]
 
 
 def test_a_completion_ending_on_a_tool_call_plays_no_final_move():

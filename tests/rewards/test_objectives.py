@@ -100,9 +100,10 @@ def test_an_episode_that_ended_unscored_counts_its_missing_components_as_zero():
     env.reset(seed=0)
     _, _, terminated, _, info = env.step("   \n")
     env.close()
-    assert terminated and info["invalid_action"] and "reward_components" not in info
+    # GSM8K reports its components as 0 on a refused action (Env.unscored_info); an env need not
+    assert terminated and info["invalid_action"] and info["reward_components"] == {"correctness": 0.0, "format": 0.0}
     rejected = episode(0.0, 0.0, 3)
-    rejected.info = info
+    rejected.info = {"invalid_action": info["invalid_action"]}  # an env that reports no component
     truncated = episode(0.0, 0.0, 5)
     truncated.info, truncated.truncated = {"reward_components": {"tool_calls": 2.0}}, True
     batch = RolloutBatch([[episode(1.0, 1.0, 4), rejected, truncated]], {})

@@ -431,3 +431,38 @@ def test_the_requests_a_collects_pause_cuts_count_in_that_collect(tokenizer):
 
     first, second = asyncio.run(main())
     assert first.metrics["rollout/aborted_requests"] == 1.0 and second.metrics["rollout/aborted_requests"] == 0.0
+
+
+def test_a_request_queued_at_the_pause_does_not_hold_the_collect(tokenizer):
+    """A pause in abort mode cuts running requests; queued ones wait for resume (Engine.pause's
+    contract). Waiting for every request out to answer stalled each collect for 5 s."""
+
+    class QueueingEngine(ScriptedEngine):
+        """The first request answers at once; the second is queued until resume."""
+
+        def __init__(self, scripts):
+            super().__init__(scripts, finish="length")
+            self.resumed = asyncio.Event()
+
+        async def generate(self, input_ids, sampling_params=None, **kw):
+            out = await super().generate(input_ids, sampling_params, **kw)
+            if len(self.calls) == 2:
+                await self.resumed.wait()
+            return out
+
+        async def resume(self):
+            self.resumed.set()
+
+    engine = QueueingEngine([tokenizer.encode("hi", add_special_tokens=False)])
+    config = RolloutConfig(responses_per_prompt=1, max_new_tokens=4, partial_rollout=True, partial_oversample=1.0)
+
+    async def main():
+        rollout = Rollout(engine, tokenizer, RewardEveryTurnEnv, config)
+        start = time.monotonic()
+        await rollout.collect(1)
+        seconds = time.monotonic() - start
+        await rollout.collect(1)
+        await rollout.close()
+        return seconds
+
+    assert asyncio.run(main()) < 2.0

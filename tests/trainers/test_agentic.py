@@ -1,6 +1,7 @@
 """The agentic pipeline's accounting of prefix merging (the pipeline itself runs in CI at toy size,
 from the README's command)."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,10 @@ def test_sft_from_trains_ppo_from_another_runs_sft_model_and_skips_its_stages(tm
     assert not (out / "oracle.jsonl").exists() and not (out / "sft").exists()
 
 
+def _ppo_run(out: Path) -> str:
+    return "run " + json.loads((out / "ppo" / "DONE").read_text())["id"]
+
+
 def test_only_finished_stages_feed_the_next_and_a_changed_input_is_refused(tmp_path, monkeypatch):
     """An SFT stage killed after its first checkpoint is not PPO's start; a PPO stage finished from
     another SFT model (SFT trained again, another --base) is refused, not kept beside the new SFT;
@@ -104,7 +109,9 @@ def test_only_finished_stages_feed_the_next_and_a_changed_input_is_refused(tmp_p
             return
         run_dir = Path(next(a for a in cmd if a.startswith("trainer.output_dir=")).split("=", 1)[1])
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "latest").write_text("checkpoint-1\n" if crash.get(run_dir.name) else "checkpoint-9\n")
+        checkpoint = "checkpoint-1" if crash.get(run_dir.name) else "checkpoint-9"
+        (run_dir / checkpoint / "hf").mkdir(parents=True, exist_ok=True)
+        (run_dir / "latest").write_text(checkpoint + "\n")
         if crash.get(run_dir.name):
             raise SystemExit("stage failed (exit 1)")
 
@@ -122,12 +129,11 @@ def test_only_finished_stages_feed_the_next_and_a_changed_input_is_refused(tmp_p
     sft_model = str(out / "sft" / "checkpoint-9" / "hf")
     ppo_command = next(c for c in commands if any(a.endswith("ppo.py") for a in c))
     assert f"actor.model={sft_model}" in ppo_command
-    ppo_model = str(out / "ppo" / "checkpoint-9" / "hf")
-    assert (out / "eval" / "sft+rl.model").read_text().strip().startswith(f"{ppo_model} (run ")
+    assert (out / "eval" / "sft+rl.model").read_text().strip() == _ppo_run(out)
     # the SFT stage trained again from another base: the PPO stage built on the old one is refused
     (out / "sft" / "DONE").unlink()
     with pytest.raises(
-        SystemExit, match=r"ppo was trained from .*sft/checkpoint-9/hf \(run \w+\), but its input is now"
+        SystemExit, match=r"ppo was trained from run \w+, but its input is now run \w+ \(.*sft/checkpoint-9/hf\)"
     ):
         main(["guess", "--out", str(out), "--nproc", "1", "--stages", "sft,ppo", "--base", "/models/other"])
     assert "actor.model=/models/other" in commands[-1]  # SFT ran from the new base
@@ -139,7 +145,7 @@ def test_only_finished_stages_feed_the_next_and_a_changed_input_is_refused(tmp_p
     count = len(commands)
     main(["guess", "--out", str(out), "--nproc", "1", "--stages", "eval", "--eval-models", "sft+rl"])
     assert len(commands) == count + 1
-    assert (out / "eval" / "sft+rl.model").read_text().strip().startswith(f"{ppo_model} (run ")
+    assert (out / "eval" / "sft+rl.model").read_text().strip() == _ppo_run(out)
     main(["guess", "--out", str(out), "--nproc", "1", "--stages", "eval", "--eval-models", "sft+rl"])
     assert len(commands) == count + 1
 
