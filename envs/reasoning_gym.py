@@ -16,7 +16,8 @@ raw score. ``info["raw_score"]`` always holds the raw score. A response without
 the answer tags, or with nothing in them but spaces or punctuation, scores 0
 (``info["format_ok"] = False``).
 
-The answer is scored in the Python sandbox (:func:`rl2gem.tools.run_python`, :data:`SCORING`):
+A task with its own scorer scores the answer in the Python sandbox (:func:`rl2gem.tools.run_python`,
+:data:`SCORING`; reasoning-gym's default scorer, a string comparison, runs in process):
 several reasoning-gym scorers evaluate the answer as Python (countdown and puzzle24 through
 sympy's ``parse_expr``, n_queens and spiral_matrix through ``eval``), so an answer such as
 ``[__import__('os').system(...), 1+2].pop()`` ran in the trainer's process, and one that patched
@@ -95,10 +96,24 @@ def task_names() -> list[str]:
 def _evaluates_python(task: str) -> bool:
     """Whether the module of ``task``'s dataset calls ``eval`` or sympy's ``parse_expr`` (its
     scorer may evaluate an answer as Python)."""
+    source = inspect.getsource(inspect.getmodule(_task_class(task)))
+    return "parse_expr" in source or re.search(r"\beval\(", source) is not None
+
+
+@functools.cache
+def _default_scorer(task: str) -> bool:
+    """Whether ``task`` scores with reasoning-gym's base ``score_answer`` (string comparison, no
+    code run), not a scorer of its own."""
+    from reasoning_gym.dataset import ProceduralDataset
+
+    return _task_class(task).score_answer is ProceduralDataset.score_answer
+
+
+def _task_class(task: str) -> type:
+    """The dataset class of ``task``."""
     import reasoning_gym
 
-    source = inspect.getsource(inspect.getmodule(reasoning_gym.factory.DATASETS[task][0]))
-    return "parse_expr" in source or re.search(r"\beval\(", source) is not None
+    return reasoning_gym.factory.DATASETS[task][0]
 
 
 @functools.lru_cache(maxsize=64)
@@ -175,8 +190,12 @@ class ReasoningGymEnv(Env):
         }
 
     async def _score(self, answer: str) -> tuple[float, str | None]:
-        """``(raw score, None)`` of ``answer`` by the task's scorer in the sandbox, or ``(0.0, why)``
-        when the scorer failed, ran out of time or printed no score."""
+        """``(raw score, None)`` of ``answer`` by the task's scorer, or ``(0.0, why)`` when the
+        scorer failed, ran out of time or printed no score. reasoning-gym's default scorer (an exact
+        or contained string match: basic_arithmetic, gsm_symbolic...) runs here; a task's own
+        scorer runs in the sandbox."""
+        if _default_scorer(self.task):
+            return float(self.dataset.score_answer(answer, self.item)), None
         if _SCRIPTED.search(answer) and _evaluates_python(self.task):
             return 0.0, "the answer is Python code"
         task = (self.task, SPLIT_SEEDS[self.split], dict(self.config), self.item)

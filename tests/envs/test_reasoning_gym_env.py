@@ -177,3 +177,19 @@ def test_only_tasks_that_evaluate_python_refuse_scripted_looking_answers():
     env.reset(seed=0)
     _, _, _, _, info = env.step("<answer>__init__</answer>")  # a wrong answer, scored (not refused)
     assert "Python code" not in info["answer"]
+
+
+def test_the_default_string_scorer_runs_in_process_and_a_tasks_own_scorer_in_the_sandbox(monkeypatch):
+    from rl2gem.envs import reasoning_gym as module
+
+    def no_sandbox(code, config):
+        raise AssertionError("scored in the sandbox")
+
+    monkeypatch.setattr(module, "run_python", no_sandbox)
+    env = ReasoningGymEnv("basic_arithmetic")  # reasoning-gym's base score_answer: a string comparison
+    obs, _ = env.reset(seed=0)
+    assert env.step(env.make_solver()(obs))[1] == 1.0
+    env = ReasoningGymEnv("countdown")  # its own scorer (sympy's parse_expr)
+    obs, _ = env.reset(seed=0)
+    with pytest.raises(AssertionError, match="scored in the sandbox"):
+        env.step(env.make_solver()(obs))
