@@ -398,71 +398,59 @@ def test_an_engine_reporting_an_old_version_is_an_error_not_an_endless_collect(t
     assert parse_generate_response({**answer, "meta_info": {"weight_version": "2"}}, 3, 4).weight_version == 2
 
 
-def test_the_requests_a_collects_pause_cuts_count_in_that_collect(tokenizer):
-    """rollout/aborted_requests: the requests cut by the pause that ends a partial-rollout collect
-    answer after it, and were counted in the next collect's metrics (or in none)."""
+class SecondRequestHeldEngine(ScriptedEngine):
+    """The first request answers at once. The second is held: ``cut=True``, until a pause, which
+    aborts it (a running request); ``cut=False``, until resume (a queued one: Engine.pause's
+    contract leaves those alone)."""
 
-    class PausedEngine(ScriptedEngine):
-        """The first request answers at once; the second waits for a pause, which aborts it."""
+    def __init__(self, scripts, cut: bool):
+        super().__init__(scripts, finish="length")
+        self.cut, self.released = cut, asyncio.Event()
 
-        def __init__(self, scripts):
-            super().__init__(scripts, finish="length")
-            self.cut = asyncio.Event()
-
-        async def generate(self, input_ids, sampling_params=None, **kw):
-            out = await super().generate(input_ids, sampling_params, **kw)
-            if len(self.calls) == 2:
-                await self.cut.wait()
+    async def generate(self, input_ids, sampling_params=None, **kw):
+        out = await super().generate(input_ids, sampling_params, **kw)
+        if len(self.calls) == 2:
+            await self.released.wait()
+            if self.cut:
                 return GenerateOutput([], [], {"type": "abort", "message": "paused"}, len(input_ids), 0)
-            return out
+        return out
 
-        async def pause(self, mode="abort"):
-            self.cut.set()
+    async def pause(self, mode="abort"):
+        if self.cut:
+            self.released.set()
 
-    engine = PausedEngine([tokenizer.encode("hi", add_special_tokens=False)])
+    async def resume(self):
+        if not self.cut:
+            self.released.set()
+
+
+def two_partial_collects(tokenizer, cut: bool):
+    """Two partial-rollout collects of one group (one more in flight) over a
+    :class:`SecondRequestHeldEngine`: their batches and the first one's seconds."""
+    engine = SecondRequestHeldEngine([tokenizer.encode("hi", add_special_tokens=False)], cut)
     config = RolloutConfig(responses_per_prompt=1, max_new_tokens=4, partial_rollout=True, partial_oversample=1.0)
 
     async def main():
         rollout = Rollout(engine, tokenizer, RewardEveryTurnEnv, config)
+        start = time.monotonic()
         first = await rollout.collect(1)
+        seconds = time.monotonic() - start
         second = await rollout.collect(1)
         await rollout.close()
-        return first, second
+        return first, second, seconds
 
-    first, second = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_the_requests_a_collects_pause_cuts_count_in_that_collect(tokenizer):
+    """rollout/aborted_requests: the requests cut by the pause that ends a partial-rollout collect
+    answer after it, and were counted in the next collect's metrics (or in none)."""
+    first, second, _ = two_partial_collects(tokenizer, cut=True)
     assert first.metrics["rollout/aborted_requests"] == 1.0 and second.metrics["rollout/aborted_requests"] == 0.0
 
 
 def test_a_request_queued_at_the_pause_does_not_hold_the_collect(tokenizer):
     """A pause in abort mode cuts running requests; queued ones wait for resume (Engine.pause's
     contract). Waiting for every request out to answer stalled each collect for 5 s."""
-
-    class QueueingEngine(ScriptedEngine):
-        """The first request answers at once; the second is queued until resume."""
-
-        def __init__(self, scripts):
-            super().__init__(scripts, finish="length")
-            self.resumed = asyncio.Event()
-
-        async def generate(self, input_ids, sampling_params=None, **kw):
-            out = await super().generate(input_ids, sampling_params, **kw)
-            if len(self.calls) == 2:
-                await self.resumed.wait()
-            return out
-
-        async def resume(self):
-            self.resumed.set()
-
-    engine = QueueingEngine([tokenizer.encode("hi", add_special_tokens=False)])
-    config = RolloutConfig(responses_per_prompt=1, max_new_tokens=4, partial_rollout=True, partial_oversample=1.0)
-
-    async def main():
-        rollout = Rollout(engine, tokenizer, RewardEveryTurnEnv, config)
-        start = time.monotonic()
-        await rollout.collect(1)
-        seconds = time.monotonic() - start
-        await rollout.collect(1)
-        await rollout.close()
-        return seconds
-
-    assert asyncio.run(main()) < 2.0
+    _, _, seconds = two_partial_collects(tokenizer, cut=False)
+    assert seconds < 2.0
