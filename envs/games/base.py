@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import functools
 import pickle
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar
 
 from rl2gem.assets import asset_path
 from rl2gem.core import Env, StepResult
 from rl2gem.rewards import extract_boxed
 
-__all__ = ["GameEnv", "word_list"]
+__all__ = ["GameEnv", "last_board", "word_list"]
+
+Board = TypeVar("Board")
 
 
 class GameEnv(Env):
@@ -101,3 +104,26 @@ def word_list(length: int | None = None, common: bool = True) -> tuple[str, ...]
     if common:
         words = words & load("gcide")
     return tuple(sorted(w for w in words if w.isascii() and w.isalpha() and (length is None or len(w) == length)))
+
+
+def last_board(parse: Callable[[str], Board | None]) -> Callable[[str], Board]:
+    """A solver's board reader that remembers: ``parse(observation)`` where it finds a board
+    (None where it does not), else the last board it read. An invalid move's correction ("'x' is
+    not a move ...") carries no board; the position is then the one before that move.
+
+    Raises:
+        ValueError: no observation so far had a board.
+    """
+    seen: list[Board] = []
+
+    def read(observation: str) -> Board:
+        board = parse(observation)
+        if board is not None:
+            seen[:] = [board]
+        elif not seen:
+            raise ValueError(
+                f"the solver found no board in this observation, nor in an earlier one: {observation[:200]!r}"
+            )
+        return seen[0]
+
+    return read

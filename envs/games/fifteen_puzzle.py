@@ -7,7 +7,7 @@ import re
 from typing import Any
 
 import numpy as np
-from rl2gem.envs.games.base import GameEnv
+from rl2gem.envs.games.base import GameEnv, last_board
 
 from rl2gem.core import StepResult
 
@@ -119,10 +119,14 @@ class FifteenPuzzleEnv(GameEnv):
         """Parses the board, finds a shortest solution with A*, slides its first tile."""
         n = self.size
 
-        def solve(observation: str) -> str:
+        def parse(observation: str) -> tuple[int, ...] | None:
             rows = [ln.split() for ln in observation.splitlines() if re.fullmatch(r"[\d_]+( +[\d_]+)*", ln.strip())]
             rows = [r for r in rows if len(r) == n][-n:]
-            state = tuple(0 if x.startswith("_") else int(x) for row in rows for x in row)
-            return f"\\boxed{{{solve_puzzle(state, n)[0]}}}"
+            return tuple(0 if x.startswith("_") else int(x) for row in rows for x in row) if len(rows) == n else None
+
+        board = last_board(parse)
+
+        def solve(observation: str) -> str:
+            return f"\\boxed{{{solve_puzzle(board(observation), n)[0]}}}"
 
         return solve

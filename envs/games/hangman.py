@@ -9,7 +9,7 @@ import string
 from typing import Any
 
 import numpy as np
-from rl2gem.envs.games.base import GameEnv, word_list
+from rl2gem.envs.games.base import GameEnv, last_board, word_list
 
 from rl2gem.core import StepResult
 
@@ -94,10 +94,14 @@ class HangmanEnv(GameEnv):
         """Keeps the words matching the revealed pattern and misses; guesses their most common new letter."""
         words = self.words
 
-        def solve(observation: str) -> str:
+        def parse(observation: str) -> tuple[list[str], set[str]] | None:
             m = _STATE.search(observation)
-            pattern = m.group(1).split(" ")
-            missed = {x.strip() for x in m.group(2).split(",") if x.strip()}
+            return (m.group(1).split(" "), {x.strip() for x in m.group(2).split(",") if x.strip()}) if m else None
+
+        board = last_board(parse)
+
+        def solve(observation: str) -> str:
+            pattern, missed = board(observation)
             shown = {c for c in pattern if c != "_"}
             tried = shown | missed
             cands = [

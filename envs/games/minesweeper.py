@@ -6,7 +6,7 @@ import re
 from typing import Any
 
 import numpy as np
-from rl2gem.envs.games.base import GameEnv
+from rl2gem.envs.games.base import GameEnv, last_board
 
 from rl2gem.core import StepResult
 
@@ -139,10 +139,15 @@ class MinesweeperEnv(GameEnv):
                 if (a or b) and 0 <= r + a < rows and 0 <= c + b < cols
             ]
 
-        def solve(observation: str) -> str:
+        def parse(observation: str) -> list[list[str]] | None:
             lines = [ln for ln in observation.splitlines() if _ROW.match(ln)]
-            grid = [ln.split()[1:] for ln in lines[-rows:]]
-            if len(grid) < rows or all(x == "." for row in grid for x in row):
+            return [ln.split()[1:] for ln in lines[-rows:]] if len(lines) >= rows else None
+
+        board = last_board(parse)
+
+        def solve(observation: str) -> str:
+            grid = board(observation)
+            if all(x == "." for row in grid for x in row):
                 return f"\\boxed{{reveal {rows // 2 + 1} {cols // 2 + 1}}}"
             mine, safe = set(), set()
             changed = True

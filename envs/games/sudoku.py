@@ -6,7 +6,7 @@ import re
 from typing import Any
 
 import numpy as np
-from rl2gem.envs.games.base import GameEnv
+from rl2gem.envs.games.base import GameEnv, last_board
 
 from rl2gem.core import StepResult
 
@@ -168,10 +168,15 @@ class SudokuEnv(GameEnv):
         """Parses the grid from the observation, solves it by backtracking, places one digit."""
         n, box = self.box**2, self.box
 
-        def solve(observation: str) -> str:
+        def parse(observation: str) -> np.ndarray | None:
             rows = [ln.split() for ln in observation.splitlines() if re.fullmatch(r"[\d.]( [\d.])*", ln.strip())]
             rows = [r for r in rows if len(r) == n][-n:]
-            grid = np.array([[0 if x == "." else int(x) for x in row] for row in rows])
+            return np.array([[0 if x == "." else int(x) for x in row] for row in rows]) if len(rows) == n else None
+
+        board = last_board(parse)
+
+        def solve(observation: str) -> str:
+            grid = board(observation)
             full = solve_grid(grid, box)
             r, c = map(int, np.argwhere(grid == 0)[0])
             return f"\\boxed{{{r + 1} {c + 1} {full[r, c]}}}"

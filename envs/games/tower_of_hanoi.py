@@ -6,7 +6,7 @@ import re
 from typing import Any
 
 import numpy as np
-from rl2gem.envs.games.base import GameEnv
+from rl2gem.envs.games.base import GameEnv, last_board
 
 from rl2gem.core import StepResult
 
@@ -111,9 +111,14 @@ class TowerOfHanoiEnv(GameEnv):
     def make_solver(self):
         """Parses the pegs and plays the first move of a shortest solution from there."""
 
-        def solve(observation: str) -> str:
+        def parse(observation: str) -> dict[str, list[int]] | None:
             pegs = {p: [int(x) for x in s.split()] for p, s in _PEG.findall(observation)[-3:]}
-            src, dst = next_move(pegs)
+            return pegs if len(pegs) == 3 else None
+
+        board = last_board(parse)
+
+        def solve(observation: str) -> str:
+            src, dst = next_move(board(observation))
             return f"\\boxed{{{src} {dst}}}"
 
         return solve

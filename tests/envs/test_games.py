@@ -46,6 +46,28 @@ def test_solver_wins(name, level):
 
 
 @pytest.mark.parametrize("name", sorted(GAMES))
+def test_the_solver_goes_on_after_an_invalid_move_without_a_board(name):
+    """An invalid move's correction carries no board; the solver plays on from the last board it
+    read (the position did not change) and wins as it does without the invalid move."""
+    env = gym.make(f"rl2/{name}-Easy-v0", max_turns=200)  # room for the invalid move
+    for seed in range(10):  # the first game whose first move does not end it
+        expected, _ = play(env, seed)
+        obs, _ = env.reset(seed=seed)
+        solver = env.unwrapped.make_solver()
+        obs, r, term, trunc, info = env.step(solver(obs))
+        if not term:
+            break
+    solver(obs)  # read, then a move of its own (the solvers read one observation twice alike)
+    obs, r, term, trunc, info = env.step("\\boxed{!!}")
+    assert info["invalid_action"] and not term and "\n" not in obs.strip()  # no board
+    total = r
+    while not (term or trunc):
+        obs, r, term, trunc, info = env.step(solver(obs))
+        total += r
+    assert total == expected
+
+
+@pytest.mark.parametrize("name", sorted(GAMES))
 def test_random_moves_and_garbage_never_raise(name):
     env = gym.make(f"rl2/{name}-Easy-v0")
     env.reset(seed=0)
