@@ -62,8 +62,8 @@ async def run_tool_calls(tools: dict[str, Tool], calls: Sequence[ToolCall]) -> l
 
 
 def env_tools(env: gym.Env) -> list[Tool]:
-    """The tools an env gives its agent: those of every :class:`ToolEnvWrapper` in its wrapper
-    chain (outermost first), then the ``agent_tools()`` of the unwrapped env where it has that
+    """The tools an env gives its agent: those its outermost :class:`ToolEnvWrapper` offers (the
+    inner wrappers' first), then the ``agent_tools()`` of the unwrapped env where it has that
     method (an env whose actions call a service, e.g. ``rl2/SearchQA-v0``'s search). What
     ``python -m rl2gem.envserver ENV_ID --mcp`` serves.
 
@@ -74,7 +74,8 @@ def env_tools(env: gym.Env) -> list[Tool]:
     layer = env
     while isinstance(layer, gym.Wrapper):
         if isinstance(layer, ToolEnvWrapper):
-            tools.extend(layer.tools.values())
+            tools.extend(layer.offered_tools().values())
+            break
         layer = layer.env
     own = getattr(env.unwrapped, "agent_tools", None)
     if callable(own):
@@ -112,6 +113,12 @@ class ToolEnvWrapper(Wrapper):
     (``info["truncated_reason"] == "max_tool_calls"``). Every call, valid or
     not, counts toward ``max_tool_calls``, so episodes stay bounded.
 
+    Wrapping an env that already has a :class:`ToolEnvWrapper` (``rl2/PythonMath-v0``'s Python,
+    say) adds tools to it: this wrapper offers the inner wrapper's tools and its own as one list
+    (the inner one's ``prompt`` is turned off, this one's says where the list goes), runs every
+    call, the inner tools' with the inner wrapper's episode state, and counts every call against
+    its own ``max_tool_calls``.
+
     The tool list is offered in the first observation (``prompt="append"``,
     after the env's text; ``"prepend"``; or ``None`` to leave it out, e.g.
     when the chat template renders tools itself) and as OpenAI-style schemas in
@@ -128,7 +135,8 @@ class ToolEnvWrapper(Wrapper):
         prompt: where the tool instructions go: ``"append"``, ``"prepend"`` or ``None``.
 
     Raises:
-        ValueError: duplicate tool names, ``max_tool_calls < 1`` or a bad ``prompt``.
+        ValueError: duplicate tool names (an inner wrapper's included), ``max_tool_calls < 1`` or a
+            bad ``prompt``.
         TypeError: an object in ``tools`` is not a :class:`rl2gem.tools.Tool`.
     """
 
@@ -146,6 +154,12 @@ class ToolEnvWrapper(Wrapper):
             raise ValueError(f"max_tool_calls must be >= 1, got {max_tool_calls}")
         if prompt not in ("append", "prepend", None):
             raise ValueError(f"prompt must be 'append', 'prepend' or None, got {prompt!r}")
+        inner = self._inner_wrapper()
+        if inner is not None:
+            repeated = sorted(set(names) & set(inner.offered_tools()))
+            if repeated:
+                raise ValueError(f"tool names must be unique, and the wrapped env already has {repeated}")
+            inner.prompt = None  # the offered list is this wrapper's, the inner tools included
         self.tools = {t.name: t for t in tools}
         self._episode_tools: dict[str, Tool] = dict(self.tools)
         self.max_tool_calls = max_tool_calls
@@ -156,6 +170,25 @@ class ToolEnvWrapper(Wrapper):
         self._loop: _PrivateLoop | None = None
         self._owns_copies = False  # a deep copy's or pickle's tools: what they open is its own
         self._shares_tools = False  # spawn's envs and shallow copies: the tools are another wrapper's
+
+    def _inner_wrapper(self) -> ToolEnvWrapper | None:
+        """The nearest :class:`ToolEnvWrapper` in the wrapped chain, if any."""
+        layer = self.env
+        while isinstance(layer, gym.Wrapper):
+            if isinstance(layer, ToolEnvWrapper):
+                return layer
+            layer = layer.env
+        return None
+
+    def offered_tools(self) -> dict[str, Tool]:
+        """Name -> tool for every tool the agent is offered: inner wrappers' first, then this one's."""
+        inner = self._inner_wrapper()
+        return {**(inner.offered_tools() if inner is not None else {}), **self.tools}
+
+    def _callable_tools(self) -> dict[str, Tool]:
+        """This episode's tools by name (per-episode copies: each wrapper's own)."""
+        inner = self._inner_wrapper()
+        return {**(inner._callable_tools() if inner is not None else {}), **self._episode_tools}
 
     # ----------------------------------------------------------------- reset
     def _on_reset(self, obs: str, info: dict[str, Any]) -> ResetResult:
@@ -172,14 +205,15 @@ class ToolEnvWrapper(Wrapper):
         self._episode_tools = dict(self.tools)
 
     def _with_tools(self, obs: str) -> str:
-        if self.prompt is None or not self.tools:
+        offered = list(self.offered_tools().values())
+        if self.prompt is None or not offered:
             return obs
-        text = tools_prompt(list(self.tools.values()))
+        text = tools_prompt(offered)
         return f"{obs}\n\n{text}" if self.prompt == "append" else f"{text}\n\n{obs}"
 
     def _reset_info(self, info: dict[str, Any]) -> dict[str, Any]:
         info = dict(info)
-        info["tools"] = [tool_schema(t) for t in self.tools.values()]
+        info["tools"] = [tool_schema(t) for t in self.offered_tools().values()]
         info["num_tool_calls"] = 0
         return info
 
@@ -229,7 +263,7 @@ class ToolEnvWrapper(Wrapper):
             }
             return obs, 0.0, False, True, info
         self._num_calls += len(calls)
-        results = await run_tool_calls(self._episode_tools, calls)
+        results = await run_tool_calls(self._callable_tools(), calls)
         for ci, (_, err) in zip(calls_info, results, strict=True):
             ci["error"] = err
         failed = [err for _, err in results if err is not None]

@@ -8,7 +8,7 @@ import pickle
 import pytest
 
 import rl2gem
-from rl2gem.tools import ToolEnvWrapper
+from rl2gem.tools import FunctionTool, ToolEnvWrapper, env_tools
 
 
 def code_call(code):
@@ -95,4 +95,31 @@ def test_a_persistent_session_copies_before_its_first_call_and_refuses_once_its_
         pickle.dumps(env)
     assert twin.step(code_call("x + 1"))[0] == "2" and env.step(code_call("x + 1"))[0] == "21"
     twin.close()
+    env.close()
+
+
+def test_a_tool_added_over_the_python_tool_is_offered_with_it_and_the_session_persists():
+    def multiply(a: int, b: int) -> int:
+        """Multiply two integers.
+
+        Args:
+            a: first factor.
+            b: second factor.
+        """
+        return a * b
+
+    base = rl2gem.make("rl2/PythonMath-v0", dataset="gsm8k", split="test", max_tool_calls=3, persistent=True)
+    env = ToolEnvWrapper(base, [FunctionTool(multiply)], max_tool_calls=5)
+    obs, info = env.reset(options={"index": 0})
+    assert [t["function"]["name"] for t in info["tools"]] == ["python", "multiply"]
+    assert obs.count("<tools>") == 1 and '"name": "python"' in obs and '"name": "multiply"' in obs
+    assert [t.name for t in env_tools(env)] == ["python", "multiply"]
+    assert env.step(code_call("x = 20"))[0].startswith("[No output")
+    both = code_call("print(x + 1)") + '<tool_call>{"name": "multiply", "arguments": {"a": 6, "b": 7}}</tool_call>'
+    obs, *_, info = env.step(both)  # the inner tool keeps its episode's session
+    assert obs == "<tool_response>\n21\n</tool_response>\n<tool_response>\n42\n</tool_response>"
+    assert info["num_tool_calls"] == 3  # past the inner wrapper's 3: the outer budget counts
+    assert env.step(code_call("x"))[0] == "20"
+    with pytest.raises(ValueError, match=r"already has \['python'\]"):
+        ToolEnvWrapper(base, [FunctionTool(multiply, name="python")])
     env.close()
