@@ -56,6 +56,9 @@ import asyncio
 import contextlib
 import copy
 import functools
+import inspect
+import math
+import numbers
 import operator
 import threading
 import weakref
@@ -321,6 +324,18 @@ def _async_native(cls: type) -> bool:
         )
     if not native and not (_overrides(cls, "_step") and _overrides(cls, "_reset")):
         raise TypeError(f"{cls.__name__} implements neither _reset/_step nor _areset/_astep")
+    for name in ("_reset", "_step", "_areset", "_astep"):
+        coroutine = inspect.iscoroutinefunction(getattr(cls, name))
+        if _overrides(cls, name) and coroutine != name.startswith("_a"):
+            kind, twin = (
+                ("an async def", name.replace("_a", "_", 1))
+                if name.startswith("_a")
+                else ("a plain def", "_a" + name[1:])
+            )
+            raise TypeError(
+                f"{cls.__name__}.{name} must be {kind}: the coroutine hooks are _areset/_astep (an env that "
+                f"does I/O), the plain ones _reset/_step; rename it {twin} or change its def"
+            )
     return native
 
 
@@ -411,14 +426,14 @@ class Env(gym.Env[str, str]):
         if self.is_async_native:
             return self._loop_run(self.areset(seed=seed, options=options))
         self._begin_episode(seed, options)
-        return self._finish_reset(*self._reset(options))
+        return self._finish_reset(self._reset(options))
 
     async def areset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> ResetResult:
         """Coroutine twin of :meth:`reset`; a compute-only env runs in a worker thread."""
         if not self.is_async_native:
             return await asyncio.to_thread(self.reset, seed=seed, options=options)
         self._begin_episode(seed, options)
-        return self._finish_reset(*await self._areset(options))
+        return self._finish_reset(await self._areset(options))
 
     def step(self, action: str) -> StepResult:  # type: ignore[override]
         """Take one turn.
@@ -610,10 +625,12 @@ class Env(gym.Env[str, str]):
         self._episode_over = True  # until the reset hook returns: a reset that raised opens no episode
         self._closed = False
 
-    def _finish_reset(self, obs: str, info: dict[str, Any]) -> ResetResult:
+    def _finish_reset(self, result: ResetResult) -> ResetResult:
+        if not isinstance(result, (tuple, list)) or len(result) != 2:
+            raise TypeError(f"{type(self).__name__} reset hook must return (observation, info), got {result!r:.200}")
+        obs, info = result
+        obs, info = self._fit_observation(obs), self._checked_info(info, "reset")
         self._episode_over = False
-        obs = self._fit_observation(obs)
-        info = dict(info)
         info.setdefault("role", "user")
         info["seed"] = self._episode_seed
         self._last_observation = obs
@@ -663,8 +680,8 @@ class Env(gym.Env[str, str]):
             raise TypeError(
                 f"{type(self).__name__} step hook must return (obs, reward, terminated, truncated, info), got {result!r}"
             ) from e
-        obs = self._fit_observation(obs)
-        info = dict(info)
+        obs, info = self._fit_observation(obs), self._checked_info(info, "step")
+        reward, terminated, truncated = self._checked_step_values(reward, terminated, truncated)
         self._turn += 1
         if info.get("invalid_action"):
             self._num_invalid += 1
@@ -675,13 +692,34 @@ class Env(gym.Env[str, str]):
         info.setdefault("role", "user")
         if info["role"] not in VALID_ROLES:
             raise ValueError(f"info['role'] must be one of {VALID_ROLES}, got {info['role']!r}")
-        terminated, truncated = bool(terminated), bool(truncated)
         if not terminated and not truncated and self.max_turns is not None and self._turn >= self.max_turns:
             truncated = True
             info["truncated_reason"] = "max_turns"
         self._episode_over = terminated or truncated
         self._last_observation = obs
-        return obs, float(reward), terminated, truncated, info
+        return obs, reward, terminated, truncated, info
+
+    def _checked_info(self, info: Any, hook: str) -> dict[str, Any]:
+        if not isinstance(info, dict):
+            raise TypeError(f"{type(self).__name__} {hook} hook returned info {info!r:.200}; it must be a dict")
+        return dict(info)
+
+    def _checked_step_values(self, reward: Any, terminated: Any, truncated: Any) -> tuple[float, bool, bool]:
+        """``(float(reward), terminated, truncated)`` from a step hook; anything but a finite real
+        reward and ``bool`` flags is a bug of the env's (``bool("False")`` is True)."""
+        name = type(self).__name__
+        if not isinstance(reward, numbers.Real):
+            raise TypeError(
+                f"{name} step hook returned reward {reward!r:.200} ({type(reward).__name__}); it must be a float"
+            )
+        if not math.isfinite(reward):
+            raise ValueError(f"{name} step hook returned reward {reward!r}; it must be finite")
+        for flag, value in (("terminated", terminated), ("truncated", truncated)):
+            if not isinstance(value, (bool, np.bool_)):
+                raise TypeError(
+                    f"{name} step hook returned {flag}={value!r:.200} ({type(value).__name__}); it must be a bool"
+                )
+        return float(reward), bool(terminated), bool(truncated)
 
     def _fit_observation(self, obs: Any) -> str:
         if not isinstance(obs, str):

@@ -224,6 +224,75 @@ def test_hooks_must_be_implemented_consistently():
         Half().reset()
 
 
+class ReturnsThis(CountEnv):
+    """A step hook that returns the class attribute ``result``."""
+
+    result: tuple = ()
+
+    def _step(self, action):
+        return self.result
+
+
+@pytest.mark.parametrize(
+    "result, error, message",
+    [
+        (("x", "1.0", False, False, {}), TypeError, r"reward '1.0' \(str\); it must be a float"),
+        (("x", None, False, False, {}), TypeError, r"reward None \(NoneType\)"),
+        (("x", np.array([1.0]), False, False, {}), TypeError, r"\(ndarray\); it must be a float"),
+        (("x", float("nan"), False, False, {}), ValueError, "reward nan; it must be finite"),
+        (("x", 1.0, "False", False, {}), TypeError, r"terminated='False' \(str\); it must be a bool"),
+        (("x", 1.0, False, 0, {}), TypeError, r"truncated=0 \(int\)"),
+        (("x", 1.0, False, False, None), TypeError, "step hook returned info None; it must be a dict"),
+    ],
+)
+def test_a_step_hook_returning_wrong_types_is_named(result, error, message):
+    env = type("Bad", (ReturnsThis,), {"result": result})()
+    env.reset(seed=0)
+    with pytest.raises(error, match=message) as caught:
+        env.step("1")
+    assert str(caught.value).startswith("Bad step hook returned")
+
+
+def test_numpy_rewards_and_flags_are_plain_python_after_the_step():
+    env = type("Numpy", (ReturnsThis,), {"result": ("x", np.float32(0.5), np.bool_(True), False, {})})()
+    env.reset(seed=0)
+    _, reward, terminated, truncated, _ = env.step("1")
+    assert (type(reward), reward, type(terminated), terminated, truncated) == (float, 0.5, bool, True, False)
+
+
+def test_a_reset_hook_returning_wrong_shapes_is_named():
+    class ObservationOnly(CountEnv):
+        def _reset(self, options):
+            return "the task"
+
+    class NoInfo(CountEnv):
+        def _reset(self, options):
+            return "the task", None
+
+    with pytest.raises(TypeError, match=r"ObservationOnly reset hook must return \(observation, info\), got 'the task'"):
+        ObservationOnly().reset(seed=0)
+    with pytest.raises(TypeError, match="NoInfo reset hook returned info None; it must be a dict"):
+        NoInfo().reset(seed=0)
+
+
+def test_a_hook_of_the_wrong_kind_is_named():
+    class AsyncStep(CountEnv):
+        async def _step(self, action):
+            return "", 0.0, True, False, {}
+
+    class PlainAsyncHooks(Env):
+        def _areset(self, options):
+            return "", {}
+
+        async def _astep(self, action):
+            return "", 0.0, True, False, {}
+
+    with pytest.raises(TypeError, match="AsyncStep._step must be a plain def.*rename it _astep"):
+        AsyncStep().reset(seed=0)
+    with pytest.raises(TypeError, match="PlainAsyncHooks._areset must be an async def.*rename it _reset"):
+        PlainAsyncHooks().reset(seed=0)
+
+
 def test_compute_env_async_runs_off_the_event_loop():
     env = CountEnv()
 
