@@ -14,6 +14,7 @@ import inspect
 import json
 import math
 import pickle
+import time
 import urllib.error
 import urllib.request
 import warnings
@@ -108,6 +109,47 @@ async def _aplay(env: gym.Env, seed: int, actions: list[Any]) -> list[tuple]:
     return out
 
 
+#: a hook call at least this long (seconds) in which the event loop got no turn blocked it
+BLOCKING_CALL_S = 0.1
+
+
+async def _aplay_watched(env: gym.Env, seed: int, actions: list[Any]) -> tuple[list[tuple], int, int]:
+    """:func:`_aplay`, with a task that wakes every 5 ms beside it: ``(episode, blocking calls,
+    calls)``. A call of ``areset``/``astep`` blocked when it took :data:`BLOCKING_CALL_S` or more
+    and that task woke at most once during it (an awaiting call lets it wake every 5 ms)."""
+    wakes = 0
+    done = asyncio.Event()
+
+    async def tick() -> None:
+        nonlocal wakes
+        while not done.is_set():
+            await asyncio.sleep(0.005)
+            wakes += 1
+
+    async def watched(call):
+        nonlocal blocking
+        start, woken = time.perf_counter(), wakes
+        result = await call
+        blocking += time.perf_counter() - start >= BLOCKING_CALL_S and wakes - woken <= 1
+        return result
+
+    blocking = 0
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0)  # the ticker starts first
+    try:
+        obs, info = await watched(env.areset(seed=seed))  # type: ignore[attr-defined]
+        out: list[tuple] = [(obs, _stable(info))]
+        for a in actions:
+            step = _stable_step(await watched(env.astep(a)))  # type: ignore[attr-defined]
+            out.append(step)
+            if step[2] or step[3]:
+                break
+    finally:
+        done.set()
+        await ticker
+    return out, blocking, len(out)
+
+
 def _check_tool_conventions(name: str, episode: list[tuple]) -> None:
     tools = episode[0][1].get("tools")
     if tools is not None:
@@ -151,7 +193,9 @@ def check_env(
        observations, rewards, flags and infos; ``reset(seed=info["seed"])``
        replays an unseeded episode's initial state.
     4. Async/sync agreement: ``areset``/``astep`` give exactly what
-       ``reset``/``step`` give.
+       ``reset``/``step`` give; an async-native env's hooks do not block the
+       event loop (a call of :data:`BLOCKING_CALL_S` or more in which the loop
+       got no turn, in two calls or more and half of them).
     5. ``spawn(n)`` gives ``n`` envs in the same initial state.
     6. Invalid-action robustness: each of :data:`PROBE_ACTIONS` and an
        over-long action returns a valid step (``str`` observation in the
@@ -231,7 +275,13 @@ def _check_made_env(env: gym.Env, make: Callable[[], gym.Env], num_steps: int, s
             assert obs_random == obs_replay, f"{name}: reset(seed=info['seed']) does not replay the initial state"
         # 4. async/sync agreement
         ts = _play(a, seed, actions)
-        ta = asyncio.run(_aplay(b, seed, actions))
+        ta, blocking, calls = asyncio.run(_aplay_watched(b, seed, actions))
+        # two calls or more, and half of them: a loaded machine's pause rarely lands in two
+        assert not (base.is_async_native and blocking >= 2 and blocking * 2 >= calls), (
+            f"{name}: {blocking} of {calls} areset/astep calls blocked the event loop for "
+            f"{BLOCKING_CALL_S} s or more: a blocking call in _areset/_astep (await the I/O, or run "
+            "it with asyncio.to_thread)"
+        )
         if deterministic:
             assert _same(ts, ta), f"{name}: areset/astep disagree with reset/step"
         for rec in ts[1:] + ta[1:]:

@@ -1,6 +1,7 @@
 """check_env over the whole registry, and that it catches broken envs."""
 
 import threading
+import time
 
 import pytest
 from toy_envs import CountEnv, GlobalRandomEnv, SlowSearchEnv
@@ -87,6 +88,17 @@ def test_catches_an_env_that_crashes_on_bad_input():
 
     with pytest.raises(AssertionError, match="raised ValueError"):
         check_env(Fragile())
+
+
+def test_catches_an_async_env_that_blocks_the_event_loop():
+    class Blocking(SlowSearchEnv):
+        async def _astep(self, action):
+            time.sleep(0.12)  # a blocking call: the loop's other episodes wait
+            return await super()._astep(action)
+
+    check_env(SlowSearchEnv(latency=0.12), num_steps=3)  # awaiting as long is fine
+    with pytest.raises(AssertionError, match=r"3 of 4 areset/astep calls blocked the event loop"):
+        check_env(Blocking(latency=0), num_steps=3)
 
 
 def test_catches_an_env_whose_async_twin_disagrees():
