@@ -269,7 +269,9 @@ def test_a_reset_hook_returning_wrong_shapes_is_named():
         def _reset(self, options):
             return "the task", None
 
-    with pytest.raises(TypeError, match=r"ObservationOnly reset hook must return \(observation, info\), got 'the task'"):
+    with pytest.raises(
+        TypeError, match=r"ObservationOnly reset hook must return \(observation, info\), got 'the task'"
+    ):
         ObservationOnly().reset(seed=0)
     with pytest.raises(TypeError, match="NoInfo reset hook returned info None; it must be a dict"):
         NoInfo().reset(seed=0)
