@@ -325,7 +325,9 @@ def _balanced_spans(n: int, parts: int, size) -> list[tuple[int, int]]:
 def _cheapest_cuts(first: int, end: int, size, max_tokens: int) -> list[tuple[int, int]]:
     """Cuts of the range ``first..end`` into units of at most ``max_tokens`` ``size`` with the
     smallest total size (dynamic programming over the cut points, quadratic in the range; a range
-    that fits whole is one unit, as a cut never shrinks the trees)."""
+    that fits whole is one unit, as a cut never shrinks the trees; an empty range, none)."""
+    if first == end:  # a rank past the spans (fewer trees than ranks): its plan is a placeholder
+        return []
     if size(first, end) <= max_tokens:
         return [(first, end)]
     best, cut = {first: 0}, {}
@@ -406,12 +408,14 @@ def regroup_scores(
 ) -> list[dict[str, torch.Tensor]]:
     """Per-token tensors packed for the micro-batches ``old`` (``scores[j][key]``: ``[sum of the
     lengths of old[j]'s sequences]``), packed again for ``new`` (the same sequences planned with
-    another token budget). A sequence of ``new`` that ``old`` did not hold on this rank (a
-    placeholder's, whose loss is multiplied by 0) gets zeros."""
+    another token budget). A sequence of ``new`` that ``old`` did not hold on this rank for real (a
+    placeholder's, whose loss is multiplied by 0) gets zeros; an old placeholder's scores are dropped."""
     if [(m.indices, m.placeholder) for m in old] == [(m.indices, m.placeholder) for m in new]:
         return list(scores)
     per_sequence: dict[int, dict[str, torch.Tensor]] = {}
     for mb, packed in zip(old, scores, strict=True):
+        if mb.placeholder:  # a pass this rank does not count: a sequence it holds for real keeps its own
+            continue
         sizes = [lengths[i] for i in mb.indices]
         for key, tensor in packed.items():
             for i, chunk in zip(mb.indices, tensor.split(sizes), strict=True):

@@ -13,7 +13,9 @@ from rl2gem.parallel.packing import (
     packed_attention_mask,
     packed_batch,
     plan,
+    plan_micro_batches,
     plan_minibatches,
+    plan_tree,
     seq_cost,
     unpack,
 )
@@ -68,6 +70,18 @@ def test_micro_batches_bounded_and_equal_count_across_ranks():
     assert all(sum(lengths[i] for i in mb) <= 1024 for rank in p for mb in rank)
     with pytest.raises(ValueError, match="max_length_per_device"):
         pack_micro_batches([2000], [0], 1024)
+
+
+@pytest.mark.parametrize(
+    "sequences, expected",
+    [([[1, 2, 3]], [[[0]], [[]]]), ([[1, 2, 3], [1, 2, 3]], [[[0, 1]], [[]]])],
+    ids=["fewer rows than ranks", "identical rows: one tree"],
+)
+def test_a_rank_past_the_prefix_trees_gets_an_empty_plan_as_in_the_flat_plan(sequences, expected):
+    assert plan([3], world_size=2, max_tokens=10) == [[[0]], [[]]]
+    assert plan_tree(sequences, world_size=2, max_tokens=10) == expected
+    (placeholder,) = plan_micro_batches([4, 4], 1, 2, 64, sequences=[[5, 6, 7, 8]] * 2)  # GRPO: equal answers
+    assert placeholder.placeholder and placeholder.indices == [0]  # rank 1 runs a pass it does not count
 
 
 def test_packed_logprobs_equal_unpacked():

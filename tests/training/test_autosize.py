@@ -62,6 +62,11 @@ def test_regroup_keeps_every_sequences_values_and_zero_fills_placeholders():
     assert regroup_scores(scores, old, [MicroBatch([0, 1]), MicroBatch([2, 3])], lengths) == scores
     [filled] = regroup_scores(scores[:1], old[:1], [MicroBatch([3], placeholder=True)], lengths)
     assert torch.equal(filled["old"], torch.zeros(1))  # sequence 3 was never on this rank
+    # a placeholder pass over a sequence this rank also holds for real: the real pass's values stay
+    held = [MicroBatch([0]), MicroBatch([0], placeholder=True)]
+    scores = [{"old": per_sequence[0]}, {"old": torch.full((3,), 777.0)}]
+    [kept] = regroup_scores(scores, held, [MicroBatch([0])], lengths)
+    assert torch.equal(kept["old"], per_sequence[0])
 
 
 def activation_bytes(model, length):
