@@ -12,7 +12,10 @@ decoder family that shares Llama's module names (Llama, Qwen2, Qwen3, Mistral):
   ``[N, V]`` logits are never gathered: :func:`vocab_parallel_logprobs` computes per-token
   log-probabilities and entropies from the shards with three all-reduces of ``[N]`` vectors.
 
-Norms and a value or reward head stay replicated. FSDP2 then shards every parameter over the data
+Norms and a value or reward head stay replicated. Qwen3's per-head ``q_norm`` / ``k_norm`` see
+only this rank's heads, so they are planned as ``SequenceParallel`` over the head dimension: their
+weights are replicated DTensors whose gradients are summed over the tensor-parallel ranks (a plain
+replicated copy would keep each rank's part of the gradient, and the copies would drift apart). FSDP2 then shards every parameter over the data
 dims (2-D FSDP x TP, :func:`rl2gem.parallel.fsdp.load_sharded`). Tied input and output
 embeddings are re-tied after the plan (both are sharded by vocabulary rows).
 """
@@ -63,7 +66,12 @@ def parallelize(model, tp_mesh) -> None:
         ValueError: see :func:`check_tp`.
     """
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     check_tp(model.config, tp_mesh.size())
     layer_plan = {
@@ -75,8 +83,12 @@ def parallelize(model, tp_mesh) -> None:
         "mlp.up_proj": ColwiseParallel(),
         "mlp.down_proj": RowwiseParallel(),
     }
+    head_norms = {  # Qwen3: RMSNorm over each head of [batch, tokens, heads, head_dim]
+        f"self_attn.{name}": SequenceParallel(sequence_dim=2, use_local_output=True) for name in ("q_norm", "k_norm")
+    }
     for layer in decoder_layers(model):
-        parallelize_module(layer, tp_mesh, layer_plan)
+        has_head_norms = all(getattr(layer.self_attn, name.split(".")[1], None) is not None for name in head_norms)
+        parallelize_module(layer, tp_mesh, {**layer_plan, **head_norms} if has_head_norms else layer_plan)
     tied = getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "lm_head")
     plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
     if hasattr(model, "lm_head"):
@@ -109,6 +121,12 @@ def _shard_targets(targets: torch.Tensor, width: int, group) -> tuple[torch.Tens
     return (targets >= start) & (targets < start + width), (targets - start).clamp(0, width - 1)
 
 
+def _picked(shifted: torch.Tensor, local_target: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
+    """``[N]``: each target's shifted logit on the rank that holds it, 0 on the others (not a
+    product with ``inside``: a ``-inf`` logit at the clamped index would give NaN)."""
+    return torch.where(inside, shifted.gather(1, local_target[:, None]).squeeze(1), 0.0)
+
+
 class _VocabParallelLogprobs(torch.autograd.Function):
     """Log-probs of targets from vocabulary shards, saving only the local softmax ``[N, V / tp]``
     for the backward (``d logp / d logits = onehot - softmax``), as Megatron's vocab-parallel
@@ -120,7 +138,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
         shifted = local_logits - peak[:, None]
         inside, local_target = _shard_targets(targets, local_logits.shape[-1], group)
-        picked = shifted.gather(1, local_target[:, None]).squeeze(1) * inside
+        picked = _picked(shifted, local_target, inside)
         softmax = shifted.exp_()
         total = softmax.sum(-1)
         dist.all_reduce(total, group=group)
@@ -164,7 +182,7 @@ def vocab_parallel_logprobs(
     exp = shifted.exp()
     total = _AllReduceSum.apply(exp.sum(-1), group)
     inside, local_target = _shard_targets(targets, local_logits.shape[-1], group)
-    picked = shifted.gather(1, local_target[:, None]).squeeze(1) * inside
+    picked = _picked(shifted, local_target, inside)
     log_total = total.log()
     logprobs = _AllReduceSum.apply(picked, group) - log_total
     expected = _AllReduceSum.apply((exp * shifted).sum(-1), group) / total

@@ -89,6 +89,16 @@ def vocab_errors(rank, world, generator):
     assert none is None
     errors["logprobs_only"] = (lp - ref_lp).abs().max().item()
     errors["grad_logprobs_only"] = (shard.grad - full.grad[:, rank * width : (rank + 1) * width]).abs().max().item()
+    # a -inf logit (a masked token) at each rank's first id, where the other ranks' targets clamp
+    masked = logits.clone()
+    masked[:, ::width] = float("-inf")
+    targets = targets.where(targets % width != 0, targets + 1)
+    reference = torch.log_softmax(masked, -1).gather(1, targets[:, None]).squeeze(1)
+    for entropy in (False, True):
+        lp, _ = vocab_parallel_logprobs(
+            masked[:, rank * width : (rank + 1) * width], targets, dist.group.WORLD, entropy=entropy
+        )
+        errors[f"logprobs_minus_inf_entropy_{entropy}"] = (lp - reference).abs().max().nan_to_num(float("inf")).item()
     return errors
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import ROOT, logged_steps, torchrun, torchrun_command
 from rl2gem.trainers import ppo
+from tiny import tiny_family_model
 
 
 def arithmetic_run(model) -> list[str]:
@@ -55,17 +56,26 @@ def test_unknown_config_key_names_the_closest(capsys):
 
 
 @pytest.fixture(scope="session")
-def one_rank_reference(tiny_dir, tmp_path_factory):
-    """The one-process result of ``fsdp_equivalence.py`` for given data options, run once per
-    option set."""
+def qwen3_dir(tmp_path_factory):
+    """A tiny random Qwen3 (per-head q/k RMSNorm) with 1024 token ids (``fsdp_equivalence.py``
+    draws ids below 1000)."""
+    folder = tmp_path_factory.mktemp("qwen3")
+    tiny_family_model("qwen3", vocab_size=1024).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def one_rank_reference(tmp_path_factory):
+    """The one-process result of ``fsdp_equivalence.py`` for a model and data options, run once
+    per pair."""
     cache: dict = {}
 
-    def reference(options: tuple[str, ...]) -> dict:
-        if options not in cache:
+    def reference(model_dir, options: tuple[str, ...]) -> dict:
+        if (model_dir, options) not in cache:
             out = tmp_path_factory.mktemp("one") / "one.json"
-            torchrun(1, str(ROOT / "tests" / "parallel" / "fsdp_equivalence.py"), str(tiny_dir), str(out), *options)
-            cache[options] = json.loads(out.read_text())
-        return cache[options]
+            torchrun(1, str(ROOT / "tests" / "parallel" / "fsdp_equivalence.py"), str(model_dir), str(out), *options)
+            cache[model_dir, options] = json.loads(out.read_text())
+        return cache[model_dir, options]
 
     return reference
 
@@ -84,18 +94,22 @@ UNEVEN = "lengths=3,1,17,40,90,9"  # shorter than 2*sp tokens, one token, longer
         (2, ("lora=4", "gradient_checkpointing=1")),
         (4, ("tp_size=2", UNEVEN, "max_tokens=50")),
         (4, ("sp_size=2", "tp_size=2", UNEVEN, "max_tokens=50")),
+        (2, ("tp_size=2", "model=qwen3")),
     ],
-    ids=["fsdp", "hsdp", "offload+checkpointing", "tp", "sp", "lora", "fsdp2xtp2", "sp2xtp2"],
+    ids=["fsdp", "hsdp", "offload+checkpointing", "tp", "sp", "lora", "fsdp2xtp2", "sp2xtp2", "tp-qwen3"],
 )
-def test_fsdp_ranks_equal_one(tiny_dir, tmp_path, one_rank_reference, ranks, options):
+def test_fsdp_ranks_equal_one(request, tmp_path, one_rank_reference, ranks, options):
     """FSDP2 over 2 ranks (plain, HSDP replicas, CPU offload with activation checkpointing, LoRA
     adapters beside frozen base shards), tensor parallelism over 2 ranks, ZigZag sequence
     parallelism over 2 ranks (on uneven packed lengths), and over 4 ranks FSDP's 2 shards of each
     tensor-parallel half (and 2 SP x 2 TP) give one process's logits, per-token log-probs, loss and
-    gradients (one process runs the model without an FSDP wrapper)."""
+    gradients (one process runs the model without an FSDP wrapper). Qwen3 under tensor
+    parallelism: its per-head q/k norms, whose inputs each rank holds a part of."""
     script = str(ROOT / "tests" / "parallel" / "fsdp_equivalence.py")
-    one = one_rank_reference(tuple(o for o in options if o.startswith(("lengths=", "max_tokens=", "lora="))))
-    torchrun(ranks, script, str(tiny_dir), str(tmp_path / "two.json"), *options)
+    model_dir = request.getfixturevalue("qwen3_dir" if "model=qwen3" in options else "tiny_dir")
+    options = tuple(o for o in options if not o.startswith("model="))
+    one = one_rank_reference(model_dir, tuple(o for o in options if o.startswith(("lengths=", "max_tokens=", "lora="))))
+    torchrun(ranks, script, str(model_dir), str(tmp_path / "two.json"), *options)
     two = json.loads((tmp_path / "two.json").read_text())
     assert two["fsdp"] and not one["fsdp"]  # one rank runs the plain module: FSDP would only copy
     assert one["loss"] == pytest.approx(two["loss"], rel=1e-5, abs=1e-7)
