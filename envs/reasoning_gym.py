@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import functools
 import inspect
 import json
@@ -116,6 +117,22 @@ def _task_class(task: str) -> type:
     return reasoning_gym.factory.DATASETS[task][0]
 
 
+def _check_task_options(task: str, options: dict[str, Any]) -> None:
+    """Refuse what reasoning-gym would refuse at the first reset: an option the task's config has
+    no field for, or values its ``validate()`` rejects."""
+    import reasoning_gym
+
+    config_class = reasoning_gym.factory.DATASETS[task][1]
+    fields = {field.name for field in dataclasses.fields(config_class)} - {"seed", "size"}
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        raise TypeError(f"reasoning-gym task {task!r} has no option(s) {unknown}; its options are {sorted(fields)}")
+    try:
+        config_class(**options).validate()
+    except (AssertionError, ValueError, TypeError) as e:  # reasoning-gym validates with asserts
+        raise ValueError(f"reasoning-gym task {task!r} refused {options}: {e or type(e).__name__}") from None
+
+
 @functools.lru_cache(maxsize=64)
 def _dataset(task: str, split: str, size: int, config_items: tuple):
     import reasoning_gym
@@ -171,6 +188,9 @@ class ReasoningGymEnv(Env):
             raise ValueError(f"split must be one of {sorted(SPLIT_SEEDS)}, got {split!r}")
         if reward not in ("binary", "raw"):
             raise ValueError(f"reward must be 'binary' or 'raw', got {reward!r}")
+        if int(size) < 1:
+            raise ValueError(f"size must be >= 1, got {size!r}")
+        _check_task_options(task, config)
         self.task, self.split, self.size, self.reward_mode = task, split, int(size), reward
         self.config = tuple(sorted((k, tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in config.items()))
         self.item: dict[str, Any] | None = None

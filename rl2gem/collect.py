@@ -49,9 +49,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from rl2gem.config import ConfigError, load_config
+from rl2gem.config import command_line_config, config_error_exit_code
 from rl2gem.evaluation import DEFAULTS as EVALUATE_DEFAULTS
-from rl2gem.evaluation import EpisodeRecord, default_output, evaluate
+from rl2gem.evaluation import EpisodeRecord, check_arguments, default_output, evaluate
 from rl2gem.procs import run_main
 
 __all__ = ["DEFAULTS", "POLICIES", "collect", "episode_row", "pair_rows", "main", "parse_args"]
@@ -247,12 +247,13 @@ def parse_args(argv: list[str]) -> DictConfig:
     """Merge ``key=value`` arguments over :data:`DEFAULTS` (``rl2gem.config.load_config``).
 
     Raises:
-        SystemExit: a malformed argument or an unknown key (the message names the closest valid one).
+        SystemExit: 2 after ``config error: ...`` on stderr (a malformed argument, an unknown key
+            with the closest valid one, an env that does not build with ``env_kwargs``); 0 after
+            the help (``--help``).
     """
-    try:
-        cfg = load_config(DEFAULTS, argv)
-    except ConfigError as e:
-        raise SystemExit(f"{e} (e.g. env=rl2/SearchQA-v0 policy=solver n=100 output=data.jsonl)") from None
+    cfg = command_line_config(DEFAULTS, check_arguments, argv)
+    if cfg is None:
+        raise SystemExit(config_error_exit_code())
     if cfg.output is None:
         cfg.output = default_output("collect", cfg.env, cfg.model or cfg.policy or "solver")
     return cfg

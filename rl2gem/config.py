@@ -171,10 +171,14 @@ def check_types(defaults: Mapping[str, Any], config: Mapping[str, Any], prefix: 
 HELP_ARGUMENTS = ("--help", "-h", "help=true")
 
 
-def config_help(defaults: str | Path) -> str:
+def config_help(defaults: str | Path | Mapping[str, Any]) -> str:
     """The help of a command line over the YAML ``defaults``: the usage line, the defaults file as
     written (every key, its default and its comment: the schema) and the recipes next to it that
-    ``config=<name>`` merges over the defaults."""
+    ``config=<name>`` merges over the defaults. Defaults given as a mapping: the usage line and
+    every key with its default."""
+    if not isinstance(defaults, (str, Path)):
+        listed = yaml.safe_dump(OmegaConf.to_container(OmegaConf.create(dict(defaults))), sort_keys=False)
+        return f"usage: [key=value ...]   (unknown keys and values of the wrong type are errors)\n\nkeys and defaults:\n\n{listed.rstrip()}"
     path = Path(defaults)
     plain = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
     recipes = []
@@ -203,7 +207,7 @@ def config_error_exit_code() -> int:
 
 
 def command_line_config(
-    defaults: str | Path, check: Callable[[DictConfig], None], argv: list[str] | None = None
+    defaults: str | Path | Mapping[str, Any], check: Callable[[DictConfig], None], argv: list[str] | None = None
 ) -> DictConfig | None:
     """The config of a command line (:func:`load_config` on ``argv``, default ``sys.argv[1:]``)
     after ``check`` (combinations that cannot work); on a :class:`ConfigError` the message goes to

@@ -23,6 +23,8 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
+from rl2gem.registry import find_spec
+
 __all__ = [
     "ACTION_FIELD",
     "ProtocolError",
@@ -127,7 +129,7 @@ def _text_schema(space: gym.Space, description: str) -> dict[str, Any]:
 
 def _constructor_kwargs(env_id: str) -> dict[str, Any]:
     """The keyword arguments of ``env_id``'s entry point: name -> ``{"default": ..., "registered": ...}``."""
-    spec = gym.spec(env_id)
+    spec = find_spec(env_id)
     entry = spec.entry_point
     creator = gym.envs.registration.load_env_creator(entry) if isinstance(entry, str) else entry
     kwargs = {}

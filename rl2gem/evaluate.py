@@ -15,25 +15,23 @@ from __future__ import annotations
 import sys
 import time
 
-from rl2gem.config import ConfigError, load_config
-from rl2gem.evaluation import DEFAULTS, default_output, evaluate, summarize
-from rl2gem.models import resolve_device, resolve_dtype
+from rl2gem.config import command_line_config, config_error_exit_code
+from rl2gem.evaluation import DEFAULTS, check_arguments, default_output, evaluate, summarize
 from rl2gem.procs import run_main
 
 __all__ = ["parse_args", "main"]
 
 
 def parse_args(argv: list[str]):
-    """Merge ``key=value`` arguments over :data:`DEFAULTS`; an unknown key names the closest valid one."""
-    try:
-        cfg = load_config(DEFAULTS, argv)
-        for key, resolve in (("device", resolve_device), ("dtype", lambda name: resolve_dtype(name, "cpu"))):
-            try:
-                resolve(cfg[key])
-            except ValueError as e:
-                raise ConfigError(f"{key}: {e}") from None
-    except ConfigError as e:
-        raise SystemExit(f"{e} (e.g. env=rl2/GSM8K-v0 n=50)") from None
+    """Merge ``key=value`` arguments over :data:`DEFAULTS`, checked before anything loads (an
+    unknown key names the closest valid one; the env must build with ``env_kwargs``).
+
+    Raises:
+        SystemExit: 2 after ``config error: ...`` on stderr; 0 after the help (``--help``).
+    """
+    cfg = command_line_config(DEFAULTS, check_arguments, argv)
+    if cfg is None:
+        raise SystemExit(config_error_exit_code())
     if cfg.output is None:
         cfg.output = default_output(
             "evaluate", cfg.env, cfg.openai_model or cfg.model or ("server" if cfg.server else cfg.policy)

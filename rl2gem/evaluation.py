@@ -58,7 +58,10 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from rl2gem.config import ConfigError
 from rl2gem.env_protocol import dataset_size
+from rl2gem.models import load_model, resolve_device, resolve_dtype, resolve_model
+from rl2gem.registry import env_config_problem, find_spec
 from rl2gem.rollout.engines.http import served_context_length
 
 __all__ = [
@@ -135,6 +138,30 @@ def env_kwargs(cfg) -> dict[str, Any]:
     and compare them)."""
     value = cfg.env_kwargs
     return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else dict(value)
+
+
+def check_arguments(cfg) -> None:
+    """The checks of ``python -m rl2gem.evaluate`` / ``rl2gem.collect`` before anything loads:
+    ``device`` and ``dtype`` name one, ``cfg.env`` is a registered id (``module:id`` imports
+    ``module``) and the env builds with ``cfg.env_kwargs`` and ``cfg.split``.
+
+    Raises:
+        rl2gem.config.ConfigError: naming the key.
+    """
+    import rl2gem  # noqa: F401  (registers the envs)
+
+    for key, resolve in (("device", resolve_device), ("dtype", lambda name: resolve_dtype(name, "cpu"))):
+        try:
+            resolve(cfg[key])
+        except ValueError as e:
+            raise ConfigError(f"{key}: {e}") from None
+
+    try:
+        find_spec(cfg.env)
+    except Exception as e:  # gymnasium's own errors (NameNotFound, ...), with its hint
+        raise ConfigError(f"env: {e}") from None
+    if problem := env_config_problem(cfg.env, env_kwargs(cfg), split=cfg.split):
+        raise ConfigError(f"env_kwargs: {problem}")
 
 
 def _scripted(policy: str, env: gym.Env, rng: np.random.Generator) -> Callable[[], Callable[[str], str]]:
@@ -300,7 +327,6 @@ def paired_comparison(before: list[EpisodeRecord], after: list[EpisodeRecord]) -
 def _evaluate_model(cfg, resets, emit) -> None:
     import asyncio
 
-    from rl2gem.models import load_model
     from rl2gem.rollout import EmbeddedEngine, HTTPEngine, RolloutConfig
     from rl2gem.rollout.tito import load_chat_template
 
@@ -368,8 +394,6 @@ def _served_tokenizer(cfg):
     import urllib.request
 
     from transformers import AutoTokenizer
-
-    from rl2gem.models import resolve_model
 
     if cfg.model:
         return AutoTokenizer.from_pretrained(resolve_model(cfg.model))

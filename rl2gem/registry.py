@@ -12,7 +12,10 @@ thin conveniences over it:
 * :func:`list_envs` lists the ids registered through :func:`register`, plugins'
   included (optionally of one namespace).
 * :func:`standard_kwargs` fills in the options evaluation and training set on
-  every env that takes them (``split``, ``tool_prompt``).
+  every env that takes them (``split``, ``tool_prompt``); :func:`env_config_problem` builds an
+  env once to check its arguments before a run loads anything.
+* :func:`find_spec` is :func:`gymnasium.spec` that also takes :func:`gymnasium.make`'s
+  ``"module:id"`` form (the module is imported first: a script's own envs).
 * :func:`load_plugins` imports the environments other installed packages
   declare in the entry-point group ``rl2gem.envs`` (Gymnasium 1.x no longer
   loads plugins). It runs once when :mod:`rl2gem` is imported.
@@ -27,7 +30,9 @@ envs) or a callable taking no arguments (calling it registers them)::
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
+import sys
 import types
 import warnings
 from collections.abc import Callable, Sequence
@@ -42,6 +47,8 @@ __all__ = [
     "list_envs",
     "load_plugins",
     "standard_kwargs",
+    "env_config_problem",
+    "find_spec",
     "ENTRY_POINT_GROUP",
     "NAMESPACE",
 ]
@@ -108,7 +115,7 @@ def standard_kwargs(
     import inspect
 
     out = dict(kwargs or {})
-    entry = gym.spec(id).entry_point
+    entry = find_spec(id).entry_point
     creator = gym.envs.registration.load_env_creator(entry) if isinstance(entry, str) else entry
     params = inspect.signature(creator).parameters
     if split is not None and "split" in params:
@@ -116,6 +123,39 @@ def standard_kwargs(
     if tools_in_template and "tool_prompt" in params:
         out.setdefault("tool_prompt", None)
     return out
+
+
+def find_spec(id: str) -> gym.envs.registration.EnvSpec:
+    """:func:`gymnasium.spec`, also for the ``"module:namespace/Name-vN"`` form that
+    :func:`gymnasium.make` takes (``module`` is imported first, which registers its envs).
+
+    Raises:
+        gymnasium.error.Error: an unknown id (with Gymnasium's "did you mean" hint).
+        ModuleNotFoundError: ``module`` does not import.
+    """
+    module, _, name = id.rpartition(":")
+    if module:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            raise ModuleNotFoundError(
+                f"{id}: the module {module!r} that should register the env does not import: {e}"
+            ) from e
+    return gym.spec(name)
+
+
+def env_config_problem(
+    id: str, kwargs: dict[str, Any] | None = None, *, split: str | None = None, tools_in_template: bool = False
+) -> str | None:
+    """Why ``make(id, **standard_kwargs(id, kwargs, ...))`` fails (an unknown id or argument, a value
+    the env refuses), or None when it works: the env is built once and closed. Envs parse no data
+    at construction, so this is cheap (about 1 s at most, a first import)."""
+    try:
+        env = gym.make(id, **standard_kwargs(id, kwargs, split=split, tools_in_template=tools_in_template))
+    except Exception as e:  # the env's own error is the message
+        return f"{id} with {dict(kwargs or {})}: {type(e).__name__}: {e}"
+    env.close()
+    return None
 
 
 def make_vec(
@@ -215,10 +255,24 @@ def load_plugins(*, force: bool = False) -> list[str]:
     loaded = []
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         try:
+            before, imported = dict(gym.registry), ep.module in sys.modules  # imported: it registered then
             obj = ep.load()
             if callable(obj) and not isinstance(obj, types.ModuleType):
                 obj()
             loaded.append(ep.name)
+            registered = len(gym.registry) != len(before) or any(gym.registry[k] is not v for k, v in before.items())
+            if not registered and not (imported and not ep.attr):
+                hint = (
+                    ""
+                    if ep.attr
+                    else f": point it at the function that registers them, e.g. '{ep.value}:register_envs'"
+                )
+                warnings.warn(
+                    f"rl2gem: env plugin {ep.name!r} = {ep.value!r} registered no env (a module registers its "
+                    f"envs when imported, a function when called){hint}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         except Exception as e:
             dist = getattr(ep, "dist", None)
             warnings.warn(

@@ -142,9 +142,10 @@ def test_tool_results_are_one_tool_message_each(tmp_path, tokenizer):
         (["min_rewrd=1"], "did you mean 'min_reward'"),
     ],
 )
-def test_bad_arguments_exit_with_a_reason(tmp_path, args, message):
-    with pytest.raises(SystemExit, match=message):
+def test_bad_arguments_exit_with_a_reason(tmp_path, args, message, capsys):
+    with pytest.raises(SystemExit) as stopped:
         main([*args, f"output={tmp_path / 'x.jsonl'}", "progress=false"])
+    assert message in f"{stopped.value.code} {capsys.readouterr().err}"  # config errors: on stderr, code 2
     assert not (tmp_path / "x.jsonl").exists()
 
 

@@ -78,12 +78,54 @@ def test_evaluate_rejects_unknown_keys_with_a_suggestion():
     assert r.returncode != 0 and "did you mean 'model'" in r.stderr
 
 
-def test_evaluate_names_a_bad_device_or_dtype_before_loading_anything():
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["device=gpu0"], "config error: device: device 'gpu0'"),
+        (["dtype=float8"], "config error: dtype: dtype must be"),
+        (
+            ["env=rl2/GuessNumber-v0"],
+            "config error: env: Environment `GuessNumber` doesn't exist in namespace rl2. "
+            "Did you mean: `GuessTheNumber`?",
+        ),
+        (
+            ["env_kwargs.max_turn=3"],
+            "config error: env_kwargs: rl2/GuessTheNumber-v0 with {'max_turn': 3}: TypeError: "
+            "GuessTheNumberEnv got unknown argument(s) ['max_turn']",
+        ),
+        (
+            ["env_kwargs.max_turns=0"],
+            "config error: env_kwargs: rl2/GuessTheNumber-v0 with {'max_turns': 0}: ValueError",
+        ),
+        (
+            ["env=no_such_module:rl2/GuessTheNumber-v0"],
+            "config error: env: no_such_module:rl2/GuessTheNumber-v0: the module",
+        ),
+    ],
+)
+def test_evaluate_and_collect_name_a_bad_argument_in_one_line_before_loading_anything(arguments, message, capsys):
+    from rl2gem.collect import parse_args as collect_arguments
     from rl2gem.evaluate import parse_args
 
-    for argument, message in (("device=gpu0", "device: device 'gpu0'"), ("dtype=float8", "dtype: dtype must be")):
-        with pytest.raises(SystemExit, match=message):
-            parse_args(["model=/no/such/model", argument])
+    for parse in (parse_args, collect_arguments):
+        with pytest.raises(SystemExit) as stopped:
+            parse(["model=/no/such/model", *arguments])
+        error = capsys.readouterr().err
+        assert stopped.value.code == 2 and error.startswith(message) and error.count("\n") == 1, error
+
+
+def test_the_docs_evaluate_command_takes_a_script_registered_env_as_module_and_id(tmp_path):
+    """contributing-envs.md's command, run from examples/ as it says: ``env=module:id``, as
+    ``gymnasium.make`` takes it (the module registers the env on import)."""
+    doc = (ROOT / "docs" / "contributing-envs.md").read_text()
+    (command,) = re.findall(r"```bash\n(python -m rl2gem.evaluate env=custom_env:[^\n]*)\n```", doc)
+    out = tmp_path / "reverse.jsonl"
+    arguments = [*shlex.split(command)[1:], f"output={out}", "progress=false"]
+    r = subprocess.run([sys.executable, *arguments], cwd=ROOT / "examples", capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 20 and all(1 <= record["turns"] <= 5 for record in records)
+    assert "example/Reverse-v0" in r.stdout or "custom_env:example/Reverse-v0" in r.stdout
 
 
 def test_evaluate_records_each_episodes_context_segments_and_summaries(tmp_path, tiny_dir):

@@ -89,9 +89,20 @@ build-backend = "setuptools.build_meta"
 name = "rl2gem-demo-plugin"
 version = "0.0.1"
 
+[tool.setuptools]
+packages = ["rl2gem_demo_plugin", "rl2gem_demo_forgot"]
+
 [project.entry-points."rl2gem.envs"]
 demo = "rl2gem_demo_plugin:register_envs"
 broken = "rl2gem_demo_plugin_missing:nothing"
+forgot = "rl2gem_demo_forgot"
+"""
+
+FORGOT_MODULE = """
+import rl2gem
+
+def register_envs():  # never called: the entry point names the module
+    rl2gem.register("demo/Forgotten-v0", "rl2gem_demo_plugin:Coin")
 """
 
 PLUGIN_MODULE = """
@@ -116,6 +127,8 @@ def test_entry_point_discovery_of_an_installed_package(tmp_path):
     (src / "rl2gem_demo_plugin").mkdir(parents=True)
     (src / "pyproject.toml").write_text(PLUGIN_PYPROJECT)
     (src / "rl2gem_demo_plugin" / "__init__.py").write_text(PLUGIN_MODULE)
+    (src / "rl2gem_demo_forgot").mkdir()
+    (src / "rl2gem_demo_forgot" / "__init__.py").write_text(FORGOT_MODULE)
     target = tmp_path / "site"
     pip = subprocess.run(
         [
@@ -152,6 +165,7 @@ def test_entry_point_discovery_of_an_installed_package(tmp_path):
         print("demo/Coin-v0" in rl2gem.list_envs(), "rl2/GuessTheNumber-v0" in rl2gem.list_envs(),
               "demo/Coin-v0" in rl2gem.list_envs("rl2"))
         print([str(w.message) for w in caught if "could not load env plugin" in str(w.message)])
+        print([str(w.message) for w in caught if "registered no env" in str(w.message)])
         """,
         env={"PYTHONPATH": str(target)},
     )
@@ -161,6 +175,9 @@ def test_entry_point_discovery_of_an_installed_package(tmp_path):
     assert lines[1] == "True True False"
     # the broken entry point warns, naming itself, and does not break the import
     assert "'broken'" in lines[2] and "ModuleNotFoundError" in lines[2]
+    # a module that only defines its registering function: one warning, for it alone, with the fix
+    assert lines[3].count("registered no env") == 1 and "'forgot' = 'rl2gem_demo_forgot'" in lines[3]
+    assert "e.g. 'rl2gem_demo_forgot:register_envs'" in lines[3]
 
 
 def test_load_plugins_runs_once_unless_forced():

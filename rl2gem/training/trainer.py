@@ -20,7 +20,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import gymnasium as gym
 import torch.distributed as dist
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
@@ -29,6 +28,7 @@ import rl2gem  # noqa: F401 (registers the rl2/ envs and loads plugins, for the 
 from rl2gem.config import ConfigError, command_line_config, config_error_exit_code
 from rl2gem.data import missing_data_files
 from rl2gem.models import model_problem
+from rl2gem.registry import env_config_problem, find_spec
 from rl2gem.tracking import LOGGERS, Tracker, flat_config
 from rl2gem.training.metrics import PeakMemory
 
@@ -177,9 +177,11 @@ def _settings(cfg) -> dict[str, str]:
 
 def check_common_keys(cfg) -> None:
     """Checks every trainer's config gets before anything loads: the env ids (``env``,
-    ``trainer.eval_env``) are registered, each model key names a built-in model, a folder or a hub
-    id, every data file named in ``env_kwargs``, ``eval_env_kwargs`` and ``data`` exists, counts are
-    in range, ``trainer.loggers`` names loggers, and ``trainer.output_dir`` holds no run unless
+    ``trainer.eval_env``; ``module:id`` imports ``module``) are registered, each model key names a
+    built-in model, a folder or a hub id, every data file named in ``env_kwargs``,
+    ``eval_env_kwargs`` and ``data`` exists, each env builds with its arguments (the training env
+    with ``env_kwargs``, the evaluation env with its own merged in), counts are in range,
+    ``trainer.loggers`` names loggers, and ``trainer.output_dir`` holds no run unless
     ``trainer.resume``.
 
     Raises:
@@ -189,7 +191,7 @@ def check_common_keys(cfg) -> None:
         env = OmegaConf.select(cfg, key, default=None)
         if env:
             try:
-                gym.spec(env)
+                find_spec(env)
             except Exception as e:  # gymnasium's own errors (NameNotFound, ...), with its hint
                 raise ConfigError(f"{key}: {e}") from None
     for section in ("actor", "critic", "reference", "ref", "reward"):
@@ -199,6 +201,9 @@ def check_common_keys(cfg) -> None:
     for section in ("env_kwargs", "eval_env_kwargs", "data", "trainer.eval_env_kwargs"):
         for key, path in missing_data_files(OmegaConf.select(cfg, section, default=None), section):
             raise ConfigError(f"{key}: no such data file {path!r}")
+    for key, env, kwargs, split in _env_builds(cfg):
+        if problem := env_config_problem(env, kwargs, split=split):
+            raise ConfigError(f"{key}: {problem}")
     minimums = {
         ("rollout", "responses_per_prompt"): 1,
         ("trainer", "total_steps"): 0,
@@ -222,6 +227,25 @@ def check_common_keys(cfg) -> None:
             f"trainer.output_dir: {latest.parent} holds a run (latest: {latest.read_text().strip()}); "
             "continue it with trainer.resume=true, or start this one in another trainer.output_dir"
         )
+
+
+def _env_builds(cfg) -> list[tuple[str, str, dict, str | None]]:
+    """``(key, env id, kwargs, split)`` of each env a run makes: the training env, the online
+    trainers' evaluation env (``eval_env_kwargs`` over ``env_kwargs``), the offline trainers'."""
+
+    def select(key: str) -> Any:
+        value = OmegaConf.select(cfg, key, default=None)
+        return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+    builds = []
+    split = select("trainer.eval_split")
+    if env := select("env"):
+        builds.append(("env_kwargs", env, select("env_kwargs") or {}, None))
+        if select("eval_env_kwargs"):
+            builds.append(("eval_env_kwargs", env, {**builds[0][2], **select("eval_env_kwargs")}, split))
+    if eval_env := select("trainer.eval_env"):
+        builds.append(("trainer.eval_env_kwargs", eval_env, select("trainer.eval_env_kwargs") or {}, split))
+    return builds
 
 
 def launch(

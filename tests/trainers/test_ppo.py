@@ -42,6 +42,8 @@ def test_unknown_config_key_names_the_closest(capsys):
         ),
         (["reward.objectives.pareto={response_tokens: min}"], "hypervolume reference"),
         (["rollout.engine.decode_step=4"], "did you mean 'rollout.engine.decode_steps'"),
+        (["env_kwargs.tsk=x"], "env_kwargs: rl2/ReasoningGym-v0 with {'tsk': 'x'}: TypeError: reasoning-gym task"),
+        (["eval_env_kwargs.min_terms=-3"], "eval_env_kwargs: rl2/ReasoningGym-v0 with {'min_terms': -3}: ValueError"),
         (["rollout.engine.decode_steps=0"], "rollout.engine.decode_steps=0 must be an int >= 1 or auto"),
         (["rollout.engine.decode_graphs=maybe"], "rollout.engine.decode_graphs='maybe' must be true or false or auto"),
         (

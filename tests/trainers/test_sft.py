@@ -42,6 +42,12 @@ def test_config_errors_name_the_key(tmp_path, capsys):
     data.write_text("")
     assert sft.main([f"data.train={data}", "actor.loss_agg=sum"]) == 2
     assert "actor.loss_agg" in capsys.readouterr().err
+    # the evaluation env is built once before anything loads: an argument it refuses is named
+    evaluation = [f"data.train={data}", "trainer.eval_env=rl2/GuessTheNumber-v0", "trainer.eval_env_kwargs.max_turn=3"]
+    assert sft.main(evaluation) == 2
+    assert capsys.readouterr().err.startswith(
+        "config error: trainer.eval_env_kwargs: rl2/GuessTheNumber-v0 with {'max_turn': 3}: TypeError"
+    )
 
 
 def test_assistant_only_mask_with_the_smollm2_template():
