@@ -107,6 +107,7 @@ DEFAULTS: dict[str, Any] = {
     "openai_concurrency": 16,  # requests in flight
     "openai_max_retries": 5,  # per request, exponential backoff (the openai client's own retry logic)
     "openai_timeout": 300.0,  # seconds per request
+    "env_errors": "drop",  # an env that raises: drop (the episode recorded truncated, info error) | raise
 }
 
 
@@ -426,6 +427,26 @@ def _record(position: int, reset_info, total: float, term: bool, trunc: bool, in
     )
 
 
+def _env_error_record(cfg, position: int, seed, error: Exception, where: str, messages, tokens: int, seen: set):
+    """The record of an episode whose env raised (``where``: the call, its turn) under
+    ``env_errors=drop``, truncated with ``info["error"]`` as :meth:`rl2gem.rollout.Rollout.play`
+    keeps one; the error warned once per distinct one.
+
+    Raises:
+        EnvError: the error, with ``env_errors=raise``.
+    """
+    from rl2gem.rollout.rollout import EnvError, warn_env_error
+
+    wrapped = EnvError(f"{cfg.env} {where} raised {type(error).__name__}: {error}")
+    wrapped.__cause__ = error
+    if cfg.get("env_errors", "drop") == "raise":
+        raise wrapped
+    warn_env_error(wrapped, seen)
+    turns = sum(m["role"] == "assistant" for m in messages)
+    info = {"turn": turns, "error": str(wrapped), "truncated_reason": "env_error"}
+    return _record(position, {"seed": seed}, 0.0, False, True, info, messages, tokens)
+
+
 def _evaluate_openai(cfg, resets, emit) -> None:
     """Play ``resets`` through an OpenAI-compatible Chat Completions API (see the module doc)."""
     import asyncio
@@ -449,10 +470,13 @@ def _evaluate_openai(cfg, resets, emit) -> None:
         )
         in_flight = asyncio.Semaphore(int(cfg.openai_concurrency))
 
+        seen: set = set()
+
         async def episode(position: int, seed: int, options) -> None:
             env = _make_env(cfg, tools_in_template=True)
+            shown, tokens, where = [], 0, f"areset (seed {seed})"
             try:
-                obs, info = await env.areset(seed=seed, options=options)
+                obs, info = await _env_call(env.areset(seed=seed, options=options), shown, None)
                 reset_info = info
                 system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
                 api = system + [{"role": info.get("role", "user"), "content": obs}]  # what the API sees
@@ -478,7 +502,8 @@ def _evaluate_openai(cfg, resets, emit) -> None:
                     tokens += reply.usage.completion_tokens if reply.usage else 0
                     calls = [c.model_dump() for c in message.tool_calls or []]
                     action = "\n".join(t for t in (message.content or "", hermes_tool_calls(calls)) if t)
-                    obs, reward, term, trunc, info = await env.astep(action)
+                    where = f"astep (seed {seed}, turn {turn})"
+                    obs, reward, term, trunc, info = await _env_call(env.astep(action), shown, action)
                     total += float(reward)
                     done = term or trunc
                     api.append(
@@ -496,6 +521,8 @@ def _evaluate_openai(cfg, resets, emit) -> None:
                                     {"role": "user" if m["role"] == "tool" else m["role"], "content": m["content"]}
                                 )
                 emit(_record(position, reset_info, total, term, trunc, info, shown, tokens))
+            except _EnvCallFailed as failed:
+                emit(_env_error_record(cfg, position, seed, failed.__cause__, where, shown, tokens, seen))
             finally:
                 await env.aclose()
 
@@ -509,6 +536,30 @@ def _evaluate_openai(cfg, resets, emit) -> None:
     asyncio.run(run())
 
 
+class _EnvCallFailed(Exception):
+    """An env call of an evaluation raised (``__cause__``): not the policy's or the API's error."""
+
+
+def _env_step(call: Callable, *args, **kwargs):
+    """``call(*args, **kwargs)`` (an env's reset or step); its error raised as :class:`_EnvCallFailed`."""
+    try:
+        return call(*args, **kwargs)
+    except Exception as error:
+        raise _EnvCallFailed from error
+
+
+async def _env_call(awaitable, messages: list, action: str | None):
+    """``await awaitable`` (an env's ``areset``, or its ``astep`` of ``action``); on an error
+    ``action`` joins ``messages`` (the record shows it) and the error is raised as
+    :class:`_EnvCallFailed`."""
+    try:
+        return await awaitable
+    except Exception as error:
+        if action is not None:
+            messages.append({"role": "assistant", "content": action})
+        raise _EnvCallFailed from error
+
+
 def _evaluate_scripted(cfg, env, resets, emit) -> None:
     """Play ``resets`` with a scripted policy; the messages are those a Rollout builds
     (env replies by :func:`rl2gem.rollout.rollout.reply_messages`, none after the last action)."""
@@ -517,22 +568,29 @@ def _evaluate_scripted(cfg, env, resets, emit) -> None:
 
     rng = np.random.default_rng(cfg.seed)
     make_policy = _scripted(cfg.policy, env, rng)
+    seen: set = set()
     try:
         for i, (seed, options) in enumerate(resets):
-            obs, info = env.reset(seed=seed, options=options)
-            reset_info = info
             messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
-            messages.append({"role": info.get("role", "user"), "content": obs})
-            policy, total, done = make_policy(), 0.0, False
-            while not done:
-                action = policy(obs)
-                obs, r, term, trunc, info = env.step(action)
-                messages.append({"role": "assistant", "content": action})
-                total += r
-                done = term or trunc
-                if not done:
-                    messages += reply_messages(obs, info)
-            emit(_record(i, reset_info, total, term, trunc, info, messages, 0))
+            where = f"reset (seed {seed})"
+            try:
+                obs, info = _env_step(env.reset, seed=seed, options=options)
+                reset_info = info
+                messages.append({"role": info.get("role", "user"), "content": obs})
+                policy, total, done, turn = make_policy(), 0.0, False, 0
+                while not done:
+                    action = policy(obs)
+                    messages.append({"role": "assistant", "content": action})
+                    turn += 1
+                    where = f"step (seed {seed}, turn {turn})"
+                    obs, r, term, trunc, info = _env_step(env.step, action)
+                    total += r
+                    done = term or trunc
+                    if not done:
+                        messages += reply_messages(obs, info)
+                emit(_record(i, reset_info, total, term, trunc, info, messages, 0))
+            except _EnvCallFailed as failed:
+                emit(_env_error_record(cfg, i, seed, failed.__cause__, where, messages, 0, seen))
     finally:
         env.close()
 

@@ -222,7 +222,8 @@ def test_pairs_need_a_model_and_groups():
 
 
 def test_a_crash_keeps_the_rows_of_the_episodes_before_it(tmp_path, monkeypatch):
-    """Rows are written as episodes end: an env that fails at the 8th reset leaves the first 7."""
+    """Rows are written as episodes end: an env that fails at the 8th reset leaves the first 7
+    (``env_errors=raise``); by default the 11 others are written."""
     from rl2gem import evaluation as evaluate_module
 
     common = ("env=rl2/GuessTheNumber-Easy-v0", "policy=solver", "n=12", "seed=5")
@@ -245,9 +246,14 @@ def test_a_crash_keeps_the_rows_of_the_episodes_before_it(tmp_path, monkeypatch)
     monkeypatch.setattr(evaluate_module, "_make_env", failing_env)
     path = tmp_path / "crashed.jsonl"
     with pytest.raises(RuntimeError, match="went away"):
-        main([*common, f"output={path}", "progress=false"])
+        main([*common, f"output={path}", "progress=false", "env_errors=raise"])
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
     assert rows == everything[:7]
+    # by default the failed episode is counted, not written, and the run goes on
+    with pytest.warns(RuntimeWarning, match="went away"):
+        main([*common, f"output={path}", "progress=false"])
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    assert rows == everything[:7] + everything[8:]
 
 
 def test_a_refused_run_leaves_an_existing_output_as_it_was(tmp_path):

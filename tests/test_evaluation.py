@@ -1,6 +1,8 @@
 """rl2gem.evaluation's statistics on evaluation records."""
 
+import asyncio
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -114,3 +116,47 @@ def test_a_random_policy_is_the_runs_seed_for_an_env_without_its_own_sampler(tmp
         assert len(out.read_text().splitlines()) == 3
     finally:
         del gym.registry["testlab/Echo-v0"]
+
+
+@pytest.mark.parametrize("through", ["scripted", "openai"])
+def test_an_evaluation_records_an_episode_whose_env_raised_and_goes_on(tmp_path, through, monkeypatch):
+    import gymnasium as gym
+    import openai
+
+    import rl2gem
+    from rl2gem.evaluate import parse_args
+    from rl2gem.rollout import EnvError
+
+    class Client:  # an API that answers "hi"
+        def __init__(self, **options):
+            message = SimpleNamespace(content="hi", tool_calls=None)
+            reply = SimpleNamespace(choices=[SimpleNamespace(message=message)], usage=None)
+            self.chat = SimpleNamespace(completions=SimpleNamespace(create=lambda **request: asyncio.sleep(0, reply)))
+
+        async def close(self):
+            pass
+
+    monkeypatch.setattr(openai, "AsyncOpenAI", Client)
+    rl2gem.register("testlab/Crash-v0", "toy_envs:EvenSeedCrashEnv")
+    try:
+        args = ["env=testlab/Crash-v0", "n=8", f"output={tmp_path / 'o.jsonl'}", "progress=false"]
+        args += (
+            ["policy=random"] if through == "scripted" else ["openai_base_url=http://127.0.0.1:9/v1", "openai_model=m"]
+        )
+        with pytest.warns(
+            RuntimeWarning, match=r"(?s)testlab/Crash-v0 a?step \(seed \d+, turn 1\) raised ValueError.*Traceback"
+        ):
+            records = evaluate(parse_args(args))
+        crashed = [r for r in records if r.seed % 2 == 0]
+        assert 0 < len(crashed) < 8 and len(records) == 8 and len((tmp_path / "o.jsonl").read_text().splitlines()) == 8
+        for record in records:
+            assert (record.truncated, record.reward, record.turns) == (
+                (True, 0.0, 1) if record in crashed else (False, 1.0, 1)
+            )
+        assert crashed[0].final_info["truncated_reason"] == "env_error"
+        assert "ValueError: a bug on even seeds" in crashed[0].final_info["error"]
+        assert crashed[0].messages[-1]["role"] == "assistant"  # the action the env failed on
+        with pytest.raises(EnvError, match=r"testlab/Crash-v0 a?step \(seed \d+, turn 1\) raised ValueError"):
+            evaluate(parse_args([*args, "env_errors=raise"]))
+    finally:
+        del gym.registry["testlab/Crash-v0"]

@@ -101,6 +101,21 @@ class FlakyEnv(Env):
         return f"echo {action}", 0.0, action == "stop", False, {}
 
 
+class EvenSeedCrashEnv(Env):
+    """One turn, reward 1; the step of an episode whose seed is even raises ``ValueError``."""
+
+    def __init__(self, **kwargs):
+        super().__init__(max_turns=1, **kwargs)
+
+    def _reset(self, options):
+        return "Say anything.", {}
+
+    def _step(self, action):
+        if self._episode_seed % 2 == 0:
+            raise ValueError("a bug on even seeds")
+        return "Done.", 1.0, True, False, {}
+
+
 class SeedParityEnv(Env):
     """One turn; reward 1 when the episode seed is even, whatever the action (an invalid one too),
     so the samples of a group (one seed) all score alike and dynamic filtering drops every group."""

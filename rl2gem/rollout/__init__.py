@@ -19,6 +19,7 @@ __all__, __getattr__ = lazy_exports(
         "ChatRenderer": "rl2gem.rollout.tito",
         "Episode": "rl2gem.rollout.tito",
         "Sequence": "rl2gem.rollout.tito",
+        "EnvError": "rl2gem.rollout.rollout",
         "Rollout": "rl2gem.rollout.rollout",
         "RolloutBatch": "rl2gem.rollout.rollout",
         "RolloutConfig": "rl2gem.rollout.rollout",

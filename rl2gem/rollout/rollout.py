@@ -21,6 +21,14 @@ Dynamic filtering (``dynamic_filter=True``, DAPO): a group whose rewards are
 all equal carries no GRPO signal; it is dropped, more groups are sampled (at
 most ``max_groups_factor`` x ``num_groups`` per call) and the filtered ratio
 is logged.
+
+Env errors (``env_errors="drop"``, the default): an env that raises in ``areset`` or ``astep``
+ends its episode. In :meth:`Rollout.collect` the episode's group is dropped (it would train on a
+reward the env never gave), counted in ``rollout/env_error_groups`` and replaced by a new group;
+each distinct error is warned once, with its traceback. More failed groups in one call than it
+collects is an :class:`EnvError` (something is broken, not an unlucky episode). In
+:meth:`Rollout.play` (evaluation) the episode is kept, truncated, with ``info["error"]`` and
+``truncated_reason="env_error"``. ``env_errors="raise"``: the :class:`EnvError` ends the call.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ import dataclasses
 import math
 import statistics
 import time
+import traceback
+import warnings
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
@@ -38,7 +48,31 @@ from rl2gem.rollout.context import CONTINUE_PROMPT, SUMMARY_PROMPT, ContextConfi
 from rl2gem.rollout.engines.base import Engine, EngineError, SamplingParams, mix_seed
 from rl2gem.rollout.tito import ChatRenderer, Episode, Sequence
 
-__all__ = ["Rollout", "RolloutBatch", "RolloutConfig", "reply_messages", "reward_metrics"]
+__all__ = ["EnvError", "warn_env_error", "Rollout", "RolloutBatch", "RolloutConfig", "reply_messages", "reward_metrics"]
+
+ENV_ERROR_POLICIES = ("drop", "raise")
+
+
+class EnvError(RuntimeError):
+    """An env raised in ``areset`` or ``astep`` during a rollout. The message names the env, the
+    call, the episode's seed and turn, and the env's own error, which is ``__cause__``."""
+
+
+def warn_env_error(error: EnvError, seen: set[tuple[str, str]]) -> None:
+    """Warn of an env error that ``env_errors="drop"`` goes past, with the env's traceback, once
+    per distinct error (its type and message; ``seen`` holds those warned)."""
+    cause = error.__cause__ or error
+    key = (type(cause).__name__, str(cause))
+    if key in seen:
+        return
+    seen.add(key)
+    trace = "".join(traceback.format_exception(cause)).rstrip()
+    warnings.warn(
+        f"{error} (env_errors=drop: the episode ends here; this error is not warned again)\n{trace}",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
 
 #: mixed into a seeded episode's seed for a managed context's summary, asked at the turn of the
 #: next action, whose request would otherwise draw the same uniforms token for token
@@ -73,6 +107,8 @@ class RolloutConfig:
         progress: show a tqdm bar.
         context: managed context (:class:`rl2gem.rollout.context.ContextConfig`, or its keys as
             a mapping): a segment budget and ``truncate`` / ``summarize`` when it is reached.
+        env_errors: ``"drop"`` (a group whose env raised is dropped and replaced; an evaluation
+            episode is kept, truncated, with ``info["error"]``) or ``"raise"`` (see the module doc).
     """
 
     responses_per_prompt: int = 4
@@ -92,6 +128,7 @@ class RolloutConfig:
     seed: int = 0
     progress: bool = False
     context: ContextConfig = dataclasses.field(default_factory=ContextConfig)
+    env_errors: str = "drop"
 
     def __post_init__(self) -> None:
         """Raises ``ValueError`` naming the field of a value that cannot work (a count below 1, a
@@ -109,6 +146,8 @@ class RolloutConfig:
             raise ValueError(f"partial_oversample must be >= 0, got {self.partial_oversample!r}")
         if not isinstance(self.max_groups_factor, (int, float)) or self.max_groups_factor < 1:
             raise ValueError(f"max_groups_factor must be >= 1, got {self.max_groups_factor!r}")
+        if self.env_errors not in ENV_ERROR_POLICIES:
+            raise ValueError(f"env_errors must be one of {ENV_ERROR_POLICIES}, got {self.env_errors!r}")
 
     @classmethod
     def from_mapping(cls, section: Any, *, known: Iterable[str] | None = None, **overrides: Any) -> RolloutConfig:
@@ -281,6 +320,7 @@ class Rollout:
         self._inflight: dict[int, _Group] = {}
         self._ready: list[_Group] = []  # completed but not yet returned (partial rollouts)
         self._restart: list[int] = []  # group ids to relaunch (in flight at a checkpoint)
+        self._env_errors_seen: set[tuple[str, str]] = set()  # (type, message) of each env error warned
         self._unchanged: set[int] = set()  # versions whose weights are the previous version's
         self._gate = asyncio.Event()
         self._gate.set()
@@ -299,14 +339,20 @@ class Rollout:
         self._all_envs.append(env)
         return env
 
-    async def _on_env(self, env, call: Awaitable):
+    async def _on_env(self, env, call: Awaitable, where: str):
         """Await ``call`` (``env``'s reset or step), shielded from cancellation: a compute-only env
         steps in a worker thread that a cancel does not stop, and an async env's step cancelled
-        half-way would leave its episode state half-written."""
+        half-way would leave its episode state half-written.
+
+        Raises:
+            EnvError: the env raised; the message names it and ``where`` (call, seed, turn).
+        """
         task = asyncio.ensure_future(call)
         self._env_calls[id(env)] = task
         try:
             return await asyncio.shield(task)
+        except Exception as error:
+            raise EnvError(f"{env!r} {where} raised {type(error).__name__}: {error}") from error
         finally:
             if task.done():
                 self._env_calls.pop(id(env), None)
@@ -406,7 +452,8 @@ class Rollout:
             ids, logprobs, versions, finish = await self._generate(sequence.input_ids, max_new, episode)
             sequence.extend_action(ids, logprobs, versions)
             text = renderer.decode(ids)
-            observation, reward, terminated, truncated, info = await self._on_env(env, env.astep(text))
+            where = f"astep (seed {episode.info.get('seed')}, turn {episode.turns + 1})"
+            observation, reward, terminated, truncated, info = await self._on_env(env, env.astep(text), where)
             episode.turns += 1
             episode.turn_rewards.append(float(reward))
             episode.finish_reasons.append(finish)
@@ -500,7 +547,7 @@ class Rollout:
     async def _play(self, seed: int | None, options: dict | None, ep: Episode) -> Episode:
         env = self._env()
         try:
-            obs, info = await self._on_env(env, env.areset(seed=seed, options=options))
+            obs, info = await self._on_env(env, env.areset(seed=seed, options=options), f"areset (seed {seed})")
             ep.info = {"seed": info.get("seed"), **({"index": info["index"]} if "index" in info else {})}
             return await self._episode(env, obs, info, ep)
         finally:
@@ -525,12 +572,44 @@ class Rollout:
             self._gate.set()
 
         async def one(i, seed, options):
-            ep = await self._play(seed, options, Episode(group=i, sampling_seed=mix_seed(self.config.seed, -1 - i)))
+            ep = Episode(group=i, sampling_seed=mix_seed(self.config.seed, -1 - i))
+            try:
+                await self._play(seed, options, ep)
+            except EnvError as error:
+                if self.config.env_errors == "raise":
+                    raise
+                self._warn_env_error(error)
+                ep.truncated = True
+                ep.info = {**ep.info, "error": str(error), "truncated_reason": "env_error"}
             if on_episode is not None:
                 on_episode(i, ep)
             return ep
 
         return list(await asyncio.gather(*(one(i, s, o) for i, (s, o) in enumerate(resets))))
+
+    def _warn_env_error(self, error: EnvError) -> None:
+        warn_env_error(error, self._env_errors_seen)
+
+    def _finished(self, task: asyncio.Future, m: Counter, num_groups: int) -> _Group | None:
+        """The group of a finished group ``task``, or None when its env raised and
+        ``env_errors="drop"`` drops it (counted in ``m["env_error_groups"]``).
+
+        Raises:
+            EnvError: the env raised and ``env_errors="raise"``, or more groups of this call
+                failed than it collects.
+            Exception: what else the group raised (the engine's errors).
+        """
+        error = None if task.cancelled() else task.exception()
+        if not isinstance(error, EnvError) or self.config.env_errors == "raise":
+            return task.result()
+        m["env_error_groups"] += 1
+        if m["env_error_groups"] > num_groups:
+            raise EnvError(
+                f"{m['env_error_groups']} groups failed in their env in one collect of {num_groups}: something "
+                f"is broken, not an unlucky episode (the last: {error})"
+            ) from error
+        self._warn_env_error(error)
+        return None
 
     def _launch(self, gid: int | None = None) -> _Group:
         if gid is None:
@@ -603,9 +682,10 @@ class Rollout:
             EngineError: the engine failed a request repeatedly, or reported an older policy
                 version than it was at for a group started in this call (which would drop every
                 group as stale).
-            Exception: whatever an env raised in an episode. The failed group's other episodes
-                are cancelled first (their env calls end before the envs are reused), and the
-                groups this call had finished are returned by the next call.
+            EnvError: an env raised in an episode and ``env_errors="raise"``, or more groups
+                failed in their env than ``num_groups`` (``"drop"``). The failed group's other
+                episodes are cancelled first (their env calls end before the envs are reused),
+                and the groups this call had finished are returned by the next call.
         """
         if num_groups < 1:
             raise ValueError("num_groups must be >= 1")
@@ -660,7 +740,11 @@ class Rollout:
                     for task in done:
                         g = next(x for x in self._inflight.values() if x.task is task)
                         del self._inflight[g.gid]
-                        ready.append(task.result())
+                        finished = self._finished(task, m, num_groups)
+                        if finished is None:  # dropped for an env error: another group replaces it
+                            budget += 1
+                        else:
+                            ready.append(finished)
                 while ready:
                     g = ready.pop(0)
                     if len(kept) >= num_groups:
@@ -752,6 +836,7 @@ class Rollout:
             "rollout/splits": float(sum(e.splits for e in eps)),
             "rollout/filtered_ratio": m["filtered"] / done if done else 0.0,
             "rollout/dropped_stale": float(m["dropped_stale"]),
+            "rollout/env_error_groups": float(m["env_error_groups"]),
             "rollout/carried_over": float(m["carried_over"]),
             "rollout/in_flight_after": float(len(self._inflight)),
             "rollout/ready_after": float(len(self._ready)),

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from rl2gem import Env
-from rl2gem.rollout import Rollout, RolloutConfig
+from rl2gem.rollout import EnvError, Rollout, RolloutConfig
 from rl2gem.rollout.engines.base import Engine, GenerateOutput
 from rl2gem.rollout.tito import ChatRenderer, Sequence
 
@@ -347,13 +347,56 @@ class ExplodingEnv(Env):
         return "Again.", 1.0, self.turn_count >= self.turns, False, {}
 
 
-def test_an_env_error_cancels_its_group_and_keeps_the_finished_ones(tokenizer):
+def test_a_group_whose_env_raised_is_dropped_warned_once_and_replaced(tokenizer):
     ExplodingEnv.fired, ExplodingEnv.steps_after_close, ExplodingEnv.closed = False, 0, False
     engine = ScriptedEngine([tokenizer.encode("hi", add_special_tokens=False)], finish="length")
 
     async def main():
         rollout = Rollout(engine, tokenizer, ExplodingEnv, RolloutConfig(responses_per_prompt=2, max_new_tokens=4))
-        with pytest.raises(RuntimeError, match="env exploded"):
+        with pytest.warns(RuntimeWarning, match=r"(?s)turn 2\) raised RuntimeError: env exploded.*Traceback.*_step"):
+            batch = await rollout.collect(2)
+        await rollout.close()
+        return batch
+
+    batch = asyncio.run(main())
+    assert sorted({e.group for e in batch.episodes}) == [0, 2]  # group 1 failed; group 2 took its place
+    assert [e.turns for e in batch.episodes] == [1, 1, 6, 6]
+    assert batch.metrics["rollout/env_error_groups"] == 1 and batch.metrics["rollout/groups_started"] == 3
+
+
+class AlwaysExplodingEnv(ExplodingEnv):
+    def _step(self, action):
+        raise ValueError("broken for good")
+
+
+def test_more_failed_groups_than_a_collect_takes_is_an_error_and_evaluation_keeps_the_episode(tokenizer):
+    engine = ScriptedEngine([tokenizer.encode("hi", add_special_tokens=False)], finish="length")
+
+    async def main():
+        rollout = Rollout(
+            engine, tokenizer, AlwaysExplodingEnv, RolloutConfig(responses_per_prompt=2, max_new_tokens=4)
+        )
+        with pytest.warns(RuntimeWarning, match="broken for good"):  # warned once, for three groups
+            with pytest.raises(EnvError, match=r"3 groups failed in their env in one collect of 2"):
+                await rollout.collect(2)
+            played = await rollout.play([(0, None), (5, None)])  # evaluation: the episodes are kept
+        await rollout.close()
+        return played
+
+    played = asyncio.run(main())
+    for episode in played:
+        assert episode.truncated and episode.info["truncated_reason"] == "env_error"
+        assert "raised ValueError: broken for good" in episode.info["error"] and episode.turns == 0
+
+
+def test_an_env_error_cancels_its_group_and_keeps_the_finished_ones(tokenizer):
+    ExplodingEnv.fired, ExplodingEnv.steps_after_close, ExplodingEnv.closed = False, 0, False
+    engine = ScriptedEngine([tokenizer.encode("hi", add_special_tokens=False)], finish="length")
+
+    async def main():
+        config = RolloutConfig(responses_per_prompt=2, max_new_tokens=4, env_errors="raise")
+        rollout = Rollout(engine, tokenizer, ExplodingEnv, config)
+        with pytest.raises(EnvError, match=r"astep \(seed 1, turn 2\) raised RuntimeError: env exploded"):
             await rollout.collect(2)
         calls = len(engine.calls)
         batch = await rollout.collect(1)  # group 0 finished in the failed call: returned now
