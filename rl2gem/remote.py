@@ -158,6 +158,11 @@ class RemoteEnv(Env):
         except (RemoteEnvError, ProtocolError) as error:
             return self._truncated(str(error))
 
+    async def aclose_loop(self) -> None:
+        """Close the running event loop's HTTP session only: the served episode stays open, and
+        the env goes on from another loop (a temporary ``asyncio.run`` that played it ends)."""
+        await self._http.close()
+
     async def _aclose(self) -> None:
         if self._session_id is not None:
             with contextlib.suppress(RemoteEnvError):  # gone already: the server closes idle sessions itself

@@ -147,6 +147,9 @@ async def _aplay_watched(env: gym.Env, seed: int, actions: list[Any]) -> tuple[l
     finally:
         done.set()
         await ticker
+        closer = getattr(env.unwrapped, "aclose_loop", None)  # a RemoteEnv's session of this loop
+        if closer is not None:
+            await closer()
     return out, blocking, len(out)
 
 

@@ -6,6 +6,7 @@ synchronous Gymnasium API of the client can be used from the test."""
 import asyncio
 import contextlib
 import copy
+import gc
 import json
 import pickle
 import subprocess
@@ -14,6 +15,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import warnings
 
 import aiohttp
 import gymnasium as gym
@@ -94,12 +96,15 @@ def test_a_remote_episode_equals_the_local_envs(game_url):
 def test_check_env_passes_on_a_served_env_of_each_kind(env_id, env_kwargs):
     """check_env(URL): the server's routes, refusals and session isolation, then every check of a
     local env on RemoteEnv clients."""
-    with serving_env(env_id, env_kwargs) as (url, app):
+    with serving_env(env_id, env_kwargs) as (url, app), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         check_env(url)
+        gc.collect()
         deadline = time.monotonic() + 10
         while app[SESSIONS].sessions and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not app[SESSIONS].sessions  # every client closed its session
+    assert not [w for w in caught if "Unclosed" in str(w.message)]  # nor left an HTTP session open
 
 
 def test_check_env_fails_a_server_that_breaks_the_contract(game_url):
