@@ -88,10 +88,21 @@ def _play(env: gym.Env, seed: int, actions: list[Any]) -> list[tuple]:
 
 
 def _go_on(env: gym.Env, actions: list[Any]) -> list[tuple]:
-    """The steps of ``actions`` until the episode ends."""
+    """The steps of ``actions`` until the episode ends.
+
+    Raises:
+        AssertionError: a step raised (an env answers a bad action, it does not raise).
+    """
     out: list[tuple] = []
     for a in actions:
-        step = _stable_step(env.step(a))
+        try:
+            result = env.step(a)
+        except Exception as e:
+            raise AssertionError(
+                f"{env.unwrapped!r}: step({a!r:.60}) raised {type(e).__name__}: {e} (answer an action the env cannot "
+                "use with self.invalid_action(reason, feedback); never raise on one)"
+            ) from e
+        step = _stable_step(result)
         out.append(step)
         if step[2] or step[3]:
             break
@@ -262,7 +273,15 @@ def _check_made_env(env: gym.Env, make: Callable[[], gym.Env], num_steps: int, s
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        gym_check_env(base, skip_render_check=base.spec is None)
+        try:
+            gym_check_env(base, skip_render_check=base.spec is None)
+        except AssertionError:
+            raise
+        except Exception as e:  # it resets and steps random text actions
+            raise AssertionError(
+                f"{name}: Gymnasium's env checker: {type(e).__name__}: {e} (it plays random text: answer an action "
+                "the env cannot use with self.invalid_action(reason, feedback); never raise on one)"
+            ) from e
     deterministic = base.spec is None or not base.spec.nondeterministic
 
     actions = scripted_actions(env, num_steps, seed)
@@ -288,7 +307,11 @@ def _check_made_env(env: gym.Env, make: Callable[[], gym.Env], num_steps: int, s
         if deterministic:
             assert _same(ts, ta), f"{name}: areset/astep disagree with reset/step"
         for rec in ts[1:] + ta[1:]:
-            assert rec[4]["role"] in VALID_ROLES, f"{name}: info['role'] = {rec[4]['role']!r}"
+            assert rec[4].get("role") in VALID_ROLES, f"{name}: info['role'] = {rec[4].get('role')!r}" + (
+                "; an env that overrides step() skips rl2gem.Env's info defaults: override _step"
+                if "role" not in rec[4]
+                else ""
+            )
         _check_tool_conventions(name, ts)
         # 5. spawn
         obs0, _ = a.reset(seed=seed)

@@ -90,6 +90,25 @@ def test_catches_an_env_that_crashes_on_bad_input():
         check_env(Fragile())
 
 
+def test_an_env_that_raises_on_a_format_error_or_overrides_step_is_told_what_to_do():
+    class Strict(CountEnv):
+        def _step(self, action):
+            raise ValueError("no answer tag")
+
+    class OwnStep(CountEnv):
+        def step(self, action):
+            return "x", 0.0, True, False, {}
+
+    with pytest.raises(
+        AssertionError, match=r"ValueError: no answer tag \(it plays random text: answer .*invalid_action"
+    ):
+        check_env(Strict())
+    with pytest.raises(
+        AssertionError, match="info\\['role'\\] = None; an env that overrides step\\(\\) .* override _step"
+    ):
+        check_env(OwnStep())
+
+
 def test_catches_an_async_env_that_blocks_the_event_loop():
     class Blocking(SlowSearchEnv):
         async def _astep(self, action):
