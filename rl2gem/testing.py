@@ -87,21 +87,22 @@ def _play(env: gym.Env, seed: int, actions: list[Any]) -> list[tuple]:
     return [(obs, _stable(info)), *_go_on(env, actions)]
 
 
-def _go_on(env: gym.Env, actions: list[Any]) -> list[tuple]:
+#: why a step of a scripted episode must not raise
+NEVER_RAISE = "answer an action the env cannot use with self.invalid_action(reason, feedback); never raise on one"
+
+
+def _go_on(env: gym.Env, actions: list[Any], why: str = NEVER_RAISE) -> list[tuple]:
     """The steps of ``actions`` until the episode ends.
 
     Raises:
-        AssertionError: a step raised (an env answers a bad action, it does not raise).
+        AssertionError: a step raised (``why`` says what the env must do).
     """
     out: list[tuple] = []
     for a in actions:
         try:
             result = env.step(a)
         except Exception as e:
-            raise AssertionError(
-                f"{env.unwrapped!r}: step({a!r:.60}) raised {type(e).__name__}: {e} (answer an action the env cannot "
-                "use with self.invalid_action(reason, feedback); never raise on one)"
-            ) from e
+            raise AssertionError(f"{env.unwrapped!r}: step({a!r:.60}) raised {type(e).__name__}: {e} ({why})") from e
         step = _stable_step(result)
         out.append(step)
         if step[2] or step[3]:
@@ -375,7 +376,8 @@ def _check_copies(make: Callable[[], gym.Env], name: str, actions: list[str], se
             try:
                 if how == "pickle":
                     original.close()
-                branch = _go_on(twin, rest)
+                closed = ", after its original was closed" if how == "pickle" else ""
+                branch = _go_on(twin, rest, f"in a copy by {how}{closed}: what a copy runs on must be its own")
             finally:
                 twin.close()
             if how != "pickle":
