@@ -156,7 +156,9 @@ def test_catches_an_env_whose_copies_share_its_state_or_cannot_be_made():
         check_env(SharedTurnsEnv())
     with pytest.raises(AssertionError, match="copy.deepcopy of an env in an episode raised TypeError: cannot pickle"):
         check_env(LockedEnv())
-    with pytest.raises(AssertionError, match=r"raised KeyError: .log. \(in a copy by pickle, after its original was closed"):
+    with pytest.raises(
+        AssertionError, match=r"raised KeyError: .log. \(in a copy by pickle, after its original was closed"
+    ):
         check_env(ClosingSharedEnv())
     check_env(SharedTurnsEnv(), copies=False)
     check_env(LockedEnv(), copies=False)
