@@ -14,7 +14,7 @@ import re
 import sys
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,8 @@ class Tracker:
     (a re-logged step adds a point at that step; :func:`metrics_table` and plots read ``metrics.jsonl``).
     wandb's run id is kept in ``<output_dir>/wandb_run_id`` alike (``resume="allow"``). Without
     ``resume`` the run is a new one: ``metrics.jsonl`` is rewritten and new MLflow and wandb runs start.
+    A resumed run drops the rows of ``metrics.jsonl`` after its checkpoint (:meth:`rewind`), so
+    each step is logged there once.
 
     Raises:
         ValueError: unknown logger.
@@ -91,6 +93,7 @@ class Tracker:
         self.path = self.dir / "metrics.jsonl"
         mode = "a" if resume else "w"  # a new run's metrics are its own
         self._jsonl = open(self.path, mode, encoding="utf-8") if "jsonl" in self.loggers else None  # noqa: SIM115 (closed by close())
+        self.rows: list[dict[str, float]] = []  # this process's rows: the report's without jsonl
         self._wandb = None
         self._tb = None
         self._mlflow = None
@@ -113,6 +116,7 @@ class Tracker:
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
+        self.rows.append({"step": step, **clean})
         if "stdout" in self.loggers:
             keys = [k for k in STDOUT_KEYS if k in clean] or [k for k in clean if not k.startswith("time/")][:12]
             shown = "  ".join(f"{k}={clean[k]:.4g}" for k in keys)
@@ -130,17 +134,34 @@ class Tracker:
 
     def report(self, final: Mapping[str, float], checkpoint: str | Path, keys: tuple[str, ...]) -> Path:
         """End of a run: close the loggers, plot ``keys`` to ``curves.png``, print their table per
-        step, the final evaluation and where the metrics, plot and checkpoint are. Returns the plot."""
+        step, the final evaluation and where the metrics, plot and checkpoint are (from
+        ``metrics.jsonl``; without the ``jsonl`` logger, from this process's rows). Returns the plot."""
+        jsonl = self._jsonl is not None
         self.close()
-        png = plot_metrics(self.path, self.dir / "curves.png", keys=keys)
+        source = self.path if jsonl else self.rows
+        png = plot_metrics(source, self.dir / "curves.png", keys=keys)
         checkpoint = Path(checkpoint)
-        print("\n" + metrics_table(self.path, keys=keys))
+        print("\n" + metrics_table(source, keys=keys))
         print("\nfinal eval: " + "  ".join(f"{k.split('/', 1)[-1]} {v:.3f}" for k, v in final.items()))
         print(
-            f"metrics: {self.path}\nplot: {png}\ncheckpoint: {checkpoint} (Hugging Face export: {checkpoint / 'hf'})",
+            f"metrics: {self.path if jsonl else 'not kept (no jsonl logger)'}\nplot: {png}\n"
+            f"checkpoint: {checkpoint} (Hugging Face export: {checkpoint / 'hf'})",
             flush=True,
         )
         return png
+
+    def rewind(self, step: int) -> None:
+        """A resumed run restarts after checkpoint ``step``: the rows of ``metrics.jsonl`` past it
+        (steps the killed run logged after its last checkpoint, which this run logs again) go."""
+        if self._jsonl is None:
+            return
+        self._jsonl.close()
+        lines = self.path.read_text(encoding="utf-8").splitlines()
+        kept = [line for line in lines if line.strip() and int(json.loads(line)["step"]) <= step]
+        temporary = self.path.with_suffix(".jsonl.tmp")
+        temporary.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        temporary.replace(self.path)  # a crash here leaves the old file or the new one, whole
+        self._jsonl = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
 
     def close(self) -> None:
         if self._jsonl:
@@ -219,18 +240,20 @@ class MlflowRun:
         self.client.set_terminated(self.run_id, "FINISHED")
 
 
-def metrics_by_step(jsonl: str | Path) -> dict[int, dict]:
-    """The rows of a ``metrics.jsonl`` merged per step: step -> {key: value}, where a key logged
-    again for a step (a resumed run repeats the steps after its checkpoint) keeps its last value."""
+def metrics_by_step(jsonl: str | Path | Sequence[Mapping[str, float]]) -> dict[int, dict]:
+    """The rows of a ``metrics.jsonl`` (or the rows themselves) merged per step: step -> {key:
+    value}, where a key logged again for a step keeps its last value."""
+    if isinstance(jsonl, (str, Path)):
+        rows = [json.loads(line) for line in Path(jsonl).read_text().splitlines() if line.strip()]
+    else:
+        rows = list(jsonl)
     by_step: dict[int, dict] = {}
-    for line in Path(jsonl).read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            by_step.setdefault(int(row["step"]), {}).update(row)
+    for row in rows:
+        by_step.setdefault(int(row["step"]), {}).update(row)
     return by_step
 
 
-def plot_metrics(jsonl: str | Path, out_png: str | Path, keys=("rollout/reward", "eval/success")) -> Path:
+def plot_metrics(jsonl: str | Path | Sequence[Mapping[str, float]], out_png: str | Path, keys=("rollout/reward", "eval/success")) -> Path:
     """Plot ``keys`` against step from a ``metrics.jsonl`` into a PNG (matplotlib, Agg backend; the
     last value logged for a step wins, so a resumed run's repeated steps plot once)."""
     import matplotlib
@@ -255,7 +278,7 @@ def plot_metrics(jsonl: str | Path, out_png: str | Path, keys=("rollout/reward",
 
 
 def metrics_table(
-    jsonl: str | Path, keys=("rollout/reward", "rollout/response_length", "eval/success"), max_rows: int = 12
+    jsonl: str | Path | Sequence[Mapping[str, float]], keys=("rollout/reward", "rollout/response_length", "eval/success"), max_rows: int = 12
 ) -> str:
     """A Markdown table of ``keys`` per step from a ``metrics.jsonl`` (the last value logged for a
     step wins, so a resumed run shows once). With more than ``max_rows`` steps, the steps with an

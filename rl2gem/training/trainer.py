@@ -87,11 +87,12 @@ class Trainer:
     def restore(self, trainer_state: dict[str, Any], rank_state: dict[str, Any]) -> None:
         """Called after a checkpoint was loaded (models, optimizers, schedulers and step are back)."""
 
-    def save(self) -> Path:
-        """Checkpoint the current step (with a Hugging Face export of the actor)."""
+    def save(self, finished: bool = False) -> Path:
+        """Checkpoint the current step (with a Hugging Face export of the actor); ``finished``: the
+        run's last checkpoint, after its final evaluation (a resume then has nothing to do)."""
         return self.checkpointer.save(
             self.step,
-            trainer_state={"trainer": self.name, "config": _settings(self.cfg)},
+            trainer_state={"trainer": self.name, "config": _settings(self.cfg), "finished": finished},
             rank_state=self.rank_state(),
             export=lambda path: self.actor.export_hf(path, self.tokenizer),
         )
@@ -106,6 +107,7 @@ class Trainer:
         if restored is None:
             return False
         self.step = int(restored[0]["step"])
+        self.finished = bool(restored[0].get("finished")) and self.step >= self.total_steps
         self.restore(*restored)
         self._warn_changed_config(restored[0].get("config"))
         return True
@@ -135,8 +137,15 @@ class Trainer:
         """Run to ``total_steps`` (see the module doc); returns the last step's and the final
         evaluation's metrics."""
         t = self.cfg.trainer
-        if t.resume and self.load() and self.rank == 0:
-            print(f"resumed from step {self.step}", flush=True)
+        if t.resume and self.load():
+            if self.tracker is not None:
+                self.tracker.rewind(self.step)  # the steps after the checkpoint are logged again
+            if self.rank == 0:
+                print(f"resumed from step {self.step}", flush=True)
+            if self.finished:  # its final evaluation and checkpoint were written
+                if self.rank == 0:
+                    print(f"the run finished at step {self.step}: nothing left to do", flush=True)
+                return {}
         if t.eval_at_start and self.step == 0:
             self.log({**self._evaluate(), **self.memory.metrics()})
         last: dict[str, float] = {}
@@ -158,7 +167,7 @@ class Trainer:
         final = self._evaluate()
         final.update(self.memory.metrics())
         self.log(final)
-        checkpoint = self.save()
+        checkpoint = self.save(finished=True)
         if self.tracker is not None:
             self.tracker.report(final, checkpoint, keys=self.report_keys)
         return {**last, **final}

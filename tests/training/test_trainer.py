@@ -69,6 +69,64 @@ def test_each_step_is_logged_before_its_checkpoint(tmp_path):
     assert metrics_rows(tmp_path / "metrics.jsonl") == [*steps, final]
 
 
+class Resumable(Recorder):
+    """A checkpointer that keeps what each save was given and loads the newest."""
+
+    def __init__(self, metrics_path, saved=None):
+        super().__init__(metrics_path)
+        self.states = saved if saved is not None else []
+
+    def save(self, step, trainer_state, rank_state, export):
+        self.states.append({**trainer_state, "step": step})
+        return super().save(step, trainer_state, rank_state, export)
+
+    def load(self, expected):
+        return (dict(self.states[-1]), {}) if self.states else None
+
+
+class KilledAtStep(Counting):
+    """A run killed (an exception) in the step after ``kill_after``."""
+
+    def __init__(self, output_dir, kill_after=None, resume=False, saved=None):
+        super().__init__(output_dir, total_steps=4, save_every=2)
+        self.cfg.trainer.resume, self.kill_after = resume, kill_after
+        self.tracker = Tracker(["jsonl"], output_dir, resume=resume)
+        self.checkpointer = Resumable(self.tracker.path, saved)
+
+    def train_step(self):
+        if self.step == self.kill_after:
+            raise KeyboardInterrupt("kill -9")
+        return super().train_step()
+
+
+def test_a_resumed_run_logs_each_step_once_and_a_finished_one_does_nothing(tmp_path, capsys):
+    """Killed after logging step 3 (checkpoint 2): the resumed run's steps 3 and 4 replace the
+    killed run's step 3 in metrics.jsonl; a resume of the finished run evaluates nothing again."""
+    killed = KilledAtStep(tmp_path, kill_after=3)
+    with pytest.raises(KeyboardInterrupt):
+        killed.fit()
+    killed.tracker.close()
+    assert [step for step, _ in metrics_rows(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    resumed = KilledAtStep(tmp_path, resume=True, saved=killed.checkpointer.states)
+    resumed.fit()
+    whole = [(1, "loss"), (2, "loss"), (3, "loss"), (4, "loss"), (4, "eval/score")]
+    assert metrics_rows(tmp_path / "metrics.jsonl") == whole
+    again = KilledAtStep(tmp_path, resume=True, saved=resumed.checkpointer.states)
+    assert again.fit() == {} and again.checkpointer.saves == []
+    again.tracker.close()
+    assert metrics_rows(tmp_path / "metrics.jsonl") == whole
+    assert "the run finished at step 4: nothing left to do" in capsys.readouterr().out
+
+
+def test_a_run_without_the_jsonl_logger_reports_from_its_own_rows(tmp_path, capsys):
+    trainer = Counting(tmp_path, total_steps=3, save_every=0)
+    trainer.tracker = Tracker(["stdout"], tmp_path / "run")
+    trainer.fit()
+    out = capsys.readouterr().out
+    assert "| 3 | 3.000 |" in out and "metrics: not kept (no jsonl logger)" in out
+    assert (tmp_path / "run" / "curves.png").exists() and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 class JoinsTheGroup:
     """A trainer that joins the process group (one rank, gloo) and fails or not in its fit."""
 
