@@ -253,7 +253,9 @@ def metrics_by_step(jsonl: str | Path | Sequence[Mapping[str, float]]) -> dict[i
     return by_step
 
 
-def plot_metrics(jsonl: str | Path | Sequence[Mapping[str, float]], out_png: str | Path, keys=("rollout/reward", "eval/success")) -> Path:
+def plot_metrics(
+    jsonl: str | Path | Sequence[Mapping[str, float]], out_png: str | Path, keys=("rollout/reward", "eval/success")
+) -> Path:
     """Plot ``keys`` against step from a ``metrics.jsonl`` into a PNG (matplotlib, Agg backend; the
     last value logged for a step wins, so a resumed run's repeated steps plot once)."""
     import matplotlib
@@ -278,7 +280,9 @@ def plot_metrics(jsonl: str | Path | Sequence[Mapping[str, float]], out_png: str
 
 
 def metrics_table(
-    jsonl: str | Path | Sequence[Mapping[str, float]], keys=("rollout/reward", "rollout/response_length", "eval/success"), max_rows: int = 12
+    jsonl: str | Path | Sequence[Mapping[str, float]],
+    keys=("rollout/reward", "rollout/response_length", "eval/success"),
+    max_rows: int = 12,
 ) -> str:
     """A Markdown table of ``keys`` per step from a ``metrics.jsonl`` (the last value logged for a
     step wins, so a resumed run shows once). With more than ``max_rows`` steps, the steps with an

@@ -457,6 +457,9 @@ OFF_POLICY_ESTIMATORS = ("vtrace", "retrace", "clipped_is")
 WEIGHTED_ESTIMATORS = ("vtrace", "clipped_is")
 """Estimators whose advantage already carries the sampled token's importance weight."""
 ESTIMATORS = ("gae", "grpo", "drgrpo", "rloo", "turn_rloo", "reinforce_pp", "rebn", *CRITIC_ESTIMATORS[1:])
+GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "turn_rloo")
+"""Estimators whose baseline is the other responses to the same prompt: a group of one has none
+(every advantage is 0)."""
 
 
 def compute_advantages(

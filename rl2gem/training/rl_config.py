@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from rl2gem.algorithms import (
     CRITIC_ESTIMATORS,
     ESTIMATORS,
+    GROUP_ESTIMATORS,
     IS_MODES,
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
@@ -59,6 +60,12 @@ def check_config(cfg) -> None:
         )
     if cfg.adv.estimator not in ESTIMATORS:
         raise ConfigError(f"adv.estimator={cfg.adv.estimator!r} is not one of {list(ESTIMATORS)}")
+    if cfg.adv.estimator in GROUP_ESTIMATORS and cfg.rollout.responses_per_prompt < 2:
+        raise ConfigError(
+            f"rollout.responses_per_prompt={cfg.rollout.responses_per_prompt}: adv.estimator={cfg.adv.estimator} "
+            "compares the responses to one prompt, and a group of one gives every advantage 0 (nothing trains); "
+            "sample 2 or more, or use reinforce_pp, rebn or gae"
+        )
     if cfg.reward.mode not in REWARD_MODES:
         raise ConfigError(f"reward.mode={cfg.reward.mode!r} is not one of {list(REWARD_MODES)}")
     if cfg.reward.model and cfg.rollout.dynamic_filter:

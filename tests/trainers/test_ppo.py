@@ -42,6 +42,10 @@ def test_unknown_config_key_names_the_closest(capsys):
         ),
         (["reward.objectives.pareto={response_tokens: min}"], "hypervolume reference"),
         (["rollout.engine.decode_step=4"], "did you mean 'rollout.engine.decode_steps'"),
+        (
+            ["rollout.responses_per_prompt=1", "adv.estimator=rloo"],
+            "rollout.responses_per_prompt=1: adv.estimator=rloo compares the responses to one prompt",
+        ),
         (["env_kwargs.tsk=x"], "env_kwargs: rl2/ReasoningGym-v0 with {'tsk': 'x'}: TypeError: reasoning-gym task"),
         (["eval_env_kwargs.min_terms=-3"], "eval_env_kwargs: rl2/ReasoningGym-v0 with {'min_terms': -3}: ValueError"),
         (["rollout.engine.decode_steps=0"], "rollout.engine.decode_steps=0 must be an int >= 1 or auto"),
@@ -225,6 +229,7 @@ def test_resume_after_kill_9_matches_an_uninterrupted_run(tiny_dir, tmp_path):
         f"actor.model={tiny_dir}",
         "rollout.prompts_per_rollout=2",
         "rollout.responses_per_prompt=1",  # one request in flight per rank: see the docstring
+        "adv.estimator=reinforce_pp",  # a group estimator refuses groups of one
         "rollout.concurrency=1",
         "rollout.dynamic_filter=false",
         "rollout.max_new_tokens=12",
