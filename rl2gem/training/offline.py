@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rl2gem.config import ConfigError
+from rl2gem.data import FILE_FORMATS
 from rl2gem.models import resolve_model
 from rl2gem.rollout import EmbeddedEngine, RolloutConfig
 from rl2gem.rollout.tito import ChatRenderer, load_chat_template
@@ -42,17 +43,71 @@ PAIRS_HELP = (
 )
 
 
+#: suffixes of files that are not a Hugging Face dataset name either (a missing one is a mistake)
+OTHER_FILE_SUFFIXES = (".txt", ".tsv", ".xlsx", ".xls", ".gz", ".zip", ".yaml", ".yml", ".ndjson", ".md")
+#: the splits a ``{split: file}`` mapping of ``data.train`` / ``data.test`` may name
+DATA_SPLITS = ("train", "test", "validation")
+
+
 def check_data_config(cfg, what: str) -> None:
     """The ``data`` section of an offline trainer: ``data.train`` is given (``what`` says what it
-    holds), ``data.batch_size >= 1`` and ``data.max_length >= 2``.
+    holds), ``data.train`` and ``data.test`` are each a file, a dataset name or a ``{split: file}``
+    mapping of :data:`DATA_SPLITS` (``data.train``'s with ``train``), a local path (one with a
+    folder or an extension) exists and has a known format, ``data.batch_size >= 1`` and
+    ``data.max_length >= 2``.
 
     Raises:
         ConfigError: naming the key.
     """
     if not cfg.data.train:
         raise ConfigError(f"data.train is required: {what}")
+    for key in ("train", "test"):
+        _check_data_source(f"data.{key}", OmegaConf.to_container(cfg.data, resolve=True).get(key), key)
     if cfg.data.batch_size < 1 or cfg.data.max_length < 2:
         raise ConfigError("data.batch_size must be >= 1 and data.max_length >= 2")
+
+
+def _check_data_source(key: str, source: Any, split: str) -> None:
+    if source is None:
+        return
+    if isinstance(source, Mapping):
+        blank = [name for name, path in source.items() if not isinstance(path, str) or not path]
+        if blank:
+            raise ConfigError(
+                f"{key}: no file for {blank} in {source} (write a space after each colon: "
+                "{train: a.jsonl, test: b.jsonl})"
+            )
+        unknown = sorted(set(source) - set(DATA_SPLITS))
+        if unknown or (split == "train" and "train" not in source):
+            raise ConfigError(
+                f"{key}: the splits of a {{split: file}} mapping are {list(DATA_SPLITS)}, with train; got {list(source)}"
+            )
+        for name, path in source.items():
+            _check_data_source(f"{key}.{name}", path, name)
+        return
+    if not isinstance(source, str):
+        raise ConfigError(f"{key}: expected a file, a dataset name or {{split: file}}, got {source!r}")
+    path = Path(source).expanduser()
+    suffix = path.suffix.lower()
+    if path.is_file() and suffix not in FILE_FORMATS:
+        raise ConfigError(f"{key}: {source!r} is not a file format rl2gem reads ({', '.join(sorted(FILE_FORMATS))})")
+    # a Hugging Face name is "name" or "org/name": a missing path that cannot be one is a mistake
+    a_path = suffix in FILE_FORMATS or suffix in OTHER_FILE_SUFFIXES or source.startswith((".", "/", "~"))
+    if not path.exists() and (a_path or source.count("/") > 1):
+        raise ConfigError(f"{key}: no such data file {source!r}")
+
+
+def held_out(data) -> tuple[Any, str]:
+    """``(source, split)`` of the held-out items: ``data.test``, else the ``test`` (or
+    ``validation``) file of a ``{split: file}`` ``data.train``; ``(None, "test")`` without."""
+    for source in (data.test, data.train):
+        if isinstance(source, Mapping) and source:
+            split = next((name for name in ("test", "validation") if name in source), None)
+            if split is not None:
+                return source, split
+        elif source is data.test and source:
+            return source, "test"
+    return None, "test"
 
 
 def epoch_batch(count: int, batch_size: int, seed: int, step: int) -> list[int]:
@@ -92,7 +147,8 @@ class OfflineTrainer(Trainer):
         self.chat_template = load_chat_template(c.rollout.chat_template)
         self.renderer = ChatRenderer(self.tokenizer, self.chat_template)
         self.train = self.load_items(c.data.train, "train")
-        self.test = self.load_items(c.data.test, "test") if c.data.test else []
+        test_source, test_split = held_out(c.data)
+        self.test = self.load_items(test_source, test_split) if test_source else []
         if not self.train:
             raise ConfigError(f"data.train={c.data.train}: no usable {self.unit} (see the trainer's docstring)")
         self.steps_per_epoch = math.ceil(len(self.train) / c.data.batch_size)

@@ -42,6 +42,18 @@ def test_config_errors_name_the_key(tmp_path, capsys):
     data.write_text("")
     assert sft.main([f"data.train={data}", "actor.loss_agg=sum"]) == 2
     assert "actor.loss_agg" in capsys.readouterr().err
+    (tmp_path / "notes.txt").write_text("hi")
+    for argument, message in [
+        (f"data.train={tmp_path / 'nope.jsonl'}", "data.train: no such data file"),
+        (f"data.train={tmp_path / 'chat.txt'}", "data.train: no such data file"),
+        (f"data.train={tmp_path / 'notes.txt'}", "data.train: '"),  # ... is not a file format rl2gem reads
+        (f"data.train=[{data}]", "data.train: expected a file, a dataset name or {split: file}, got ["),
+        (f"data.train={{train:{data}}}", "data.train: no file for ['train:"),  # no space after the colon
+        (f"data.train={{tran: {data}}}", "data.train: the splits of a {split: file} mapping are"),
+        (f"data.test=a/b/{tmp_path.name}", "data.test: no such data file"),
+    ]:
+        assert sft.main([f"data.train={data}", argument] if argument.startswith("data.test") else [argument]) == 2
+        assert capsys.readouterr().err.startswith(f"config error: {message}"), argument
     # the evaluation env is built once before anything loads: an argument it refuses is named
     evaluation = [f"data.train={data}", "trainer.eval_env=rl2/GuessTheNumber-v0", "trainer.eval_env_kwargs.max_turn=3"]
     assert sft.main(evaluation) == 2
@@ -199,3 +211,19 @@ def test_model_parallel_ranks_log_one_rank_s_loss_and_their_share_of_the_flops(t
         two = logged_steps(out / "metrics.jsonl", "train/loss")[1]
         assert two["train/loss"] == pytest.approx(one["train/loss"], rel=1e-4), layout
         assert two["perf/mfu"] * two["time/step"] == pytest.approx(one_flops / 2, rel=0.1), layout
+
+
+def test_the_held_out_items_come_from_data_test_or_the_train_mapping():
+    from omegaconf import OmegaConf
+
+    from rl2gem.training.offline import held_out
+
+    def data(train, test=None):
+        return OmegaConf.create({"train": train, "test": test})
+
+    assert held_out(data("a.jsonl")) == (None, "test")
+    assert held_out(data("a.jsonl", "b.jsonl")) == ("b.jsonl", "test")
+    mapping = {"train": "a.jsonl", "validation": "v.jsonl"}
+    assert held_out(data(mapping)) == (mapping, "validation")  # the train mapping's held-out file
+    assert held_out(data(mapping, "b.jsonl")) == ("b.jsonl", "test")  # data.test wins
+    assert held_out(data("a.jsonl", {"test": "t.jsonl"})) == ({"test": "t.jsonl"}, "test")
