@@ -101,11 +101,7 @@ def load_config(defaults: str | Path | Mapping[str, Any], argv: list[str]) -> Di
         if not path.exists() and isinstance(defaults, (str, Path)):
             path = Path(defaults).parent / (name if name.endswith((".yaml", ".yml")) else f"{name}.yaml")
         if not path.exists():
-            known = (
-                sorted(p.stem for p in Path(defaults).parent.glob("*.yaml"))
-                if isinstance(defaults, (str, Path))
-                else []
-            )
+            known = recipes_of(defaults) if isinstance(defaults, (str, Path)) else []
             raise ConfigError(f"config={name}: no such recipe file" + (f"; recipes here: {known}" if known else ""))
         recipe = OmegaConf.load(path)
         try:
@@ -119,7 +115,15 @@ def load_config(defaults: str | Path | Mapping[str, Any], argv: list[str]) -> Di
             OmegaConf.from_dotlist([argument.lstrip("+")])
         except (yaml.YAMLError, OmegaConfBaseException) as error:
             raise ConfigError(f"{argument}: not a value OmegaConf reads ({one_line(error)})") from None
-    merged = OmegaConf.merge(base, OmegaConf.from_dotlist([a.lstrip("+") for a in argv]))
+    try:
+        merged = OmegaConf.merge(base, OmegaConf.from_dotlist([a.lstrip("+") for a in argv]))
+    except (OmegaConfBaseException, TypeError, ValueError) as error:  # e.g. a list for a mapping: name it
+        for argument in argv:
+            try:
+                OmegaConf.merge(base, OmegaConf.from_dotlist([argument.lstrip("+")]))
+            except (OmegaConfBaseException, TypeError, ValueError) as own:
+                raise ConfigError(f"{argument}: {one_line(own)}") from None
+        raise ConfigError(one_line(error)) from None
     check_types(plain, OmegaConf.to_container(merged, resolve=False))
     return merged
 
@@ -171,6 +175,29 @@ def check_types(defaults: Mapping[str, Any], config: Mapping[str, Any], prefix: 
 HELP_ARGUMENTS = ("--help", "-h", "help=true")
 
 
+def recipes_of(defaults: str | Path) -> list[str]:
+    """The recipes of the command whose YAML ``defaults`` these are: the other YAML files next to
+    it whose keys all exist in its defaults, less another command's defaults and a recipe named for
+    another command (``guess_sft`` is the ``sft`` command's, ``tune_arithmetic`` the ``tune``
+    command's; a command is a ``<name>.py`` in the folder above)."""
+    path = Path(defaults)
+    plain = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    files = sorted(path.parent.glob("*.yaml"))
+    commands = {f.stem for f in files if (path.parent.parent / f"{f.stem}.py").exists()}  # their defaults
+    recipes = []
+    for recipe in files:
+        named = {part for part in (recipe.stem.rpartition("_")[2], recipe.stem.partition("_")[0]) if part in commands}
+        if recipe.stem in commands or (named and path.stem not in named):
+            continue
+        try:
+            leaves = _leaves(OmegaConf.to_container(OmegaConf.load(recipe), resolve=False))
+            check_overrides(plain, [f"{key}=" for key in leaves])
+        except ConfigError:
+            continue
+        recipes.append(recipe.stem)
+    return recipes
+
+
 def config_help(defaults: str | Path | Mapping[str, Any]) -> str:
     """The help of a command line over the YAML ``defaults``: the usage line, the defaults file as
     written (every key, its default and its comment: the schema) and the recipes next to it that
@@ -180,16 +207,7 @@ def config_help(defaults: str | Path | Mapping[str, Any]) -> str:
         listed = yaml.safe_dump(OmegaConf.to_container(OmegaConf.create(dict(defaults))), sort_keys=False)
         return f"usage: [key=value ...]   (unknown keys and values of the wrong type are errors)\n\nkeys and defaults:\n\n{listed.rstrip()}"
     path = Path(defaults)
-    plain = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-    recipes = []
-    for recipe in sorted(path.parent.glob("*.yaml")):
-        try:  # the recipes of this command: files next to it whose keys all exist in its defaults
-            leaves = _leaves(OmegaConf.to_container(OmegaConf.load(recipe), resolve=False))
-            check_overrides(plain, [f"{key}=" for key in leaves])
-        except ConfigError:
-            continue
-        if not (path.parent.parent / f"{recipe.stem}.py").exists():  # not another command's defaults
-            recipes.append(recipe.stem)
+    recipes = recipes_of(path)
     return (
         "usage: [config=<recipe>] [key=value ...]   (unknown keys and values of the wrong type are errors)\n\n"
         f"keys, defaults and descriptions ({path.name}):\n\n{path.read_text().rstrip()}\n\n"

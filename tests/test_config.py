@@ -33,8 +33,10 @@ def test_errors_name_the_closest_key_or_the_recipes(defaults):
         load_config(defaults, ["actor.lrr=2"])
     with pytest.raises(ConfigError, match="bad.yaml.*did you mean 'actor.lr'"):
         load_config(defaults, ["config=bad"])
-    with pytest.raises(ConfigError, match=r"no such recipe.*'bad', 'base', 'fast'"):
+    with pytest.raises(ConfigError, match=r"no such recipe.*\['base', 'fast'\]"):  # bad.yaml's keys do not fit
         load_config(defaults, ["config=nope"])
+    with pytest.raises(ConfigError, match=r"^actor=\[1\]: Cannot merge incompatible container types"):
+        load_config(defaults, ["actor.lr=2", "actor=[1]"])  # a list where the defaults have a mapping
     with pytest.raises(ConfigError, match="key=value"):
         load_config(defaults, ["actor"])
 

@@ -187,6 +187,22 @@ def test_help_prints_every_key_with_its_default_and_the_recipes(argument, capsys
     )
 
 
+def test_each_trainers_help_lists_its_own_recipes_only(capsys):
+    """A recipe named for a trainer (``guess_sft``) is that trainer's: DPO's help listed the SFT
+    recipes, whose keys DPO's defaults also have."""
+    from rl2gem.trainers import dpo, rm, sft
+
+    expected = {
+        sft: "guess_hard_sft, guess_sft, multihop_sft, searchqa_sft",
+        dpo: "arithmetic_dpo",
+        rm: "arithmetic_rm",
+    }
+    for trainer, recipes in expected.items():
+        with pytest.raises(SystemExit):
+            launch(MustNotBuild, trainer.CONFIG, trainer.check_config, ["--help"])
+        assert capsys.readouterr().out.rstrip().endswith(f"recipes (config=<name>): {recipes}"), trainer
+
+
 def test_documented_nulls_pass_the_check():
     """null turns the value clip off and gives a LoRA setting its default: the check refused both."""
     arguments = ["adv.estimator=gae", "critic.value_clip=null", "actor.lora.rank=4", "actor.lora.alpha=null"]
