@@ -11,7 +11,7 @@ critic's section overrides some of them. The library reads a section through
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = ["LoraSettings", "SCHEDULES", "WorkerSettings", "is_length_setting", "resolve_compile"]
@@ -65,6 +65,10 @@ class LoraSettings:
             out.append(f"lora.alpha: expected a number > 0, got {self.alpha!r}")
         if not _number(self.dropout) or not 0 <= self.dropout < 1:
             out.append(f"lora.dropout: expected a number in [0, 1), got {self.dropout!r}")
+        targets = self.target_modules
+        names = [targets] if isinstance(targets, str) else list(targets) if isinstance(targets, Sequence) else None
+        if not names or not all(isinstance(name, str) and name for name in names):
+            out.append(f"lora.target_modules: expected all-linear or a non-empty list of module names, got {targets!r}")
         return out
 
 

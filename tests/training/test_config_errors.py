@@ -57,6 +57,10 @@ CASES = [
     ("critic.lr=0", "config error: critic.lr: expected a number > 0, got 0"),
     ("actor.scheduler=bogus", "config error: actor.scheduler: expected one of ['constant', 'linear', 'cosine']"),
     ("actor.lora.dropout=1.5", "config error: actor.lora.dropout: expected a number in [0, 1), got 1.5"),
+    (
+        "actor.lora.target_modules=[]",
+        "config error: actor.lora.target_modules: expected all-linear or a non-empty list of module names, got []",
+    ),
     ("actor.ddp_size=0", "config error: actor.ddp_size: expected an int >= 1, got 0"),
     ("actor.is_mode=bogus", "config error: actor.is_mode='bogus' is not one of ['none', 'truncated', 'masked']"),
     ("actor.loss_agg=bogus", "config error: actor.loss_agg='bogus' is not one of ['token_mean'"),
