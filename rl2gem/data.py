@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
@@ -171,12 +172,24 @@ def _load_file(datasets, fmt: str, path: Path, split: str):
     options: dict[str, Any] = {}
     if fmt == "csv":
         with open(path, encoding="utf-8", newline="") as handle:
-            header = next(csv.reader(handle), [])
+            reader = csv.reader(handle)
+            header, first = next(reader, []), next(reader, None)
+        if first is None:
+            raise DataUnavailable(f"{path}: the data file has no rows (a header only)")
         options = {
             "features": datasets.Features({column: datasets.Value("string") for column in header}),
             "keep_default_na": False,
             "na_values": [""],
         }
+    if fmt == "parquet":
+        import pyarrow.parquet
+
+        try:
+            rows = pyarrow.parquet.read_metadata(path).num_rows
+        except Exception as e:  # not Parquet: pyarrow's ArrowInvalid
+            raise DataUnavailable(f"{path}: could not read it as parquet: {type(e).__name__}: {str(e)[:300]}") from e
+        if rows == 0:
+            raise DataUnavailable(f"{path}: the data file has no rows")
     try:
         return datasets.load_dataset(fmt, data_files={split: str(path)}, split=split, **options)
     except Exception as e:  # datasets wraps the reader's error (DatasetGenerationError, StopIteration...)
@@ -226,6 +239,8 @@ def load_conversations(source: str | Mapping[str, str], split: str = "train") ->
                     messages = json.loads(messages)
                 except json.JSONDecodeError as e:
                     raise DataUnavailable(f"{where}: 'messages' is a string but not JSON ({e})") from None
+        elif "prompt" in present and "response" in row and not present.get("response"):
+            raise DataUnavailable(f"{where}: 'response' is empty: nothing to train on but the end of the turn")
         elif "prompt" in present and "response" in present:
             prompt, response = present["prompt"], present["response"]
             if not isinstance(prompt, (str, list)):
@@ -333,19 +348,34 @@ def load_preferences(source: str | Mapping[str, str], split: str = "train") -> l
                 f"{where}: missing {missing} (keys {sorted(present)}); "
                 "expected {'prompt' or 'messages', 'chosen', 'rejected'}"
             )
-        prompt = _messages(present[prompt_key], "user", where)
+        prompt = _messages(present[prompt_key], "user", f"{where}: {prompt_key!r}")
         if prompt[-1]["role"] == "assistant":
             raise DataUnavailable(f"{where}: the prompt ends with an assistant turn")
         sides = {}
         for side in ("chosen", "rejected"):
-            continuation = _messages(present[side], "assistant", where)
+            continuation = _messages(present[side], "assistant", f"{where}: {side!r}")
             if continuation[0]["role"] != "assistant":
                 raise DataUnavailable(f"{where}: {side!r} must start with an assistant turn")
             _conversation(prompt + continuation, where)
             sides[side] = continuation
         extra = {key: value for key, value in present.items() if key not in (prompt_key, "chosen", "rejected")}
+        for key in ("ref_chosen_logps", "ref_rejected_logps"):
+            if key in extra and not _is_number(extra[key]):
+                raise DataUnavailable(
+                    f"{where}: {key!r} must be a number (a sequence log-prob), got {extra[key]!r:.100}"
+                )
         pairs.append(PreferencePair(prompt, sides["chosen"], sides["rejected"], extra))
     return pairs
+
+
+def _is_number(value: Any) -> bool:
+    """A real number, or text that reads as one (a CSV cell)."""
+    if isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
 
 
 def _messages(value: Any, role: str, where: str) -> list[dict[str, Any]]:

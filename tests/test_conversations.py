@@ -100,6 +100,7 @@ def test_prompt_given_as_messages_is_kept(tmp_path):
             r"row 1 .*starts with an assistant turn",
         ),
         ({"prompt": "2+2?", "response": 4}, r"row 1 .*'response' must be a string, got int"),
+        ({"prompt": "2+2?", "response": ""}, r"row 1 .*'response' is empty"),
         (  # OpenAI's function-calling shape: the call would be dropped, the model trained to stop at once
             {
                 "messages": [
@@ -153,6 +154,24 @@ def test_unreadable_files_are_named(tmp_path, text, message):
     path.write_text(text, encoding="utf-8")
     with pytest.raises(DataUnavailable, match=f"rows.jsonl: {message}"):
         load_conversations(str(path))
+
+
+def test_files_without_rows_and_an_empty_csv_response_are_named(tmp_path):
+    import pyarrow
+    import pyarrow.parquet
+
+    header_only = tmp_path / "header.csv"
+    header_only.write_text("prompt,response\n", encoding="utf-8")
+    with pytest.raises(DataUnavailable, match="header.csv: the data file has no rows"):
+        load_conversations(str(header_only))
+    empty = tmp_path / "empty.parquet"
+    pyarrow.parquet.write_table(pyarrow.table({"prompt": pyarrow.array([], pyarrow.string())}), empty)
+    with pytest.raises(DataUnavailable, match="empty.parquet: the data file has no rows"):
+        load_conversations(str(empty))
+    blank = tmp_path / "blank.csv"
+    blank.write_text('prompt,response\n"2+2?",4\n"3+3?",\n', encoding="utf-8")
+    with pytest.raises(DataUnavailable, match=r"row 1 .*'response' is empty"):  # was: unknown row shape
+        load_conversations(str(blank))
 
 
 def test_missing_file_and_unknown_suffix(tmp_path):

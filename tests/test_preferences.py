@@ -54,6 +54,11 @@ def test_a_reply_that_looks_like_a_list_stays_text(tmp_path):
     "row, message",
     [
         ({"prompt": "x", "chosen": "a"}, r"missing \['rejected'\]"),
+        ({"prompt": "x", "chosen": 2, "rejected": "b"}, r"'chosen': messages must be a non-empty list, got 2"),
+        (
+            {"prompt": "x", "chosen": "a", "rejected": "b", "ref_chosen_logps": "abc", "ref_rejected_logps": -1.0},
+            r"'ref_chosen_logps' must be a number \(a sequence log-prob\), got 'abc'",
+        ),
         ({"chosen": "a", "rejected": "b"}, r"missing \['prompt'\]"),
         ({"prompt": "x", "chosen": [{"role": "user", "content": "a"}], "rejected": "b"}, "start with an assistant"),
         (
