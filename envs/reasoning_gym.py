@@ -50,7 +50,7 @@ FORMAT = "Think step by step, then give only the final answer inside <answer></a
 PLAIN_FORMAT = "Answer with just the final answer, nothing else."
 NUMBER_FORMAT = "Answer with just the number."
 ANSWER_MODES = ("tag", "plain", "last_number")
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?")  # a minus sign, not a hyphen after a word or digit
 
 #: Answers that script Python rather than state a result: a dunder, or a call of a builtin that
 #: runs code or reaches objects, refused for the tasks whose module evaluates Python

@@ -99,6 +99,9 @@ def test_answer_mode_errors_and_last_number_extraction():
     assert last_number("5 - 9 = -4") == "-4"
     assert last_number("It is 1,234 apples") == "1234"
     assert last_number("no digits") is None
+    # a hyphen after a word or a digit is not a minus sign: "pages 5-10" does not answer -10
+    assert last_number("pages 5-10") == "10" and last_number("the zero-10 joke") == "10"
+    assert last_number("x=-10") == "-10" and last_number("v2 of it") is None and last_number("3.5") == "3.5"
     env = rl2gem.make("rl2/ReasoningGym-v0", task="basic_arithmetic", answer="last_number")
     env.reset(seed=5)
     _, reward, terminated, _, info = env.step("I do not know")
