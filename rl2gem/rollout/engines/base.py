@@ -40,8 +40,10 @@ _MASK64 = (1 << 64) - 1
 def seeded_uniform(seed: int, k: int) -> float:
     """A uniform in [0, 1) that is a fixed function of ``(seed, k)`` (SplitMix64 finaliser).
 
-    Used for the k-th sampled token of a request with ``sampling_seed``, so a
-    seeded request samples the same tokens in any batch.
+    Used for the k-th sampled token of a request with ``sampling_seed``, so a seeded request
+    draws the same uniforms in any batch. Its tokens are the same up to the logits' float rounding:
+    batches of other sizes can change the logits in their last bits (about 1e-6), which flips a
+    draw that lands among tail tokens holding about that much probability each.
     """
     return (_splitmix(int(seed) * 0x9E3779B97F4A7C15 + (int(k) + 1) * 0xBF58476D1CE4E5B9) >> 11) / float(1 << 53)
 

@@ -10,8 +10,9 @@ that of ``log_softmax(logits / T)`` (``T = 1`` for greedy rows), as
 after a decode step (:mod:`rl2gem.rollout.engines.cuda_graphs`); :func:`sample` is the general
 entry point (top-k / top-p rows too) that the engine calls eagerly, and :func:`draw_uniforms` the
 one place uniforms come from: a request with a ``sampling_seed`` uses
-:func:`~rl2gem.rollout.engines.base.seeded_uniforms` of its token count (the same tokens in any
-batch), the others the engine's generator.
+:func:`~rl2gem.rollout.engines.base.seeded_uniforms` of its token count (the same uniforms in any
+batch, so the same tokens up to the logits' float rounding: see ``seeded_uniform``), the others
+the engine's generator.
 """
 
 from __future__ import annotations
