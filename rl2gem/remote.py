@@ -50,6 +50,9 @@ class RemoteEnv(Env):
         url: the env server's base URL (``http://host:port``).
         split: data split for data-set envs (sent to the server as an env kwarg when the served env
             has a ``split`` argument, dropped otherwise).
+        tool_prompt: the served env's ``tool_prompt`` (``None``: its tools are left to the chat
+            template, as evaluation through an API and ``rollout.tools_in_template`` ask), sent when
+            the served env has that argument, dropped otherwise; not given: the server's own.
         timeout: seconds per HTTP call.
         retries: further tries of a call that got no answer or a 5xx.
         backoff: seconds before the first retry; doubled each time.
@@ -68,6 +71,7 @@ class RemoteEnv(Env):
         url: str,
         *,
         split: str | None = None,
+        tool_prompt: str | None = "server",
         timeout: float = 60.0,
         retries: int = 4,
         backoff: float = 0.5,
@@ -79,6 +83,8 @@ class RemoteEnv(Env):
             raise ValueError(f"url must be an http(s) URL of an env server, got {url!r}")
         self.url = url.rstrip("/")
         self.env_kwargs = {**env_kwargs, **({"split": split} if split is not None else {})}
+        if tool_prompt != "server":
+            self.env_kwargs["tool_prompt"] = tool_prompt
         self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)
         self.schema: dict[str, Any] | None = None
         self._http = LoopSessions(timeout=self.timeout)
@@ -114,8 +120,9 @@ class RemoteEnv(Env):
 
     async def _read_schema(self) -> None:
         self.schema = await self._call("GET", "/schema")
-        if "split" not in self.schema.get("kwargs", {"split": None}):
-            self.env_kwargs.pop("split", None)  # trainers and evaluate pass a split to every env that names one
+        for name in ("split", "tool_prompt"):  # trainers and evaluate pass them to every env that names them
+            if name not in self.schema.get("kwargs", {name: None}):
+                self.env_kwargs.pop(name, None)
         if self.env_kwargs:  # the schema of this session's env: its split's size, its max_turns
             query = urllib.parse.urlencode({"env_kwargs": json.dumps(self.env_kwargs)})
             self.schema = await self._call("GET", f"/schema?{query}")

@@ -195,6 +195,29 @@ def test_env_kwargs_and_the_split_reach_the_served_env():
         assert not app[SESSIONS].sessions  # close() ended the session on the server
 
 
+def test_tools_left_to_the_template_reach_a_served_tool_env_and_not_one_without_tools():
+    """evaluate through an API and ``rollout.tools_in_template`` make envs with ``tool_prompt=None``
+    (standard_kwargs): a served tool env got it too late, and its tools came twice (text and API)."""
+    kwargs = rl2gem.standard_kwargs("rl2/Remote-v0", {}, split="test", tools_in_template=True)
+    assert kwargs == {"split": "test", "tool_prompt": None}
+    with serving_env("rl2/PythonMath-v0") as (url, app):
+        remote = gym.make("rl2/Remote-v0", url=url, **kwargs)
+        observation, info = remote.reset(seed=0)
+        assert "<tools>" not in observation and [tool["function"]["name"] for tool in info["tools"]] == ["python"]
+        (session,) = app[SESSIONS].sessions.values()
+        assert session.env_kwargs == {"split": "test", "tool_prompt": None}
+        remote.close()
+        default = gym.make("rl2/Remote-v0", url=url)
+        assert "<tools>" in default.reset(seed=0)[0]  # not given: the server's own (the text has them)
+        default.close()
+    with serving_env(GAME) as (url, app):
+        remote = gym.make("rl2/Remote-v0", url=url, **kwargs)
+        remote.reset(seed=0)  # a game has neither argument: both dropped
+        (session,) = app[SESSIONS].sessions.values()
+        assert session.env_kwargs == {}
+        remote.close()
+
+
 def test_bad_requests_get_4xx_with_an_error_body_and_the_server_goes_on(game_url):
     status, body = call(f"{game_url}/reset", "POST", {"seed": 1})
     assert status == 200 and body["done"] is False and isinstance(body["observation"]["message"], str)

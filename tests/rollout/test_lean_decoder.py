@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from rl2gem.openmp import release_thread_team
 from rl2gem.rollout import EmbeddedEngine
+from rl2gem.rollout.engines import lean_decoder
 from rl2gem.rollout.engines.embedded import _KVStore
 from rl2gem.rollout.engines.lean_decoder import LLAMA_NORMS, LeanDecoder, _norm, _rope, _rope_, unsupported_reason
 
@@ -83,12 +84,20 @@ def test_prefill_and_decode_logits_equal_the_full_forward(kind):
     torch.testing.assert_close(logits[0], reference[row][width - 1], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("attention", ["fused", "eager in blocks"])  # the CPU's, and CUDA's in 7-query blocks
 @pytest.mark.parametrize("scores", [1, 1 << 26])  # one request per group; groups as planned
 @torch.no_grad()
-def test_one_prefill_of_requests_with_and_without_cached_prefixes_equals_the_full_forward(scores):
+def test_one_prefill_of_requests_with_and_without_cached_prefixes_equals_the_full_forward(
+    scores, attention, monkeypatch
+):
     """Six requests in one prefill call, three extending a cached prefix (one with a masked hole
     between its prefix and its new tokens), of 1 to 19 new tokens: each request's logits after its
-    last token, and the keys it wrote, equal the full forward of its whole sequence."""
+    last token, and the keys it wrote, equal the full forward of its whole sequence; with torch's
+    fused attention (the CPU's) and with the eager scores in blocks of queries (CUDA's)."""
+    if attention != "fused":
+        original = LeanDecoder._attend_prefill
+        monkeypatch.setattr(lean_decoder, "ATTENTION_BLOCK_SCORES", 7 * 4 * 64)  # 7 queries of 64 keys, 4 heads
+        monkeypatch.setattr(LeanDecoder, "_attend_prefill", lambda self, *a: original(self, *a, fused=False))
     model = build("llama")
     decoder = LeanDecoder(model, prefill_scores=scores, prefill_padding=2.0)
     generator = torch.Generator().manual_seed(4)
