@@ -30,7 +30,8 @@ in front of several) answers whole completions, so its streams arrive in one pie
 
 Token-in/token-out: a chat request is rendered by the model's chat template and tokenised
 exactly as :class:`rl2gem.rollout.tito.ChatRenderer` does for a rollout's first turn, so a
-conversation played through this API sees the same prompt tokens as a local evaluation. Later
+conversation played through this API sees the same prompt tokens as a local evaluation with the
+same chat template (``serve --chat-template`` for the API, ``chat_template=`` for ``evaluate``). Later
 turns are re-rendered from the messages (the API is stateless); where a reply does not
 re-tokenise to the ids that were sampled, the tokens differ from those of a prefix-merged local
 rollout (:mod:`rl2gem.rollout.tito`).
