@@ -24,11 +24,17 @@ parser.add_argument("--model", default=None, help="default: the first model the 
 parser.add_argument("--env", default="rl2/SearchQA-v0")
 parser.add_argument("--episodes", type=int, default=5)
 parser.add_argument("--max-tokens", type=int, default=48)
-parser.add_argument("--max-turns", type=int, default=None, help="the env's turn limit (default: its own)")
+parser.add_argument(
+    "--max-turns", type=int, default=None, help="a multi-turn env's turn limit (default: its own; games, search...)"
+)
 parser.add_argument("--split", default="test", help="the data split, for envs that have one")
 args = parser.parse_args()
 # split= goes only to envs that take one (a data set's), as python -m rl2gem.evaluate passes it
 kwargs = standard_kwargs(args.env, {"max_turns": args.max_turns} if args.max_turns else {}, split=args.split)
+try:  # the env's own arguments refused (a single-turn env has no --max-turns): one line, not a traceback
+    gym.make(args.env, **kwargs).close()
+except (TypeError, ValueError, gym.error.Error) as error:
+    parser.error(f"{args.env}: {error}")
 
 client = OpenAI(base_url=args.base_url, api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"), max_retries=5)
 model = args.model or client.models.list().data[0].id
