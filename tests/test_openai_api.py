@@ -259,6 +259,9 @@ def test_requests_it_cannot_serve_get_400_with_a_reason(client):
         ({"logprobs": "yes"}, "logprobs must be true or false"),
         ({"stream_options": {"include_usage": True}}, "only allowed with stream=true"),
         ({"functions": [{"name": "f", "parameters": {}}]}, "functions="),
+        ({"tools": [{"type": "function"}]}, "tools[0] must be {'type': 'function', 'function': {...}}"),  # was a 200
+        ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools[0].function.name must be"),
+        ({"tools": [{"function": {"name": "f", "parameters": []}}]}, "tools[0].function.parameters must be"),
         (
             {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": "f"}]}]},
             "a tool call's function must be an object",  # a 500 (AttributeError) before

@@ -421,6 +421,16 @@ class OpenAIRoutes:
         tools = body.get("tools") or None
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise OpenAIRequestError("tools must be a list of function schemas")
+        for position, tool in enumerate(
+            tools or []
+        ):  # the API's shape: {"type": "function", "function": {"name", ...}}
+            function = tool.get("function")
+            if tool.get("type", "function") != "function" or not isinstance(function, dict):
+                raise OpenAIRequestError(f"tools[{position}] must be {{'type': 'function', 'function': {{...}}}}")
+            if not isinstance(function.get("name"), str) or not function["name"]:
+                raise OpenAIRequestError(f"tools[{position}].function.name must be a non-empty string")
+            if not isinstance(function.get("parameters", {}), dict):
+                raise OpenAIRequestError(f"tools[{position}].function.parameters must be a JSON schema object")
         choice_mode = body.get("tool_choice", "auto")
         if choice_mode not in ("auto", "none", None):
             raise OpenAIRequestError(f"tool_choice {choice_mode!r} is not supported (auto or none)")
