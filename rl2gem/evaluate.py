@@ -14,10 +14,15 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
+
+from openai import APIConnectionError, APIStatusError
 
 from rl2gem.config import command_line_config, config_error_exit_code
 from rl2gem.evaluation import DEFAULTS, check_arguments, default_output, evaluate, summarize
 from rl2gem.procs import run_main
+from rl2gem.remote import RemoteEnvError
+from rl2gem.rollout.engines.base import EngineError
 
 __all__ = ["parse_args", "main"]
 
@@ -42,7 +47,14 @@ def parse_args(argv: list[str]):
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(sys.argv[1:] if argv is None else argv)
     t0 = time.perf_counter()
-    records = evaluate(cfg)
+    try:
+        records = evaluate(cfg)
+    except (APIConnectionError, APIStatusError, RemoteEnvError, EngineError) as error:  # a server went away
+        written = Path(cfg.output)
+        kept = sum(1 for _ in written.open(encoding="utf-8")) if written.exists() else 0
+        raise SystemExit(
+            f"evaluate: {type(error).__name__}: {error} ({kept} finished episodes in {cfg.output})"
+        ) from None
     if cfg.openai_base_url:
         who = f"openai_model={cfg.openai_model} at {cfg.openai_base_url}"
     elif cfg.server:

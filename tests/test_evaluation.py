@@ -160,3 +160,15 @@ def test_an_evaluation_records_an_episode_whose_env_raised_and_goes_on(tmp_path,
             evaluate(parse_args([*args, "env_errors=raise"]))
     finally:
         del gym.registry["testlab/Crash-v0"]
+
+
+def test_a_server_that_is_gone_ends_the_evaluation_in_one_line(tmp_path):
+    from rl2gem.evaluate import main
+
+    output = tmp_path / "o.jsonl"
+    common = ["n=2", "progress=false", f"output={output}"]
+    with pytest.raises(SystemExit, match=r"^evaluate: APIConnectionError: Connection error. \(0 finished episodes in "):
+        main(["openai_base_url=http://127.0.0.1:9/v1", "openai_model=m", "openai_max_retries=0", *common])
+    served = ["env=rl2/Remote-v0", "env_kwargs.url=http://127.0.0.1:9", "env_kwargs.retries=0", *common]
+    with pytest.raises(SystemExit, match=r"^evaluate: RemoteEnvError: http://127.0.0.1:9: GET /schema"):
+        main(served)
