@@ -218,6 +218,23 @@ def test_tools_left_to_the_template_reach_a_served_tool_env_and_not_one_without_
         remote.close()
 
 
+def test_an_mcp_client_uses_the_env_servers_mcp_route():
+    """The MCP SDK's Streamable HTTP client (MCPServerTools) on ``/mcp``: its ``initialize``
+    handshake was 'Method not found', so only OpenEnv's bare JSON-RPC calls worked there."""
+    from rl2gem.tools.mcp import MCPServerTools
+
+    with serving_env("rl2/PythonMath-v0") as (url, _):
+        server = MCPServerTools(f"{url}/mcp", timeout=60)
+        try:
+            (python,) = server.tools()
+            assert python.name == "python"
+            text = asyncio.run(python.call({"code": "print(6 * 7)"}))
+            assert text.strip() == "42"
+        finally:
+            server.close()
+        assert call(f"{url}/mcp", "POST", {"jsonrpc": "2.0", "method": "notifications/initialized"}) == (202, None)
+
+
 def test_bad_requests_get_4xx_with_an_error_body_and_the_server_goes_on(game_url):
     status, body = call(f"{game_url}/reset", "POST", {"seed": 1})
     assert status == 200 and body["done"] is False and isinstance(body["observation"]["message"], str)

@@ -62,6 +62,9 @@ from rl2gem.serving.mcp_server import EnvToolbox
 
 __all__ = ["SESSIONS", "EnvRoutes", "EnvSessions", "make_env_app"]
 
+#: the MCP protocol version ``/mcp`` answers a client's ``initialize`` that names none
+MCP_PROTOCOL_VERSION = "2025-06-18"
+
 #: OpenEnv's HTTP API version (``openenv validate`` accepts 1.x).
 API_VERSION = "1.0.0"
 
@@ -439,7 +442,10 @@ class EnvRoutes:
     async def mcp(self, request):
         """JSON-RPC 2.0, always HTTP 200 (OpenEnv's convention): ``tools/list`` answers the env's
         tools, ``tools/call`` (``{name, arguments}``) runs one (``{content: [{type: text, text}],
-        isError}``); other methods -32601, params that are not an object -32602."""
+        isError}``); other methods -32601, params that are not an object -32602. An MCP client's
+        Streamable HTTP handshake works too (JSON answers, no session id): ``initialize`` (the
+        client's protocol version, the tools capability), ``ping``, and a notification (no ``id``:
+        202, no body)."""
         try:
             message = json.loads(await request.text())
         except ValueError:
@@ -453,8 +459,18 @@ class EnvRoutes:
         method, params, rpc_id = message["method"], message.get("params") or {}, message.get("id")
         if not isinstance(params, dict):
             return _rpc_error(rpc_id, -32602, "params must be an object")
-        if method == "tools/list":
-            result: dict[str, Any] = {"tools": self.toolbox.listing()}
+        if "id" not in message and method.startswith("notifications/"):  # notifications/initialized...
+            return web.Response(status=202)
+        if method == "initialize":
+            result: dict[str, Any] = {
+                "protocolVersion": str(params.get("protocolVersion") or MCP_PROTOCOL_VERSION),
+                "capabilities": {"tools": {"listChanged": False}},
+                "serverInfo": {"name": "rl2gem-envserver", "version": rl2gem.__version__},
+            }
+        elif method == "ping":
+            result = {}
+        elif method == "tools/list":
+            result = {"tools": self.toolbox.listing()}
         elif method == "tools/call":
             text, is_error = await self.toolbox.call(str(params.get("name", "")), params.get("arguments"))
             result = {"content": [{"type": "text", "text": text}], "isError": is_error}
