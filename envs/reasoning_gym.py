@@ -50,7 +50,7 @@ FORMAT = "Think step by step, then give only the final answer inside <answer></a
 PLAIN_FORMAT = "Answer with just the final answer, nothing else."
 NUMBER_FORMAT = "Answer with just the number."
 ANSWER_MODES = ("tag", "plain", "last_number")
-_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?")  # a minus sign, not a hyphen after a word or digit
+_NUMBER = re.compile(r"(?:(?<![\w.])-)?(?<![\d.])\d+(?:\.\d+)?")  # a minus sign, not a hyphen after a word or digit
 
 #: Answers that script Python rather than state a result: a dunder, or a call of a builtin that
 #: runs code or reaches objects, refused for the tasks whose module evaluates Python
@@ -127,8 +127,10 @@ def _check_task_options(task: str, options: dict[str, Any]) -> None:
     unknown = sorted(set(options) - fields)
     if unknown:
         raise TypeError(f"reasoning-gym task {task!r} has no option(s) {unknown}; its options are {sorted(fields)}")
+    validate = getattr(config_class(**options) if options else None, "validate", None)  # not every task has one
     try:
-        config_class(**options).validate()
+        if validate is not None:
+            validate()
     except (AssertionError, ValueError, TypeError) as e:  # reasoning-gym validates with asserts
         raise ValueError(f"reasoning-gym task {task!r} refused {options}: {e or type(e).__name__}") from None
 

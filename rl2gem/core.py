@@ -325,7 +325,7 @@ def _async_native(cls: type) -> bool:
     if not native and not (_overrides(cls, "_step") and _overrides(cls, "_reset")):
         raise TypeError(f"{cls.__name__} implements neither _reset/_step nor _areset/_astep")
     for name in ("_reset", "_step", "_areset", "_astep"):
-        coroutine = inspect.iscoroutinefunction(getattr(cls, name))
+        coroutine = inspect.iscoroutinefunction(inspect.unwrap(getattr(cls, name)))  # through functools.wraps
         if _overrides(cls, name) and coroutine != name.startswith("_a"):
             kind, twin = (
                 ("an async def", name.replace("_a", "_", 1))
@@ -708,6 +708,10 @@ class Env(gym.Env[str, str]):
         """``(float(reward), terminated, truncated)`` from a step hook; anything but a finite real
         reward and ``bool`` flags is a bug of the env's (``bool("False")`` is True)."""
         name = type(self).__name__
+        if getattr(reward, "shape", None) == () and hasattr(
+            reward, "item"
+        ):  # a NumPy scalar or 0-d array, a 0-d tensor
+            reward = reward.item()
         if not isinstance(reward, numbers.Real):
             raise TypeError(
                 f"{name} step hook returned reward {reward!r:.200} ({type(reward).__name__}); it must be a float"

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 from openai import APIConnectionError, APIStatusError
 
@@ -47,13 +46,13 @@ def parse_args(argv: list[str]):
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(sys.argv[1:] if argv is None else argv)
     t0 = time.perf_counter()
+    finished: list = []  # this run's records, as they are written
     try:
-        records = evaluate(cfg)
+        records = evaluate(cfg, finished.append)
     except (APIConnectionError, APIStatusError, RemoteEnvError, EngineError) as error:  # a server went away
-        written = Path(cfg.output)
-        kept = sum(1 for _ in written.open(encoding="utf-8")) if written.exists() else 0
+        where = f"in {cfg.output}" if finished else "written"
         raise SystemExit(
-            f"evaluate: {type(error).__name__}: {error} ({kept} finished episodes in {cfg.output})"
+            f"evaluate: {type(error).__name__}: {error} ({len(finished)} finished episodes {where})"
         ) from None
     if cfg.openai_base_url:
         who = f"openai_model={cfg.openai_model} at {cfg.openai_base_url}"

@@ -63,6 +63,7 @@ from rl2gem.env_protocol import dataset_size
 from rl2gem.models import load_model, resolve_device, resolve_dtype, resolve_model
 from rl2gem.registry import env_config_problem, find_spec
 from rl2gem.rollout.engines.http import served_context_length
+from rl2gem.rollout.rollout import ENV_ERROR_POLICIES, EnvError, reply_messages, warn_env_error
 
 __all__ = [
     "paired_comparison",
@@ -156,6 +157,8 @@ def check_arguments(cfg) -> None:
             resolve(cfg[key])
         except ValueError as e:
             raise ConfigError(f"{key}: {e}") from None
+    if cfg.get("env_errors", "drop") not in ENV_ERROR_POLICIES:
+        raise ConfigError(f"env_errors: expected one of {list(ENV_ERROR_POLICIES)}, got {cfg.env_errors!r}")
 
     try:
         find_spec(cfg.env)
@@ -427,24 +430,25 @@ def _record(position: int, reset_info, total: float, term: bool, trunc: bool, in
     )
 
 
-def _env_error_record(cfg, position: int, seed, error: Exception, where: str, messages, tokens: int, seen: set):
+def _env_error_record(cfg, position: int, reset, error: Exception, where: str, played: tuple, seen: set):
     """The record of an episode whose env raised (``where``: the call, its turn) under
     ``env_errors=drop``, truncated with ``info["error"]`` as :meth:`rl2gem.rollout.Rollout.play`
-    keeps one; the error warned once per distinct one.
+    keeps one; ``reset``: its ``(seed, options)``; ``played``: ``(messages, tokens, reward so
+    far)``. The error is warned once per distinct one.
 
     Raises:
         EnvError: the error, with ``env_errors=raise``.
     """
-    from rl2gem.rollout.rollout import EnvError, warn_env_error
-
     wrapped = EnvError(f"{cfg.env} {where} raised {type(error).__name__}: {error}")
     wrapped.__cause__ = error
     if cfg.get("env_errors", "drop") == "raise":
         raise wrapped
     warn_env_error(wrapped, seen)
+    (seed, options), (messages, tokens, total) = reset, played
     turns = sum(m["role"] == "assistant" for m in messages)
     info = {"turn": turns, "error": str(wrapped), "truncated_reason": "env_error"}
-    return _record(position, {"seed": seed}, 0.0, False, True, info, messages, tokens)
+    task = {"seed": seed, "index": (options or {}).get("index")}  # a data set's item, for paired comparisons
+    return _record(position, task, total, False, True, info, messages, tokens)
 
 
 def _evaluate_openai(cfg, resets, emit) -> None:
@@ -455,7 +459,6 @@ def _evaluate_openai(cfg, resets, emit) -> None:
     from openai import NOT_GIVEN, AsyncOpenAI, BadRequestError
 
     from rl2gem.rollout.engines.base import mix_seed
-    from rl2gem.rollout.rollout import reply_messages
     from rl2gem.tools.base import hermes_tool_calls
 
     if not cfg.openai_model:
@@ -474,7 +477,7 @@ def _evaluate_openai(cfg, resets, emit) -> None:
 
         async def episode(position: int, seed: int, options) -> None:
             env = _make_env(cfg, tools_in_template=True)
-            shown, tokens, where = [], 0, f"areset (seed {seed})"
+            shown, tokens, total, where = [], 0, 0.0, f"areset (seed {seed})"
             try:
                 obs, info = await _env_call(env.areset(seed=seed, options=options), shown, None)
                 reset_info = info
@@ -522,7 +525,8 @@ def _evaluate_openai(cfg, resets, emit) -> None:
                                 )
                 emit(_record(position, reset_info, total, term, trunc, info, shown, tokens))
             except _EnvCallFailed as failed:
-                emit(_env_error_record(cfg, position, seed, failed.__cause__, where, shown, tokens, seen))
+                played = (shown, tokens, total)
+                emit(_env_error_record(cfg, position, (seed, options), failed.__cause__, where, played, seen))
             finally:
                 await env.aclose()
 
@@ -563,16 +567,13 @@ async def _env_call(awaitable, messages: list, action: str | None):
 def _evaluate_scripted(cfg, env, resets, emit) -> None:
     """Play ``resets`` with a scripted policy; the messages are those a Rollout builds
     (env replies by :func:`rl2gem.rollout.rollout.reply_messages`, none after the last action)."""
-    # imported here: only this function of the (shared) file was changed for it
-    from rl2gem.rollout.rollout import reply_messages
-
     rng = np.random.default_rng(cfg.seed)
     make_policy = _scripted(cfg.policy, env, rng)
     seen: set = set()
     try:
         for i, (seed, options) in enumerate(resets):
             messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
-            where = f"reset (seed {seed})"
+            where, total = f"reset (seed {seed})", 0.0
             try:
                 obs, info = _env_step(env.reset, seed=seed, options=options)
                 reset_info = info
@@ -590,7 +591,8 @@ def _evaluate_scripted(cfg, env, resets, emit) -> None:
                         messages += reply_messages(obs, info)
                 emit(_record(i, reset_info, total, term, trunc, info, messages, 0))
             except _EnvCallFailed as failed:
-                emit(_env_error_record(cfg, i, seed, failed.__cause__, where, messages, 0, seen))
+                played = (messages, 0, total)
+                emit(_env_error_record(cfg, i, (seed, options), failed.__cause__, where, played, seen))
     finally:
         env.close()
 

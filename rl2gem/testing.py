@@ -210,7 +210,8 @@ def check_env(
     4. Async/sync agreement: ``areset``/``astep`` give exactly what
        ``reset``/``step`` give; an async-native env's hooks do not block the
        event loop (a call of :data:`BLOCKING_CALL_S` or more in which the loop
-       got no turn, in two calls or more and half of them).
+       got no turn, in two calls or more and half of them, in the episode and
+       in two plays of it again).
     5. ``spawn(n)`` gives ``n`` envs in the same initial state.
     6. Invalid-action robustness: each of :data:`PROBE_ACTIONS` and an
        over-long action returns a valid step (``str`` observation in the
@@ -299,7 +300,12 @@ def _check_made_env(env: gym.Env, make: Callable[[], gym.Env], num_steps: int, s
         # 4. async/sync agreement
         ts = _play(a, seed, actions)
         ta, blocking, calls = asyncio.run(_aplay_watched(b, seed, actions))
-        # two calls or more, and half of them: a loaded machine's pause rarely lands in two
+        # two calls or more, and half of them, in two plays: a machine busy with other work can
+        # stretch a short computing call past the limit, now and then, not all the time
+        replays = 2
+        while base.is_async_native and blocking >= 2 and blocking * 2 >= calls and replays:
+            replays -= 1
+            _, blocking, calls = asyncio.run(_aplay_watched(b, seed, actions))
         assert not (base.is_async_native and blocking >= 2 and blocking * 2 >= calls), (
             f"{name}: {blocking} of {calls} areset/astep calls blocked the event loop for "
             f"{BLOCKING_CALL_S} s or more: a blocking call in _areset/_astep (await the I/O, or run "

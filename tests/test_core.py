@@ -1,6 +1,7 @@
 """The Env contract: seeding, async twins, invalid actions, order, limits."""
 
 import asyncio
+import functools
 import gc
 import os
 import threading
@@ -9,6 +10,7 @@ import time
 import gymnasium as gym
 import numpy as np
 import pytest
+import torch
 from gymnasium.error import ResetNeeded
 from gymnasium.spaces.utils import flatten, flatten_space, unflatten
 from toy_envs import CountEnv, SlowSearchEnv, UnicodeEchoEnv
@@ -253,11 +255,15 @@ def test_a_step_hook_returning_wrong_types_is_named(result, error, message):
     assert str(caught.value).startswith("Bad step hook returned")
 
 
-def test_numpy_rewards_and_flags_are_plain_python_after_the_step():
-    env = type("Numpy", (ReturnsThis,), {"result": ("x", np.float32(0.5), np.bool_(True), False, {})})()
+@pytest.mark.parametrize(
+    "reward, expected",
+    [(np.float32(0.5), 0.5), (np.bool_(True), 1.0), (np.array(0.25), 0.25), (torch.tensor(2.0), 2.0), (3, 3.0)],
+)
+def test_numpy_and_torch_rewards_and_flags_are_plain_python_after_the_step(reward, expected):
+    env = type("Numpy", (ReturnsThis,), {"result": ("x", reward, np.bool_(True), False, {})})()
     env.reset(seed=0)
     _, reward, terminated, truncated, _ = env.step("1")
-    assert (type(reward), reward, type(terminated), terminated, truncated) == (float, 0.5, bool, True, False)
+    assert (type(reward), reward, type(terminated), terminated, truncated) == (float, expected, bool, True, False)
 
 
 def test_a_reset_hook_returning_wrong_shapes_is_named():
@@ -291,6 +297,26 @@ def test_a_hook_of_the_wrong_kind_is_named():
 
     with pytest.raises(TypeError, match="AsyncStep._step must be a plain def.*rename it _astep"):
         AsyncStep().reset(seed=0)
+
+    def logged(hook):  # a plain decorator around a coroutine hook: still the coroutine hook
+        @functools.wraps(hook)
+        def call(*args):
+            return hook(*args)
+
+        return call
+
+    class Decorated(Env):
+        @logged
+        async def _areset(self, options):
+            return "", {}
+
+        @logged
+        async def _astep(self, action):
+            return "", 1.0, True, False, {}
+
+    env = Decorated()
+    env.reset(seed=0)
+    assert env.step("x")[1] == 1.0
     with pytest.raises(TypeError, match="PlainAsyncHooks._areset must be an async def.*rename it _reset"):
         PlainAsyncHooks().reset(seed=0)
 

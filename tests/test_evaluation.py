@@ -167,8 +167,27 @@ def test_a_server_that_is_gone_ends_the_evaluation_in_one_line(tmp_path):
 
     output = tmp_path / "o.jsonl"
     common = ["n=2", "progress=false", f"output={output}"]
-    with pytest.raises(SystemExit, match=r"^evaluate: APIConnectionError: Connection error. \(0 finished episodes in "):
+    with pytest.raises(
+        SystemExit, match=r"^evaluate: APIConnectionError: Connection error. \(0 finished episodes written\)$"
+    ):
         main(["openai_base_url=http://127.0.0.1:9/v1", "openai_model=m", "openai_max_retries=0", *common])
     served = ["env=rl2/Remote-v0", "env_kwargs.url=http://127.0.0.1:9", "env_kwargs.retries=0", *common]
     with pytest.raises(SystemExit, match=r"^evaluate: RemoteEnvError: http://127.0.0.1:9: GET /schema"):
         main(served)
+
+
+def test_an_env_error_record_keeps_the_item_and_the_reward_so_far():
+    """A data set's errored episode lost its index (paired comparisons then refused the runs), and
+    the scripted and API paths recorded reward 0 where a rollout keeps the reward earned."""
+    from omegaconf import OmegaConf
+
+    from rl2gem.evaluation import _env_error_record
+
+    cfg = OmegaConf.create({"env": "rl2/GSM8K-v0", "env_errors": "drop"})
+    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    with pytest.warns(RuntimeWarning, match="step .* raised OSError: gone"):
+        record = _env_error_record(
+            cfg, 5, (11, {"index": 3}), OSError("gone"), "step (seed 11, turn 1)", (messages, 7, 0.5), set()
+        )
+    assert (record.episode, record.seed, record.index, record.reward, record.turns) == (5, 11, 3, 0.5, 1)
+    assert record.truncated and record.final_info["truncated_reason"] == "env_error"

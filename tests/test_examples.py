@@ -83,6 +83,7 @@ def test_evaluate_rejects_unknown_keys_with_a_suggestion():
     [
         (["device=gpu0"], "config error: device: device 'gpu0'"),
         (["dtype=float8"], "config error: dtype: dtype must be"),
+        (["env_errors=rasie"], "config error: env_errors: expected one of ['drop', 'raise'], got 'rasie'"),
         (
             ["env=rl2/GuessNumber-v0"],
             "config error: env: Environment `GuessNumber` doesn't exist in namespace rl2. "

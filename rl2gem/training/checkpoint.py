@@ -91,8 +91,14 @@ class Checkpointer:
         Returns the checkpoint folder.
         """
         path = self.output_dir / f"checkpoint-{step}"
-        if self.latest() == path and (path / "trainer_state.json").exists():
-            return path  # saved already (a run's last step, a finished run resumed): never rewritten in place
+        meta_path = path / "trainer_state.json"
+        if self.latest() == path and meta_path.exists():  # saved already (a run's last step): not rewritten,
+            if dist.get_rank() == 0 and dict(trainer_state or {}).get("finished"):  # but a run's end is noted
+                meta = json.loads(meta_path.read_text())
+                if not meta.get("finished"):
+                    atomic_write(meta_path, json.dumps({**meta, "finished": True}).encode())
+            dist.barrier()
+            return path
         rank = dist.get_rank()
         if rank == 0 and path.exists():  # not what latest names: a killed save's, or another run's
             shutil.rmtree(path)

@@ -100,13 +100,15 @@ def _check_data_source(key: str, source: Any, split: str) -> None:
 def held_out(data) -> tuple[Any, str]:
     """``(source, split)`` of the held-out items: ``data.test``, else the ``test`` (or
     ``validation``) file of a ``{split: file}`` ``data.train``; ``(None, "test")`` without."""
-    for source in (data.test, data.train):
-        if isinstance(source, Mapping) and source:
-            split = next((name for name in ("test", "validation") if name in source), None)
-            if split is not None:
-                return source, split
-        elif source is data.test and source:
-            return source, "test"
+    test, train = data.test, data.train
+    if isinstance(test, Mapping) and test:
+        return test, next((name for name in ("test", "validation") if name in test), "test")
+    if test:
+        return test, "test"
+    if isinstance(train, Mapping):
+        split = next((name for name in ("test", "validation") if name in train), None)
+        if split is not None:
+            return train, split
     return None, "test"
 
 

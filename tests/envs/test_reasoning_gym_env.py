@@ -101,7 +101,7 @@ def test_answer_mode_errors_and_last_number_extraction():
     assert last_number("no digits") is None
     # a hyphen after a word or a digit is not a minus sign: "pages 5-10" does not answer -10
     assert last_number("pages 5-10") == "10" and last_number("the zero-10 joke") == "10"
-    assert last_number("x=-10") == "-10" and last_number("v2 of it") is None and last_number("3.5") == "3.5"
+    assert last_number("x=-10") == "-10" and last_number("3.5") == "3.5" and last_number("答案是42") == "42"
     env = rl2gem.make("rl2/ReasoningGym-v0", task="basic_arithmetic", answer="last_number")
     env.reset(seed=5)
     _, reward, terminated, _, info = env.step("I do not know")
@@ -196,3 +196,18 @@ def test_the_default_string_scorer_runs_in_process_and_a_tasks_own_scorer_in_the
     obs, _ = env.reset(seed=0)
     with pytest.raises(AssertionError, match="scored in the sandbox"):
         env.step(env.make_solver()(obs))
+
+
+def test_task_options_are_checked_when_the_env_is_made():
+    """A misspelled or refused option failed at the first reset (after a trainer loaded its model);
+    a task whose config has no ``validate`` (power_function, tsumego) still builds with options."""
+    with pytest.raises(TypeError, match=r"task 'basic_arithmetic' has no option\(s\) \['min_term'\]"):
+        rl2gem.make("rl2/ReasoningGym-v0", task="basic_arithmetic", min_term=2)
+    with pytest.raises(ValueError, match=r"refused \{'min_terms': -3\}"):
+        rl2gem.make("rl2/ReasoningGym-v0", task="basic_arithmetic", min_terms=-3)
+    with pytest.raises(ValueError, match="size must be >= 1"):
+        rl2gem.make("rl2/ReasoningGym-v0", size=0)
+    env = rl2gem.make("rl2/ReasoningGym-v0", task="power_function", max_exponent=3)
+    assert env.reset(seed=0)[0]
+    rl2gem.make("rl2/ReasoningGym-v0", task="tsumego").close()
+    env.close()

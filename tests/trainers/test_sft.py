@@ -227,3 +227,5 @@ def test_the_held_out_items_come_from_data_test_or_the_train_mapping():
     assert held_out(data(mapping)) == (mapping, "validation")  # the train mapping's held-out file
     assert held_out(data(mapping, "b.jsonl")) == ("b.jsonl", "test")  # data.test wins
     assert held_out(data("a.jsonl", {"test": "t.jsonl"})) == ({"test": "t.jsonl"}, "test")
+    interpolated = OmegaConf.create({"folder": "runs", "train": "a.jsonl", "test": "${folder}/t.jsonl"})
+    assert held_out(interpolated) == ("runs/t.jsonl", "test")  # a new string at each access: kept

@@ -113,6 +113,10 @@ def test_the_checkpoint_latest_names_is_never_written_again(group, tiny_dir, tmp
     train_once(worker, device)
     assert checkpointer.save(2, trainer_state={"trainer": "sft"}) == path
     assert {f: f.stat().st_mtime_ns for f in path.rglob("*") if f.is_file()} == files  # untouched
+    # the run's final save of a step saved already (save_every divides total_steps): only the end is noted
+    assert checkpointer.save(2, trainer_state={"trainer": "sft", "finished": True}) == path
+    assert json.loads((path / "trainer_state.json").read_text())["finished"] is True
+    assert {f for f in files if f.stat().st_mtime_ns != files[f]} == {path / "trainer_state.json"}
     stale = tmp_path / "checkpoint-3"
     (stale / "dcp").mkdir(parents=True)
     (stale / "rank5.pkl").write_bytes(b"another run's")
