@@ -15,8 +15,6 @@ from __future__ import annotations
 import sys
 import time
 
-from openai import APIConnectionError, APIStatusError
-
 from rl2gem.config import command_line_config, config_error_exit_code
 from rl2gem.evaluation import DEFAULTS, check_arguments, default_output, evaluate, summarize
 from rl2gem.procs import run_main
@@ -43,13 +41,23 @@ def parse_args(argv: list[str]):
     return cfg
 
 
+def _server_errors() -> tuple[type[Exception], ...]:
+    """The errors of a server that went away: the engine's, an env server's and the openai
+    client's (an optional package: the GPU image has none)."""
+    try:
+        from openai import APIConnectionError, APIStatusError
+    except ImportError:
+        return (RemoteEnvError, EngineError)
+    return (APIConnectionError, APIStatusError, RemoteEnvError, EngineError)
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(sys.argv[1:] if argv is None else argv)
     t0 = time.perf_counter()
     finished: list = []  # this run's records, as they are written
     try:
         records = evaluate(cfg, finished.append)
-    except (APIConnectionError, APIStatusError, RemoteEnvError, EngineError) as error:  # a server went away
+    except _server_errors() as error:  # a server went away
         where = f"in {cfg.output}" if finished else "written"
         raise SystemExit(
             f"evaluate: {type(error).__name__}: {error} ({len(finished)} finished episodes {where})"

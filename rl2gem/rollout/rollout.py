@@ -590,6 +590,20 @@ class Rollout:
     def _warn_env_error(self, error: EnvError) -> None:
         warn_env_error(error, self._env_errors_seen)
 
+    def _take_finished(self, done: set, ready: list[_Group], m: Counter, num_groups: int) -> int:
+        """Move the groups of the finished tasks ``done`` from in flight to ``ready``; returns how
+        many were dropped for an env error (each one's place goes to a new group)."""
+        dropped = 0
+        for task in done:
+            g = next(x for x in self._inflight.values() if x.task is task)
+            del self._inflight[g.gid]
+            finished = self._finished(task, m, num_groups)
+            if finished is None:
+                dropped += 1
+            else:
+                ready.append(finished)
+        return dropped
+
     def _finished(self, task: asyncio.Future, m: Counter, num_groups: int) -> _Group | None:
         """The group of a finished group ``task``, or None when its env raised and
         ``env_errors="drop"`` drops it (counted in ``m["env_error_groups"]``).
@@ -737,14 +751,7 @@ class Rollout:
                     done, _ = await asyncio.wait(
                         [g.task for g in self._inflight.values()], return_when=asyncio.FIRST_COMPLETED
                     )
-                    for task in done:
-                        g = next(x for x in self._inflight.values() if x.task is task)
-                        del self._inflight[g.gid]
-                        finished = self._finished(task, m, num_groups)
-                        if finished is None:  # dropped for an env error: another group replaces it
-                            budget += 1
-                        else:
-                            ready.append(finished)
+                    budget += self._take_finished(done, ready, m, num_groups)
                 while ready:
                     g = ready.pop(0)
                     if len(kept) >= num_groups:
