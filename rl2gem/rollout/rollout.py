@@ -580,7 +580,8 @@ class Rollout:
                     raise
                 self._warn_env_error(error)
                 ep.truncated = True
-                ep.info = {**ep.info, "error": str(error), "truncated_reason": "env_error"}
+                task = {"seed": seed, **({"index": options["index"]} if options and "index" in options else {})}
+                ep.info = {**task, **ep.info, "error": str(error), "truncated_reason": "env_error"}  # a reset's too
             if on_episode is not None:
                 on_episode(i, ep)
             return ep

@@ -365,6 +365,11 @@ def test_a_group_whose_env_raised_is_dropped_warned_once_and_replaced(tokenizer)
 
 
 class AlwaysExplodingEnv(ExplodingEnv):
+    def _reset(self, options):
+        if self._episode_seed == 5:
+            raise OSError("no such item")
+        return super()._reset(options)
+
     def _step(self, action):
         raise ValueError("broken for good")
 
@@ -379,14 +384,16 @@ def test_more_failed_groups_than_a_collect_takes_is_an_error_and_evaluation_keep
         with pytest.warns(RuntimeWarning, match="broken for good"):  # warned once, for three groups
             with pytest.raises(EnvError, match=r"3 groups failed in their env in one collect of 2"):
                 await rollout.collect(2)
-            played = await rollout.play([(0, None), (5, None)])  # evaluation: the episodes are kept
+            played = await rollout.play([(0, None), (5, {"index": 2})])  # evaluation: the episodes are kept
         await rollout.close()
         return played
 
     played = asyncio.run(main())
     for episode in played:
-        assert episode.truncated and episode.info["truncated_reason"] == "env_error"
-        assert "raised ValueError: broken for good" in episode.info["error"] and episode.turns == 0
+        assert episode.truncated and episode.info["truncated_reason"] == "env_error" and episode.turns == 0
+    assert "astep (seed 0, turn 1) raised ValueError: broken for good" in played[0].info["error"]
+    assert "areset (seed 5) raised OSError: no such item" in played[1].info["error"]
+    assert (played[1].info["seed"], played[1].info["index"]) == (5, 2)  # the item, for paired comparisons
 
 
 def test_an_env_error_cancels_its_group_and_keeps_the_finished_ones(tokenizer):
