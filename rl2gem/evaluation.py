@@ -61,7 +61,7 @@ from tqdm import tqdm
 from rl2gem.config import ConfigError
 from rl2gem.env_protocol import dataset_size
 from rl2gem.models import load_model, resolve_device, resolve_dtype, resolve_model
-from rl2gem.registry import env_config_problem, find_spec
+from rl2gem.registry import env_config_problem, env_id_problem
 from rl2gem.rollout.engines.http import served_context_length
 from rl2gem.rollout.rollout import ENV_ERROR_POLICIES, EnvError, reply_messages, warn_env_error
 
@@ -160,10 +160,8 @@ def check_arguments(cfg) -> None:
     if cfg.get("env_errors", "drop") not in ENV_ERROR_POLICIES:
         raise ConfigError(f"env_errors: expected one of {list(ENV_ERROR_POLICIES)}, got {cfg.env_errors!r}")
 
-    try:
-        find_spec(cfg.env)
-    except Exception as e:  # gymnasium's own errors (NameNotFound, ...), with its hint
-        raise ConfigError(f"env: {e}") from None
+    if problem := env_id_problem(cfg.env):
+        raise ConfigError(f"env: {problem}")
     if problem := env_config_problem(cfg.env, env_kwargs(cfg), split=cfg.split):
         raise ConfigError(f"env_kwargs: {problem}")
 
@@ -439,8 +437,7 @@ def _env_error_record(cfg, position: int, reset, error: Exception, where: str, p
     Raises:
         EnvError: the error, with ``env_errors=raise``.
     """
-    wrapped = EnvError(f"{cfg.env} {where} raised {type(error).__name__}: {error}")
-    wrapped.__cause__ = error
+    wrapped = EnvError.raised(cfg.env, where, error)
     if cfg.get("env_errors", "drop") == "raise":
         raise wrapped
     warn_env_error(wrapped, seen)

@@ -48,6 +48,7 @@ __all__ = [
     "load_plugins",
     "standard_kwargs",
     "env_config_problem",
+    "env_id_problem",
     "find_spec",
     "ENTRY_POINT_GROUP",
     "NAMESPACE",
@@ -142,6 +143,16 @@ def find_spec(id: str) -> gym.envs.registration.EnvSpec:
                 f"{id}: the module {module!r} that should register the env does not import: {e}"
             ) from e
     return gym.spec(name)
+
+
+def env_id_problem(id: str) -> str | None:
+    """Why ``id`` names no env (:func:`find_spec`'s error, with Gymnasium's "did you mean"
+    hint), or None when it names one."""
+    try:
+        find_spec(id)
+    except Exception as e:  # gymnasium's own errors (NameNotFound, ...), a module that does not import
+        return str(e)
+    return None
 
 
 def env_config_problem(

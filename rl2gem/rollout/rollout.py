@@ -57,6 +57,14 @@ class EnvError(RuntimeError):
     """An env raised in ``areset`` or ``astep`` during a rollout. The message names the env, the
     call, the episode's seed and turn, and the env's own error, which is ``__cause__``."""
 
+    @classmethod
+    def raised(cls, env: str, where: str, error: Exception) -> EnvError:
+        """The EnvError of ``error``, raised by ``env`` (its repr or id) in ``where`` (the call,
+        the seed and turn)."""
+        wrapped = cls(f"{env} {where} raised {type(error).__name__}: {error}")
+        wrapped.__cause__ = error
+        return wrapped
+
 
 def warn_env_error(error: EnvError, seen: set[tuple[str, str]]) -> None:
     """Warn of an env error that ``env_errors="drop"`` goes past, with the env's traceback, once
@@ -352,7 +360,7 @@ class Rollout:
         try:
             return await asyncio.shield(task)
         except Exception as error:
-            raise EnvError(f"{env!r} {where} raised {type(error).__name__}: {error}") from error
+            raise EnvError.raised(repr(env), where, error) from error
         finally:
             if task.done():
                 self._env_calls.pop(id(env), None)

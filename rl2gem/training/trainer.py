@@ -28,7 +28,7 @@ import rl2gem  # noqa: F401 (registers the rl2/ envs and loads plugins, for the 
 from rl2gem.config import ConfigError, command_line_config, config_error_exit_code
 from rl2gem.data import missing_data_files
 from rl2gem.models import model_problem
-from rl2gem.registry import env_config_problem, find_spec
+from rl2gem.registry import env_config_problem, env_id_problem
 from rl2gem.tracking import LOGGERS, Tracker, flat_config
 from rl2gem.training.metrics import PeakMemory
 
@@ -198,11 +198,8 @@ def check_common_keys(cfg) -> None:
     """
     for key in ("env", "trainer.eval_env"):
         env = OmegaConf.select(cfg, key, default=None)
-        if env:
-            try:
-                find_spec(env)
-            except Exception as e:  # gymnasium's own errors (NameNotFound, ...), with its hint
-                raise ConfigError(f"{key}: {e}") from None
+        if env and (problem := env_id_problem(env)):
+            raise ConfigError(f"{key}: {problem}")
     for section in ("actor", "critic", "reference", "ref", "reward"):
         model = (cfg.get(section) or {}).get("model")
         if isinstance(model, str) and (problem := model_problem(model)):
