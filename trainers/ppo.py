@@ -1,4 +1,5 @@
-"""PPO-family RL trainer (PPO with a critic, GRPO, Dr. GRPO, RLOO, REINFORCE++, ReBN) on rl2gem envs.
+"""PPO-family RL trainer (PPO with a critic, GRPO, Dr. GRPO, RLOO, REINFORCE++, ReBN; PPO, GSPO or CISPO
+losses) on rl2gem envs.
 
     torchrun --nproc_per_node=2 trainers/ppo.py env=rl2/ReasoningGym-v0 actor.model=smollm2-135m-instruct
     python -m rl2gem.trainers.ppo env=rl2/GSM8K-v0 rollout.prompts_per_rollout=4 trainer.total_steps=2
@@ -19,7 +20,8 @@ keys are errors naming the closest valid one). One step:
    the advantages; off-policy estimators weight each token by its ratio to the policy version
    that sampled it;
 3. update: ``update_per_rollout`` passes of ``pg_loss + kl.coef * kl_loss - entropy_coef *
-   entropy`` (clip-higher, dual clip, importance sampling against the rollout log-probs) with
+   entropy`` (``actor.policy_loss`` ppo, gspo or cispo; clip-higher, dual clip, importance sampling
+   against the rollout log-probs) with
    global-batch token weights, and the clipped value loss; with ``kl.adaptive.type`` other than
    ``fixed`` the coefficient then moves toward ``kl.adaptive.target_kl`` (logged as ``kl/coef``,
    ``kl/target``; kept in checkpoints); with ``constraints.kl.bound`` / ``constraints.entropy.bound``
@@ -311,10 +313,14 @@ class PPOTrainer(OnlineTrainer):
         if config.adv.estimator in WEIGHTED_ESTIMATORS:  # the advantage already carries the token's own weight
             is_weights = torch.ones_like(is_weights)
         advantages = packed_field(part, "advantages", self.device)
+        sequence_ids = None
+        if actor.policy_loss == "gspo":  # GSPO's ratio is each packed sequence's own
+            ids_per_token = [index for index, sample in enumerate(part) for _ in range(len(sample))]
+            sequence_ids = to_device(torch.tensor(ids_per_token), self.device)[None]
         pg_loss, pg_metrics = policy_loss(
             logprobs[None], old[None], advantages[None], is_mask[None],
             clip_low=actor.clip_low, clip_high=actor.clip_high, dual_clip=actor.dual_clip,
-            is_weights=is_weights[None], token_weights=weights[None],
+            is_weights=is_weights[None], token_weights=weights[None], kind=actor.policy_loss, sequence_ids=sequence_ids,
         )  # fmt: skip
         with_ref = self.ref is not None
         kl = kl_estimate(logprobs, score["ref"], config.kl.estimator) if with_ref else torch.zeros_like(logprobs)

@@ -13,6 +13,7 @@ __all__ = [
     "LOSS_AGGREGATIONS",
     "KL_ESTIMATORS",
     "IS_MODES",
+    "POLICY_LOSSES",
     "aggregate",
     "loss_weights",
     "packed_loss_weights",
@@ -27,6 +28,8 @@ LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 #: ``importance_weights``' modes: no correction, truncated (TIS) or masked (MIS) weights.
 IS_MODES = ("none", "truncated", "masked")
+#: ``policy_loss``'s surrogates: PPO's token ratio, GSPO's sequence ratio, CISPO's clipped weight.
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
 #: |log-ratio| past which the PPO ratio and the k3 estimate stop following it (verl's 20)
 LOG_RATIO_CLAMP = 20.0
 
@@ -182,10 +185,29 @@ def policy_loss(
     norm: float | None = None,
     is_weights: torch.Tensor | None = None,
     token_weights: torch.Tensor | None = None,
+    kind: str = "ppo",
+    sequence_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate (Schulman et al. 2017) with asymmetric clipping (DAPO's clip-higher,
-    Yu et al. 2025: ``ratio`` clipped to ``[1 - clip_low, 1 + clip_high]``) and dual clip (Ye et
-    al. 2020: for negative advantages the loss is capped at ``-A * dual_clip``, ``dual_clip > 1``).
+    """The policy-gradient surrogate of the PPO family, per action token, then aggregated.
+
+    ``kind`` picks the surrogate (``ratio`` is ``pi / pi_old``, ``A`` the advantage):
+
+    * ``ppo``: PPO's clipped surrogate (Schulman et al. 2017) ``max(-A * r, -A * clip(r, 1 -
+      clip_low, 1 + clip_high))`` with the token's own ratio; asymmetric bounds are DAPO's
+      clip-higher (Yu et al. 2025).
+    * ``gspo``: GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): the same clipped
+      surrogate with the *sequence's* ratio ``s = exp(mean of the log-ratios over its action
+      tokens)`` in place of each token's, in its token form (each token's term has the value ``s``
+      and the gradient ``s * grad log pi(token)``), which with a per-sequence advantage is GSPO and
+      with per-token advantages GSPO-token. The paper's bounds are small (``clip_low=3e-4``,
+      ``clip_high=4e-4``) and its mean is over sequences (``loss_agg="seq_mean_token_mean"``).
+    * ``cispo``: CISPO (MiniMax-M1, 2025): ``-sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * log
+      pi``: every token keeps a gradient, weighted by its clipped ratio (PPO's clip drops the
+      gradient of a clipped token). Computed as ``-A * r * sg(clip(r) / r)``, which has that
+      gradient and the value ``-A * clip(r)``, comparable with PPO's loss.
+
+    Dual clip (Ye et al. 2020, ``ppo`` and ``gspo``): for negative advantages the loss is capped
+    at ``-A * dual_clip``, ``dual_clip > 1``.
 
     Args:
         logprobs: current policy log-probs ``[B, T]`` (with grad).
@@ -195,25 +217,42 @@ def policy_loss(
         is_weights: optional off-policy weights from :func:`importance_weights`.
         token_weights: optional ``[B, T]`` per-token weights replacing ``loss_agg`` (a trainer that
             splits a batch into micro-batches passes weights normalised over the whole batch).
+        kind: one of :data:`POLICY_LOSSES`.
+        sequence_ids: ``gspo`` only: ``[B, T]`` integer ids (on the inputs' device) of the sequence
+            each token belongs to (from 0, below ``B * T``), for rows that pack several sequences;
+            default: each row is one.
 
     Returns:
         ``(loss, {"pg_loss", "clip_ratio", "dual_clip_ratio", "approx_kl"})``; the metrics are
         detached 0-d tensors on the loss's device (reading them is left to the caller: a read per
         micro-batch would wait for the device each time); ``approx_kl`` is the k3 estimate of
-        KL(old || new) over action tokens.
+        KL(old || new) over action tokens; ``clip_ratio`` the share of action tokens whose ratio
+        was clipped (``cispo``: whose weight was).
+
+    Raises:
+        ValueError: unknown ``kind``, ``dual_clip <= 1``, or ``dual_clip`` with ``cispo``.
     """
-    if dual_clip is not None and dual_clip <= 1:
-        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    if kind not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {kind!r}; choose from {POLICY_LOSSES}")
+    if dual_clip is not None and (dual_clip <= 1 or kind == "cispo"):
+        raise ValueError(f"dual_clip must be > 1 and is not a part of {kind}, got {dual_clip}")
     m = mask.bool()
     # clamped (as verl does): a token whose old log-prob is far below the current one would give
     # exp(100) = inf, and inf * 0 a NaN loss and gradient even when it is clipped or masked out
     log_ratio = (logprobs - old_logprobs.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if kind == "gspo":
+        sequence_log_ratio = _sequence_mean(log_ratio.detach(), m, sequence_ids)
+        log_ratio = (logprobs - logprobs.detach() + sequence_log_ratio).clamp(max=LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     adv = advantages.detach()
-    pg1 = -adv * ratio
-    pg2 = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
-    pg = torch.maximum(pg1, pg2)
-    clipped = (pg2 > pg1) & m
+    bounded = torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    if kind == "cispo":
+        pg = -adv * ratio * (bounded / ratio).detach()
+        clipped = (bounded != ratio) & m
+    else:
+        pg1, pg2 = -adv * ratio, -adv * bounded
+        pg = torch.maximum(pg1, pg2)
+        clipped = (pg2 > pg1) & m
     dual = torch.zeros_like(m)
     if dual_clip is not None:
         cap = -adv * dual_clip
@@ -235,6 +274,19 @@ def policy_loss(
             "approx_kl": (kl_estimate(old_logprobs, logprobs, "k3") * m).sum() / n,  # samples of old
         }
     return loss, metrics
+
+
+def _sequence_mean(values: torch.Tensor, mask: torch.Tensor, sequence_ids: torch.Tensor | None) -> torch.Tensor:
+    """Each token's sequence's mean of ``values`` over its masked tokens, ``[B, T]`` (0 for a
+    sequence without any); a sequence is a row, or the tokens sharing a ``sequence_ids`` value."""
+    if sequence_ids is None:
+        sequence_ids = torch.arange(values.shape[0], device=values.device)[:, None].expand_as(values)
+    ids = sequence_ids.reshape(-1).long()
+    size = ids.numel()  # ids are below it (each sequence has a token): no read of the ids on the host
+    weights = mask.reshape(-1).to(values.dtype)
+    sums = torch.zeros(size, dtype=values.dtype, device=values.device).index_add_(0, ids, values.reshape(-1) * weights)
+    counts = torch.zeros(size, dtype=values.dtype, device=values.device).index_add_(0, ids, weights)
+    return (sums / counts.clamp(min=1))[ids].reshape(values.shape)
 
 
 def value_loss(

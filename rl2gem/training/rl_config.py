@@ -19,6 +19,7 @@ from rl2gem.algorithms import (
     IS_MODES,
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
+    POLICY_LOSSES,
     compute_advantages,
 )
 from rl2gem.algorithms.constraints import Constraints
@@ -113,7 +114,7 @@ def check_loss_and_rollout(cfg) -> None:
         rl2gem.config.ConfigError: naming the key.
     """
     actor = cfg.actor
-    choices = {"is_mode": IS_MODES, "loss_agg": LOSS_AGGREGATIONS}
+    choices = {"is_mode": IS_MODES, "loss_agg": LOSS_AGGREGATIONS, "policy_loss": POLICY_LOSSES}
     for key, allowed in choices.items():
         if actor[key] not in allowed:
             raise ConfigError(f"actor.{key}={actor[key]!r} is not one of {list(allowed)}")
@@ -121,6 +122,13 @@ def check_loss_and_rollout(cfg) -> None:
         raise ConfigError(f"actor.is_cap={actor.is_cap} must be > 1 (actor.is_mode={actor.is_mode})")
     if actor.dual_clip is not None and (not isinstance(actor.dual_clip, (int, float)) or actor.dual_clip <= 1):
         raise ConfigError(f"actor.dual_clip={actor.dual_clip!r} must be null or a number > 1 (Ye et al. 2020)")
+    if actor.dual_clip is not None and actor.policy_loss == "cispo":
+        raise ConfigError(
+            f"actor.dual_clip={actor.dual_clip!r} is not a part of actor.policy_loss=cispo (set it to null)"
+        )
+    for key in ("clip_low", "clip_high"):
+        if not isinstance(actor[key], (int, float)) or actor[key] < 0:
+            raise ConfigError(f"actor.{key}={actor[key]!r} must be a number >= 0")
     for key in ("update_per_rollout", "minibatches_per_update"):
         if actor[key] < 1:
             raise ConfigError(f"actor.{key}={actor[key]} must be >= 1")

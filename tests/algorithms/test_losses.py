@@ -89,6 +89,60 @@ def test_dual_clip_caps_negative_advantages():
         policy_loss(lp, old, adv, mask, dual_clip=0.5)
 
 
+def gspo_reference(logprobs, old, advantages, mask, clip_low, clip_high):
+    """GSPO's sequence-level objective as its paper writes it: per row, ``s = (pi / pi_old) ** (1 /
+    |y|)`` over the row's action tokens, ``max(-A s, -A clip(s))``, the mean over rows."""
+    terms = []
+    for lp, o, a, m in zip(logprobs, old, advantages[:, 0], mask.float(), strict=True):
+        s = torch.exp(((lp - o) * m).sum() / m.sum())
+        terms.append(torch.maximum(-a * s, -a * s.clamp(1 - clip_low, 1 + clip_high)))
+    return torch.stack(terms).mean()
+
+
+@pytest.mark.parametrize("spread", [0.01, 0.5])  # ratios inside the clip range, and clipped ones
+def test_gspo_equals_the_sequence_level_objective_and_its_gradient(spread):
+    torch.manual_seed(0)
+    logprobs = (torch.randn(4, 6) * 0.3 - 1).requires_grad_()
+    old = logprobs.detach() + torch.randn(4, 6) * spread
+    advantages = torch.tensor([1.0, -1.0, 0.5, -2.0])[:, None].expand(4, 6)
+    mask = torch.rand(4, 6) > 0.3
+    mask[:, 0] = True
+    options = {"clip_low": 0.05, "clip_high": 0.08}
+    loss, metrics = policy_loss(logprobs, old, advantages, mask, kind="gspo", loss_agg="seq_mean_token_mean", **options)
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    expected = gspo_reference(logprobs, old, advantages, mask, **options)
+    (expected_grad,) = torch.autograd.grad(expected, logprobs)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    assert torch.allclose(grad, expected_grad, atol=1e-6)
+    # a sequence is clipped whole: every action token of it, or none
+    assert (metrics["clip_ratio"].item() > 0) == (spread > 0.1)
+    # packed: the four rows in one, told apart by sequence_ids, give the same loss and gradient
+    lengths = mask.sum(1).tolist()
+    flat = [t[mask] for t in (logprobs, old, advantages)]
+    ids = torch.repeat_interleave(torch.arange(4), torch.tensor(lengths))[None]
+    weights = torch.cat([torch.full((n,), 1 / (4 * n)) for n in lengths])[None]
+    packed, _ = policy_loss(*(t[None] for t in flat), torch.ones(1, sum(lengths), dtype=torch.bool), kind="gspo",
+                            sequence_ids=ids, token_weights=weights, **options)  # fmt: skip
+    (packed_grad,) = torch.autograd.grad(packed, logprobs)
+    assert packed.item() == pytest.approx(expected.item(), rel=1e-5)
+    assert torch.allclose(packed_grad, expected_grad, atol=1e-6)
+
+
+def test_cispo_keeps_the_gradient_of_clipped_tokens_weighted_by_the_clipped_ratio():
+    """CISPO: ``-sg(clip(r)) * A * grad log pi`` on every token; PPO's clip gives a clipped token
+    no gradient. Hand-computed on the PPO case above: ratios 1.5 (A 1), 0.5 (A -1), 1.0 (A 2)."""
+    lp, old, adv, mask = ppo_case([1.5, 0.5, 1.0], [1.0, -1.0, 2.0])
+    loss, metrics = policy_loss(lp, old, adv, mask, kind="cispo", clip_low=0.2, clip_high=0.2)
+    loss.backward()
+    assert loss.item() == pytest.approx((-1.2 + 0.8 - 2.0) / 3)  # -A clip(r), as PPO's value here
+    assert lp.grad[0].tolist() == pytest.approx([-1.2 / 3, 0.8 / 3, -2.0 / 3])
+    assert metrics["clip_ratio"].item() == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="dual_clip"):
+        policy_loss(lp, old, adv, mask, kind="cispo", dual_clip=3.0)
+    with pytest.raises(ValueError, match="unknown policy loss"):
+        policy_loss(lp, old, adv, mask, kind="grpo")
+
+
 def test_importance_weights_truncated_and_masked():
     old = torch.log(torch.tensor([[3.0, 0.25, 1.2]]))
     rollout = torch.zeros(1, 3)

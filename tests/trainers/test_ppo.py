@@ -862,6 +862,53 @@ def test_each_optimizer_step_s_loss_is_its_own_minibatch_s_mean(tiny_dir, tmp_pa
     assert sums[:2] == [pytest.approx(1.0, rel=1e-5)] * 2, (sums, lengths)
 
 
+@pytest.mark.parametrize("packing", ["flat", "tree"])
+def test_gspo_s_ratio_is_each_packed_sequence_s_own(tiny_dir, tmp_path, monkeypatch, packing):
+    """``actor.policy_loss=gspo``: a packed micro-batch's loss is the sum of its sequences' GSPO
+    terms, each with its own ratio over its own action tokens (computed here per sample, from the
+    samples' lengths), on the second pass of a step, after the weights moved."""
+    policy_loss, micro_batch_loss, lengths, seen = ppo.policy_loss, ppo.PPOTrainer.micro_batch_loss, [], []
+
+    def recording(self, part, *args):
+        lengths.append([len(sample) for sample in part])
+        return micro_batch_loss(self, part, *args)
+
+    def checking(logprobs, old, advantages, mask, *, token_weights, is_weights, clip_low, clip_high, **kwargs):
+        sizes = lengths[-1]  # the tiny model earns no reward: a +-1 advantage per sequence instead
+        advantages = torch.cat([torch.full((n,), (-1.0) ** i) for i, n in enumerate(sizes)])[None]
+        loss, metrics = policy_loss(logprobs, old, advantages, mask, token_weights=token_weights,
+                                    is_weights=is_weights, clip_low=clip_low, clip_high=clip_high, **kwargs)  # fmt: skip
+        expected, ratios = 0.0, []
+        rows = (
+            t[0].detach().split(sizes) for t in (logprobs, old, advantages, mask.float(), token_weights, is_weights)
+        )
+        for lp, o, a, m, w, iw in zip(*rows, strict=True):
+            ratio = torch.exp(((lp - o) * m).sum() / m.sum())
+            term = torch.maximum(-a * ratio, -a * ratio.clamp(1 - clip_low, 1 + clip_high))
+            expected += float((term * iw * w * m).sum())
+            ratios.append(float(ratio))
+        seen.append((kwargs["kind"], float(loss.detach()), expected, ratios))
+        return loss, metrics
+
+    monkeypatch.setattr(ppo.PPOTrainer, "micro_batch_loss", recording)
+    monkeypatch.setattr(ppo, "policy_loss", checking)
+    options = ["actor.policy_loss=gspo", f"actor.packing={packing}", "actor.update_per_rollout=2", "actor.lr=1e-2"]
+    options += [
+        "actor.old_logprobs=recompute",
+        "rollout.max_new_tokens=8",
+        "rollout.temperature=20.0",
+        "trainer.total_steps=1",
+    ]
+    run = [*arithmetic_run(tiny_dir)[1:], *options, "trainer.eval_at_start=false", "trainer.eval_n=0"]
+    assert ppo.main([*run, f"trainer.output_dir={tmp_path}", "trainer.progress=false"]) == 0
+    assert seen and all(kind == "gspo" for kind, *_ in seen)
+    for _, loss, expected, _ in seen:
+        assert loss == pytest.approx(expected, rel=1e-4, abs=1e-7)
+    second_pass = [ratio for *_, ratios in seen[len(seen) // 2 :] for ratio in ratios]
+    assert max(abs(ratio - 1) for ratio in second_pass) > 1e-4  # the ratios moved: a real check
+    assert len({round(ratio, 9) for ratio in second_pass}) > 1  # each sequence its own
+
+
 def rewriting_template(folder):
     """A ChatML template file with a blank line after every message but the last: every turn
     rewrites the one before, so each turn starts a new sequence."""

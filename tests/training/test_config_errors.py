@@ -65,6 +65,12 @@ CASES = [
     ("actor.is_mode=bogus", "config error: actor.is_mode='bogus' is not one of ['none', 'truncated', 'masked']"),
     ("actor.loss_agg=bogus", "config error: actor.loss_agg='bogus' is not one of ['token_mean'"),
     ("actor.dual_clip=0.5", "config error: actor.dual_clip=0.5 must be null or a number > 1"),
+    ("actor.policy_loss=grpo", "config error: actor.policy_loss='grpo' is not one of ['ppo', 'gspo', 'cispo']"),
+    (
+        "actor.policy_loss=cispo actor.dual_clip=3",
+        "config error: actor.dual_clip=3 is not a part of actor.policy_loss=cispo (set it to null)",
+    ),
+    ("actor.clip_high=-0.1", "config error: actor.clip_high=-0.1 must be a number >= 0"),
     ("actor.update_per_rollout=0", "config error: actor.update_per_rollout=0 must be >= 1"),
     ("kl.estimator=k9", "config error: kl.estimator='k9' is not one of ['k1', 'k2', 'k3']"),
     ("rollout.concurrency=0", "config error: rollout.concurrency must be an int >= 1, got 0"),  # it hung
