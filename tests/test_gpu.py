@@ -99,10 +99,11 @@ def test_compiled_layers_give_the_eager_logprobs():
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
-def ppo_micro_batch(model, device, tree: bool) -> None:
+def ppo_micro_batch(model, device, tree: bool, kind: str = "ppo") -> None:
     """What PPO's update does with one packed micro-batch (``trainers/ppo.py``): log-probs where an
     action token is predicted, the action mask and loss weights moved from the host, importance
-    weights, the clipped policy loss with its metrics, the backward."""
+    weights, the policy loss ``kind`` (GSPO with the packed sequences' ids) with its metrics, the
+    backward."""
     seqs = grouped(system=6 if tree else 0)
     masks = [[0] * 4 + [1] * (len(s) - 4) for s in seqs]
     logprobs, _ = token_logprobs(model, seqs, device, entropy="metric", tree=tree, needed=masks)
@@ -111,15 +112,26 @@ def ppo_micro_batch(model, device, tree: bool) -> None:
     totals = {"num_tokens": float(mask.numel()), "num_sequences": float(len(seqs))}
     weights = to_device(packed_loss_weights(masks, "token_mean", **totals), device)
     is_weights, is_mask = importance_weights(old, old + 0.01, mask, "truncated", 2.0)
+    sequence_ids = to_device(torch.tensor([i for i, s in enumerate(seqs) for _ in s]), device)[None]
     loss, _ = policy_loss(
         logprobs[None], old[None], torch.ones_like(old)[None], is_mask[None],
         clip_low=0.2, clip_high=0.28, is_weights=is_weights[None], token_weights=weights[None],
+        kind=kind, sequence_ids=sequence_ids if kind == "gspo" else None,
     )  # fmt: skip
     loss.backward()
 
 
-@pytest.mark.parametrize("attention,tree", [("flex", False), ("flex", True), ("flash", False)])
-def test_a_ppo_micro_batch_never_waits_for_the_gpu(attention, tree):
+@pytest.mark.parametrize(
+    "attention,tree,kind",
+    [
+        ("flex", False, "ppo"),
+        ("flex", True, "ppo"),
+        ("flash", False, "ppo"),
+        ("flex", False, "gspo"),
+        ("flex", True, "cispo"),
+    ],
+)
+def test_a_ppo_micro_batch_never_waits_for_the_gpu(attention, tree, kind):
     """A training micro-batch queues its work without waiting for the GPU: under
     ``torch.cuda.set_sync_debug_mode("error")`` any synchronising call (a host read, a copy from
     pageable memory, a data-dependent shape) raises, and the traceback names it. A first run
@@ -129,11 +141,11 @@ def test_a_ppo_micro_batch_never_waits_for_the_gpu(attention, tree):
         pytest.skip("flash-attn is not installed")
     model = tiny_model().to(CUDA, torch.bfloat16)
     enable_attention(model, attention)
-    ppo_micro_batch(model, CUDA, tree)
+    ppo_micro_batch(model, CUDA, tree, kind)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        ppo_micro_batch(model, CUDA, tree)
+        ppo_micro_batch(model, CUDA, tree, kind)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
