@@ -14,7 +14,8 @@ the scalar the estimators see:
   reaches Pareto-optimal points a weighted sum cannot (non-convex fronts);
 
 and ``reward.transform=module:function`` (RL4LLM style) is applied last: ``function(reward,
-components, episode) -> float``.
+components, episode) -> float``. :class:`Overlong` then adds DAPO's soft overlong punishment
+(``reward.overlong``).
 
 :class:`ParetoArchive` keeps the non-dominated evaluation points (every objective maximised, the
 ones with a negative weight negated first) and their hypervolume against a reference point
@@ -23,6 +24,7 @@ ones with a negative weight negated first) and their hypervolume against a refer
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 from collections.abc import Callable, Mapping, Sequence
@@ -31,6 +33,7 @@ from typing import Any
 
 __all__ = [
     "COMBINERS",
+    "Overlong",
     "ParetoArchive",
     "apply_objectives",
     "dominates",
@@ -122,6 +125,70 @@ def set_final_reward(episode, value: float, mode: str = "replace") -> None:
             sequence.rewards = [0.0] * len(sequence.rewards)
     episode.turn_rewards[-1] += value
     episode.sequences[-1].add_reward(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Overlong:
+    """DAPO's overlong reward shaping and filtering (Yu et al. 2025, "DAPO: an open-source LLM
+    reinforcement learning system at scale", section 3.4), for actions of at most
+    ``max_new_tokens`` generated tokens (``reward.overlong``).
+
+    * Soft overlong punishment (``buffer`` > 0): an action of ``n`` tokens adds ``-penalty *
+      min(1, (n - (max_new_tokens - buffer)) / buffer)`` once ``n`` exceeds ``max_new_tokens -
+      buffer``, 0 before: the penalty grows linearly over the last ``buffer`` tokens. An episode
+      gets its longest action's (the paper's single answer; more turns do not add up).
+    * Overlong filtering (``mask``): an episode with an action cut off at its token limit (the
+      engine's finish reason ``"length"``) leaves the losses; its reward still counts in its
+      group's baseline.
+    """
+
+    max_new_tokens: int
+    buffer: int = 0
+    penalty: float = 1.0
+    mask: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.buffer <= self.max_new_tokens:
+            raise ValueError(f"buffer must be in [0, max_new_tokens={self.max_new_tokens}], got {self.buffer}")
+        if not self.penalty >= 0:
+            raise ValueError(f"penalty must be >= 0, got {self.penalty}")
+
+    @property
+    def active(self) -> bool:
+        return self.buffer > 0 or self.mask
+
+    def penalty_of(self, episode) -> float:
+        """The soft punishment of ``episode`` (0.0 or negative): its longest action's."""
+        longest = max(episode.action_lengths, default=0)
+        start = self.max_new_tokens - self.buffer
+        if self.buffer <= 0 or longest <= start:
+            return 0.0
+        return -self.penalty * min(1.0, (longest - start) / self.buffer)
+
+    @staticmethod
+    def cut_off(episode) -> bool:
+        """Whether an action of ``episode`` stopped at its token limit."""
+        return "length" in episode.finish_reasons
+
+    def apply(self, episodes) -> dict[str, float]:
+        """Add each finished episode's punishment to its final reward (last turn, last action
+        token), in place.
+
+        Returns:
+            ``rollout/overlong_penalty`` (mean over the episodes) and ``rollout/cut_off`` (the
+            share of episodes with an action cut off), or ``{}`` without episodes.
+        """
+        episodes = [e for e in episodes if e.sequences and e.turn_rewards]
+        if not episodes:
+            return {}
+        penalties = [self.penalty_of(episode) for episode in episodes]
+        for episode, penalty in zip(episodes, penalties, strict=True):
+            if penalty:
+                set_final_reward(episode, penalty, mode="add")
+        return {
+            "rollout/overlong_penalty": sum(penalties) / len(episodes),
+            "rollout/cut_off": sum(map(self.cut_off, episodes)) / len(episodes),
+        }
 
 
 #: ``Episode.info`` key of the reward :func:`objective_value` gave an episode when dynamic filtering

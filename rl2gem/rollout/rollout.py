@@ -465,6 +465,7 @@ class Rollout:
             episode.turns += 1
             episode.turn_rewards.append(float(reward))
             episode.finish_reasons.append(finish)
+            episode.action_lengths.append(len(ids))
             sequence.add_reward(reward)
             kept = {key: value for key, value in episode.info.items() if key in ("seed", "index")}
             episode.info = {**kept, **info}

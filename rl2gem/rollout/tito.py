@@ -126,7 +126,9 @@ class Episode:
         group: index of the GRPO group (episodes with the same initial state).
         turns: actions taken.
         turn_rewards: env reward of each turn.
-        finish_reasons: the engine's finish reason type of each action.
+        finish_reasons: the engine's finish reason type of each action (``"length"``: cut off at
+            its token limit).
+        action_lengths: the tokens generated for each action.
         terminated / truncated: how the episode ended (truncated also on the
             token budget, ``info["truncated_reason"] == "max_length"``).
         info: the env's last info.
@@ -143,6 +145,7 @@ class Episode:
     turns: int = 0
     turn_rewards: list[float] = dataclasses.field(default_factory=list)
     finish_reasons: list[str] = dataclasses.field(default_factory=list)
+    action_lengths: list[int] = dataclasses.field(default_factory=list)
     terminated: bool = False
     truncated: bool = False
     info: dict[str, Any] = dataclasses.field(default_factory=dict)

@@ -42,9 +42,10 @@ from rl2gem.training.rl_config import (
     constraints,
     engine_options,
     kl_controller,
+    overlong_shaping,
     reward_objectives,
 )
-from rl2gem.training.samples import Sample, episode_samples, gathered_samples, shape_rewards
+from rl2gem.training.samples import Sample, episode_samples, gathered_samples, leave_out_cut_off, shape_rewards
 from rl2gem.training.trainer import Trainer
 from rl2gem.training.worker import Worker, setup_distributed
 
@@ -95,6 +96,7 @@ class OnlineTrainer(Trainer):
         self.actor = Worker(c.actor, self.mesh, self.device, total_steps=self.total_steps)
         self.kl, self.constraints = kl_controller(c), constraints(c)
         self.transform, self.pareto = reward_objectives(c)
+        self.overlong = overlong_shaping(c)
         needs_ref = self.kl.active or "kl" in self.constraints
         self.ref = Worker(c.actor, self.mesh, self.device, trainable=False) if needs_ref else None
         self.critic = None
@@ -131,6 +133,7 @@ class OnlineTrainer(Trainer):
         env_kwargs = rl2gem.standard_kwargs(
             c.env, OmegaConf.to_container(c.env_kwargs, resolve=True), tools_in_template=c.rollout.tools_in_template
         )
+        punished = self.overlong is not None and self.overlong.buffer > 0
         self.rollout = Rollout(
             self.engine,
             self.tokenizer,
@@ -140,7 +143,7 @@ class OnlineTrainer(Trainer):
             ),
             env_kwargs=env_kwargs,
             chat_template=load_chat_template(c.rollout.chat_template),
-            filter_rewards=self.trained_rewards if c.reward.objectives.combine or self.transform else None,
+            filter_rewards=self.trained_rewards if c.reward.objectives.combine or self.transform or punished else None,
         )
         # sized after the engine took its share of the device, less the KV store it may keep
         trained = [self.actor] + ([self.critic] if self.critic is not None else [])
@@ -167,7 +170,7 @@ class OnlineTrainer(Trainer):
                 continue
             value = objective_value(episode, episode_components(episode), *shaping)  # the kept one if any
             episode.info = {**episode.info, FILTERED_REWARD: value}
-            values.append(value)
+            values.append(value + (self.overlong.penalty_of(episode) if self.overlong else 0.0))
         return values
 
     def collect(self) -> tuple[list[Sample], dict[str, float]]:
@@ -182,13 +185,16 @@ class OnlineTrainer(Trainer):
         batch.metrics.update(engine_metrics(engine_before, getattr(self.engine, "stats", {})))
         o = c.reward.objectives  # reward model, objectives, transform: the rewards trained on
         shaping = (dict(o.weights), dict(o.reference), self.transform)
-        batch.metrics.update(shape_rewards(batch, self.reward_model, c.reward.mode, o.combine, *shaping))
+        shaped = shape_rewards(batch, self.reward_model, c.reward.mode, o.combine, *shaping, overlong=self.overlong)
+        batch.metrics.update(shaped)
         local = episode_samples(batch, c.adv.estimator)
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, (local, batch.metrics))
         metrics = merge_rank_metrics([m for _, m in gathered])
         # advantages over the whole step (batch statistics are the step's, not a rank's)
         samples = gathered_samples([part for part, _ in gathered], c.adv.estimator, c.adv.gamma, c.adv.lam)
+        if self.overlong is not None and self.overlong.mask:  # DAPO's overlong filtering, after the advantages
+            metrics["rollout/left_out_samples"] = leave_out_cut_off(samples)
         action = [v for s in samples for v, m in zip(s.versions, s.mask, strict=True) if m]
         # action tokens sampled by older weights than those being trained (partial rollouts)
         stale = {version: self.rollout.staleness(version, self.step) > 0 for version in set(action)}

@@ -25,7 +25,7 @@ from rl2gem.algorithms import (
 from rl2gem.algorithms.constraints import Constraints
 from rl2gem.algorithms.kl_control import KLController, make_kl_controller
 from rl2gem.config import ConfigError
-from rl2gem.rewards.objectives import COMBINERS, ParetoArchive, load_transform
+from rl2gem.rewards.objectives import COMBINERS, Overlong, ParetoArchive, load_transform
 from rl2gem.rollout import RolloutConfig
 from rl2gem.training.forward import check_actor, check_attention, check_packing
 from rl2gem.training.reward_model import REWARD_MODES
@@ -38,6 +38,7 @@ __all__ = [
     "constraints",
     "estimator_options",
     "kl_controller",
+    "overlong_shaping",
     "reward_objectives",
 ]
 
@@ -97,6 +98,7 @@ def check_config(cfg) -> None:
     check_loss_and_rollout(cfg)
     constraints(cfg)
     reward_objectives(cfg)
+    overlong_shaping(cfg)
     try:  # the estimator's own options, checked on a one-token batch
         one = torch.ones(1, 1)
         compute_advantages(
@@ -235,6 +237,26 @@ def reward_objectives(cfg) -> tuple:
     except ValueError as e:
         raise ConfigError(f"reward: {e}") from None
     return transform, archive
+
+
+def overlong_shaping(cfg) -> Overlong | None:
+    """DAPO's overlong shaping of ``cfg.reward.overlong`` for actions of ``rollout.max_new_tokens``
+    tokens, or None when it is off.
+
+    Raises:
+        rl2gem.config.ConfigError: a bad value, naming the key.
+    """
+    section = cfg.reward.overlong
+    for key, kind in (("buffer", int), ("penalty", (int, float)), ("mask", bool)):
+        if not isinstance(section[key], kind) or isinstance(section[key], bool) != (kind is bool):
+            raise ConfigError(
+                f"reward.overlong.{key}={section[key]!r} is not {'a bool' if kind is bool else 'a number'}"
+            )
+    try:
+        overlong = Overlong(int(cfg.rollout.max_new_tokens), section.buffer, float(section.penalty), section.mask)
+    except ValueError as e:
+        raise ConfigError(f"reward.overlong: {e}") from None
+    return overlong if overlong.active else None
 
 
 def estimator_options(cfg) -> dict:

@@ -20,7 +20,7 @@ from rl2gem.algorithms import (
     kl_estimate,
 )
 from rl2gem.devices import to_device
-from rl2gem.rewards.objectives import FILTERED_REWARD, apply_objectives
+from rl2gem.rewards.objectives import FILTERED_REWARD, Overlong, apply_objectives
 from rl2gem.rollout.rollout import reward_metrics
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "gathered_samples",
     "samples_from_batch",
     "shape_rewards",
+    "leave_out_cut_off",
     "warn_cut",
     "subtract_kl_from_rewards",
 ]
@@ -56,6 +57,8 @@ class Sample:
         group: the rollout group of its episode (RL; any hashable, unique in the step).
         episode: its episode (RL; None: a sequence on its own).
         sequence: its place among its episode's sequences (a context split or segment starts the next).
+        cut_off: its episode has an action cut off at its token limit (RL; DAPO's overlong
+            filtering, :func:`leave_out_cut_off`, takes it out of the losses).
     """
 
     ids: list[int]
@@ -68,6 +71,7 @@ class Sample:
     group: Hashable = None
     episode: Hashable = None
     sequence: int = 0
+    cut_off: bool = False
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -99,10 +103,12 @@ def shape_rewards(
     weights: Mapping[str, float] | None = None,
     reference: Mapping[str, float] | None = None,
     transform: Callable[..., float] | None = None,
+    overlong: Overlong | None = None,
 ) -> dict[str, float]:
     """Turn a rollout batch's env rewards into the rewards trained on, in place: a reward model's
     score (:meth:`rl2gem.training.RewardModel.apply`, ``mode`` replace or add), then the reward
-    objectives and ``transform`` (:func:`rl2gem.rewards.objectives.apply_objectives`).
+    objectives and ``transform`` (:func:`rl2gem.rewards.objectives.apply_objectives`), then
+    DAPO's soft overlong punishment (:meth:`rl2gem.rewards.objectives.Overlong.apply`).
 
     Returns:
         the metrics to add to ``batch.metrics``: the reward model's and the component means and,
@@ -115,7 +121,10 @@ def shape_rewards(
             episode.info.pop(FILTERED_REWARD, None)
         metrics = reward_model.apply(batch, mode)
     metrics.update(apply_objectives(batch, combine, weights, reference, transform))
-    if reward_model is not None or combine is not None or transform is not None:
+    if overlong is not None and overlong.active:
+        metrics.update(overlong.apply(batch.episodes))
+    punished = overlong is not None and overlong.buffer > 0
+    if reward_model is not None or combine is not None or transform is not None or punished:
         if "rollout/reward" in batch.metrics:  # absent when no group was kept
             metrics["rollout/env_reward"] = batch.metrics["rollout/reward"]
         metrics.update(reward_metrics(batch.groups))
@@ -147,6 +156,7 @@ def episode_samples(batch, estimator: str) -> list[Sample]:
                         rewards[last] = episode.reward
                 sample = Sample(s.input_ids, s.action_mask, s.logprobs, None, rewards, s.versions)
                 sample.group, sample.episode, sample.sequence = g, episode_id, k
+                sample.cut_off = Overlong.cut_off(episode)
                 samples.append(sample)
             episode_id += 1
     return samples
@@ -208,6 +218,21 @@ def gathered_samples(
         for sample in part:
             sample.group, sample.episode = (rank, sample.group), (rank, sample.episode)
     return estimate_advantages([sample for part in parts for sample in part], estimator, gamma, lam)
+
+
+def leave_out_cut_off(samples: Sequence[Sample]) -> float:
+    """DAPO's overlong filtering (:class:`rl2gem.rewards.objectives.Overlong`): zero the mask of
+    every :attr:`Sample.cut_off` sample, in place, so that the policy loss, its normalisation, the
+    KL and entropy terms and the value loss leave it out. Call it once the critic-free advantages
+    are estimated (the episode's reward still counts in its group's baseline).
+
+    Returns:
+        the share of ``samples`` left out (0.0 without samples).
+    """
+    for sample in samples:
+        if sample.cut_off:
+            sample.mask = [0] * len(sample.mask)
+    return sum(sample.cut_off for sample in samples) / max(len(samples), 1)
 
 
 def apply_critic_estimator(

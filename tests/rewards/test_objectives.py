@@ -9,6 +9,7 @@ import rl2gem
 from rl2gem.evaluation import episode_record, record_sums
 from rl2gem.rewards.objectives import (
     FILTERED_REWARD,
+    Overlong,
     ParetoArchive,
     apply_objectives,
     dominates,
@@ -21,7 +22,7 @@ from rl2gem.rewards.objectives import (
 )
 from rl2gem.rollout.rollout import RolloutBatch
 from rl2gem.rollout.tito import Episode, Sequence
-from rl2gem.training.samples import shape_rewards
+from rl2gem.training.samples import episode_samples, gathered_samples, leave_out_cut_off, shape_rewards
 
 
 def episode(correct: float, fmt: float, action_tokens: int) -> Episode:
@@ -180,7 +181,7 @@ def test_the_trainers_filter_sees_the_rewards_apply_objectives_sets():
 
     weights = {"reward": 1.0, "invalid_actions": -0.2}
     config = {"reward": {"objectives": {"combine": "weighted_sum", "weights": weights, "reference": {}}}}
-    trainer = types.SimpleNamespace(cfg=OmegaConf.create(config), transform=None)
+    trainer = types.SimpleNamespace(cfg=OmegaConf.create(config), transform=None, overlong=None)
     lost, careless = episode(0.0, 1.0, 4), episode(0.0, 1.0, 4)
     careless.info["num_invalid_actions"] = 2
     group = [lost, careless]
@@ -214,3 +215,63 @@ def test_the_trainers_filter_sees_the_rewards_apply_objectives_sets():
     OnlineTrainer.trained_rewards(trainer, group)
     shape_rewards(RolloutBatch([group], {}), Scorer(), "replace", "weighted_sum", weights, {}, None)
     assert [e.reward for e in group] == [5.0, 5.0] and all(FILTERED_REWARD not in e.info for e in group)
+
+
+def played(correct: float, lengths: list[int], cut_off: bool) -> Episode:
+    """A one-turn :func:`episode` whose actions generated ``lengths`` tokens, the last one cut off
+    at its limit or not."""
+    e = episode(correct, 1.0, 4)
+    e.action_lengths = list(lengths)
+    e.finish_reasons = ["stop"] * (len(lengths) - 1) + ["length" if cut_off else "stop"]
+    return e
+
+
+def test_dapo_s_soft_overlong_punishment_by_hand():
+    """DAPO's eq. 13 with L_max 10 and L_cache 4: 0 up to 6 tokens, then -(n - 6) / 4, -1 at 10; an
+    episode gets its longest action's; added where the env's final reward is."""
+    overlong = Overlong(max_new_tokens=10, buffer=4, penalty=1.0)
+    penalties = [overlong.penalty_of(played(0.0, [n], n == 10)) for n in (3, 6, 7, 8, 10)]
+    assert penalties == [0.0, 0.0, -0.25, -0.5, -1.0]
+    assert overlong.penalty_of(played(0.0, [3, 9, 5], False)) == -0.75
+    assert Overlong(10, buffer=4, penalty=0.5).penalty_of(played(0.0, [8], False)) == -0.25
+    assert Overlong(10).penalty_of(played(0.0, [10], True)) == 0.0 and not Overlong(10).active
+    batch = RolloutBatch([[played(1.0, [8], False), played(1.0, [10], True)], [played(0.0, [2], False)]], {})
+    metrics = shape_rewards(batch, overlong=overlong)
+    assert [e.reward for e in batch.episodes] == [0.5, 0.0, 0.0]
+    assert [e.sequences[0].rewards[-1] for e in batch.episodes] == [0.5, 0.0, 0.0]
+    assert metrics["rollout/overlong_penalty"] == pytest.approx(-0.5)
+    assert metrics["rollout/cut_off"] == pytest.approx(1 / 3) and metrics["rollout/reward"] == pytest.approx(1 / 6)
+    with pytest.raises(ValueError, match="buffer"):
+        Overlong(10, buffer=11)
+    with pytest.raises(ValueError, match="penalty"):
+        Overlong(10, buffer=2, penalty=-1.0)
+
+
+def test_overlong_filtering_leaves_cut_off_episodes_out_of_the_loss_not_the_baseline():
+    """DAPO's overlong filtering: the cut-off episode's mask is zeroed after GRPO's advantages, which
+    still count its reward: the two others get +-1 from a group mean over all three."""
+    group = [played(1.0, [3], False), played(0.0, [3], False), played(1.0, [10], True)]
+    samples = gathered_samples([episode_samples(RolloutBatch([group], {}), "rloo")], "rloo")
+    assert leave_out_cut_off(samples) == pytest.approx(1 / 3)
+    assert [sum(s.mask) for s in samples] == [4, 4, 0]
+    # RLOO: each against the mean of the two others, the cut-off one among them
+    assert [s.advantages[-1] for s in samples[:2]] == [pytest.approx(1.0 - 0.5), pytest.approx(0.0 - 1.0)]
+
+
+def test_the_trainers_filter_sees_the_overlong_punishment():
+    """Dynamic filtering compares rewards with the punishment (a group of equal env rewards whose
+    lengths differ has a signal), and training then gets those rewards, punished once."""
+    import types
+
+    from omegaconf import OmegaConf
+
+    from rl2gem.training.online import OnlineTrainer
+
+    config = {"reward": {"objectives": {"combine": None, "weights": {}, "reference": {}}}}
+    overlong = Overlong(max_new_tokens=10, buffer=4)
+    trainer = types.SimpleNamespace(cfg=OmegaConf.create(config), transform=None, overlong=overlong)
+    group = [played(1.0, [4], False), played(1.0, [9], False)]
+    trained = OnlineTrainer.trained_rewards(trainer, group)
+    assert trained == [1.0, 0.25] and [e.reward for e in group] == [1.0, 1.0]
+    shape_rewards(RolloutBatch([group], {}), overlong=overlong)
+    assert [e.reward for e in group] == trained

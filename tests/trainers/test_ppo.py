@@ -909,6 +909,36 @@ def test_gspo_s_ratio_is_each_packed_sequence_s_own(tiny_dir, tmp_path, monkeypa
     assert len({round(ratio, 9) for ratio in second_pass}) > 1  # each sequence its own
 
 
+def test_dapo_s_overlong_shaping_in_the_trainer(tiny_dir, tmp_path):
+    """The tiny model never stops within 4 tokens: every action is cut off. The soft punishment
+    gives each episode -1 (the env's reward is 0), and filtering leaves every sample out of the
+    losses: the entropy bonus that moves the weights without it gives no gradient with it."""
+    options = [
+        "rollout.max_new_tokens=4",
+        "rollout.temperature=20.0",
+        "actor.entropy_coef=0.05",
+        "trainer.total_steps=1",
+    ]
+    run = [
+        *arithmetic_run(tiny_dir)[1:],
+        *options,
+        "trainer.eval_at_start=false",
+        "trainer.eval_n=0",
+        "trainer.progress=false",
+    ]
+    rows = {}
+    for mask in ("false", "true"):
+        out = tmp_path / mask
+        overlong = ["reward.overlong.buffer=2", f"reward.overlong.mask={mask}"]
+        assert ppo.main([*run, *overlong, f"trainer.output_dir={out}"]) == 0
+        rows[mask] = logged_steps(out / "metrics.jsonl", "rollout/cut_off")[1]
+    for row in rows.values():
+        assert row["rollout/cut_off"] == 1.0 and row["rollout/overlong_penalty"] == -1.0
+        assert row["rollout/reward"] == -1.0 and row["rollout/env_reward"] == 0.0
+    assert rows["false"]["actor/grad_norm"] > 0 and "rollout/left_out_samples" not in rows["false"]
+    assert rows["true"]["actor/grad_norm"] == 0.0 and rows["true"]["rollout/left_out_samples"] == 1.0
+
+
 def rewriting_template(folder):
     """A ChatML template file with a blank line after every message but the last: every turn
     rewrites the one before, so each turn starts a new sequence."""
