@@ -448,7 +448,7 @@ class FunctionCallEnv(Env):
 
     def sample_random_action(self, rng=None) -> str:
         """A call of an offered function with no arguments, or a plain reply."""
-        rng = rng if rng is not None else self.np_random
+        rng = self.action_rng(rng)
         funcs = self.item["functions"] if self.item else []
         if funcs and rng.random() < 0.7:
             name = funcs[int(rng.integers(len(funcs)))]["name"]
@@ -745,7 +745,7 @@ class ToolUseEnv(Env):
 
     def sample_random_action(self, rng=None) -> str:
         """A call of an offered function with no arguments, or a reply that ends the user turn."""
-        rng = rng if rng is not None else self.np_random
+        rng = self.action_rng(rng)
         names = sorted(self._functions) if self.item else []
         if names and rng.random() < 0.6:
             return f'<tool_call>{{"name": "{names[int(rng.integers(len(names)))]}", "arguments": {{}}}}</tool_call>'

@@ -247,7 +247,7 @@ class MathEnv(Env):
 
     def sample_random_action(self, rng=None) -> str:
         """A guess in the right format: a random small integer in ``\\boxed{}``."""
-        rng = rng if rng is not None else self.np_random
+        rng = self.action_rng(rng)
         return f"The answer is \\boxed{{{int(rng.integers(0, 100))}}}."
 
     def make_solver(self):

@@ -280,7 +280,7 @@ class ReasoningGymEnv(Env):
         }
 
     def sample_random_action(self, rng=None) -> str:
-        rng = rng if rng is not None else self.np_random
+        rng = self.action_rng(rng)
         return self._format(int(rng.integers(0, 100)))
 
     def _format(self, answer) -> str:

@@ -388,7 +388,7 @@ class SearchQAEnv(Env):
         return state
 
     def sample_random_action(self, rng=None) -> str:
-        rng = rng if rng is not None else self.np_random
+        rng = self.action_rng(rng)
         words = ["history", "capital", "music", "science", "river", "language"]
         word = words[int(rng.integers(len(words)))]
         return f"<search>{word}</search>" if rng.random() < 0.5 else f"<answer>{word}</answer>"

@@ -299,9 +299,13 @@ class _PrivateLoop:
 
 def _serve_until_stopped(loop: asyncio.AbstractEventLoop) -> None:
     """The private loop's thread: run ``loop`` until it is stopped, then close it (its default
-    executor is shut down without waiting: a job still running there ends on its own)."""
+    executor is shut down without waiting: a job still running there ends on its own) once its
+    async generators are closed (an HTTP session left open there, :class:`rl2gem.aio.LoopSessions`)."""
     loop.run_forever()
-    loop.close()
+    try:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+    finally:
+        loop.close()
 
 
 def _request_stop(loop: asyncio.AbstractEventLoop) -> None:
@@ -597,6 +601,21 @@ class Env(gym.Env[str, str]):
         return state
 
     # ------------------------------------------------------------- internals
+    def action_rng(self, rng: np.random.Generator | None = None) -> np.random.Generator:
+        """The generator a ``sample_random_action(rng=None)`` draws from: ``rng`` when given, else
+        the episode's own action stream, seeded from its seed (``info["seed"]``) apart from
+        ``np_random``. Sampling an action then never changes what the env itself draws
+        (Minesweeper places its mines at the first reveal), and one seed samples the same actions.
+        Before any reset: the action space's generator."""
+        if rng is not None:
+            return rng
+        seed = getattr(self, "_episode_seed", None)
+        if seed is None:
+            return self.action_space.np_random
+        if getattr(self, "_action_rng", None) is None:  # made at the first draw: a reset costs nothing more
+            self._action_rng = np.random.default_rng([seed, 0x61_63_74])
+        return self._action_rng
+
     def _loop_run(self, coro: Coroutine[Any, Any, T]) -> T:
         loop = getattr(self, "_private_loop", None)
         if loop is None:
@@ -619,6 +638,7 @@ class Env(gym.Env[str, str]):
         self._np_random = np.random.default_rng(seed)
         self._np_random_seed = seed
         self._episode_seed = seed
+        self._action_rng = None
         self._episode_options = options
         self._turn = 0
         self._num_invalid = 0

@@ -58,6 +58,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from rl2gem.aio import run_coroutine
 from rl2gem.config import ConfigError
 from rl2gem.env_protocol import dataset_size
 from rl2gem.models import load_model, resolve_device, resolve_dtype, resolve_model
@@ -327,8 +328,6 @@ def paired_comparison(before: list[EpisodeRecord], after: list[EpisodeRecord]) -
 
 
 def _evaluate_model(cfg, resets, emit) -> None:
-    import asyncio
-
     from rl2gem.rollout import EmbeddedEngine, HTTPEngine, RolloutConfig
     from rl2gem.rollout.tito import load_chat_template
 
@@ -365,7 +364,7 @@ def _evaluate_model(cfg, resets, emit) -> None:
         finally:
             await engine.close()
 
-    asyncio.run(run())
+    run_coroutine(run())
 
 
 def default_output(folder: str, env: str, who: str) -> str:
@@ -534,7 +533,7 @@ def _evaluate_openai(cfg, resets, emit) -> None:
         finally:
             await client.close()
 
-    asyncio.run(run())
+    run_coroutine(run())
 
 
 class _EnvCallFailed(Exception):

@@ -177,6 +177,7 @@ def make_vec(
     max_concurrency: int | None = None,
     env_kwargs: dict[str, Any] | Sequence[dict[str, Any]] | None = None,
     wrappers: Sequence[Callable[[gym.Env], gym.Env]] = (),
+    autoreset_mode: str | gym.vector.AutoresetMode = "NextStep",
     **kwargs: Any,
 ):
     """Build a vector env of registered text envs.
@@ -190,6 +191,7 @@ def make_vec(
         max_concurrency: for ``"async"``, the most envs stepped at once.
         env_kwargs: constructor kwargs for every env, or one dict per env.
         wrappers: callables applied in order to each env.
+        autoreset_mode: Gymnasium's ``AutoresetMode`` (or its value) ``NEXT_STEP`` or ``SAME_STEP``.
         **kwargs: shared constructor kwargs (merged under ``env_kwargs``).
 
     Raises:
@@ -222,9 +224,9 @@ def make_vec(
 
     fns = [factory(i, kw) for i, kw in zip(ids, per_env, strict=True)]
     if vectorization_mode == "async":
-        return AsyncVectorEnv(fns, max_concurrency=max_concurrency)
+        return AsyncVectorEnv(fns, max_concurrency=max_concurrency, autoreset_mode=autoreset_mode)
     if vectorization_mode == "sync":
-        return SyncVectorEnv(fns)
+        return SyncVectorEnv(fns, autoreset_mode=autoreset_mode)
     raise ValueError(f"vectorization_mode must be 'async' or 'sync', got {vectorization_mode!r}")
 
 

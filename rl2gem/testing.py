@@ -25,6 +25,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.utils.env_checker import check_env as gym_check_env
 
+from rl2gem.aio import run_coroutine
 from rl2gem.core import VALID_ROLES, Env
 from rl2gem.env_protocol import ACTION_FIELD
 from rl2gem.remote import RemoteEnv
@@ -299,13 +300,13 @@ def _check_made_env(env: gym.Env, make: Callable[[], gym.Env], num_steps: int, s
             assert obs_random == obs_replay, f"{name}: reset(seed=info['seed']) does not replay the initial state"
         # 4. async/sync agreement
         ts = _play(a, seed, actions)
-        ta, blocking, calls = asyncio.run(_aplay_watched(b, seed, actions))
+        ta, blocking, calls = run_coroutine(_aplay_watched(b, seed, actions))
         # two calls or more, and half of them, in two plays: a machine busy with other work can
         # stretch a short computing call past the limit, now and then, not all the time
         replays = 2
         while base.is_async_native and blocking >= 2 and blocking * 2 >= calls and replays:
             replays -= 1
-            _, blocking, calls = asyncio.run(_aplay_watched(b, seed, actions))
+            _, blocking, calls = run_coroutine(_aplay_watched(b, seed, actions))
         assert not (base.is_async_native and blocking >= 2 and blocking * 2 >= calls), (
             f"{name}: {blocking} of {calls} areset/astep calls blocked the event loop for "
             f"{BLOCKING_CALL_S} s or more: a blocking call in _areset/_astep (await the I/O, or run "

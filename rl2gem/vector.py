@@ -115,6 +115,12 @@ class _TextVectorEnv(gym.vector.VectorEnv):
         return out
 
     def _reset_args(self, seed, options, indices) -> list[tuple[int, int | None, dict | None]]:
+        if isinstance(options, Mapping) and "reset_mask" in options:  # Gymnasium 1.x's partial reset
+            mask = np.asarray(options["reset_mask"], dtype=bool)
+            raise ValueError(
+                "options['reset_mask'] is Gymnasium's partial reset; here pass the envs to reset as "
+                f"indices={np.flatnonzero(mask).tolist()} (the result lists those envs only)"
+            )
         idx = self._indices(indices)
         if seed is None:
             seeds: list[int | None] = [None] * len(idx)

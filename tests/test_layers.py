@@ -7,6 +7,7 @@ with the envs.
 """
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,18 @@ def test_every_module_is_in_a_layer():
     assert len(found) > 80 and "rl2gem.envs.math" in found and "rl2gem.trainers.ppo" in found
     assert [module for module in found if find_layer(module) is None] == []
     assert find_layer("rl2gem_other.module") is None and find_layer("rl2gem.training.forward") == 6
+
+
+def test_the_readme_s_table_lists_the_layers_modules():
+    """README "Architecture" names each layer's modules (``rl2gem.`` left off, a package with a
+    slash); it listed fewer than the layers here after modules were added."""
+    text = (ROOT / "README.md").read_text().split("## Architecture", 1)[1]
+    rows = [line.split("|")[1:3] for line in text.splitlines() if line.startswith("| ") and "`" in line]
+    listed = [{name.rstrip("/") for name in re.findall(r"`([\w./]+)`", modules)} for _, modules in rows]
+    for (layer, modules), names in zip(LAYERS, listed, strict=True):
+        short = {module.removeprefix("rl2gem.") for module in modules if module != "rl2gem"}
+        missing = short - names
+        assert not missing, f"README's {layer} row does not list {sorted(missing)}"
 
 
 def test_no_module_imports_from_a_layer_above_its_own():

@@ -1,5 +1,6 @@
 """check_env over the whole registry, and that it catches broken envs."""
 
+import asyncio
 import threading
 import time
 
@@ -107,6 +108,25 @@ def test_an_env_that_raises_on_a_format_error_or_overrides_step_is_told_what_to_
         AssertionError, match="info\\['role'\\] = None; an env that overrides step\\(\\) .* override _step"
     ):
         check_env(OwnStep())
+
+
+def test_check_env_runs_inside_a_running_event_loop():
+    """In a Jupyter cell or any async code: ``asyncio.run`` refused ("cannot be called from a
+    running event loop"), and the async play's coroutine was never awaited. Its checks still hold
+    there: the blocking env is still caught."""
+
+    class Blocking(SlowSearchEnv):
+        async def _astep(self, action):
+            time.sleep(0.12)
+            return await super()._astep(action)
+
+    async def in_a_loop():
+        check_env(SlowSearchEnv(latency=0.01), num_steps=3)
+        check_env("rl2/GuessTheNumber-v0")
+        with pytest.raises(AssertionError, match=r"blocked the event loop"):
+            check_env(Blocking(latency=0), num_steps=3)
+
+    asyncio.run(in_a_loop())
 
 
 def test_catches_an_async_env_that_blocks_the_event_loop():

@@ -149,6 +149,18 @@ def test_make_vec_with_mixed_ids_and_kwargs():
     sync.close()
 
 
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_make_vec_takes_gymnasium_s_autoreset_mode_and_names_its_partial_reset(mode):
+    """``make_vec(..., autoreset_mode=...)`` went to the envs' constructor ("unknown argument(s)
+    ['autoreset_mode']"); Gymnasium's ``options={"reset_mask": ...}`` reset every env."""
+    venv = rl2gem.make_vec("rl2/GuessTheNumber-v0", 2, vectorization_mode=mode, autoreset_mode=AutoresetMode.SAME_STEP)
+    assert venv.metadata["autoreset_mode"] is AutoresetMode.SAME_STEP
+    venv.reset(seed=0)
+    with pytest.raises(ValueError, match=r"Gymnasium's partial reset; here pass the envs to reset as indices=\[1\]"):
+        venv.reset(options={"reset_mask": np.array([False, True])})
+    venv.close()
+
+
 class Sleepy(CountEnv):
     """Fast until told to be slow."""
 

@@ -1,6 +1,6 @@
 """The agentic pipeline of an env, stage by stage and resumable: oracle episodes -> SFT -> PPO on
 multi-turn rollouts -> evaluation of the base, SFT-only and SFT+RL models on held-out items.
-Pipelines: ``searchqa`` (rl2/SearchQA-v0), ``guess`` (rl2/GuessTheNumber-v0) and ``multihop``
+Pipelines: ``searchqa`` (rl2/SearchQA-v0), ``guess`` and ``guess-hard`` (rl2/GuessTheNumber-v0) and ``multihop``
 (rl2/MultiHopQA-v0: two searches per question), also with its history managed in 512-token
 segments (``multihop-truncate``, ``multihop-summarize``; ``rollout.context``).
 

@@ -1,5 +1,5 @@
-"""PPO-family RL trainer (PPO with a critic, GRPO, Dr. GRPO, RLOO, REINFORCE++, ReBN; PPO, GSPO or CISPO
-losses) on rl2gem envs.
+"""PPO-family RL trainer (PPO with a critic, GRPO, Dr. GRPO, RLOO, per-turn RLOO, REINFORCE++, ReBN; PPO,
+GSPO or CISPO losses) on rl2gem envs.
 
     torchrun --nproc_per_node=2 trainers/ppo.py env=rl2/ReasoningGym-v0 actor.model=smollm2-135m-instruct
     python -m rl2gem.trainers.ppo env=rl2/GSM8K-v0 rollout.prompts_per_rollout=4 trainer.total_steps=2

@@ -39,6 +39,11 @@ class GameEnv(Env):
         unknown = set(overrides) - set(params)
         if unknown:
             raise TypeError(f"{type(self).__name__} got unknown argument(s) {sorted(unknown)}; valid: {sorted(params)}")
+        if "max_turns" in overrides and overrides["max_turns"] is None:  # None is "no limit" elsewhere
+            raise ValueError(
+                f"max_turns=None: a game's turn limit is part of it (the {difficulty} preset's is "
+                f"{params['max_turns']}); pass a number"
+            )
         params.update({k: v for k, v in overrides.items() if v is not None})
         super().__init__(max_turns=params.pop("max_turns"), render_mode=render_mode)
         self.difficulty = difficulty

@@ -109,7 +109,7 @@ class FifteenPuzzleEnv(GameEnv):
         )
 
     def sample_random_action(self, rng: np.random.Generator | None = None) -> str:
-        rng = rng if rng is not None else self.np_random
+        rng = self.action_rng(rng)
         if getattr(self, "state", None) is None:  # before a reset: any tile
             return f"\\boxed{{{int(rng.integers(1, self.size**2))}}}"
         tiles = [tile for tile, _ in _slides(self.state, self.size)]  # a legal slide: a tile next to the blank

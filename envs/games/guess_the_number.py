@@ -65,7 +65,7 @@ class GuessTheNumberEnv(GameEnv):
         return self.reply(f"The number is {direction} than {guess}.", guess=guess)
 
     def sample_random_action(self, rng: np.random.Generator | None = None) -> str:
-        rng = rng if rng is not None else self.np_random
+        rng = self.action_rng(rng)
         return f"\\boxed{{{int(rng.integers(self.min_number, self.max_number + 1))}}}"
 
     def make_solver(self) -> BisectSolver:

@@ -35,6 +35,10 @@ class HangmanEnv(GameEnv):
     def _check_params(self) -> None:
         if not 2 <= self.min_length <= self.max_length:
             raise ValueError("need 2 <= min_length <= max_length")
+        if not isinstance(self.max_misses, int) or self.max_misses < 1:
+            raise ValueError(f"max_misses must be an int >= 1, got {self.max_misses!r}")
+        if not self.words:
+            raise ValueError(f"no word of {self.min_length}-{self.max_length} letters in the word list")
 
     @property
     def words(self) -> tuple[str, ...]:
@@ -85,7 +89,7 @@ class HangmanEnv(GameEnv):
         return self.reply(self._state())
 
     def sample_random_action(self, rng: np.random.Generator | None = None) -> str:
-        rng = rng if rng is not None else self.np_random
+        rng = self.action_rng(rng)
         tried = set(getattr(self, "guessed", ())) | set(getattr(self, "missed", ()))
         letters = [c for c in string.ascii_lowercase if c not in tried] or list(string.ascii_lowercase)
         return "\\boxed{" + letters[int(rng.integers(len(letters)))] + "}"  # a letter not tried yet

@@ -75,7 +75,7 @@ class MastermindEnv(GameEnv):
         return self.reply(f"Guess {guess}: {black} black, {white} white.", black=black, white=white)
 
     def sample_random_action(self, rng: np.random.Generator | None = None) -> str:
-        rng = rng if rng is not None else self.np_random
+        rng = self.action_rng(rng)
         return "\\boxed{" + "".join(str(d) for d in rng.integers(1, self.num_digits + 1, size=self.code_length)) + "}"
 
     def make_solver(self):

@@ -119,7 +119,7 @@ class MinesweeperEnv(GameEnv):
         return self.reply(self.board())
 
     def sample_random_action(self, rng: np.random.Generator | None = None) -> str:
-        rng = rng if rng is not None else self.np_random
+        rng = self.action_rng(rng)
         hidden = np.argwhere(~self.revealed) if getattr(self, "revealed", None) is not None else []
         if len(hidden):  # a cell not revealed yet
             r, c = (int(x) + 1 for x in hidden[int(rng.integers(len(hidden)))])

@@ -155,7 +155,7 @@ class SudokuEnv(GameEnv):
         return self.reply(self.grid_text(), mistakes=self.mistakes)
 
     def sample_random_action(self, rng: np.random.Generator | None = None) -> str:
-        rng = rng if rng is not None else self.np_random
+        rng = self.action_rng(rng)
         n = self.box**2
         r, c, d = (int(x) for x in rng.integers(1, n + 1, size=3))
         if getattr(self, "grid", None) is not None:  # an empty cell (the digit may be a mistake)

@@ -97,7 +97,7 @@ class TowerOfHanoiEnv(GameEnv):
         return self.reply(self.pegs_text())
 
     def sample_random_action(self, rng: np.random.Generator | None = None) -> str:
-        rng = rng if rng is not None else self.np_random
+        rng = self.action_rng(rng)
         pegs = getattr(self, "pegs", None)
         moves = [  # legal: a top disk onto an empty peg or a larger one
             (a, b)

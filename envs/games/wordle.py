@@ -85,7 +85,7 @@ class WordleEnv(GameEnv):
         return self.reply(f"{guess} -> {marks}", marks=marks)
 
     def sample_random_action(self, rng: np.random.Generator | None = None) -> str:
-        rng = rng if rng is not None else self.np_random
+        rng = self.action_rng(rng)
         return "\\boxed{" + self.secrets[int(rng.integers(len(self.secrets)))] + "}"
 
     def make_solver(self):

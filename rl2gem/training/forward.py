@@ -18,10 +18,13 @@ and the first token of each sequence gets 0 (nothing predicts it).
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from transformers import AutoConfig
 
 from rl2gem.algorithms import entropy_from_logits
 from rl2gem.devices import to_device
@@ -29,7 +32,7 @@ from rl2gem.models import resolve_dtype, resolve_master_dtype
 from rl2gem.parallel.attention import IMPLEMENTATIONS, attention_mask, reads_sequence_boundaries, resolve_attention
 from rl2gem.parallel.packing import packed_batch, tree_batch
 from rl2gem.parallel.ring_attention import gather_sequence_parallel, ring_context, zigzag_layout
-from rl2gem.parallel.tensor_parallel import vocab_parallel_logprobs
+from rl2gem.parallel.tensor_parallel import check_tp, vocab_parallel_logprobs
 from rl2gem.training.metrics import SavedTensorBytes, simulated_memory_bytes
 from rl2gem.training.settings import WorkerSettings, is_length_setting, resolve_compile
 
@@ -96,7 +99,8 @@ def check_actor(actor) -> None:
     """``actor.dtype``, ``actor.master_dtype`` (:func:`rl2gem.models.resolve_master_dtype`), ``actor.compile``,
     ``actor.max_length_per_device``, ``actor.cpu_max_length_per_device`` and the optimizer's, schedule's,
     mesh's and LoRA's values (:meth:`~rl2gem.training.settings.WorkerSettings.problems`) checked
-    before anything loads.
+    before anything loads; the mesh's sizes against torchrun's world size, and with ``tp_size`` > 1
+    a model folder's ``config.json`` against the tensor-parallel plan (:func:`rl2gem.parallel.tensor_parallel.check_tp`).
 
     Raises:
         rl2gem.config.ConfigError: an unknown dtype name, a master dtype less precise than the
@@ -111,6 +115,19 @@ def check_actor(actor) -> None:
     problems = settings.problems()
     if problems:
         raise ConfigError(f"actor.{problems[0]}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, set before the script starts
+    inner = settings.ddp_size * settings.sp_size * settings.tp_size
+    if world % inner:
+        raise ConfigError(
+            f"actor.ddp_size * actor.sp_size * actor.tp_size = {settings.ddp_size} * {settings.sp_size} * "
+            f"{settings.tp_size} does not divide the world size {world}"
+        )
+    model = actor.get("model")
+    if settings.tp_size > 1 and isinstance(model, str) and (Path(model).expanduser() / "config.json").is_file():
+        try:  # a folder's config.json read without the weights; check_tp runs again once the model loads
+            check_tp(AutoConfig.from_pretrained(Path(model).expanduser()), settings.tp_size)
+        except ValueError as error:  # its message starts with the key
+            raise ConfigError(str(error)) from None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         resolve_master_dtype(settings.master_dtype, resolve_dtype(settings.dtype, device), trainable=True)

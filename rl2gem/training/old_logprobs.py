@@ -30,12 +30,13 @@ its check is measured there too). With dropout (``actor.lora.dropout``, a model'
 pass would draw other masks and a ratio a little off 1; here it is exactly 1, the on-policy value.
 ``recompute`` keeps the separate pass.
 
-In bf16, expect ``auto`` to keep recomputing unless the engine and the trainer share their
-kernels: bf16 alone puts two implementations of one model about 3e-3 apart. Measured on the CPU
-(``benchmarks/logprob_mismatch.py``, SmolLM2-135M-Instruct, 1,665 tokens of GSM8K text): bf16
-with the scores rounded to bf16 (the engine's lean decoder) against bf16 SDPA (fp32 scores) 3.0e-3,
-each 2.6-3.3e-3 from fp32; the fp32 pair 1e-11. In fp32 (this project's CPU runs) the engine's
-log-probs are within about 1e-11 and ``auto`` engages.
+In bf16 the bound is met or not by the pair of kernels. On an H200 (bf16, random Llamas,
+2026-11-27, ``benchmarks/RESULTS.md``) step 1 measured 2.5e-5 to 5.1e-5 and ``auto`` used the
+engine's log-probs from step 2, although single tokens differed by up to 3.1e-2. On the CPU
+(``benchmarks/logprob_mismatch.py``, SmolLM2-135M-Instruct, 1,665 tokens of GSM8K text) bf16 with
+the scores rounded to bf16 (the engine's lean decoder) against bf16 SDPA (fp32 scores) measured
+3.0e-3, each 2.6-3.3e-3 from fp32, which keeps ``auto`` recomputing; the fp32 pair 1e-11, so in
+fp32 (this project's CPU runs) ``auto`` engages.
 """
 
 from __future__ import annotations

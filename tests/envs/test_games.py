@@ -267,3 +267,45 @@ def test_random_actions_are_legal_moves(game):
             played += 1
             done = terminated or truncated
     assert played > 5 and refused == 0
+
+
+@pytest.mark.parametrize("name", sorted(GAMES))
+def test_sampling_an_action_changes_nothing_the_game_draws(name):
+    """An agent that samples a random action and then plays another (epsilon-greedy) gets the
+    episode of the same seed and moves: Minesweeper placed its mines at the first reveal from the
+    generator ``sample_random_action`` had drawn from. One seed still samples the same actions."""
+    boards, samples = [], []
+    for sample_first in (False, True):
+        env = rl2gem.make(f"rl2/{name}-v0")
+        env.reset(seed=3)
+        solver = env.unwrapped.make_solver()
+        drawn = [env.unwrapped.sample_random_action() for _ in range(3 if sample_first else 0)]
+        obs, _ = env.reset(seed=3)
+        if sample_first:
+            samples.append(drawn + [env.unwrapped.sample_random_action() for _ in range(2)])
+            env.reset(seed=3)
+            samples.append(drawn + [env.unwrapped.sample_random_action() for _ in range(2)])
+            obs, _ = env.reset(seed=3)
+            env.unwrapped.sample_random_action()
+        trajectory = [obs]
+        for _ in range(3):
+            obs, *_, terminated, truncated, _ = env.step(solver(obs))
+            trajectory.append(obs)
+            if terminated or truncated:
+                break
+        boards.append(trajectory)
+    assert boards[0] == boards[1]
+    assert samples[0] == samples[1]
+
+
+def test_bad_hangman_limits_and_an_unlimited_game_are_refused_when_made():
+    """``max_misses=0`` lost on a correct guess, a length without words failed at reset, and
+    ``max_turns=None`` (no limit for other envs) silently kept the preset's limit."""
+    for options, message in [
+        ({"max_misses": 0}, "max_misses must be an int >= 1, got 0"),
+        ({"min_length": 30, "max_length": 40}, "no word of 30-40 letters"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            rl2gem.make("rl2/Hangman-v0", **options)
+    with pytest.raises(ValueError, match="max_turns=None: a game's turn limit is part of it"):
+        gym.make("rl2/Wordle-v0", max_turns=None)

@@ -72,6 +72,10 @@ CASES = [
     ),
     ("actor.clip_high=-0.1", "config error: actor.clip_high=-0.1 must be a number >= 0"),
     ("actor.update_per_rollout=0", "config error: actor.update_per_rollout=0 must be >= 1"),
+    (
+        "actor.tp_size=2",
+        "config error: actor.ddp_size * actor.sp_size * actor.tp_size = 1 * 1 * 2 does not divide the world size 1",
+    ),
     ("kl.estimator=k9", "config error: kl.estimator='k9' is not one of ['k1', 'k2', 'k3']"),
     ("rollout.concurrency=0", "config error: rollout.concurrency must be an int >= 1, got 0"),  # it hung
     ("rollout.top_p=1.5", "config error: rollout.top_p must be in (0, 1], got 1.5"),
@@ -97,6 +101,16 @@ def test_ppo_refuses_a_bad_value_before_building_anything(argument, line, capsys
     assert launch(MustNotBuild, ppo.CONFIG, ppo.check_config, argument.split()) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(line), err
+
+
+def test_a_model_that_tensor_parallelism_cannot_split_is_refused_before_it_loads(tiny_dir, monkeypatch, capsys):
+    """The tiny model has 2 key/value heads: 4 ranks cannot split them. It was a traceback from
+    every rank once the process group and the model were up."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    arguments = [f"actor.model={tiny_dir}", "actor.tp_size=4", "rollout.prompts_per_rollout=4"]
+    assert launch(MustNotBuild, ppo.CONFIG, ppo.check_config, arguments) == 2
+    line = "config error: actor.tp_size=4 does not divide the model's num_key_value_heads=2"
+    assert capsys.readouterr().err.strip() == line
 
 
 def test_groups_that_do_not_split_over_the_ranks_are_refused_before_the_process_group(monkeypatch, capsys):
