@@ -22,9 +22,12 @@ Multi-turn envs (search, games): add ``environment_factory=env_factory("rl2/Sear
 Each rollout then gets its own :class:`EnvironmentTool`, whose ``act(action)`` method TRL offers
 the model as a tool (TRL's ``environment_factory`` contract, TRL >= 1.0 with transformers >= 5.2,
 a chat template TRL can parse tool calls for, e.g. Qwen3's): every call is one env step and
-returns the env's reply. When the model stops calling the tool, :func:`env_reward` (given the
-rollout's environments by TRL) plays its final message as the last action if the episode is still
-running, and returns the episode's total reward.
+returns the env's reply. A tool env (one under :class:`rl2gem.tools.ToolEnvWrapper`, such as
+``rl2/PythonMath-v0``) also gets one method per tool it offers, named and described as the tool:
+TRL parses the model's call and the method plays it as the env's action (a ``<tool_call>``
+block), one env step, so the env counts and scores it. When the model stops calling tools,
+:func:`env_reward` (given the rollout's environments by TRL) plays its final message as the last
+action if the episode is still running, and returns the episode's total reward.
 
 Nothing here imports TRL: the objects are what its ``GRPOTrainer`` takes, so any TRL version
 with the same contract works.
@@ -32,11 +35,18 @@ with the same contract works.
 
 from __future__ import annotations
 
+import inspect
+import json
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
+import gymnasium as gym
+
 import rl2gem
+from rl2gem.tools import ToolEnvWrapper
+from rl2gem.tools.base import hermes_tool_calls
 
 __all__ = ["env_dataset", "env_reward", "env_factory", "EnvironmentTool"]
 
@@ -62,6 +72,12 @@ def env_dataset(env_id: str, n: int, split: str | None = "train", seed: int = 0,
     from rl2gem.evaluation import task_resets
 
     kwargs = _kwargs(env_id, split, env_kwargs)
+    if split not in (None, "train") and "split" not in kwargs:
+        warnings.warn(
+            f"{env_id} has no data split: split={split!r} changes nothing, and its tasks are the seeds "
+            f"{seed}, {seed + 1}, ...; hold tasks out with other seeds (e.g. seed=100000), not another split",
+            stacklevel=2,
+        )
     env = rl2gem.make(env_id, **kwargs)
     rows = []
     try:
@@ -135,9 +151,16 @@ class EnvironmentTool:
         _, self.info = _reset(self.env, rl2gem_seed, rl2gem_index, row.get("prompt"))
         self.total_reward, self.done = 0.0, False
 
-    def close(self) -> None:
-        """Close the env (its sessions, sandboxes)."""
+    def _close(self) -> None:
+        """Close the env (its sessions, sandboxes). Private: TRL offers every public method as a
+        tool."""
         self.env.close()
+
+    def _call_tool(self, name: str, arguments: dict[str, Any]) -> str:
+        """Play a call of the env's tool ``name`` as its action (a ``<tool_call>`` block, as the
+        model would write it): one env step; returns the env's reply."""
+        call = {"function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+        return self.act(hermes_tool_calls([call]))
 
     def act(self, action: str) -> str:
         """Take one turn in the environment: send your action, written in the format the task asks
@@ -165,12 +188,80 @@ class EnvironmentTool:
 
 
 def env_factory(env_id: str, split: str | None = "train", **env_kwargs) -> Callable[[], EnvironmentTool]:
-    """A zero-argument factory of :class:`EnvironmentTool` for ``GRPOTrainer(environment_factory=...)``."""
+    """A zero-argument factory of :class:`EnvironmentTool` for ``GRPOTrainer(environment_factory=...)``.
+
+    For a tool env, the instances are of a subclass with one method per offered tool (made from
+    the first instance's env): TRL builds each tool's schema from the method's name, signature
+    and docstring, which come from the tool's JSON schema.
+    """
+    kind: list[type[EnvironmentTool]] = []
 
     def make() -> EnvironmentTool:
-        return EnvironmentTool(env_id, split, **env_kwargs)
+        if kind:
+            return kind[0](env_id, split, **env_kwargs)
+        first = EnvironmentTool(env_id, split, **env_kwargs)
+        kind.append(_with_tool_methods(first.env))
+        first.__class__ = kind[0]
+        return first
 
     return make
+
+
+#: JSON schema types -> the Python annotations transformers' ``get_json_schema`` turns back into them.
+_JSON_TYPES = {"string": str, "integer": int, "number": float, "boolean": bool, "array": list, "object": dict}
+
+
+def _with_tool_methods(env: gym.Env) -> type[EnvironmentTool]:
+    """:class:`EnvironmentTool`, or for an env under a :class:`~rl2gem.tools.ToolEnvWrapper` a
+    subclass with a method per tool the outermost one offers (one whose name is not a public
+    method of :class:`EnvironmentTool` already and does not start with ``_``).
+
+    Raises:
+        ValueError: a tool whose parameters are not an ``object`` schema with ``properties``.
+    """
+    layer = env
+    while isinstance(layer, gym.Wrapper) and not isinstance(layer, ToolEnvWrapper):
+        layer = layer.env
+    if not isinstance(layer, ToolEnvWrapper):
+        return EnvironmentTool
+    methods = {}
+    for name, tool in layer.offered_tools().items():
+        if name.startswith("_") or hasattr(EnvironmentTool, name):
+            continue
+        methods[name] = _tool_method(name, tool.description, tool.parameters)
+    return type(f"{type(env.unwrapped).__name__}Tools", (EnvironmentTool,), methods) if methods else EnvironmentTool
+
+
+def _tool_method(name: str, description: str, parameters: dict[str, Any]) -> Callable[..., str]:
+    """A method ``name(self, **arguments) -> str`` that calls the env's tool, with the signature,
+    annotations and Google-style docstring of the tool's JSON schema."""
+    properties = parameters.get("properties", {}) if isinstance(parameters, dict) else None
+    if not isinstance(properties, dict):
+        raise ValueError(f"tool {name!r}: its parameters are not an object schema with properties")
+    required = set(parameters.get("required", []))
+
+    def call(self: EnvironmentTool, **arguments: Any) -> str:
+        return self._call_tool(name, {k: v for k, v in arguments.items() if v is not None or k in required})
+
+    annotations: dict[str, Any] = {}
+    signature = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    lines = [(description or f"Call the {name} tool.").strip(), "", "Args:"]
+    for key, schema in properties.items():
+        kind = _JSON_TYPES.get(schema.get("type") if isinstance(schema, dict) else None, str)
+        optional = key not in required
+        annotations[key] = kind | None if optional else kind
+        default = None if optional else inspect.Parameter.empty
+        signature.append(
+            inspect.Parameter(key, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotations[key])
+        )
+        text = (schema.get("description") if isinstance(schema, dict) else None) or key
+        lines.append(f"    {key}: {' '.join(str(text).split())}")
+    lines += ["", "Returns:", "    The environment's reply with the tool's result."]
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = "\n".join(lines if properties else lines[:1] + lines[-3:])
+    call.__annotations__ = {**annotations, "return": str}
+    call.__signature__ = inspect.Signature(signature, return_annotation=str)  # type: ignore[attr-defined]
+    return call
 
 
 def _final_text(completion: Any) -> str:

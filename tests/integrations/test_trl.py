@@ -3,6 +3,8 @@ tool calls reach the env on this host (one GRPO step each, tiny models, CPU)."""
 
 import json
 import os
+import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from transformers import AutoTokenizer
 
 import rl2gem
 from rl2gem.integrations.trl import EnvironmentTool, env_dataset, env_factory, env_reward
+from rl2gem.tools import FunctionTool, ToolEnvWrapper
 
 trl = pytest.importorskip("trl")  # the bench extra (pinned in the lock)
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -75,7 +78,7 @@ def test_a_reward_of_another_split_than_the_data_set_is_refused_not_scored_again
     tool = EnvironmentTool("rl2/SearchQA-v0")
     with pytest.raises(ValueError, match="another task than its prompt"):
         tool.reset(**data[0])
-    tool.close()
+    tool._close()
     # instructions a data set's map added around the observation are fine
     edited = [[{"role": "user", "content": p[0]["content"] + "\nAnswer briefly."}] for p in data["prompt"]]
     assert env_reward("rl2/SearchQA-v0", split="test")(completions=answers, **{**kwargs, "prompts": edited}) == [
@@ -94,7 +97,7 @@ def test_a_completion_ending_on_a_tool_call_plays_no_final_move():
     for completion in ([call], [call, {"role": "tool", "content": "Lower."}]):
         assert env_reward("rl2/GuessTheNumber-v0")(completions=[completion], environments=[tool]) == [0.0]
     assert tool.info["turn"] == 1 and tool.info.get("num_invalid_actions", 0) == 0
-    tool.close()
+    tool._close()
 
 
 def test_the_reward_is_the_envs_own_verdict():
@@ -215,3 +218,126 @@ def test_the_environment_tool_stops_at_the_end_of_an_episode():
     assert "over" in tool.act(f"\\boxed{{{target}}}") and tool.done and tool.total_reward > 0
     assert tool.act("\\boxed{1}").startswith("The episode is over")
     assert tool._finish("\\boxed{2}") == tool.total_reward  # nothing more is played
+
+
+def multiply(a: int, b: int) -> str:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor.
+        b: the second factor.
+    """
+    return str(a * b)
+
+
+class Product(rl2gem.Env):
+    """What is a * b? One answer in ``\\boxed{}``: reward 1.0 if right."""
+
+    def _reset(self, options):
+        self.a, self.b = (int(x) for x in self.np_random.integers(100, 1000, size=2))
+        return f"What is {self.a} * {self.b}? Answer in \\boxed{{}}.", {}
+
+    def _step(self, action):
+        right = f"\\boxed{{{self.a * self.b}}}" in action
+        return ("Right." if right else "Wrong."), float(right), True, False, {}
+
+
+def product_tools(max_tool_calls: int = 2, tool_prompt: str | None = "append"):
+    return ToolEnvWrapper(
+        Product(max_turns=4), [FunctionTool(multiply)], max_tool_calls=max_tool_calls, prompt=tool_prompt
+    )
+
+
+rl2gem.register("testtrl/Product-v0", product_tools)
+
+
+def test_a_tool_env_s_tools_are_methods_trl_offers_and_each_call_is_an_env_step():
+    """A tool env's own tools went unseen: TRL offered ``act`` (and ``close``), caught the
+    model's call of ``multiply`` itself and answered "Tool multiply not found". Each tool is now a
+    method, its schema (what TRL builds from it) the tool's, and a call is played as the env's
+    action. ``close`` is not offered."""
+    from transformers.utils import get_json_schema
+
+    first = env_factory("testtrl/Product-v0")()
+    second = env_factory("testtrl/Product-v0")()
+    for environment in (first, second):
+        offered = sorted(
+            n for n in dir(type(environment)) if not n.startswith("_") and n not in ("reset", "get_reward")
+        )
+        assert [n for n in offered if callable(getattr(type(environment), n))] == ["act", "multiply"]
+    schema = get_json_schema(first.multiply)["function"]
+    assert schema["name"] == "multiply" and schema["description"] == "Multiply two integers."
+    assert schema["parameters"]["required"] == ["a", "b"]
+    assert schema["parameters"]["properties"]["a"] == {"type": "integer", "description": "the first factor."}
+    first.reset(rl2gem_seed=5)
+    a, b = first.env.unwrapped.a, first.env.unwrapped.b
+    assert str(a * b) in first.multiply(a=a, b=b) and first.info["num_tool_calls"] == 1 and not first.done
+    assert first._finish(f"\\boxed{{{a * b}}}") == 1.0
+    plain = env_factory("rl2/GuessTheNumber-v0")()
+    assert type(plain) is EnvironmentTool and not hasattr(plain, "close")
+
+
+class ScriptedToolLlama(type(tiny_model())):
+    """Generation is scripted: a Qwen3-style call of the env's ``multiply`` tool with the task's
+    factors, then, once its response is in the prompt, the product as the final answer."""
+
+    tokenizer = None
+
+    def generate(self, input_ids=None, attention_mask=None, **kw):
+        tok = self.tokenizer
+        rows = []
+        for ids, mask in zip(input_ids, attention_mask, strict=True):
+            prompt = tok.decode(ids[mask.bool()])
+            a, b = map(int, re.findall(r"What is (\d+) \* (\d+)\?", prompt)[-1])
+            if "<tool_response>" in prompt:
+                product = re.findall(r"<tool_response>\s*(\d+)", prompt)[-1]
+                text = "\\boxed{" + product + "}"
+            else:
+                call = {"name": "multiply", "arguments": {"a": a, "b": b}}
+                text = f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+            rows.append(tok.encode(text, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")])
+        width = max(map(len, rows))
+        out = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows], dtype=input_ids.dtype)
+        return torch.cat([input_ids, out], dim=1)
+
+
+def test_one_grpo_step_on_a_tool_env_whose_tool_calls_reach_the_env(tmp_path, tokenizer):
+    """The model calls the env's own tool as its prompt says (not through ``act``): TRL calls the
+    method, the env runs the tool as an action (its count goes up), and the final answer scores."""
+    env_id = "testtrl/Product-v0"
+    tok = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    tok.padding_side = "left"
+    tok.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja").read_text()
+    model = ScriptedToolLlama(tiny_model().config)
+    model.load_state_dict(tiny_model().state_dict())
+    ScriptedToolLlama.tokenizer = tok
+    seen, reward = [], env_reward(env_id)
+
+    def recorded(completions, environments, **kw):
+        seen.append([e.info.get("num_tool_calls") for e in environments])
+        return reward(completions=completions, environments=environments, **kw)
+
+    recorded.__name__ = reward.__name__
+    trainer = trl.GRPOTrainer(
+        model=model,
+        processing_class=tok,
+        reward_funcs=recorded,
+        environment_factory=env_factory(env_id),
+        train_dataset=env_dataset(env_id, n=2).select([0, 0, 1, 1]),
+        args=grpo_config(tmp_path, max_completion_length=160),
+    )
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert seen == [[1, 1, 1, 1]]  # each rollout's call ran in its env
+    assert logged["tools/failure_frequency"] == 0 and logged["rewards/rl2gem/Product-v0/mean"] == 1.0
+
+
+def test_a_split_for_an_env_that_has_none_is_warned_about():
+    """``split="test"`` of a seed-only env (a game) made the training tasks again, silently."""
+    with pytest.warns(UserWarning, match=r"has no data split: split='test' changes nothing.*seed=100000"):
+        held_out = env_dataset("rl2/GuessTheNumber-v0", n=2, split="test")
+    assert held_out["rl2gem_seed"] == env_dataset("rl2/GuessTheNumber-v0", n=2)["rl2gem_seed"]
+    assert env_dataset("rl2/GuessTheNumber-v0", n=2, seed=100000)["rl2gem_seed"] == [100000, 100001]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        env_dataset("rl2/ReasoningGym-v0", n=2, split="test", **ARITHMETIC)
