@@ -71,6 +71,8 @@ def env_dataset(env_id: str, n: int, split: str | None = "train", seed: int = 0,
 
     from rl2gem.evaluation import task_resets
 
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"env_dataset needs n >= 1 tasks, got {n!r}")
     kwargs = _kwargs(env_id, split, env_kwargs)
     if split not in (None, "train") and "split" not in kwargs:
         warnings.warn(
@@ -278,6 +280,24 @@ def _final_text(completion: Any) -> str:
     return _prompt_texts([last])[0]
 
 
+def _log_parts(
+    log_metric: Callable[[str, float], None] | None, prefix: str, infos: list[dict], rewards: list[float]
+) -> None:
+    """Log through TRL's ``log_metric`` the mean of each reward component of the episodes' last
+    ``infos`` (over those that report it) and their share of successes (``info["success"]``,
+    else a reward above 0, as evaluation counts them)."""
+    if log_metric is None:
+        return
+    parts: dict[str, list[float]] = {}
+    for info in infos:
+        for name, value in dict(info.get("reward_components") or {}).items():
+            parts.setdefault(name, []).append(float(value))
+    parts["success"] = [float(bool(i.get("success", r > 0))) for i, r in zip(infos, rewards, strict=True)]
+    for name, values in sorted(parts.items()):
+        if values:
+            log_metric(f"{prefix}/{name}", sum(values) / len(values))
+
+
 def env_reward(env_id: str, split: str | None = "train", **env_kwargs) -> Callable[..., list[float]]:
     """A reward function for ``GRPOTrainer(reward_funcs=...)`` scored by the env itself.
 
@@ -289,6 +309,9 @@ def env_reward(env_id: str, split: str | None = "train", **env_kwargs) -> Callab
     Returns:
         a function returning one float per completion, named ``rl2gem/<env>`` in TRL's logs;
         its ``close()`` closes the env it scores with. It is thread-safe (one episode at a time).
+        Given TRL's ``log_metric``, it also logs the batch's mean of each of the env's reward
+        components (``rl2gem/<env>/<component>``, over the episodes that report it) and the
+        share of successes (``rl2gem/<env>/success``), as a verifiers rubric's parts are logged.
 
     Raises:
         KeyError: the data set lacks ``rl2gem_seed`` (make it with :func:`env_dataset`).
@@ -298,22 +321,28 @@ def env_reward(env_id: str, split: str | None = "train", **env_kwargs) -> Callab
     scorer: list[Any] = []  # one env, made on first use and reused
     lock = threading.Lock()  # one episode at a time on it (a caller may score from several threads)
 
-    def reward(completions, prompts=None, rl2gem_seed=None, rl2gem_index=None, environments=None, **_) -> list[float]:
+    def reward(
+        completions, prompts=None, rl2gem_seed=None, rl2gem_index=None, environments=None, log_metric=None, **_
+    ) -> list[float]:
         texts = [_final_text(c) for c in completions]
         if environments is not None:
-            return [float(e._finish(t)) for e, t in zip(environments, texts, strict=True)]
+            out = [float(e._finish(t)) for e, t in zip(environments, texts, strict=True)]
+            _log_parts(log_metric, reward.__name__, [e.info for e in environments], out)
+            return out
         if rl2gem_seed is None:
             raise KeyError("the data set has no rl2gem_seed column; build it with rl2gem.integrations.trl.env_dataset")
         indexes = rl2gem_index if rl2gem_index is not None else [-1] * len(texts)
         rows = prompts if prompts is not None else [None] * len(texts)
-        out = []
+        out, infos = [], []
         with lock:
             if not scorer:
                 scorer.append(rl2gem.make(env_id, **_kwargs(env_id, split, env_kwargs)))
             for text, task_seed, index, prompt in zip(texts, rl2gem_seed, indexes, rows, strict=True):
                 _reset(scorer[0], task_seed, index, prompt)
-                _, value, *_ = scorer[0].step(text)
+                _, value, *_, info = scorer[0].step(text)
                 out.append(float(value))
+                infos.append(info)
+        _log_parts(log_metric, reward.__name__, infos, out)
         return out
 
     def close() -> None:

@@ -111,8 +111,18 @@ def test_the_reward_is_the_envs_own_verdict():
     right = [[{"role": "assistant", "content": f"<answer>{a}</answer>"}] for a in answers]
     wrong = [[{"role": "assistant", "content": f"<answer>{a}1</answer>"}] for a in answers]
     kw = {"rl2gem_seed": data["rl2gem_seed"], "rl2gem_index": data["rl2gem_index"]}
-    assert reward(completions=right, **kw) == [1.0, 1.0, 1.0]
+    logged = {}
+    assert reward(completions=right, **kw, log_metric=logged.__setitem__) == [1.0, 1.0, 1.0]
+    # the rubric's parts, as TRL's log_metric takes them: the right answers' correctness and format
+    assert logged == {f"rl2gem/ReasoningGym-v0/{k}": 1.0 for k in ("correctness", "format", "success")}
+    mixed = [right[0], wrong[1], [{"role": "assistant", "content": "no tags"}]]
+    assert reward(completions=mixed, **kw, log_metric=logged.__setitem__) == [1.0, 0.0, 0.0]
+    assert logged["rl2gem/ReasoningGym-v0/correctness"] == pytest.approx(1 / 3)
+    assert logged["rl2gem/ReasoningGym-v0/format"] == pytest.approx(2 / 3)
+    assert logged["rl2gem/ReasoningGym-v0/success"] == pytest.approx(1 / 3)
     assert reward(completions=wrong, **kw) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="n >= 1"):
+        env_dataset("rl2/ReasoningGym-v0", n=0, **ARITHMETIC)
     assert reward.__name__ == "rl2gem/ReasoningGym-v0"
     with pytest.raises(KeyError, match="env_dataset"):
         reward(completions=right)
