@@ -151,28 +151,66 @@ def test_one_grpo_step_on_a_single_turn_env(tmp_path, tokenizer):
 
 
 class ScriptedLlama(type(tiny_model())):
-    """Generation is scripted (the forward passes TRL trains on are the tiny model's): first a
-    Qwen3-style call of the env's ``act`` tool, then, once a tool response is in the prompt, a
-    final message."""
+    """Generation is scripted (the forward passes TRL trains on are the tiny model's): each row's
+    text is :meth:`reply` to its prompt, then the end of the turn."""
 
     tokenizer = None
-    first_guess = final_guess = None
+
+    def reply(self, prompt: str) -> str:
+        raise NotImplementedError
 
     def generate(self, input_ids=None, attention_mask=None, **kw):
         tok = self.tokenizer
         rows = []
         for ids, mask in zip(input_ids, attention_mask, strict=True):
-            prompt = tok.decode(ids[mask.bool()])
-            if "<tool_response>" in prompt:
-                text = f"\\boxed{{{self.final_guess}}}"
-            else:
-                call = {"name": "act", "arguments": {"action": f"\\boxed{{{self.first_guess}}}"}}
-                text = f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+            text = self.reply(tok.decode(ids[mask.bool()]))
             rows.append(tok.encode(text, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")])
         width = max(map(len, rows))
-        pad = tok.pad_token_id
-        out = torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=input_ids.dtype)
+        out = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows], dtype=input_ids.dtype)
         return torch.cat([input_ids, out], dim=1)
+
+
+class ActingLlama(ScriptedLlama):
+    """A Qwen3-style call of the env's ``act`` tool with ``first_guess``, then, once a tool
+    response is in the prompt, ``final_guess`` as the final message."""
+
+    first_guess = final_guess = None
+
+    def reply(self, prompt: str) -> str:
+        if "<tool_response>" in prompt:
+            return f"\\boxed{{{self.final_guess}}}"
+        call = {"name": "act", "arguments": {"action": f"\\boxed{{{self.first_guess}}}"}}
+        return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+
+
+def multi_turn_step(tmp_path, tokenizer, scripted: type[ScriptedLlama], env_id: str, data, seen: list, read):
+    """One GRPO step on ``env_id`` through ``env_factory`` with the ``scripted`` model and TRL's
+    Qwen3 template (it parses tool calls); ``read(environment)`` of each rollout's environment is
+    appended to ``seen`` (a list per reward call) before the reward is computed."""
+    tok = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    tok.padding_side = "left"
+    tok.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja").read_text()
+    model = scripted(tiny_model().config)
+    model.load_state_dict(tiny_model().state_dict())
+    scripted.tokenizer = tok
+    reward = env_reward(env_id)
+
+    def recorded(completions, environments, **kw):
+        seen.append((completions, [read(e) for e in environments]))
+        return reward(completions=completions, environments=environments, **kw)
+
+    recorded.__name__ = reward.__name__
+    trainer = trl.GRPOTrainer(
+        model=model,
+        processing_class=tok,
+        reward_funcs=recorded,
+        environment_factory=env_factory(env_id),
+        train_dataset=data,
+        args=grpo_config(tmp_path, max_completion_length=160),  # room for the call, its reply and the answer
+    )
+    trainer.train()
+    assert trainer.state.global_step == 1
+    return trainer.state.log_history[0]
 
 
 def test_one_grpo_step_on_a_multi_turn_env_whose_tool_calls_reach_the_env(tmp_path, tokenizer):
@@ -188,35 +226,15 @@ def test_one_grpo_step_on_a_multi_turn_env_whose_tool_calls_reach_the_env(tmp_pa
     _, r2, terminated, *_ = probe.step(f"\\boxed{{{target}}}")
     assert terminated and r1 + r2 > 0
 
-    tok = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
-    tok.padding_side = "left"
-    tok.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja").read_text()  # tool calls
-    model = ScriptedLlama(tiny_model().config)
-    model.load_state_dict(tiny_model().state_dict())
-    ScriptedLlama.tokenizer, ScriptedLlama.first_guess, ScriptedLlama.final_guess = tok, first, target
+    ActingLlama.first_guess, ActingLlama.final_guess = first, target
     seen = []
-    reward = env_reward(env_id)
-
-    def recorded(completions, environments, **kw):
-        seen.append((completions, [e.info.get("turn") for e in environments]))
-        return reward(completions=completions, environments=environments, **kw)
-
-    recorded.__name__ = reward.__name__
-    trainer = trl.GRPOTrainer(
-        model=model,
-        processing_class=tok,
-        reward_funcs=recorded,
-        environment_factory=env_factory(env_id),
-        train_dataset=data.select([0] * 4),
-        args=grpo_config(tmp_path, max_completion_length=160),  # room for the call, its reply and the answer
+    logged = multi_turn_step(
+        tmp_path, tokenizer, ActingLlama, env_id, data.select([0] * 4), seen, lambda e: e.info.get("turn")
     )
-    trainer.train()
-    assert trainer.state.global_step == 1
     completions, turns = seen[0]
     assert turns == [1] * 4  # the tool call was one env step; the final message is played by the reward
     tool_replies = [m["content"] for c in completions for m in c if m["role"] == "tool"]
     assert len(tool_replies) == 4 and all(feedback in str(t) for t in tool_replies)  # the env's own reply
-    logged = trainer.state.log_history[0]
     assert logged["rewards/rl2gem/GuessTheNumber-v0/mean"] == pytest.approx(r1 + r2)
     assert logged["tools/call_frequency"] > 0
 
@@ -287,58 +305,26 @@ def test_a_tool_env_s_tools_are_methods_trl_offers_and_each_call_is_an_env_step(
     assert type(plain) is EnvironmentTool and not hasattr(plain, "close")
 
 
-class ScriptedToolLlama(type(tiny_model())):
-    """Generation is scripted: a Qwen3-style call of the env's ``multiply`` tool with the task's
-    factors, then, once its response is in the prompt, the product as the final answer."""
+class MultiplyingLlama(ScriptedLlama):
+    """A Qwen3-style call of the env's ``multiply`` tool with the task's factors, then, once its
+    response is in the prompt, the product as the final answer."""
 
-    tokenizer = None
-
-    def generate(self, input_ids=None, attention_mask=None, **kw):
-        tok = self.tokenizer
-        rows = []
-        for ids, mask in zip(input_ids, attention_mask, strict=True):
-            prompt = tok.decode(ids[mask.bool()])
-            a, b = map(int, re.findall(r"What is (\d+) \* (\d+)\?", prompt)[-1])
-            if "<tool_response>" in prompt:
-                product = re.findall(r"<tool_response>\s*(\d+)", prompt)[-1]
-                text = "\\boxed{" + product + "}"
-            else:
-                call = {"name": "multiply", "arguments": {"a": a, "b": b}}
-                text = f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
-            rows.append(tok.encode(text, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")])
-        width = max(map(len, rows))
-        out = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows], dtype=input_ids.dtype)
-        return torch.cat([input_ids, out], dim=1)
+    def reply(self, prompt: str) -> str:
+        if "<tool_response>" in prompt:
+            return "\\boxed{" + re.findall(r"<tool_response>\s*(\d+)", prompt)[-1] + "}"
+        a, b = map(int, re.findall(r"What is (\d+) \* (\d+)\?", prompt)[-1])
+        return f"<tool_call>\n{json.dumps({'name': 'multiply', 'arguments': {'a': a, 'b': b}})}\n</tool_call>"
 
 
 def test_one_grpo_step_on_a_tool_env_whose_tool_calls_reach_the_env(tmp_path, tokenizer):
     """The model calls the env's own tool as its prompt says (not through ``act``): TRL calls the
     method, the env runs the tool as an action (its count goes up), and the final answer scores."""
-    env_id = "testtrl/Product-v0"
-    tok = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
-    tok.padding_side = "left"
-    tok.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja").read_text()
-    model = ScriptedToolLlama(tiny_model().config)
-    model.load_state_dict(tiny_model().state_dict())
-    ScriptedToolLlama.tokenizer = tok
-    seen, reward = [], env_reward(env_id)
-
-    def recorded(completions, environments, **kw):
-        seen.append([e.info.get("num_tool_calls") for e in environments])
-        return reward(completions=completions, environments=environments, **kw)
-
-    recorded.__name__ = reward.__name__
-    trainer = trl.GRPOTrainer(
-        model=model,
-        processing_class=tok,
-        reward_funcs=recorded,
-        environment_factory=env_factory(env_id),
-        train_dataset=env_dataset(env_id, n=2).select([0, 0, 1, 1]),
-        args=grpo_config(tmp_path, max_completion_length=160),
+    env_id, seen = "testtrl/Product-v0", []
+    data = env_dataset(env_id, n=2).select([0, 0, 1, 1])
+    logged = multi_turn_step(
+        tmp_path, tokenizer, MultiplyingLlama, env_id, data, seen, lambda e: e.info["num_tool_calls"]
     )
-    trainer.train()
-    logged = trainer.state.log_history[0]
-    assert seen == [[1, 1, 1, 1]]  # each rollout's call ran in its env
+    assert [calls for _, calls in seen] == [[1, 1, 1, 1]]  # each rollout's call ran in its env
     assert logged["tools/failure_frequency"] == 0 and logged["rewards/rl2gem/Product-v0/mean"] == 1.0
 
 
