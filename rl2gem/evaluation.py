@@ -68,6 +68,7 @@ from rl2gem.rollout.rollout import ENV_ERROR_POLICIES, EnvError, reply_messages,
 
 __all__ = [
     "paired_comparison",
+    "pass_at_k",
     "solved",
     "DEFAULTS",
     "EpisodeRecord",
@@ -298,6 +299,29 @@ def solved(record: EpisodeRecord) -> bool:
     """Exact match where the env reports it, else success."""
     em = record.final_info.get("em")
     return bool(em) if isinstance(em, (int, float)) else bool(record.success)
+
+
+def pass_at_k(records: list[EpisodeRecord]) -> dict[int, float]:
+    """pass@k over the tasks of ``records`` (a task's episodes share ``(seed, index)``; played
+    ``responses_per_prompt`` times each): the unbiased estimator of Chen et al. 2021 ("Evaluating
+    large language models trained on code", eq. 1), ``1 - C(n - c, k) / C(n, k)`` for a task with
+    ``n`` episodes of which ``c`` are :func:`solved`, averaged over tasks.
+
+    Returns:
+        ``{k: pass@k}`` for ``k`` = 1, 2, 4, ... up to the fewest episodes any task has, and that
+        number itself; ``{}`` without records.
+    """
+    outcomes: dict[tuple, list[bool]] = {}
+    for record in records:
+        outcomes.setdefault((record.seed, record.index), []).append(solved(record))
+    if not outcomes:
+        return {}
+    fewest = min(len(values) for values in outcomes.values())
+    ks = sorted({2**power for power in range(fewest.bit_length()) if 2**power <= fewest} | {fewest})
+    return {
+        k: sum(1 - math.comb(len(v) - sum(v), k) / math.comb(len(v), k) for v in outcomes.values()) / len(outcomes)
+        for k in ks
+    }
 
 
 def paired_comparison(before: list[EpisodeRecord], after: list[EpisodeRecord]) -> tuple[int, int, float]:
@@ -659,11 +683,12 @@ def _truncations(records: list[EpisodeRecord]) -> str:
 
 
 def summarize(records: list[EpisodeRecord], seconds: float) -> str:
-    """A text table of the run."""
+    """A text table of the run (with several episodes per task, their :func:`pass_at_k` too)."""
     n = len(records)
     tokens = sum(r.generated_tokens for r in records)
     # where the env reports the format, an episode without it (a rejected action, a truncation) did not follow it
     fmt = [bool(r.format_ok) for r in records] if any(r.format_ok is not None for r in records) else []
+    tasks = {(r.seed, r.index) for r in records}  # several episodes per task: pass@k rows
     rows = [
         ("episodes", f"{n}"),
         ("accuracy (success rate)", f"{np.mean([r.success for r in records]):.3f}"),
@@ -685,6 +710,7 @@ def summarize(records: list[EpisodeRecord], seconds: float) -> str:
             )
             if any(getattr(r, name) for r in records)
         ],
+        *[(f"pass@{k}", f"{value:.3f}") for k, value in pass_at_k(records).items() if len(records) > len(tasks)],
         ("generated tokens", f"{tokens}"),
         ("wall time (s)", f"{seconds:.1f}"),
         ("generated tokens / s", f"{tokens / max(seconds, 1e-9):.1f}"),

@@ -1,12 +1,22 @@
 """rl2gem.evaluation's statistics on evaluation records."""
 
 import asyncio
+import itertools
 import os
+import random
 from types import SimpleNamespace
 
 import pytest
 
-from rl2gem.evaluation import EpisodeRecord, default_output, episode_max_length, evaluate, paired_comparison, summarize
+from rl2gem.evaluation import (
+    EpisodeRecord,
+    default_output,
+    episode_max_length,
+    evaluate,
+    paired_comparison,
+    pass_at_k,
+    summarize,
+)
 
 
 def test_paired_comparison_counts_discordant_items_and_gives_the_exact_sign_test():
@@ -25,6 +35,30 @@ def test_paired_comparison_counts_discordant_items_and_gives_the_exact_sign_test
     assert paired_comparison(evaluation([1, 0]), evaluation([1, 0])) == (0, 0, 1.0)  # nothing changed
     with pytest.raises(ValueError, match="not on the same items"):
         paired_comparison(evaluation([1, 0]), evaluation([1]))
+
+
+def test_pass_at_k_by_hand_and_against_counting_every_k_subset():
+    """Chen et al.'s estimator: a task of 4 episodes with 1 solved has pass@2 = 1 - C(3, 2) / C(4, 2)
+    = 0.5; in general it is the share of k-subsets of a task's episodes holding a solved one."""
+
+    def records(outcomes_per_task):
+        out = []
+        for task, outcomes in enumerate(outcomes_per_task):
+            for solved in outcomes:
+                out.append(EpisodeRecord(len(out), 7, task, float(solved), 1, bool(solved), True, False, 0, None, 0))
+        return out
+
+    assert pass_at_k(records([[1, 0, 0, 0], [0, 0, 0, 0]])) == {1: 0.125, 2: 0.25, 4: 0.5}
+    rng = random.Random(0)
+    tasks = [[rng.random() < 0.3 for _ in range(6)] for _ in range(5)]
+    for k, value in pass_at_k(records(tasks)).items():
+        subsets = [[any(c) for c in itertools.combinations(t, k)] for t in tasks]
+        assert value == pytest.approx(sum(sum(s) / len(s) for s in subsets) / len(tasks))
+    assert sorted(pass_at_k(records(tasks))) == [1, 2, 4, 6] and pass_at_k([]) == {}
+    table = summarize(records([[1, 0, 0, 0], [0, 0, 0, 0]]), 1.0)
+    rows = dict(line.rsplit(None, 1) for line in table.splitlines())
+    assert [rows[f"pass@{k}"] for k in (1, 2, 4)] == ["0.125", "0.250", "0.500"]
+    assert "pass@" not in summarize(records([[1], [0]]), 1.0)  # one episode per task: accuracy says it
 
 
 def test_paired_comparison_takes_an_item_s_responses_as_its_solve_rate():
