@@ -191,7 +191,8 @@ def make_vec(
         max_concurrency: for ``"async"``, the most envs stepped at once.
         env_kwargs: constructor kwargs for every env, or one dict per env.
         wrappers: callables applied in order to each env.
-        autoreset_mode: Gymnasium's ``AutoresetMode`` (or its value) ``NEXT_STEP`` or ``SAME_STEP``.
+        autoreset_mode: Gymnasium's ``AutoresetMode.NEXT_STEP`` or ``AutoresetMode.SAME_STEP``, or its
+            value (``"NextStep"``, ``"SameStep"``).
         **kwargs: shared constructor kwargs (merged under ``env_kwargs``).
 
     Raises:

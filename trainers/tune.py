@@ -146,15 +146,33 @@ def check_trials(cfg) -> None:
     module = importlib.import_module(f"rl2gem.trainers.{cfg.trainer}")
     points = [("space", point) for point in corner_points(cfg.space)]
     points += [(f"enqueue[{i}]", dict(params)) for i, params in enumerate(cfg.enqueue)]
+    # the checks that read torchrun's WORLD_SIZE see the trials' (batches and mesh sizes divide it)
+    world = 1 if str(cfg.nproc_per_node) == "0" else ranks_per_node(cfg.nproc_per_node)
     for where, point in points:
         overrides = [f"{key}={format_value(value)}" for key, value in point.items()]
         argv = [*map(str, cfg.base), *overrides, f"trainer.output_dir={Path(cfg.output_dir) / 'trial-check'}"]
         try:
-            trial = load_config(module.CONFIG, argv)
-            check_common_keys(trial)
-            module.check_config(trial)
+            with world_size(world):
+                trial = load_config(module.CONFIG, argv)
+                check_common_keys(trial)
+                module.check_config(trial)
         except ConfigError as error:
             raise ConfigError(f"{where} {' '.join(overrides)} (with base): {error}") from None
+
+
+@contextlib.contextmanager
+def world_size(world: int):
+    """``WORLD_SIZE`` set to ``world`` while the body runs (as torchrun sets it for a trial's
+    ranks), then as it was."""
+    before = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(world)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["WORLD_SIZE"]
+        else:
+            os.environ["WORLD_SIZE"] = before
 
 
 def corner_points(space) -> list[dict]:

@@ -939,6 +939,29 @@ def test_dapo_s_overlong_shaping_in_the_trainer(tiny_dir, tmp_path):
     assert rows["true"]["actor/grad_norm"] == 0.0 and rows["true"]["rollout/left_out_samples"] == 1.0
 
 
+def test_samples_left_out_by_overlong_filtering_leave_the_sequence_mean_s_count(tiny_dir, tmp_path, monkeypatch):
+    """``reward.overlong.mask`` with a sequence mean (GSPO's ``seq_mean_token_mean``): the kept
+    samples' weights sum to 1, as verl's sequence mean over the sequences with tokens. Left-out
+    samples still counted in ``num_sequences``: the step's loss shrank by the share kept (0.5 here)."""
+    from rl2gem.rewards.objectives import Overlong
+
+    policy_loss, sums, calls = ppo.policy_loss, [], iter(range(10**6))
+    monkeypatch.setattr(Overlong, "cut_off", staticmethod(lambda episode: next(calls) % 2 == 0))  # every other one
+
+    def weighing(*args, token_weights, **kwargs):
+        sums.append(float((token_weights * args[3]).sum()))
+        return policy_loss(*args, token_weights=token_weights, **kwargs)
+
+    monkeypatch.setattr(ppo, "policy_loss", weighing)
+    options = ["reward.overlong.mask=true", "actor.loss_agg=seq_mean_token_mean", "actor.old_logprobs=recompute"]
+    options += ["rollout.max_new_tokens=8", "trainer.total_steps=1", "trainer.eval_at_start=false", "trainer.eval_n=0"]
+    out = tmp_path / "run"
+    run = [*arithmetic_run(tiny_dir)[1:], *options, f"trainer.output_dir={out}", "trainer.progress=false"]
+    assert ppo.main(run) == 0
+    assert logged_steps(out / "metrics.jsonl", "rollout/left_out_samples")[1]["rollout/left_out_samples"] == 0.5
+    assert sum(sums) == pytest.approx(1.0, rel=1e-5)
+
+
 def rewriting_template(folder):
     """A ChatML template file with a blank line after every message but the last: every turn
     rewrites the one before, so each turn starts a new sequence."""

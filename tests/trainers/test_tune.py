@@ -98,6 +98,25 @@ def test_a_built_in_trainers_check_runs_on_base_space_and_enqueue_before_the_stu
         assert not (tmp_path / "study.db").exists()  # refused before the study opened
 
 
+def test_the_trials_check_sees_the_world_size_the_trials_run_at(tmp_path, monkeypatch):
+    """The tuner checked each trial in its own process, where torchrun's WORLD_SIZE is unset: a
+    2-rank tensor-parallel study that every trial would run was refused ("does not divide the
+    world size 1"), and a batch that 2 ranks cannot split passed the check."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+    def check(nproc, *base):
+        space = {"actor.lr": {"type": "float", "low": 1e-6, "high": 1e-4}}
+        cfg = {"trainer": "ppo", "nproc_per_node": nproc, "base": list(base), "space": space, "enqueue": []}
+        tune.check_trials(OmegaConf.create({**cfg, "output_dir": str(tmp_path)}))
+
+    check(2, "actor.tp_size=2", "rollout.prompts_per_rollout=2")
+    with pytest.raises(ConfigError, match="prompts_per_rollout=3 must be a multiple of the world size 2"):
+        check(2, "rollout.prompts_per_rollout=3")
+    with pytest.raises(ConfigError, match="does not divide the world size 1"):
+        check(0, "actor.tp_size=2")
+    assert "WORLD_SIZE" not in os.environ
+
+
 def test_format_value_writes_what_the_command_line_reads_back():
     """A null choice reached the trial as the string 'None'."""
     assert [tune.format_value(v) for v in (None, True, False, 3.0, "a b", "x")] == [
