@@ -862,11 +862,14 @@ def test_each_optimizer_step_s_loss_is_its_own_minibatch_s_mean(tiny_dir, tmp_pa
     assert sums[:2] == [pytest.approx(1.0, rel=1e-5)] * 2, (sums, lengths)
 
 
-@pytest.mark.parametrize("packing", ["flat", "tree"])
-def test_gspo_s_ratio_is_each_packed_sequence_s_own(tiny_dir, tmp_path, monkeypatch, packing):
-    """``actor.policy_loss=gspo``: a packed micro-batch's loss is the sum of its sequences' GSPO
-    terms, each with its own ratio over its own action tokens (computed here per sample, from the
-    samples' lengths), on the second pass of a step, after the weights moved."""
+@pytest.mark.parametrize(("kind", "packing"), [("gspo", "flat"), ("gspo", "tree"), ("cispo", "flat")])
+def test_each_policy_loss_in_the_trainer_equals_its_formula_per_sequence(
+    tiny_dir, tmp_path, monkeypatch, kind, packing
+):
+    """``actor.policy_loss``: a packed micro-batch's loss is the sum of its sequences' terms,
+    computed here per sample from the samples' lengths, on the second pass of a step, after the
+    weights moved. GSPO: each sequence its own ratio over its own action tokens; CISPO: each
+    token's clipped ratio, ``-A clip(r)``."""
     policy_loss, micro_batch_loss, lengths, seen = ppo.policy_loss, ppo.PPOTrainer.micro_batch_loss, [], []
 
     def recording(self, part, *args):
@@ -883,16 +886,20 @@ def test_gspo_s_ratio_is_each_packed_sequence_s_own(tiny_dir, tmp_path, monkeypa
             t[0].detach().split(sizes) for t in (logprobs, old, advantages, mask.float(), token_weights, is_weights)
         )
         for lp, o, a, m, w, iw in zip(*rows, strict=True):
-            ratio = torch.exp(((lp - o) * m).sum() / m.sum())
-            term = torch.maximum(-a * ratio, -a * ratio.clamp(1 - clip_low, 1 + clip_high))
+            if kwargs["kind"] == "gspo":
+                ratio = torch.exp(((lp - o) * m).sum() / m.sum())
+                term = torch.maximum(-a * ratio, -a * ratio.clamp(1 - clip_low, 1 + clip_high))
+            else:
+                ratio = torch.exp(lp - o)
+                term = -a * ratio.clamp(1 - clip_low, 1 + clip_high)
             expected += float((term * iw * w * m).sum())
-            ratios.append(float(ratio))
+            ratios.append(float((ratio * m).sum() / m.sum()))
         seen.append((kwargs["kind"], float(loss.detach()), expected, ratios))
         return loss, metrics
 
     monkeypatch.setattr(ppo.PPOTrainer, "micro_batch_loss", recording)
     monkeypatch.setattr(ppo, "policy_loss", checking)
-    options = ["actor.policy_loss=gspo", f"actor.packing={packing}", "actor.update_per_rollout=2", "actor.lr=1e-2"]
+    options = [f"actor.policy_loss={kind}", f"actor.packing={packing}", "actor.update_per_rollout=2", "actor.lr=1e-2"]
     options += [
         "actor.old_logprobs=recompute",
         "rollout.max_new_tokens=8",
@@ -901,7 +908,7 @@ def test_gspo_s_ratio_is_each_packed_sequence_s_own(tiny_dir, tmp_path, monkeypa
     ]
     run = [*arithmetic_run(tiny_dir)[1:], *options, "trainer.eval_at_start=false", "trainer.eval_n=0"]
     assert ppo.main([*run, f"trainer.output_dir={tmp_path}", "trainer.progress=false"]) == 0
-    assert seen and all(kind == "gspo" for kind, *_ in seen)
+    assert seen and all(seen_kind == kind for seen_kind, *_ in seen)
     for _, loss, expected, _ in seen:
         assert loss == pytest.approx(expected, rel=1e-4, abs=1e-7)
     second_pass = [ratio for *_, ratios in seen[len(seen) // 2 :] for ratio in ratios]
