@@ -254,13 +254,8 @@ class PPOTrainer(OnlineTrainer):
         # each optimizer step's loss is its own minibatch's mean (verl's and OpenRLHF's): weights
         # normalised by that minibatch's tokens and sequences, summing to 1 per step
         bounds = minibatch_bounds(len(samples), int(actor.minibatches_per_update))
-        # samples DAPO's overlong filtering left out count in neither total (their masks are zero)
-        left_out = self.overlong is not None and self.overlong.mask
         totals = [
-            {
-                "num_tokens": float(sum(sum(s.mask) for s in samples[first:end])),
-                "num_sequences": float(sum(not (left_out and s.cut_off) for s in samples[first:end])),
-            }
+            {"num_tokens": float(sum(sum(s.mask) for s in samples[first:end])), "num_sequences": float(end - first)}
             for first, end in pairwise(bounds)
         ]
         pairs = zip(micro_batches, scores, strict=True)  # in minibatch order (plan_minibatches)

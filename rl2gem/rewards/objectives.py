@@ -138,7 +138,7 @@ class Overlong:
       buffer``, 0 before: the penalty grows linearly over the last ``buffer`` tokens. An episode
       gets its longest action's (the paper's single answer; more turns do not add up).
     * Overlong filtering (``mask``): an episode with an action cut off at its token limit (the
-      engine's finish reason ``"length"``) leaves the losses; its reward still counts in its
+      engine's finish reason ``"length"``) leaves the training step; its reward still counts in its
       group's baseline.
     """
 

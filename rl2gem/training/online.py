@@ -45,7 +45,7 @@ from rl2gem.training.rl_config import (
     overlong_shaping,
     reward_objectives,
 )
-from rl2gem.training.samples import Sample, episode_samples, gathered_samples, leave_out_cut_off, shape_rewards
+from rl2gem.training.samples import Sample, episode_samples, gathered_samples, shape_rewards, without_cut_off
 from rl2gem.training.trainer import Trainer
 from rl2gem.training.worker import Worker, setup_distributed
 
@@ -133,7 +133,6 @@ class OnlineTrainer(Trainer):
         env_kwargs = rl2gem.standard_kwargs(
             c.env, OmegaConf.to_container(c.env_kwargs, resolve=True), tools_in_template=c.rollout.tools_in_template
         )
-        punished = self.overlong is not None and self.overlong.buffer > 0
         self.rollout = Rollout(
             self.engine,
             self.tokenizer,
@@ -143,7 +142,7 @@ class OnlineTrainer(Trainer):
             ),
             env_kwargs=env_kwargs,
             chat_template=load_chat_template(c.rollout.chat_template),
-            filter_rewards=self.trained_rewards if c.reward.objectives.combine or self.transform or punished else None,
+            filter_rewards=self.trained_rewards if c.reward.objectives.combine or self.transform else None,
         )
         # sized after the engine took its share of the device, less the KV store it may keep
         trained = [self.actor] + ([self.critic] if self.critic is not None else [])
@@ -160,7 +159,8 @@ class OnlineTrainer(Trainer):
         applied (:func:`shape_rewards`), what dynamic filtering compares. Their rewards stay as
         they are; each value is kept in the episode's ``info`` (:data:`FILTERED_REWARD`), which
         :func:`shape_rewards` sets as it is, so a transform with state or randomness runs once per
-        episode and trains on what the filter saw."""
+        episode and trains on what the filter saw. The overlong punishment (``reward.overlong``)
+        comes after: DAPO keeps a group on its accuracy, not on its lengths."""
         o = self.cfg.reward.objectives
         shaping = (o.combine, dict(o.weights), dict(o.reference), self.transform)
         values = []
@@ -170,7 +170,7 @@ class OnlineTrainer(Trainer):
                 continue
             value = objective_value(episode, episode_components(episode), *shaping)  # the kept one if any
             episode.info = {**episode.info, FILTERED_REWARD: value}
-            values.append(value + (self.overlong.penalty_of(episode) if self.overlong else 0.0))
+            values.append(value)
         return values
 
     def collect(self) -> tuple[list[Sample], dict[str, float]]:
@@ -194,7 +194,7 @@ class OnlineTrainer(Trainer):
         # advantages over the whole step (batch statistics are the step's, not a rank's)
         samples = gathered_samples([part for part, _ in gathered], c.adv.estimator, c.adv.gamma, c.adv.lam)
         if self.overlong is not None and self.overlong.mask:  # DAPO's overlong filtering, after the advantages
-            metrics["rollout/left_out_samples"] = leave_out_cut_off(samples)
+            samples, metrics["rollout/left_out_samples"] = without_cut_off(samples)
         action = [v for s in samples for v, m in zip(s.versions, s.mask, strict=True) if m]
         # action tokens sampled by older weights than those being trained (partial rollouts)
         stale = {version: self.rollout.staleness(version, self.step) > 0 for version in set(action)}

@@ -34,7 +34,7 @@ __all__ = [
     "gathered_samples",
     "samples_from_batch",
     "shape_rewards",
-    "leave_out_cut_off",
+    "without_cut_off",
     "warn_cut",
     "subtract_kl_from_rewards",
 ]
@@ -58,7 +58,7 @@ class Sample:
         episode: its episode (RL; None: a sequence on its own).
         sequence: its place among its episode's sequences (a context split or segment starts the next).
         cut_off: its episode has an action cut off at its token limit (RL; DAPO's overlong
-            filtering, :func:`leave_out_cut_off`, takes it out of the losses).
+            filtering, :func:`without_cut_off`, leaves it out of the step).
     """
 
     ids: list[int]
@@ -220,19 +220,18 @@ def gathered_samples(
     return estimate_advantages([sample for part in parts for sample in part], estimator, gamma, lam)
 
 
-def leave_out_cut_off(samples: Sequence[Sample]) -> float:
-    """DAPO's overlong filtering (:class:`rl2gem.rewards.objectives.Overlong`): zero the mask of
-    every :attr:`Sample.cut_off` sample, in place, so that the policy loss, its normalisation, the
-    KL and entropy terms and the value loss leave it out. Call it once the critic-free advantages
-    are estimated (the episode's reward still counts in its group's baseline).
+def without_cut_off(samples: Sequence[Sample]) -> tuple[list[Sample], float]:
+    """DAPO's overlong filtering (:class:`rl2gem.rewards.objectives.Overlong`): the samples that
+    are not :attr:`Sample.cut_off`, so that the losses (policy, KL, entropy, value), their token and
+    sequence counts, and the forwards leave the others out. Call it once the critic-free advantages
+    are estimated: a left-out episode's reward still counts in its group's baseline. An episode's
+    samples share the flag, so an episode stays whole or goes.
 
     Returns:
-        the share of ``samples`` left out (0.0 without samples).
+        ``(the samples kept, in order; the share of ``samples`` left out)``, ``([], 0.0)`` for none.
     """
-    for sample in samples:
-        if sample.cut_off:
-            sample.mask = [0] * len(sample.mask)
-    return sum(sample.cut_off for sample in samples) / max(len(samples), 1)
+    kept = [sample for sample in samples if not sample.cut_off]
+    return kept, (len(samples) - len(kept)) / max(len(samples), 1)
 
 
 def apply_critic_estimator(

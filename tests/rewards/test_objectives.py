@@ -22,7 +22,7 @@ from rl2gem.rewards.objectives import (
 )
 from rl2gem.rollout.rollout import RolloutBatch
 from rl2gem.rollout.tito import Episode, Sequence
-from rl2gem.training.samples import episode_samples, gathered_samples, leave_out_cut_off, shape_rewards
+from rl2gem.training.samples import episode_samples, gathered_samples, shape_rewards, without_cut_off
 
 
 def episode(correct: float, fmt: float, action_tokens: int) -> Episode:
@@ -248,19 +248,20 @@ def test_dapo_s_soft_overlong_punishment_by_hand():
 
 
 def test_overlong_filtering_leaves_cut_off_episodes_out_of_the_loss_not_the_baseline():
-    """DAPO's overlong filtering: the cut-off episode's mask is zeroed after GRPO's advantages, which
-    still count its reward: the two others get +-1 from a group mean over all three."""
+    """DAPO's overlong filtering: the cut-off episode leaves the step after RLOO's advantages, which
+    still count its reward: the two others' baselines are means over the two others of three."""
     group = [played(1.0, [3], False), played(0.0, [3], False), played(1.0, [10], True)]
     samples = gathered_samples([episode_samples(RolloutBatch([group], {}), "rloo")], "rloo")
-    assert leave_out_cut_off(samples) == pytest.approx(1 / 3)
-    assert [sum(s.mask) for s in samples] == [4, 4, 0]
+    kept, share = without_cut_off(samples)
+    assert share == pytest.approx(1 / 3) and kept == samples[:2]
     # RLOO: each against the mean of the two others, the cut-off one among them
     assert [s.advantages[-1] for s in samples[:2]] == [pytest.approx(1.0 - 0.5), pytest.approx(0.0 - 1.0)]
 
 
-def test_the_trainers_filter_sees_the_overlong_punishment():
-    """Dynamic filtering compares rewards with the punishment (a group of equal env rewards whose
-    lengths differ has a signal), and training then gets those rewards, punished once."""
+def test_the_trainers_filter_compares_rewards_before_the_overlong_punishment():
+    """DAPO keeps a group on its accuracy: a group of equal rewards whose lengths differ is
+    dropped (the filter compared punished rewards and kept it, so that all-wrong groups trained
+    toward shorter wrong answers), and training then gets the rewards punished once."""
     import types
 
     from omegaconf import OmegaConf
@@ -271,7 +272,6 @@ def test_the_trainers_filter_sees_the_overlong_punishment():
     overlong = Overlong(max_new_tokens=10, buffer=4)
     trainer = types.SimpleNamespace(cfg=OmegaConf.create(config), transform=None, overlong=overlong)
     group = [played(1.0, [4], False), played(1.0, [9], False)]
-    trained = OnlineTrainer.trained_rewards(trainer, group)
-    assert trained == [1.0, 0.25] and [e.reward for e in group] == [1.0, 1.0]
+    assert OnlineTrainer.trained_rewards(trainer, group) == [1.0, 1.0]
     shape_rewards(RolloutBatch([group], {}), overlong=overlong)
-    assert [e.reward for e in group] == trained
+    assert [e.reward for e in group] == [1.0, 0.25]

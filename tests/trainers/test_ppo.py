@@ -918,8 +918,8 @@ def test_each_policy_loss_in_the_trainer_equals_its_formula_per_sequence(
 
 def test_dapo_s_overlong_shaping_in_the_trainer(tiny_dir, tmp_path):
     """The tiny model never stops within 4 tokens: every action is cut off. The soft punishment
-    gives each episode -1 (the env's reward is 0), and filtering leaves every sample out of the
-    losses: the entropy bonus that moves the weights without it gives no gradient with it."""
+    gives each episode -1 (the env's reward is 0). Filtering then leaves every sample out and the
+    step is skipped; without it the entropy bonus moves the weights."""
     options = [
         "rollout.max_new_tokens=4",
         "rollout.temperature=20.0",
@@ -943,7 +943,9 @@ def test_dapo_s_overlong_shaping_in_the_trainer(tiny_dir, tmp_path):
         assert row["rollout/cut_off"] == 1.0 and row["rollout/overlong_penalty"] == -1.0
         assert row["rollout/reward"] == -1.0 and row["rollout/env_reward"] == 0.0
     assert rows["false"]["actor/grad_norm"] > 0 and "rollout/left_out_samples" not in rows["false"]
-    assert rows["true"]["actor/grad_norm"] == 0.0 and rows["true"]["rollout/left_out_samples"] == 1.0
+    # every sample left out: no update (a step of zero gradients logged an entropy of 0)
+    assert rows["true"]["rollout/left_out_samples"] == 1.0 and rows["true"]["actor/skipped_step"] == 1.0
+    assert "actor/grad_norm" not in rows["true"] and "actor/entropy" not in rows["true"]
 
 
 def test_samples_left_out_by_overlong_filtering_leave_the_sequence_mean_s_count(tiny_dir, tmp_path, monkeypatch):
