@@ -7,6 +7,7 @@ import re
 import warnings
 from pathlib import Path
 
+import gymnasium as gym
 import pytest
 import torch
 from tiny import tiny_model
@@ -270,24 +271,30 @@ class Product(rl2gem.Env):
         return ("Right." if right else "Wrong."), float(right), True, False, {}
 
 
-def product_tools(max_tool_calls: int = 2, tool_prompt: str | None = "append"):
-    return ToolEnvWrapper(
-        Product(max_turns=4), [FunctionTool(multiply)], max_tool_calls=max_tool_calls, prompt=tool_prompt
-    )
+def product_tools(max_tool_calls: int = 2, tool_prompt: str | None = "append", render_mode: str | None = None):
+    product = Product(max_turns=4, render_mode=render_mode)
+    return ToolEnvWrapper(product, [FunctionTool(multiply)], max_tool_calls=max_tool_calls, prompt=tool_prompt)
 
 
-rl2gem.register("testtrl/Product-v0", product_tools)
+@pytest.fixture
+def product_env():
+    """``testtrl/Product-v0`` registered for the test only (tests over every registered env must not
+    meet it)."""
+    rl2gem.register("testtrl/Product-v0", product_tools)
+    try:
+        yield "testtrl/Product-v0"
+    finally:
+        del gym.registry["testtrl/Product-v0"]
 
 
-def test_a_tool_env_s_tools_are_methods_trl_offers_and_each_call_is_an_env_step():
+def test_a_tool_env_s_tools_are_methods_trl_offers_and_each_call_is_an_env_step(product_env):
     """A tool env's own tools went unseen: TRL offered ``act`` (and ``close``), caught the
     model's call of ``multiply`` itself and answered "Tool multiply not found". Each tool is now a
     method, its schema (what TRL builds from it) the tool's, and a call is played as the env's
     action. ``close`` is not offered."""
     from transformers.utils import get_json_schema
 
-    first = env_factory("testtrl/Product-v0")()
-    second = env_factory("testtrl/Product-v0")()
+    first, second = env_factory(product_env)(), env_factory(product_env)()
     for environment in (first, second):
         offered = sorted(
             n for n in dir(type(environment)) if not n.startswith("_") and n not in ("reset", "get_reward")
@@ -316,10 +323,10 @@ class MultiplyingLlama(ScriptedLlama):
         return f"<tool_call>\n{json.dumps({'name': 'multiply', 'arguments': {'a': a, 'b': b}})}\n</tool_call>"
 
 
-def test_one_grpo_step_on_a_tool_env_whose_tool_calls_reach_the_env(tmp_path, tokenizer):
+def test_one_grpo_step_on_a_tool_env_whose_tool_calls_reach_the_env(tmp_path, tokenizer, product_env):
     """The model calls the env's own tool as its prompt says (not through ``act``): TRL calls the
     method, the env runs the tool as an action (its count goes up), and the final answer scores."""
-    env_id, seen = "testtrl/Product-v0", []
+    env_id, seen = product_env, []
     data = env_dataset(env_id, n=2).select([0, 0, 1, 1])
     logged = multi_turn_step(
         tmp_path, tokenizer, MultiplyingLlama, env_id, data, seen, lambda e: e.info["num_tool_calls"]
