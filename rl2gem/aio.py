@@ -50,9 +50,8 @@ class LoopSessions:
                 timeout=aiohttp.ClientTimeout(total=self.timeout), connector=aiohttp.TCPConnector(limit=self.limit)
             )
             guard = _closed_at_loop_end(session)
-            asyncio.ensure_future(
-                guard.__anext__()
-            )  # the loop now knows it (its asyncgen hooks) and runs it to its yield
+            # __anext__ registers the generator with the loop (its asyncgen hooks); the task runs it to its yield
+            asyncio.ensure_future(guard.__anext__())
             self._sessions[loop] = (session, guard)
         return session
 
