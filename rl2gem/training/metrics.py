@@ -10,8 +10,9 @@ once.
 
 Memory (``memory/<phase>_peak_mib``, :class:`PeakMemory`): the highest memory of a phase of a
 step, the maximum over ranks, in MiB: on CUDA ``torch.cuda.max_memory_allocated`` (tensors the
-caching allocator handed out), on CPU the process's resident set size (RSS) sampled every few
-milliseconds while the phase runs (everything the process holds, Python and libraries included).
+caching allocator handed out), on CPU the process's resident set size (RSS: everything the process
+holds, Python and libraries included), on Linux the kernel's own peak (``VmHWM``, reset as the
+phase starts), elsewhere sampled every few milliseconds while the phase runs.
 On CPU a phase also hands the heap that glibc keeps after ``free`` back to the system, once a second
 while it runs and when it ends (:func:`release_free_heap`): a rank that allocates and frees
 gigabytes of tensors per phase (rollout KV caches, scoring, the update) otherwise holds its highest
@@ -80,6 +81,30 @@ def release_free_heap() -> bool:
     """
     trim = _glibc_malloc_trim()
     return bool(trim(0)) if trim is not None else False
+
+
+def reset_peak_rss() -> bool:
+    """Set the kernel's peak resident set size of this process (``VmHWM``) to its current one
+    (Linux: ``5`` written to ``/proc/self/clear_refs``). Returns False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss() -> int | None:
+    """The kernel's peak resident set size of this process in bytes (``VmHWM``; every page ever
+    resident since the last :func:`reset_peak_rss`, however briefly), or None off Linux."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 class Averager:
@@ -293,6 +318,9 @@ class _Phase:
         if self.owner.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.owner.device)
         else:
+            # the kernel's own peak where it can be reset (exact), the samples where not: a sampler
+            # thread on a busy host can miss a short spike
+            self.kernel_peak = reset_peak_rss()
             self.peak = self.owner._process.memory_info().rss
             self.thread = threading.Thread(target=self._sample, daemon=True, name=f"rss-{self.name}")
             self.thread.start()
@@ -305,6 +333,8 @@ class _Phase:
             self.done.set()
             self.thread.join()
             peak = max(self.peak, self.owner._process.memory_info().rss)
+            if self.kernel_peak:
+                peak = max(peak, peak_rss() or 0)
             if self.owner.release_every is not None:
                 release_free_heap()
         self.owner.peaks[self.name] = max(self.owner.peaks.get(self.name, 0), peak)

@@ -44,9 +44,12 @@ def test_rollout_config_from_a_config_section():
 def test_peak_memory_sees_a_freed_allocation_inside_its_phase():
     import psutil
 
-    from rl2gem.training.metrics import PeakMemory
+    from rl2gem.training.metrics import PeakMemory, release_free_heap
 
     memory = PeakMemory(torch.device("cpu"), interval=0.001)
+    # free heap that earlier tests left resident would serve the tensor without the RSS growing
+    # (CI once measured a peak 0.004 MiB over the baseline that way)
+    release_free_heap()
     baseline = psutil.Process().memory_info().rss / 2**20
     with memory.phase("big"):
         block = torch.ones(64 * 2**20)  # 256 MiB, touched
@@ -139,3 +142,22 @@ def test_peak_from_config_prints_its_source(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     assert metrics.peak_flops_from_config(None, torch.device("cuda"), torch.bfloat16) == pytest.approx(989.4e12)
     assert "(H100/H200 SXM bf16 dense, datasheet)" in capsys.readouterr().out
+
+
+def test_the_kernel_s_peak_is_read_and_reset_per_phase():
+    """On Linux the phase's peak is the kernel's ``VmHWM`` reset as it starts: a spike the sampler
+    thread never ran during (here it samples once an hour) is still seen."""
+    import psutil
+
+    from rl2gem.training.metrics import PeakMemory, peak_rss, release_free_heap, reset_peak_rss
+
+    if not reset_peak_rss():
+        pytest.skip("no /proc/self/clear_refs here")
+    memory = PeakMemory(torch.device("cpu"), interval=3600.0, release_every=None)
+    release_free_heap()  # the tensor's pages come fresh, not from resident free heap
+    baseline = psutil.Process().memory_info().rss / 2**20
+    with memory.phase("spike"):
+        block = torch.ones(64 * 2**20)
+        del block
+    assert memory.metrics()["memory/spike_peak_mib"] - baseline > 200
+    assert reset_peak_rss() and abs(peak_rss() - psutil.Process().memory_info().rss) < 16 * 2**20  # now the RSS
