@@ -36,6 +36,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import optuna
 import psutil
@@ -152,27 +153,12 @@ def check_trials(cfg) -> None:
         overrides = [f"{key}={format_value(value)}" for key, value in point.items()]
         argv = [*map(str, cfg.base), *overrides, f"trainer.output_dir={Path(cfg.output_dir) / 'trial-check'}"]
         try:
-            with world_size(world):
+            with mock.patch.dict(os.environ, {"WORLD_SIZE": str(world)}):
                 trial = load_config(module.CONFIG, argv)
                 check_common_keys(trial)
                 module.check_config(trial)
         except ConfigError as error:
             raise ConfigError(f"{where} {' '.join(overrides)} (with base): {error}") from None
-
-
-@contextlib.contextmanager
-def world_size(world: int):
-    """``WORLD_SIZE`` set to ``world`` while the body runs (as torchrun sets it for a trial's
-    ranks), then as it was."""
-    before = os.environ.get("WORLD_SIZE")
-    os.environ["WORLD_SIZE"] = str(world)
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["WORLD_SIZE"]
-        else:
-            os.environ["WORLD_SIZE"] = before
 
 
 def corner_points(space) -> list[dict]:

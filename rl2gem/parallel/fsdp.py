@@ -35,6 +35,7 @@ from rl2gem.parallel.tensor_parallel import check_tp, parallelize
 __all__ = [
     "HEADS",
     "init_distributed",
+    "launched_world_size",
     "uses_cuda",
     "shard_model",
     "root_unit_fits",
@@ -96,6 +97,12 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device
     )
 
 
+def launched_world_size() -> int:
+    """The ranks the launcher started (torchrun's ``WORLD_SIZE``, set before the script runs; 1
+    when unset): what a config is checked against before the process group exists."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 #: where launchers put a process's rank on its node: torchrun, SLURM's srun, Open MPI, MPICH
 LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
 
@@ -111,7 +118,7 @@ def local_rank(required: bool = False) -> int:
     for name in LOCAL_RANK_VARIABLES:
         if os.environ.get(name, "").strip():
             return int(os.environ[name])
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = launched_world_size()
     if required and world > 1:
         raise RuntimeError(
             f"WORLD_SIZE={world} but no rank on the node: set LOCAL_RANK for each process (torchrun does), "

@@ -18,7 +18,6 @@ and the first token of each sequence gets 0 (nothing predicts it).
 from __future__ import annotations
 
 import inspect
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from rl2gem.algorithms import entropy_from_logits
 from rl2gem.devices import to_device
 from rl2gem.models import resolve_dtype, resolve_master_dtype
 from rl2gem.parallel.attention import IMPLEMENTATIONS, attention_mask, reads_sequence_boundaries, resolve_attention
+from rl2gem.parallel.fsdp import launched_world_size
 from rl2gem.parallel.packing import packed_batch, tree_batch
 from rl2gem.parallel.ring_attention import gather_sequence_parallel, ring_context, zigzag_layout
 from rl2gem.parallel.tensor_parallel import check_tp, vocab_parallel_logprobs
@@ -115,7 +115,7 @@ def check_actor(actor) -> None:
     problems = settings.problems()
     if problems:
         raise ConfigError(f"actor.{problems[0]}")
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, set before the script starts
+    world = launched_world_size()
     inner = settings.ddp_size * settings.sp_size * settings.tp_size
     if world % inner:
         raise ConfigError(

@@ -7,8 +7,6 @@ same functions, so a value is read in one place.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from omegaconf import OmegaConf
 
@@ -25,6 +23,7 @@ from rl2gem.algorithms import (
 from rl2gem.algorithms.constraints import Constraints
 from rl2gem.algorithms.kl_control import KLController, make_kl_controller
 from rl2gem.config import ConfigError
+from rl2gem.parallel.fsdp import launched_world_size
 from rl2gem.rewards.objectives import COMBINERS, Overlong, ParetoArchive, load_transform
 from rl2gem.rollout import RolloutConfig
 from rl2gem.training.forward import check_actor, check_attention, check_packing
@@ -55,7 +54,7 @@ def check_config(cfg) -> None:
     Raises:
         rl2gem.config.ConfigError: with the keys to change.
     """
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, set before the script starts
+    world = launched_world_size()
     if cfg.rollout.prompts_per_rollout % world:
         raise ConfigError(
             f"rollout.prompts_per_rollout={cfg.rollout.prompts_per_rollout} must be a multiple of the world size {world}"
