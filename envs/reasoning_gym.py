@@ -24,6 +24,12 @@ sympy's ``parse_expr``, n_queens and spiral_matrix through ``eval``), so an answ
 ``numpy.isclose`` made every later answer score 1.0. Each scoring is a fresh child of a warm fork
 server (about 30 ms; the first in a process starts the server, about 2 s), with the sandbox's
 limits: a scorer past :data:`SCORING`'s ``timeout_s`` (``9**9**9**9``) scores 0.
+
+A task whose generator executes code from its data (``codeio``: reasoning-gym ``exec``s an
+LLM-rewritten snippet to make each item's input/output pair) also makes its items in the sandbox
+(:data:`GENERATION`, about 0.2 s an item): on the host, some of those snippets wrote files into
+the working folder (``sailor_performance.csv`` at train index 447) and printed their errors to
+stdout. The item comes back as JSON, so tuples in its metadata come back as lists.
 """
 
 from __future__ import annotations
@@ -64,6 +70,18 @@ _SCRIPTED = re.compile(
 #: Where answers are scored: the sandbox, reasoning-gym imported once by its fork server.
 SCORING = SandboxConfig(timeout_s=10.0, memory_mb=2048, preload=("reasoning_gym",), max_output_chars=2000)
 
+#: Where the items of a task whose generator executes code (:func:`_generation_runs_code`) are made.
+GENERATION = SandboxConfig(timeout_s=30.0, memory_mb=2048, preload=("reasoning_gym",), max_output_chars=1_000_000)
+
+# Run in the sandbox: the task (pickled by this process) in, the item out as JSON on the line
+# that starts with this call's random tag
+_ITEM_CODE = """
+import base64, json, pickle, reasoning_gym
+task, seed, size, config, index = pickle.loads(base64.b64decode({blob!r}))
+item = reasoning_gym.create_dataset(task, size=size, seed=seed, **config)[index]
+print({tag!r}, json.dumps(item))
+"""
+
 # Run in the sandbox: the item (pickled by this process) and the answer (a literal) in, the score
 # out on a line that starts with this call's random tag (an answer that prints a score of its own,
 # then exits, prints no such line)
@@ -99,6 +117,14 @@ def _evaluates_python(task: str) -> bool:
     scorer may evaluate an answer as Python)."""
     source = inspect.getsource(inspect.getmodule(_task_class(task)))
     return "parse_expr" in source or re.search(r"\beval\(", source) is not None
+
+
+@functools.cache
+def _generation_runs_code(task: str) -> bool:
+    """Whether the module of ``task``'s dataset calls ``exec`` (codeio: its items come from
+    running snippets of its data)."""
+    source = inspect.getsource(inspect.getmodule(_task_class(task)))
+    return re.search(r"\bexec\(", source) is not None
 
 
 @functools.cache
@@ -203,13 +229,30 @@ class ReasoningGymEnv(Env):
 
     async def _areset(self, options: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
         index = self.task_index(self.size, options)
-        # generating an item can take 0.1-0.5 s (zebra_puzzles, futoshiki): not on the event loop
-        self.item = await asyncio.to_thread(lambda: self.dataset[index])
+        if _generation_runs_code(self.task):
+            self.item = await self._generate_in_sandbox(index)
+        else:  # generating an item can take 0.1-0.5 s (zebra_puzzles, futoshiki): not on the event loop
+            self.item = await asyncio.to_thread(lambda: self.dataset[index])
         return f"{self.item['question']}\n\n{self.instructions}", {
             "index": index,
             "task": self.task,
             "split": self.split,
         }
+
+    async def _generate_in_sandbox(self, index: int) -> dict[str, Any]:
+        """Item ``index`` of this split, made by reasoning-gym in the sandbox (:data:`GENERATION`).
+
+        Raises:
+            RuntimeError: the generator timed out or printed no item (the sandbox's last error line).
+        """
+        task = (self.task, SPLIT_SEEDS[self.split], self.size, dict(self.config), index)
+        blob, tag = base64.b64encode(pickle.dumps(task)).decode(), secrets.token_hex(16)
+        result = await run_python(_ITEM_CODE.format(blob=blob, tag=tag), GENERATION)
+        items = [line.split(" ", 1)[1] for line in result.stdout.splitlines() if line.startswith(tag + " ")]
+        if result.exit_code == 0 and not result.timed_out and len(items) == 1:
+            return json.loads(items[0])
+        why = "timed out" if result.timed_out else (result.stderr.strip().splitlines()[-1:] or ["no item"])[0]
+        raise RuntimeError(f"reasoning-gym {self.task!r} item {index} could not be made in the sandbox: {why[:200]}")
 
     async def _score(self, answer: str) -> tuple[float, str | None]:
         """``(raw score, None)`` of ``answer`` by the task's scorer, or ``(0.0, why)`` when the

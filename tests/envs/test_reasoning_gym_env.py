@@ -211,3 +211,23 @@ def test_task_options_are_checked_when_the_env_is_made():
     assert env.reset(seed=0)[0]
     rl2gem.make("rl2/ReasoningGym-v0", task="tsumego").close()
     env.close()
+
+
+def test_codeio_items_are_made_in_the_sandbox_not_in_the_working_folder(tmp_path, monkeypatch, capfd):
+    from rl2gem.envs.reasoning_gym import _dataset, _generation_runs_code
+
+    assert _generation_runs_code("codeio") and not _generation_runs_code("countdown")
+    monkeypatch.chdir(tmp_path)
+    env = ReasoningGymEnv("codeio")
+    # train items 447 and 1225 run snippets that write sailor_performance.csv and file_97.txt into
+    # the working folder; 1408's snippet fails, and reasoning-gym prints its code to stdout
+    for index in (447, 1225, 1408):
+        env.reset(options={"index": index})
+        assert env.item["question"] and "answer" in env.item
+    assert list(tmp_path.iterdir()) == []
+    assert "Error executing code" not in capfd.readouterr().out
+    env.reset(options={"index": 3})  # a deterministic snippet: the item reasoning-gym makes in process
+    reference = _dataset("codeio", "train", env.size, env.config)[3]
+    assert (env.item["question"], env.item["answer"]) == (reference["question"], reference["answer"])
+    _, reward, _, _, info = env.step(env.make_solver()(""))
+    assert reward == 1.0 and info["raw_score"] == 1.0
