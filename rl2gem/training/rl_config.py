@@ -7,6 +7,8 @@ same functions, so a value is read in one place.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from omegaconf import OmegaConf
 
@@ -107,6 +109,11 @@ def check_config(cfg) -> None:
         raise ConfigError(f"adv.{cfg.adv.estimator}: {e}") from None
 
 
+#: A GSPO clip range at least this wide (PPO's token-level 0.2/0.28) is warned about: the paper's
+#: is 3e-4/4e-4, since a sequence's geometric-mean ratio stays much closer to 1 than a token's.
+GSPO_WIDE_CLIP = 0.01
+
+
 def check_loss_and_rollout(cfg) -> None:
     """The PPO loss's, the critic's, the KL's and the rollout's values, which the trainer reads only
     once its models are loaded (or in its first step).
@@ -130,6 +137,13 @@ def check_loss_and_rollout(cfg) -> None:
     for key in ("clip_low", "clip_high"):
         if not isinstance(actor[key], (int, float)) or actor[key] < 0:
             raise ConfigError(f"actor.{key}={actor[key]!r} must be a number >= 0")
+    if actor.policy_loss == "gspo" and max(actor.clip_low, actor.clip_high) >= GSPO_WIDE_CLIP:
+        warnings.warn(
+            f"actor.policy_loss=gspo with actor.clip_low={actor.clip_low}, actor.clip_high={actor.clip_high}: a "
+            "sequence's ratio (its tokens' geometric mean) rarely leaves such a range, so GSPO clips next to "
+            "nothing; its paper uses actor.clip_low=3e-4 actor.clip_high=4e-4 actor.loss_agg=seq_mean_token_mean",
+            stacklevel=2,
+        )
     for key in ("update_per_rollout", "minibatches_per_update"):
         if actor[key] < 1:
             raise ConfigError(f"actor.{key}={actor[key]} must be >= 1")

@@ -234,3 +234,15 @@ def test_documented_nulls_pass_the_check():
     check_common_keys(cfg)
     ppo.check_config(cfg)
     assert cfg.critic.value_clip is None and cfg.actor.lora.alpha is None
+
+
+def test_gspo_with_ppos_clip_range_is_warned_about_and_the_papers_is_not():
+    import warnings
+
+    with pytest.warns(UserWarning, match="actor.policy_loss=gspo with actor.clip_low=0.2, actor.clip_high=0.28"):
+        ppo.check_config(load_config(ppo.CONFIG, ["actor.policy_loss=gspo"]))
+    papers = ["actor.policy_loss=gspo", "actor.clip_low=3e-4", "actor.clip_high=4e-4"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ppo.check_config(load_config(ppo.CONFIG, papers))
+        ppo.check_config(load_config(ppo.CONFIG, ["actor.policy_loss=cispo"]))
