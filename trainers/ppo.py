@@ -71,7 +71,9 @@ CONFIG = Path(__file__).with_name("config") / "ppo.yaml"
 #: Means over action tokens: a step's value weights each micro-batch by its tokens, so that it is the
 #: mean over the step's tokens however the sequences fell into micro-batches and ranks (an episode
 #: order that differs between two runs must not change the KL the controller reads).
-PER_TOKEN_METRICS = frozenset({"clip_ratio", "entropy", "is_weight", "mismatch_kl", "kl"})
+PER_TOKEN_METRICS = frozenset(
+    {"clip_ratio", "approx_kl", "dual_clip_ratio", "is_masked_ratio", "entropy", "is_weight", "mismatch_kl", "kl"}
+)
 
 
 class PPOTrainer(OnlineTrainer):
@@ -332,6 +334,10 @@ class PPOTrainer(OnlineTrainer):
             "tokens": mask.sum(),
             "pg_loss": pg_metrics["pg_loss"],
             "clip_ratio": pg_metrics["clip_ratio"],
+            "approx_kl": pg_metrics["approx_kl"],  # the policy's move from the old log-probs (k3, verl's ppo_kl)
+            **({"dual_clip_ratio": pg_metrics["dual_clip_ratio"]} if actor.dual_clip is not None else {}),
+            # the share of action tokens MIS left out of the loss (is_weight counts them as 0)
+            **({"is_masked_ratio": (mask & ~is_mask).sum() / tokens} if actor.is_mode == "masked" else {}),
             "entropy": (entropy.detach() * mask).sum() / tokens,
             "is_weight": (is_weights * mask).sum() / tokens,
             # the trainer's log-probs before this update against the engine's (measured even when the

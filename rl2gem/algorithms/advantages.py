@@ -348,11 +348,19 @@ def vtrace(rewards, action_mask, values, log_ratio, gamma=1.0, lam=1.0, rho_bar=
     Args:
         values: float32 ``[B, T]`` critic values ``V(s_t)`` at each token.
         log_ratio: float32 ``[B, T]``, ``log pi - log mu`` per token (0 on-policy).
-        rho_bar, c_bar: clipping thresholds (``float("inf")`` for none).
+        rho_bar, c_bar: clipping thresholds (``float("inf")`` for none), ``rho_bar >= c_bar > 0``
+            (the paper's assumption: ``rho_bar`` sets the fixed point, ``c_bar`` the contraction speed).
 
     Returns:
         ``(advantages, returns)``, float32 ``[B, T]``, zero on env tokens.
+
+    Raises:
+        ValueError: ``c_bar <= 0`` or ``rho_bar < c_bar``.
     """
+    if not 0 < c_bar <= rho_bar:
+        raise ValueError(
+            f"V-trace needs rho_bar >= c_bar > 0 (Espeholt et al. 2018), got rho_bar={rho_bar}, c_bar={c_bar}"
+        )
     steps = _Steps(rewards, action_mask, values, log_ratio)
     rho = steps.ratio.clamp(max=rho_bar)
     trace = lam * steps.ratio.clamp(max=c_bar)
@@ -405,6 +413,7 @@ def clipped_is(rewards, action_mask, values, log_ratio, gamma=1.0, lam=1.0, clip
 
     ``A_t`` carries the weight of its own token, so the trainer applies no importance weight on
     top. On-policy it equals GAE(gamma, lam). Arguments and result as in :func:`vtrace`.
+    A ``clip_ratio`` above 1 leaves the weights unbounded below (they are positive).
     """
     steps = _Steps(rewards, action_mask, values, log_ratio)
     weight = steps.ratio.clamp(1 - clip_ratio, 1 + clip_ratio)

@@ -156,7 +156,10 @@ class KLController:
         return self.type != "fixed" or self.coef > 0
 
     def metrics(self) -> dict[str, float]:
-        """``kl/coef`` and ``kl/target`` for the step's log."""
+        """``kl/coef`` for the step's log, and ``kl/target`` for a controller that aims at it
+        (not ``fixed`` nor ``schedule``)."""
+        if self.type in ("fixed", "schedule"):
+            return {"kl/coef": self.coef}
         return {"kl/coef": self.coef, "kl/target": self.target_kl}
 
     def state_dict(self) -> dict[str, Any]:

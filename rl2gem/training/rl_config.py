@@ -76,11 +76,21 @@ def check_config(cfg) -> None:
             "rollout.dynamic_filter=true compares each group's rewards as it finishes, before reward.model "
             "scores the rollout: it would drop groups by the env's rewards, not the trained ones; set one of them off"
         )
+    if not isinstance(cfg.kl.coef, (int, float)) or cfg.kl.coef < 0:
+        raise ConfigError(f"kl.coef={cfg.kl.coef!r} must be a number >= 0")
     controller = kl_controller(cfg)
     if cfg.kl.in_reward and controller.active and cfg.adv.estimator not in CRITIC_ESTIMATORS:
         raise ConfigError(
-            f"kl.in_reward=true needs token-level credit (adv.estimator one of {list(CRITIC_ESTIMATORS)}), got "
-            f"adv.estimator={cfg.adv.estimator}; use kl.in_reward=false (a KL loss term) with outcome estimators"
+            f"kl.in_reward=true: adv.estimator={cfg.adv.estimator} computes its advantages as the rollout is "
+            "collected, before the reference model scores it; only the critic estimators "
+            f"{list(CRITIC_ESTIMATORS)} take the KL into their rewards. Use kl.in_reward=false (a loss term)"
+        )
+    if controller.active and not cfg.kl.in_reward and cfg.kl.estimator == "k1":
+        warnings.warn(
+            "kl.estimator=k1 as a loss term: its gradient, grad log pi, is zero in expectation over the policy's "
+            "samples, so it does not pull the policy toward the reference (each sample's still moves it). "
+            "kl.estimator=k2's gradient is the KL's (k3's that of KL(ref || pi)); k1 fits kl.in_reward=true",
+            stacklevel=2,
         )
     if cfg.actor.old_logprobs not in OLD_LOGPROBS:
         raise ConfigError(f"actor.old_logprobs={cfg.actor.old_logprobs!r} is not one of {list(OLD_LOGPROBS)}")
@@ -137,6 +147,11 @@ def check_loss_and_rollout(cfg) -> None:
     for key in ("clip_low", "clip_high"):
         if not isinstance(actor[key], (int, float)) or actor[key] < 0:
             raise ConfigError(f"actor.{key}={actor[key]!r} must be a number >= 0")
+    if actor.clip_low > 1:
+        raise ConfigError(f"actor.clip_low={actor.clip_low} must be <= 1 (the ratio's lower bound is 1 - clip_low)")
+    for key in ("gamma", "lam"):
+        if not isinstance(cfg.adv[key], (int, float)) or not 0 <= cfg.adv[key] <= 1:
+            raise ConfigError(f"adv.{key}={cfg.adv[key]!r} must be a number in [0, 1]")
     if actor.policy_loss == "gspo" and max(actor.clip_low, actor.clip_high) >= GSPO_WIDE_CLIP:
         warnings.warn(
             f"actor.policy_loss=gspo with actor.clip_low={actor.clip_low}, actor.clip_high={actor.clip_high}: a "
@@ -157,10 +172,23 @@ def check_loss_and_rollout(cfg) -> None:
     if cfg.rollout.prompts_per_rollout < 1:
         raise ConfigError(f"rollout.prompts_per_rollout={cfg.rollout.prompts_per_rollout} must be >= 1")
     try:
-        RolloutConfig.from_mapping(cfg.rollout, known=TRAINER_ROLLOUT_KEYS)
+        rollout = RolloutConfig.from_mapping(cfg.rollout, known=TRAINER_ROLLOUT_KEYS)
     except (TypeError, ValueError) as error:
         message = str(error)
         raise ConfigError(message if message.startswith("rollout") else f"rollout.{message}") from None
+    if rollout.temperature <= 0:
+        raise ConfigError(
+            f"rollout.temperature={rollout.temperature}: greedy rollouts are not samples of the policy "
+            "(every response to a prompt is the same, and the ratios assume sampled tokens); use a temperature > 0"
+        )
+    if rollout.top_p < 1:  # (top_k is not a trainer key)
+        warnings.warn(
+            f"rollout.top_p={rollout.top_p}: the engine's log-probs are "
+            "the whole softmax's at rollout.temperature, not the cut distribution it samples from, so the "
+            "importance weights (actor.is_mode, actor/mismatch_kl) do not see the cut: each sampled token's "
+            "behaviour log-prob is understated by -log(kept mass). Keep top_p=1 to train on-policy",
+            stacklevel=2,
+        )
 
 
 #: The keys of a trainer's ``rollout.engine`` section, the embedded engine's arguments of the same names.

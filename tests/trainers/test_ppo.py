@@ -425,7 +425,7 @@ def test_gae_critic_run_with_kl_in_reward(tiny_dir, tmp_path, capsys):
         coef *= 1.5 if kl > 1e-3 else 0.5 if kl < 1e-3 else 1.0
     assert ppo.main(["kl.coef=0.1", "kl.in_reward=true", "adv.estimator=grpo"]) == 2
     err = capsys.readouterr().err
-    assert "kl.in_reward=true needs" in err
+    assert "kl.in_reward=true: adv.estimator=grpo computes its advantages as the rollout is collected" in err
     assert ppo.main(["kl.adaptive.type=bang_bang"]) == 2
     err = capsys.readouterr().err
     assert "kl.adaptive" in err and "proportional" in err
@@ -914,6 +914,43 @@ def test_each_policy_loss_in_the_trainer_equals_its_formula_per_sequence(
     second_pass = [ratio for *_, ratios in seen[len(seen) // 2 :] for ratio in ratios]
     assert max(abs(ratio - 1) for ratio in second_pass) > 1e-4  # the ratios moved: a real check
     assert len({round(ratio, 9) for ratio in second_pass}) > 1  # each sequence its own
+
+
+def test_masked_share_dual_clip_and_approx_kl_are_logged_from_the_losses_tokens(tiny_dir, tmp_path, monkeypatch):
+    """``actor/is_masked_ratio`` is the share of the step's action tokens MIS left out (here a
+    fixed pattern: every third token kept), ``actor/approx_kl`` and ``actor/dual_clip_ratio`` the
+    token-weighted means of what the loss measured (recorded per micro-batch here)."""
+    importance_weights, policy_loss, seen = ppo.importance_weights, ppo.policy_loss, []
+
+    def masking(old, rollout, mask, mode, cap):
+        weights, _ = importance_weights(old, rollout, mask, mode, cap)
+        kept = mask & (torch.arange(mask.shape[-1], device=mask.device) % 3 == 0)
+        seen.append({"tokens": float(mask.sum()), "left_out": float((mask & ~kept).sum())})
+        return weights, kept
+
+    def recording(*args, **kwargs):
+        loss, metrics = policy_loss(*args, **kwargs)
+        seen[-1].update(approx_kl=float(metrics["approx_kl"]), dual=float(metrics["dual_clip_ratio"]))
+        return loss, metrics
+
+    monkeypatch.setattr(ppo, "importance_weights", masking)
+    monkeypatch.setattr(ppo, "policy_loss", recording)
+    options = ["actor.is_mode=masked", "actor.dual_clip=1.5", "actor.update_per_rollout=2", "actor.lr=1e-2"]
+    options += [
+        "actor.old_logprobs=recompute",
+        "rollout.max_new_tokens=8",
+        "rollout.temperature=20.0",
+        "actor.entropy_coef=0.05",
+    ]
+    run = [*arithmetic_run(tiny_dir)[1:], *options, "trainer.total_steps=1", "trainer.eval_at_start=false"]
+    assert ppo.main([*run, "trainer.eval_n=0", f"trainer.output_dir={tmp_path}", "trainer.progress=false"]) == 0
+    logged = logged_steps(tmp_path / "metrics.jsonl", "actor/pg_loss")[1]
+    tokens = sum(row["tokens"] for row in seen)
+    assert logged["actor/is_masked_ratio"] == pytest.approx(sum(row["left_out"] for row in seen) / tokens, rel=1e-5)
+    for key, name in (("approx_kl", "actor/approx_kl"), ("dual", "actor/dual_clip_ratio")):
+        expected = sum(row[key] * row["tokens"] for row in seen) / tokens
+        assert logged[name] == pytest.approx(expected, rel=1e-5, abs=1e-9)
+    assert logged["actor/approx_kl"] > 0  # the second pass moved away from the old log-probs
 
 
 def test_dapo_s_overlong_shaping_in_the_trainer(tiny_dir, tmp_path):

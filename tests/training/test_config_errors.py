@@ -65,6 +65,15 @@ CASES = [
     ("actor.is_mode=bogus", "config error: actor.is_mode='bogus' is not one of ['none', 'truncated', 'masked']"),
     ("actor.loss_agg=bogus", "config error: actor.loss_agg='bogus' is not one of ['token_mean'"),
     ("actor.dual_clip=0.5", "config error: actor.dual_clip=0.5 must be null or a number > 1"),
+    ("kl.coef=-0.1", "config error: kl.coef=-0.1 must be a number >= 0"),
+    ("actor.clip_low=1.5", "config error: actor.clip_low=1.5 must be <= 1"),
+    ("adv.gamma=1.5", "config error: adv.gamma=1.5 must be a number in [0, 1]"),
+    ("adv.lam=-0.1", "config error: adv.lam=-0.1 must be a number in [0, 1]"),
+    (
+        "adv.estimator=vtrace adv.vtrace.rho_bar=0.5",
+        "config error: adv.vtrace: V-trace needs rho_bar >= c_bar > 0 (Espeholt et al. 2018), got rho_bar=0.5, c_bar=1.0",
+    ),
+    ("rollout.temperature=0", "config error: rollout.temperature=0: greedy rollouts are not samples of the policy"),
     ("actor.policy_loss=grpo", "config error: actor.policy_loss='grpo' is not one of ['ppo', 'gspo', 'cispo']"),
     (
         "actor.policy_loss=cispo actor.dual_clip=3",
@@ -246,3 +255,22 @@ def test_gspo_with_ppos_clip_range_is_warned_about_and_the_papers_is_not():
         warnings.simplefilter("error")
         ppo.check_config(load_config(ppo.CONFIG, papers))
         ppo.check_config(load_config(ppo.CONFIG, ["actor.policy_loss=cispo"]))
+
+
+@pytest.mark.parametrize(
+    "arguments, warned",
+    [
+        (["kl.coef=0.1", "kl.estimator=k1"], "kl.estimator=k1 as a loss term"),
+        (["kl.coef=0.1", "kl.estimator=k2"], None),
+        (["kl.coef=0.1", "kl.estimator=k1", "kl.in_reward=true", "adv.estimator=gae"], None),
+        (["rollout.top_p=0.9"], "rollout.top_p=0.9: the engine's log-probs"),
+    ],
+)
+def test_settings_the_policy_gradient_does_not_see_are_warned_about(arguments, warned):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ppo.check_config(load_config(ppo.CONFIG, arguments))
+    messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert [m for m in messages if warned and m.startswith(warned)] if warned else messages == [], messages
