@@ -9,8 +9,8 @@ response is the sum of its assistant tokens' log-probs (the prompt's tokens do n
 and rejected of a pair are packed into the same micro-batch.
 
 Reference log-probs come from the data when every row has ``ref_chosen_logps`` and
-``ref_rejected_logps``; otherwise a frozen reference worker (``ref.model``, default
-``actor.model``) computes them once per pair, the first time the pair is in a batch (the
+``ref_rejected_logps`` and ``ref.model`` is not set; otherwise a frozen reference worker
+(``ref.model``, default ``actor.model``) computes them once per pair, the first time the pair is in a batch (the
 reference never changes, so later epochs reuse them). Loss
 (:func:`rl2gem.algorithms.dpo_loss`): ``dpo.loss_type=sigmoid`` (DPO, with
 ``dpo.label_smoothing`` for conservative DPO) or ``ipo``, averaged over ``data.batch_size``
@@ -82,7 +82,8 @@ class DPOTrainer(OfflineTrainer):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.tree = check_packing(cfg.actor)
-        needs_reference = any(p.ref_chosen_logps is None for p in self.train + self.test)
+        given = all(p.ref_chosen_logps is not None for p in self.train + self.test)
+        needs_reference = cfg.ref.model is not None or not given  # a ref.model given is the reference
         if needs_reference:  # one source for every pair: the data's from another model are not mixed in
             for pair in self.train + self.test:
                 pair.ref_chosen_logps = pair.ref_rejected_logps = None
@@ -94,6 +95,8 @@ class DPOTrainer(OfflineTrainer):
         self.reference_tokens = 0
         if self.rank == 0:
             source = f"the frozen model {cfg.ref.model or cfg.actor.model}" if needs_reference else "the data"
+            if cfg.ref.model is not None and given:
+                source += " (ref.model; the rows' ref_chosen_logps and ref_rejected_logps are not used)"
             print(f"dpo: reference log-probs from {source}", flush=True)
 
     def load_items(self, source, split: str) -> list[PairSample]:

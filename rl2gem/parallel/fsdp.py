@@ -21,6 +21,9 @@
 from __future__ import annotations
 
 import os
+import sys
+import threading
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -101,6 +104,32 @@ def launched_world_size() -> int:
     """The ranks the launcher started (torchrun's ``WORLD_SIZE``, set before the script runs; 1
     when unset): what a config is checked against before the process group exists."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def stop_with_the_launcher(poll_seconds: float = 1.0) -> threading.Thread | None:
+    """Under torchrun: end this rank once torchrun itself is gone. Returns the watching thread
+    (None elsewhere, or when this process has no parent to watch).
+
+    torchrun starts each rank in a session of its own, so ``kill -9`` of torchrun (or of its process
+    group) left the ranks training: they went on writing ``trainer.output_dir`` beside a resumed
+    run. A daemon thread reads the parent pid every ``poll_seconds``; when it changes (torchrun
+    gone, the rank adopted), the rank says so on stderr and exits at once, as if killed (a
+    checkpoint's ``latest`` is written last, so nothing written is lost).
+    """
+    parent = os.getppid()
+    if "TORCHELASTIC_RUN_ID" not in os.environ or parent <= 1:
+        return None
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_seconds)
+        rank = os.environ.get("RANK", "?")
+        print(f"rank {rank}: its launcher (pid {parent}) is gone; this rank stops", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    watcher = threading.Thread(target=watch, name="rl2gem-launcher-watch", daemon=True)
+    watcher.start()
+    return watcher
 
 
 #: where launchers put a process's rank on its node: torchrun, SLURM's srun, Open MPI, MPICH

@@ -27,7 +27,6 @@ from rl2gem.training.checkpoint import Checkpointer, atomic_write
 from rl2gem.training.evaluation import evaluate_env
 from rl2gem.training.forward import (
     packed_inputs,
-    score_positions,
     sequence_ends,
     sequence_scores,
     sequence_sums,
@@ -71,7 +70,6 @@ __all__ = [
     "samples_from_batch",
     "Trainer",
     "launch",
-    "score_positions",
     "sequence_ends",
     "sequence_scores",
     "sequence_sums",

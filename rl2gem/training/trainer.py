@@ -13,9 +13,12 @@ the phases a ``train_step`` marks with ``self.memory.phase(name)``) is logged wi
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import itertools
+import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,11 +31,12 @@ import rl2gem  # noqa: F401 (registers the rl2/ envs and loads plugins, for the 
 from rl2gem.config import ConfigError, command_line_config, config_error_exit_code
 from rl2gem.data import missing_data_files
 from rl2gem.models import model_problem
+from rl2gem.parallel.fsdp import stop_with_the_launcher
 from rl2gem.registry import env_config_problem, env_id_problem
 from rl2gem.tracking import LOGGERS, Tracker, flat_config
 from rl2gem.training.metrics import PeakMemory
 
-__all__ = ["Trainer", "launch", "check_common_keys"]
+__all__ = ["LOCK_FILE", "OutputDirInUse", "Trainer", "check_common_keys", "hold_output_dir", "launch"]
 
 
 class Trainer:
@@ -272,14 +276,70 @@ def launch(
     cfg = command_line_config(config, check_all, argv)
     if cfg is None:
         return config_error_exit_code()
-    trainer = trainer_cls(cfg)
+    stop_with_the_launcher()
     try:
-        trainer.fit()
+        lock = hold_output_dir(Path(cfg.trainer.output_dir)) if int(os.environ.get("RANK", "0")) == 0 else None
+    except OutputDirInUse as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
+        trainer = trainer_cls(cfg)
+        try:
+            trainer.fit()
+        finally:
+            trainer.close()
     finally:
-        trainer.close()
+        if lock is not None:
+            lock.close()  # the kernel drops the lock with the file (and with a killed process)
     # only after a fit that returned: a failed rank may have a collective queued that the others
     # never join, and NCCL's shutdown waits for it (pytorch#141510): a hang until the group's
     # timeout. Raising instead ends the process, and torchrun stops the other ranks.
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
+
+
+class OutputDirInUse(RuntimeError):
+    """Another run holds the lock of a ``trainer.output_dir`` (:func:`hold_output_dir`)."""
+
+
+#: The file in ``trainer.output_dir`` whose lock a run holds while it writes the folder.
+LOCK_FILE = ".lock"
+
+
+def hold_output_dir(output_dir: Path, wait_seconds: float = 10.0):
+    """Lock ``output_dir`` for this run (created if missing): an exclusive ``flock`` on
+    ``output_dir/.lock``, which holds this process's pid. The lock lasts while the returned file is
+    open; the kernel drops it when the process ends, however it ends.
+
+    Two runs writing one folder interleave checkpoints and metrics (a resumed run started while
+    the run it resumes still wrote). A lock still held after ``wait_seconds`` (a killed run's
+    ranks take up to a second to stop: :func:`rl2gem.parallel.fsdp.stop_with_the_launcher`) is an error.
+
+    Raises:
+        OutputDirInUse: naming the folder and the pid that holds it.
+    """
+    output_dir.mkdir(parents=True, exist_ok=True)
+    handle = open(output_dir / LOCK_FILE, "a+")  # noqa: SIM115 (held for the run)
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                handle.seek(0)
+                holder = handle.read().strip() or "unknown"
+                handle.close()
+                raise OutputDirInUse(
+                    f"trainer.output_dir={output_dir} is being written by another run (pid {holder}); "
+                    "stop it, or give this run another trainer.output_dir"
+                ) from None
+            time.sleep(0.2)
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    # a child forked without exec shares the lock, which would outlive this run: it closes its copy
+    os.register_at_fork(after_in_child=handle.close)
+    return handle

@@ -10,6 +10,7 @@ and for trainable workers AdamW with a warm-up schedule. Its state goes into che
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from collections.abc import Mapping
@@ -278,6 +279,8 @@ class Worker:
         if generation is not None:
             skeleton.generation_config = generation
         skeleton.generation_config.use_cache = True
+        if self.head == "reward":  # transformers reads the score at the last token that is not padding
+            tokenizer = scoring_padding(skeleton.config, tokenizer)
         path = Path(path)
         skeleton.save_pretrained(path, is_main_process=True)
         if tokenizer is not None:
@@ -285,3 +288,38 @@ class Worker:
         if self.lora is not None:
             lora.save_adapter(path / "adapter", adapted, self.lora, base_model=str(self.name_or_path))
         return path
+
+
+def scoring_padding(config, tokenizer=None):
+    """Give an exported reward model a padding token that never ends a scored sequence, and return
+    the tokenizer to save with it (a copy padding with that token; None without one).
+
+    ``*ForSequenceClassification`` reads the score at the last token that is not
+    ``config.pad_token_id``; the trainer reads it at each sequence's last token, the end-of-turn
+    token of a finished reply. Where the padding token is that end token (SmolLM2 pads with
+    ``<|im_end|>``), transformers would score the token before it, and a reply cut off there alike.
+    The first of the padding, unknown, begin-of-text and other special tokens that is not an
+    end-of-text id of the config or tokenizer takes its place, in ``config`` (in place).
+
+    Raises:
+        ValueError: every candidate is an end-of-text id.
+    """
+    ends = set()
+    for source in (config, tokenizer):
+        end = getattr(source, "eos_token_id", None)
+        ends.update(end if isinstance(end, (list, tuple)) else [end])
+    candidates = [config.pad_token_id]
+    if tokenizer is not None:
+        candidates += [tokenizer.pad_token_id, tokenizer.unk_token_id, tokenizer.bos_token_id, *tokenizer.all_special_ids]
+    candidates.append(getattr(config, "bos_token_id", None))
+    padding = next((token for token in candidates if token is not None and token not in ends), None)
+    if padding is None:
+        raise ValueError(
+            f"no padding token for the reward model: every special token is an end-of-text id {sorted(e for e in ends if e is not None)}"
+        )
+    config.pad_token_id = int(padding)
+    if tokenizer is None or tokenizer.pad_token_id == padding:
+        return tokenizer
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.pad_token = tokenizer.convert_ids_to_tokens(int(padding))
+    return tokenizer

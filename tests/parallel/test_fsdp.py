@@ -1,10 +1,24 @@
-"""Launch helpers of rl2gem.parallel.fsdp: ranks per node and a rank without a CUDA device."""
+"""Launch helpers of rl2gem.parallel.fsdp: ranks per node, a rank without a CUDA device, a rank
+whose launcher is gone."""
 
+import os
+import subprocess
+import sys
+import time
+
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
 
-from rl2gem.parallel.fsdp import AUTO_RANKS_PER_NODE, init_distributed, local_device_index, local_rank, ranks_per_node
+from rl2gem.parallel.fsdp import (
+    AUTO_RANKS_PER_NODE,
+    init_distributed,
+    local_device_index,
+    local_rank,
+    ranks_per_node,
+    stop_with_the_launcher,
+)
 
 
 def test_ranks_per_node_is_two_or_one_per_cuda_device_below(monkeypatch):
@@ -187,3 +201,47 @@ def test_the_rank_on_the_node_comes_from_the_launcher(monkeypatch):
     monkeypatch.delenv("MPI_LOCALRANKID")
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert local_rank(required=True) == 0
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_rank_stops_when_its_launcher_is_killed(tmp_path, monkeypatch):
+    """torchrun starts each rank in a session of its own: ``kill -9`` of torchrun left the ranks
+    training (and writing the run folder beside a resumed run). Here a launcher starts a rank as
+    torchrun does; once the launcher is killed, the rank ends within seconds and says why."""
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert stop_with_the_launcher() is None  # not under torchrun: nothing watches
+    out, err = tmp_path / "rank.out", tmp_path / "rank.err"
+    rank = (
+        "import time; from rl2gem.parallel.fsdp import stop_with_the_launcher; "
+        "assert stop_with_the_launcher(0.1) is not None; print('watching', flush=True); time.sleep(120)"
+    )
+    launcher = (
+        "import subprocess, sys, time; "
+        f"rank = subprocess.Popen([sys.executable, '-c', {rank!r}], start_new_session=True, "
+        f"stdout=open({str(out)!r}, 'w'), stderr=open({str(err)!r}, 'w')); "
+        "print(rank.pid, flush=True); time.sleep(120)"
+    )
+    environment = {**os.environ, "TORCHELASTIC_RUN_ID": "test", "RANK": "1"}
+    process = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True, env=environment)
+    pid = int(process.stdout.readline())
+    try:
+        deadline = time.monotonic() + 120
+        while "watching" not in (out.read_text() if out.exists() else "") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _running(pid), err.read_text()
+        process.kill()
+        process.wait()
+        deadline = time.monotonic() + 10
+        while _running(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(pid)
+        assert f"rank 1: its launcher (pid {process.pid}) is gone" in err.read_text()
+    finally:
+        if _running(pid):
+            os.kill(pid, 9)

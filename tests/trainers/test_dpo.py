@@ -167,3 +167,11 @@ def test_reference_log_probs_from_the_data(tiny_dir, pairs_file, tmp_path):
     assert "dpo: reference log-probs from the frozen model" in stdout
     first = logged_steps(tmp_path / "half" / "metrics.jsonl", "eval/loss")[0]
     assert first["eval/rewards/chosen"] == pytest.approx(0.0, abs=1e-5) != first["eval/logps/chosen"]
+    # a ref.model given is the reference even when every row has its own (they were used silently)
+    stdout = torchrun(
+        1, "trainers/dpo.py", f"data.train={given}", f"data.test={given}", f"actor.model={tiny_dir}", *ARGS,
+        f"ref.model={tiny_dir}", "dpo.beta=0.5", "trainer.total_steps=1", f"trainer.output_dir={tmp_path / 'ref'}",
+    )  # fmt: skip
+    assert "the rows' ref_chosen_logps and ref_rejected_logps are not used" in stdout
+    first = logged_steps(tmp_path / "ref" / "metrics.jsonl", "eval/loss")[0]
+    assert first["eval/rewards/chosen"] == pytest.approx(0.0, abs=1e-5) != first["eval/logps/chosen"]

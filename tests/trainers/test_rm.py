@@ -81,6 +81,22 @@ def test_the_export_is_a_sequence_classifier_with_the_training_scores(runs, pair
     reward_model = RewardModel(str(folder), max_tokens=200)  # several packed rows
     packed = reward_model.score_conversations([p.prompt + p.chosen for p in pairs])
     assert packed == pytest.approx(chosen, abs=1e-5)
+    # a right-padded batch with the exported tokenizer's padding: transformers' pooling reads the
+    # same tokens (the base model pads with its end-of-turn token, which the export replaces)
+    assert tokenizer.pad_token_id == model.config.pad_token_id != tokenizer.eos_token_id
+    assert all(p.chosen.ids[-1] == tokenizer.eos_token_id for p in items)  # scored at the end of the turn
+    batch = tokenizer.pad({"input_ids": [p.chosen.ids for p in items]}, return_tensors="pt")
+    with torch.no_grad():
+        padded = model(**batch).logits[:, 0].tolist()
+    assert padded == pytest.approx(chosen, abs=1e-5)
+    # transformers' chat template renders the same ids up to the last end-of-turn token, then a newline
+    text = tokenizer.apply_chat_template(pairs[0].prompt + pairs[0].chosen, tokenize=False)
+    templated = tokenizer(text, add_special_tokens=False).input_ids
+    last_end = max(i for i, token in enumerate(templated) if token == tokenizer.eos_token_id)
+    assert templated[: last_end + 1] == items[0].chosen.ids and tokenizer.decode(templated[last_end + 1 :]) == "\n"
+    # a reply cut off before its end-of-turn token is another sequence, with another score
+    cut = reward_model.score_ids([p.chosen.ids[:-1] for p in items])
+    assert all(abs(a - b) > 1e-6 for a, b in zip(cut, chosen, strict=True))
 
 
 def _episode(renderer, prompt: str, reply: str, env_reward: float) -> Episode:

@@ -1,5 +1,6 @@
 """A bad config value stops every trainer before anything loads, with one line naming the key."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from rl2gem.trainers import dpo, ppo, rm, sft
 
 from rl2gem.config import load_config
 from rl2gem.data import missing_data_files
-from rl2gem.training.trainer import check_common_keys, launch
+from rl2gem.training.trainer import OutputDirInUse, check_common_keys, hold_output_dir, launch
 
 
 class MustNotBuild:
@@ -274,3 +275,30 @@ def test_settings_the_policy_gradient_does_not_see_are_warned_about(arguments, w
         ppo.check_config(load_config(ppo.CONFIG, arguments))
     messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
     assert [m for m in messages if warned and m.startswith(warned)] if warned else messages == [], messages
+
+
+def test_a_second_run_on_a_folder_in_use_is_refused_before_anything_loads(tmp_path, monkeypatch, capsys):
+    """Two runs writing one ``trainer.output_dir`` interleave their checkpoints and metrics. The
+    folder's lock is held for the run, refused to a second run (naming the holder), and free again
+    once its holder is gone, even killed."""
+    from rl2gem.training import trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "hold_output_dir", functools.partial(hold_output_dir, wait_seconds=0.5))
+    folder = tmp_path / "run"
+    held = hold_output_dir(folder)
+    assert launch(MustNotBuild, ppo.CONFIG, ppo.check_config, [f"trainer.output_dir={folder}"]) == 2
+    assert f"error: trainer.output_dir={folder} is being written by another run (pid {os.getpid()})" in (
+        capsys.readouterr().err
+    )
+    held.close()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"import sys, time; from rl2gem.training.trainer import hold_output_dir; "
+         f"held = hold_output_dir(__import__('pathlib').Path({str(folder)!r})); print('held', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(OutputDirInUse, match=f"pid {holder.pid}"):
+        hold_output_dir(folder, wait_seconds=0.2)
+    holder.kill()
+    holder.wait()
+    hold_output_dir(folder, wait_seconds=0).close()  # a killed holder's lock is gone at once
