@@ -310,7 +310,12 @@ def scoring_padding(config, tokenizer=None):
         ends.update(end if isinstance(end, (list, tuple)) else [end])
     candidates = [config.pad_token_id]
     if tokenizer is not None:
-        candidates += [tokenizer.pad_token_id, tokenizer.unk_token_id, tokenizer.bos_token_id, *tokenizer.all_special_ids]
+        candidates += [
+            tokenizer.pad_token_id,
+            tokenizer.unk_token_id,
+            tokenizer.bos_token_id,
+            *tokenizer.all_special_ids,
+        ]
     candidates.append(getattr(config, "bos_token_id", None))
     padding = next((token for token in candidates if token is not None and token not in ends), None)
     if padding is None:
