@@ -61,7 +61,7 @@ from tqdm import tqdm
 from rl2gem.aio import run_coroutine
 from rl2gem.config import ConfigError
 from rl2gem.env_protocol import dataset_size
-from rl2gem.models import load_model, resolve_device, resolve_dtype, resolve_model
+from rl2gem.models import causal_lm_problem, load_model, model_problem, resolve_device, resolve_dtype, resolve_model
 from rl2gem.registry import env_config_problem, env_id_problem
 from rl2gem.rollout.engines.http import served_context_length
 from rl2gem.rollout.rollout import ENV_ERROR_POLICIES, EnvError, reply_messages, warn_env_error
@@ -146,7 +146,8 @@ def env_kwargs(cfg) -> dict[str, Any]:
 
 def check_arguments(cfg) -> None:
     """The checks of ``python -m rl2gem.evaluate`` / ``rl2gem.collect`` before anything loads:
-    ``device`` and ``dtype`` name one, ``cfg.env`` is a registered id (``module:id`` imports
+    ``device`` and ``dtype`` name one, ``cfg.model`` (if given) names a causal LM folder or a
+    built-in name, ``cfg.env`` is a registered id (``module:id`` imports
     ``module``) and the env builds with ``cfg.env_kwargs`` and ``cfg.split``.
 
     Raises:
@@ -166,6 +167,8 @@ def check_arguments(cfg) -> None:
         raise ConfigError(f"env: {problem}")
     if problem := env_config_problem(cfg.env, env_kwargs(cfg), split=cfg.split):
         raise ConfigError(f"env_kwargs: {problem}")
+    if cfg.get("model") and (problem := model_problem(str(cfg.model)) or causal_lm_problem(str(cfg.model))):
+        raise ConfigError(f"model: {problem}")
 
 
 def _scripted(policy: str, env: gym.Env, rng: np.random.Generator) -> Callable[[], Callable[[str], str]]:

@@ -43,6 +43,7 @@ __all__ = [
     "decoder_layers",
     "load_model",
     "model_problem",
+    "causal_lm_problem",
     "resolve_device",
     "resolve_dtype",
     "resolve_master_dtype",
@@ -193,6 +194,20 @@ def model_problem(name_or_path: str) -> str | None:
         return None
     if name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") > 1:
         return f"no such model folder {name_or_path!r} (nor a built-in name: {sorted(BUILTIN_MODELS)})"
+    return None
+
+
+def causal_lm_problem(name_or_path: str) -> str | None:
+    """Why the folder ``name_or_path`` holds no causal LM, read from its ``config.json`` without
+    loading it (e.g. a reward model's ``LlamaForSequenceClassification``, which transformers would
+    load as a causal LM with a random head where its tied embeddings do not stand in), or None (also
+    for a name or a folder without that file)."""
+    config = Path(os.path.expanduser(name_or_path)) / "config.json"
+    if not config.is_file():
+        return None
+    architectures = json.loads(config.read_text()).get("architectures") or []
+    if architectures and not any(name.endswith(("ForCausalLM", "ForConditionalGeneration")) for name in architectures):
+        return f"{name_or_path} is a {architectures[0]}, not a causal language model"
     return None
 
 

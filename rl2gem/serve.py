@@ -17,7 +17,7 @@ import contextlib
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from rl2gem.models import DTYPES, load_model, resolve_device, resolve_model
+from rl2gem.models import DTYPES, causal_lm_problem, load_model, model_problem, resolve_device, resolve_model
 from rl2gem.procs import run_main, serve_app
 from rl2gem.rollout.engines.embedded import EmbeddedEngine
 from rl2gem.rollout.engines.http import HTTPEngine, served_context_length
@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         resolve_device(args.device)
     except ValueError as e:
         p.error(f"--device: {e}")  # exits with 2 before anything loads
+    if problem := model_problem(args.model) or causal_lm_problem(args.model):
+        p.error(f"--model: {problem}")
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_serve(args))
     return 0

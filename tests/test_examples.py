@@ -115,6 +115,26 @@ def test_evaluate_and_collect_name_a_bad_argument_in_one_line_before_loading_any
         assert stopped.value.code == 2 and error.startswith(message) and error.count("\n") == 1, error
 
 
+def test_a_reward_model_given_as_the_policy_is_refused_before_anything_loads(tmp_path, capsys):
+    """A reward model's folder given where a causal LM is expected (``evaluate model=``, ``rl2gem.serve
+    --model``): transformers loaded it as a causal LM, and the server answered chat requests."""
+    from rl2gem import serve
+    from rl2gem.collect import parse_args as collect_arguments
+    from rl2gem.evaluate import parse_args
+
+    folder = tmp_path / "rm"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForSequenceClassification"]}))
+    line = f"{folder} is a LlamaForSequenceClassification, not a causal language model"
+    for parse in (parse_args, collect_arguments):
+        with pytest.raises(SystemExit) as stopped:
+            parse([f"model={folder}"])
+        assert stopped.value.code == 2 and capsys.readouterr().err.strip() == f"config error: model: {line}"
+    with pytest.raises(SystemExit) as stopped:
+        serve.main(["--model", str(folder)])
+    assert stopped.value.code == 2 and capsys.readouterr().err.strip().endswith(f"error: --model: {line}")
+
+
 def test_the_docs_evaluate_command_takes_a_script_registered_env_as_module_and_id(tmp_path):
     """contributing-envs.md's command, run from examples/ as it says: ``env=module:id``, as
     ``gymnasium.make`` takes it (the module registers the env on import)."""

@@ -8,6 +8,7 @@ without a verifiable reward (``reward.mode=replace``) or to shape one (``add``).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,10 +23,39 @@ from rl2gem.rewards.objectives import set_final_reward
 from rl2gem.rollout.tito import ChatRenderer, load_chat_template
 from rl2gem.training.forward import sequence_scores
 
-__all__ = ["REWARD_MODES", "RewardModel"]
+__all__ = ["REWARD_MODES", "RewardModel", "reward_model_folder", "reward_model_problem"]
 
 #: How :meth:`RewardModel.apply` combines the model's score with the env's reward.
 REWARD_MODES = ("replace", "add")
+
+
+def reward_model_folder(path: str) -> str:
+    """The model folder of ``path``: a ``trainers/rm.py`` run folder's latest checkpoint's ``hf/``,
+    else ``path`` itself."""
+    run = Path(path)
+    if (run / "latest").is_file():  # a trainer's output folder
+        return str(run / (run / "latest").read_text().strip() / "hf")
+    return path
+
+
+def reward_model_problem(path: str) -> str | None:
+    """Why the model folder of ``path`` (:func:`reward_model_folder`) is not a reward model, read
+    from its ``config.json`` without loading it (a one-label ``*ForSequenceClassification``), or
+    None (also when there is no such file to read: the load says what is wrong then)."""
+    config = Path(reward_model_folder(path)) / "config.json"
+    if not config.is_file():
+        return None
+    settings = json.loads(config.read_text())
+    architectures = settings.get("architectures") or []
+    labels = len(settings.get("id2label") or {0: None})
+    if architectures and not any(name.endswith("ForSequenceClassification") for name in architectures):
+        return (
+            f"{path} is a {architectures[0]}, not a reward model (a one-label sequence classifier, such as a "
+            "trainers/rm.py run folder)"
+        )
+    if labels != 1:
+        return f"{path}: a reward model has one label, this one has {labels}"
+    return None
 
 
 class RewardModel:
@@ -58,9 +88,7 @@ class RewardModel:
         max_tokens: int = 4096,
         chat_template: str | None = None,
     ):
-        run = Path(path)
-        if (run / "latest").is_file():  # a trainer's output folder
-            path = str(run / (run / "latest").read_text().strip() / "hf")
+        path = reward_model_folder(path)
         folder = resolve_model(path)
         self.device = torch.device(device)
         self.model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=dtype).to(self.device).eval()

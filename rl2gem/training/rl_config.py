@@ -29,7 +29,7 @@ from rl2gem.parallel.fsdp import launched_world_size
 from rl2gem.rewards.objectives import COMBINERS, Overlong, ParetoArchive, load_transform
 from rl2gem.rollout import RolloutConfig
 from rl2gem.training.forward import check_actor, check_attention, check_packing
-from rl2gem.training.reward_model import REWARD_MODES
+from rl2gem.training.reward_model import REWARD_MODES, reward_model_problem
 from rl2gem.training.settings import WorkerSettings
 
 __all__ = [
@@ -71,6 +71,8 @@ def check_config(cfg) -> None:
         )
     if cfg.reward.mode not in REWARD_MODES:
         raise ConfigError(f"reward.mode={cfg.reward.mode!r} is not one of {list(REWARD_MODES)}")
+    if cfg.reward.model and (problem := reward_model_problem(str(cfg.reward.model))):
+        raise ConfigError(f"reward.model: {problem}")
     if cfg.reward.model and cfg.rollout.dynamic_filter:
         raise ConfigError(
             "rollout.dynamic_filter=true compares each group's rewards as it finishes, before reward.model "

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 import rl2gem  # noqa: F401 (registers the rl2/ envs and loads plugins, for the env check)
 from rl2gem.config import ConfigError, command_line_config, config_error_exit_code
 from rl2gem.data import missing_data_files
-from rl2gem.models import model_problem
+from rl2gem.models import causal_lm_problem, model_problem
 from rl2gem.parallel.fsdp import stop_with_the_launcher
 from rl2gem.registry import env_config_problem, env_id_problem
 from rl2gem.tracking import LOGGERS, Tracker, flat_config
@@ -207,6 +207,12 @@ def check_common_keys(cfg) -> None:
     for section in ("actor", "critic", "reference", "ref", "reward"):
         model = (cfg.get(section) or {}).get("model")
         if isinstance(model, str) and (problem := model_problem(model)):
+            raise ConfigError(f"{section}.model: {problem}")
+        if (
+            section in ("actor", "ref", "reference")
+            and isinstance(model, str)
+            and (problem := causal_lm_problem(model))
+        ):
             raise ConfigError(f"{section}.model: {problem}")
     for section in ("env_kwargs", "eval_env_kwargs", "data", "trainer.eval_env_kwargs"):
         for key, path in missing_data_files(OmegaConf.select(cfg, section, default=None), section):

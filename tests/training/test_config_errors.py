@@ -302,3 +302,24 @@ def test_a_second_run_on_a_folder_in_use_is_refused_before_anything_loads(tmp_pa
     holder.kill()
     holder.wait()
     hold_output_dir(folder, wait_seconds=0).close()  # a killed holder's lock is gone at once
+
+
+def test_a_model_of_the_wrong_kind_is_refused_before_anything_loads(tiny_dir, tmp_path, capsys):
+    """A policy's folder given as ``reward.model`` failed after the actor loaded (a traceback); a
+    reward model's given as ``actor.model`` loaded as a causal LM."""
+    assert launch(MustNotBuild, ppo.CONFIG, ppo.check_config, [f"reward.model={tiny_dir}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"config error: reward.model: {tiny_dir} is a LlamaForCausalLM, not a reward model (a one-label sequence "
+        "classifier, such as a trainers/rm.py run folder)"
+    )
+    reward_model = tmp_path / "rm"
+    reward_model.mkdir()
+    (reward_model / "config.json").write_text('{"architectures": ["LlamaForSequenceClassification"]}')
+    for trainer in (ppo, sft, dpo):
+        assert launch(MustNotBuild, trainer.CONFIG, trainer.check_config, [f"actor.model={reward_model}"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert (
+            err
+            == f"config error: actor.model: {reward_model} is a LlamaForSequenceClassification, not a causal language model"
+        )
