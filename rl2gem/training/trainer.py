@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 import rl2gem  # noqa: F401 (registers the rl2/ envs and loads plugins, for the env check)
 from rl2gem.config import ConfigError, command_line_config, config_error_exit_code
-from rl2gem.data import missing_data_files
+from rl2gem.data import DataUnavailable, missing_data_files
 from rl2gem.models import causal_lm_problem, model_problem
 from rl2gem.parallel.fsdp import stop_with_the_launcher
 from rl2gem.registry import env_config_problem, env_id_problem
@@ -273,7 +273,8 @@ def launch(
     """The ``main`` of a trainer script: ``config`` defaults with ``config=<recipe>`` and ``key=value``
     overrides from ``argv`` (default ``sys.argv[1:]``), ``check`` for combinations that cannot work,
     then the trainer's :meth:`Trainer.fit`. Returns the exit code: 2 (with the message on stderr)
-    for a config error (0 on the ranks other than 0, :func:`rl2gem.config.config_error_exit_code`)."""
+    for a config error or a data file whose rows do not fit the trainer (0 on the ranks other than
+    0, :func:`rl2gem.config.config_error_exit_code`), or for a ``trainer.output_dir`` another run holds."""
 
     def check_all(cfg) -> None:
         check_common_keys(cfg)
@@ -289,7 +290,12 @@ def launch(
         print(f"error: {error}", file=sys.stderr)
         return 2
     try:
-        trainer = trainer_cls(cfg)
+        try:
+            trainer = trainer_cls(cfg)
+        except DataUnavailable as error:  # a data file's rows, read before any model loads
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"data error: {error}", file=sys.stderr)
+            return config_error_exit_code()
         try:
             trainer.fit()
         finally:

@@ -4,6 +4,7 @@ import functools
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 from helpers import ROOT
@@ -323,3 +324,14 @@ def test_a_model_of_the_wrong_kind_is_refused_before_anything_loads(tiny_dir, tm
             err
             == f"config error: actor.model: {reward_model} is a LlamaForSequenceClassification, not a causal language model"
         )
+
+
+def test_rows_that_do_not_fit_the_trainer_are_one_line_before_any_model_loads(tiny_dir, tmp_path, capsys):
+    """Preference pairs given to SFT: the message was clear, but inside a traceback."""
+    pairs_file = tmp_path / "pairs.jsonl"
+    pairs_file.write_text('{"prompt": "What is 2 + 3?", "chosen": "5", "rejected": "6"}\n')
+    arguments = [f"data.train={pairs_file}", f"actor.model={tiny_dir}", f"trainer.output_dir={tmp_path / 'run'}"]
+    with mock.patch("rl2gem.training.offline.Worker", MustNotBuild):
+        assert sft.main(arguments) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("data error: ") and err.count("\n") == 1, err
