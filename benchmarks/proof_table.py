@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -55,7 +56,7 @@ def kl_table(runs: dict[str, list[dict]]) -> str:
         target = next((v for _, v in series(records, "kl/target")), float("nan"))
         success = series(records, "eval/success")
         second = mean(kl[len(kl) // 2 :])
-        controlled = name != "fixed"  # a fixed coefficient has no target (the config default is logged)
+        controlled = not math.isnan(target)  # a fixed or scheduled coefficient logs no target
         target_cell = f"{target:.3g}" if controlled else "-"
         ratio_cell = f"{second / target:.2f}" if controlled else "-"
         success_cell = f"{success[-1][1]:.2f}" if success else ""

@@ -76,9 +76,10 @@ GENERATION = SandboxConfig(timeout_s=30.0, memory_mb=2048, preload=("reasoning_g
 # Run in the sandbox: the task (pickled by this process) in, the item out as JSON on the line
 # that starts with this call's random tag
 _ITEM_CODE = """
-import base64, json, pickle, reasoning_gym
+import base64, contextlib, io, json, pickle, reasoning_gym
 task, seed, size, config, index = pickle.loads(base64.b64decode({blob!r}))
-item = reasoning_gym.create_dataset(task, size=size, seed=seed, **config)[index]
+with contextlib.redirect_stdout(io.StringIO()):  # what the snippets print (without a newline, some)
+    item = reasoning_gym.create_dataset(task, size=size, seed=seed, **config)[index]
 print({tag!r}, json.dumps(item))
 """
 

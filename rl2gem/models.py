@@ -197,16 +197,20 @@ def model_problem(name_or_path: str) -> str | None:
     return None
 
 
+#: The heads of a folder that holds a classifier, not a causal LM (:func:`causal_lm_problem`).
+CLASSIFIER_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+
+
 def causal_lm_problem(name_or_path: str) -> str | None:
-    """Why the folder ``name_or_path`` holds no causal LM, read from its ``config.json`` without
-    loading it (e.g. a reward model's ``LlamaForSequenceClassification``, which transformers would
-    load as a causal LM with a random head where its tied embeddings do not stand in), or None (also
-    for a name or a folder without that file)."""
+    """Why the folder ``name_or_path`` holds a classifier rather than a causal LM, read from its
+    ``config.json`` without loading it (e.g. a reward model's ``LlamaForSequenceClassification``,
+    which transformers would load as a causal LM, its score head dropped), or None (also for a name,
+    a folder without that file, or other architectures: ``GPT2LMHeadModel``, remote code)."""
     config = Path(os.path.expanduser(name_or_path)) / "config.json"
     if not config.is_file():
         return None
     architectures = json.loads(config.read_text()).get("architectures") or []
-    if architectures and not any(name.endswith(("ForCausalLM", "ForConditionalGeneration")) for name in architectures):
+    if architectures and all(name.endswith(CLASSIFIER_HEADS) for name in architectures):
         return f"{name_or_path} is a {architectures[0]}, not a causal language model"
     return None
 

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import NoReturn
@@ -28,6 +29,7 @@ from aiohttp import web
 __all__ = [
     "ServiceProcess",
     "exit_without_finalization",
+    "kill_services",
     "free_port",
     "quick_exit_collection",
     "run_main",
@@ -88,6 +90,20 @@ def run_main(main: Callable[[], int | None]) -> NoReturn:
     exit_without_finalization(main())
 
 
+#: The services this process started (:func:`kill_services`).
+_STARTED: weakref.WeakSet = weakref.WeakSet()
+
+
+def kill_services() -> None:
+    """SIGKILL the process group of every :class:`ServiceProcess` this process started that is still
+    running: what a process about to ``os._exit`` does, since its ``finally`` blocks and ``atexit``
+    handlers will not stop them (each runs in a session of its own)."""
+    for service in list(_STARTED):
+        proc = getattr(service, "proc", None)
+        if proc is not None and proc.poll() is None:
+            service._signal(signal.SIGKILL)
+
+
 class ServiceProcess:
     """A started service.
 
@@ -115,6 +131,7 @@ class ServiceProcess:
         env: dict[str, str] | None = None,
     ):
         self.cmd = cmd
+        _STARTED.add(self)
         self.proc = subprocess.Popen(
             cmd,
             stdin=subprocess.PIPE,

@@ -516,9 +516,9 @@ def test_proof_tables_read_runs(tmp_path):
         run_dir = tmp_path / "kl" / name
         run_dir.mkdir(parents=True)
         rows = [
-            {"step": s, "actor/kl": kl, "kl/coef": coef * s, "kl/target": 0.02, "rollout/reward": 0.5, "actor/entropy": 0.5,
+            {"step": s, "actor/kl": kl, "kl/coef": coef * s, "rollout/reward": 0.5, "actor/entropy": 0.5,
              "constraint/entropy_multiplier": 0.1, "rollout/stale_token_fraction": 0.5, "critic/vf_loss": 0.1,
-             "actor/mismatch_kl": 0.001}
+             "actor/mismatch_kl": 0.001, **({"kl/target": 0.02} if name != "fixed" else {})}
             for s in (1, 2, 3, 4)
         ] + [{"step": 4, "eval/success": 0.25}]  # fmt: skip
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -34,6 +34,7 @@ from rl2gem.models import decoder_layers
 from rl2gem.parallel.attention import enable_attention
 from rl2gem.parallel.ring_attention import enable_ring_attention, recompute_context
 from rl2gem.parallel.tensor_parallel import check_tp, parallelize
+from rl2gem.procs import kill_services
 
 __all__ = [
     "HEADS",
@@ -113,7 +114,8 @@ def stop_with_the_launcher(poll_seconds: float = 1.0) -> threading.Thread | None
     torchrun starts each rank in a session of its own, so ``kill -9`` of torchrun (or of its process
     group) left the ranks training: they went on writing ``trainer.output_dir`` beside a resumed
     run. A daemon thread reads the parent pid every ``poll_seconds``; when it changes (torchrun
-    gone, the rank adopted), the rank says so on stderr and exits at once, as if killed (a
+    gone, the rank adopted), the rank says so on stderr, kills the services it started (engine
+    servers, the router: :func:`rl2gem.procs.kill_services`) and exits at once, as if killed (a
     checkpoint's ``latest`` is written last, so nothing written is lost).
     """
     parent = os.getppid()
@@ -125,6 +127,7 @@ def stop_with_the_launcher(poll_seconds: float = 1.0) -> threading.Thread | None
             time.sleep(poll_seconds)
         rank = os.environ.get("RANK", "?")
         print(f"rank {rank}: its launcher (pid {parent}) is gone; this rank stops", file=sys.stderr, flush=True)
+        kill_services()
         os._exit(1)
 
     watcher = threading.Thread(target=watch, name="rl2gem-launcher-watch", daemon=True)

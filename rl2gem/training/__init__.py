@@ -27,6 +27,7 @@ from rl2gem.training.checkpoint import Checkpointer, atomic_write
 from rl2gem.training.evaluation import evaluate_env
 from rl2gem.training.forward import (
     packed_inputs,
+    score_positions,
     sequence_ends,
     sequence_scores,
     sequence_sums,
@@ -71,6 +72,7 @@ __all__ = [
     "Trainer",
     "launch",
     "sequence_ends",
+    "score_positions",
     "sequence_scores",
     "sequence_sums",
     "setup_distributed",

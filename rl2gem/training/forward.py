@@ -45,6 +45,7 @@ __all__ = [
     "takes_logits_to_keep",
     "token_values",
     "sequence_scores",
+    "score_positions",
     "sequence_ends",
     "sequence_sums",
 ]
@@ -391,12 +392,28 @@ def _rows(scalar):
     return lambda output, _next, rows: scalar(output).float() if rows is None else scalar(output).float()[rows]
 
 
-def sequence_scores(model, sequences: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+def score_positions(sequences: Sequence[Sequence[int]], pad_token_id: int | None = None) -> list[int]:
+    """Where each sequence's score is read in the packed row: its last token, or with
+    ``pad_token_id`` the last token that is not that id (transformers' ``*ForSequenceClassification``
+    pooling: a model exported with the padding token its training skipped is scored as trained;
+    the first token when every token is padding)."""
+    positions, start = [], 0
+    for ids in sequences:
+        last = len(ids) - 1
+        if pad_token_id is not None:
+            last = next((i for i in range(len(ids) - 1, -1, -1) if ids[i] != pad_token_id), 0)
+        positions.append(start + last)
+        start += len(ids)
+    return positions
+
+
+def sequence_scores(
+    model, sequences: Sequence[Sequence[int]], device: torch.device, pad_token_id: int | None = None
+) -> torch.Tensor:
     """Scalar scores of a packed micro-batch under a reward model: float32 ``[S]``, the model's
-    one-label output at each sequence's last token (:func:`sequence_ends`; for a finished reply its
-    end-of-turn token, so a reply cut off before it scores apart); differentiable when grad is
-    enabled. The sequences carry no padding, so no ``pad_token_id`` is read (one that equals the
-    end-of-turn token would move the score a token back).
+    one-label output at :func:`score_positions` (by default each sequence's last token: for a
+    finished reply its end-of-turn token, so a reply cut off before it scores apart; the trainer's
+    reading); differentiable when grad is enabled.
 
     ``model`` is a token classifier with one label (the trained ``head="reward"`` worker) or a
     sequence classifier with one label (its Hugging Face export), whose per-token head outputs
@@ -419,7 +436,7 @@ def sequence_scores(model, sequences: Sequence[Sequence[int]], device: torch.dev
         )
     finally:
         handle.remove()
-    positions = to_device(torch.tensor(sequence_ends([len(ids) for ids in sequences])), per_token.device)
+    positions = to_device(torch.tensor(score_positions(sequences, pad_token_id)), per_token.device)
     return per_token[positions]
 
 

@@ -9,6 +9,7 @@ without a verifiable reward (``reward.mode=replace``) or to shape one (``add``).
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,18 @@ class RewardModel:
         if head.weight.dtype != torch.float32:  # the score in float32, from the hidden states
             float32_head(self.model)
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        # transformers' pooling: the last token that is not padding (the trainer's last token for an
+        # export of this version; the token before the end of a turn for a model that pads with it)
+        self.pad_token_id = self.model.config.pad_token_id
+        ends = self.model.config.eos_token_id
+        ends = {*(ends if isinstance(ends, (list, tuple)) else [ends]), self.tokenizer.eos_token_id}
+        if self.pad_token_id is not None and self.pad_token_id in ends:
+            warnings.warn(
+                f"{path} pads with an end-of-text token ({self.pad_token_id}): its scores are read before a reply's "
+                "end-of-turn token, so a reply cut off there scores as a finished one (an export of trainers/rm.py "
+                "from before 2026-11-29, or a model trained with pad = eos; re-exporting does not change what it learned)",
+                stacklevel=2,
+            )
         self.renderer = ChatRenderer(self.tokenizer, load_chat_template(chat_template))
         self.max_tokens = int(max_tokens)
 
@@ -112,7 +125,7 @@ class RewardModel:
         tokens = 0
         for ids in [*sequences, None]:
             if chunk and (ids is None or tokens + len(ids) > self.max_tokens):
-                scores += sequence_scores(self.model, chunk, self.device).tolist()
+                scores += sequence_scores(self.model, chunk, self.device, self.pad_token_id).tolist()
                 chunk, tokens = [], 0
             if ids is not None:
                 chunk.append(ids)

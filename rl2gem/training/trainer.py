@@ -17,8 +17,11 @@ import fcntl
 import functools
 import itertools
 import os
+import socket
 import sys
 import time
+import warnings
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -188,10 +191,11 @@ def _settings(cfg) -> dict[str, str]:
     return flat
 
 
-def check_common_keys(cfg) -> None:
+def check_common_keys(cfg, causal_actor: bool = True) -> None:
     """Checks every trainer's config gets before anything loads: the env ids (``env``,
     ``trainer.eval_env``; ``module:id`` imports ``module``) are registered, each model key names a
-    built-in model, a folder or a hub id, every data file named in ``env_kwargs``,
+    built-in model, a folder or a hub id (the actor's and reference's not a classifier, unless
+    ``causal_actor`` is False: the reward-model trainer starts from any backbone), every data file named in ``env_kwargs``,
     ``eval_env_kwargs`` and ``data`` exists, each env builds with its arguments (the training env
     with ``env_kwargs``, the evaluation env with its own merged in), counts are in range,
     ``trainer.loggers`` names loggers, and ``trainer.output_dir`` holds no run unless
@@ -208,11 +212,8 @@ def check_common_keys(cfg) -> None:
         model = (cfg.get(section) or {}).get("model")
         if isinstance(model, str) and (problem := model_problem(model)):
             raise ConfigError(f"{section}.model: {problem}")
-        if (
-            section in ("actor", "ref", "reference")
-            and isinstance(model, str)
-            and (problem := causal_lm_problem(model))
-        ):
+        causal = ("actor", "ref", "reference") if causal_actor else ("ref", "reference")
+        if section in causal and isinstance(model, str) and (problem := causal_lm_problem(model)):
             raise ConfigError(f"{section}.model: {problem}")
     for section in ("env_kwargs", "eval_env_kwargs", "data", "trainer.eval_env_kwargs"):
         for key, path in missing_data_files(OmegaConf.select(cfg, section, default=None), section):
@@ -273,29 +274,32 @@ def launch(
     """The ``main`` of a trainer script: ``config`` defaults with ``config=<recipe>`` and ``key=value``
     overrides from ``argv`` (default ``sys.argv[1:]``), ``check`` for combinations that cannot work,
     then the trainer's :meth:`Trainer.fit`. Returns the exit code: 2 (with the message on stderr)
-    for a config error or a data file whose rows do not fit the trainer (0 on the ranks other than
-    0, :func:`rl2gem.config.config_error_exit_code`), or for a ``trainer.output_dir`` another run holds."""
+    for a config error (0 on the ranks other than 0, :func:`rl2gem.config.config_error_exit_code`),
+    for a data file that does not fit the trainer (on every rank; ranks other than 0 name themselves)
+    and for a ``trainer.output_dir`` another run holds."""
 
     def check_all(cfg) -> None:
-        check_common_keys(cfg)
+        check_common_keys(cfg, causal_actor=getattr(trainer_cls, "head", "lm") == "lm")
         check(cfg)
 
     cfg = command_line_config(config, check_all, argv)
     if cfg is None:
         return config_error_exit_code()
     stop_with_the_launcher()
+    rank = int(os.environ.get("RANK", "0"))
     try:
-        lock = hold_output_dir(Path(cfg.trainer.output_dir)) if int(os.environ.get("RANK", "0")) == 0 else None
+        lock = hold_output_dir(Path(cfg.trainer.output_dir)) if rank == 0 else None
     except OutputDirInUse as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     try:
         try:
             trainer = trainer_cls(cfg)
-        except DataUnavailable as error:  # a data file's rows, read before any model loads
-            if int(os.environ.get("RANK", "0")) == 0:
-                print(f"data error: {error}", file=sys.stderr)
-            return config_error_exit_code()
+        except DataUnavailable as error:  # rows that do not fit (an offline trainer reads them before any model)
+            # on every rank that failed (one rank's missing file must stop the job, not leave the
+            # others waiting in a collective): exit 2, rank 0 plainly, the others by name
+            print(f"{f'rank {rank}: ' if rank else ''}data error: {error}", file=sys.stderr)
+            return 2
         try:
             trainer.fit()
         finally:
@@ -328,8 +332,11 @@ def hold_output_dir(output_dir: Path, wait_seconds: float = 10.0):
     the run it resumes still wrote). A lock still held after ``wait_seconds`` (a killed run's
     ranks take up to a second to stop: :func:`rl2gem.parallel.fsdp.stop_with_the_launcher`) is an error.
 
+    A file system without ``flock`` (Lustre mounted ``noflock``, some NFS and FUSE mounts) gets a
+    warning and no lock.
+
     Raises:
-        OutputDirInUse: naming the folder and the pid that holds it.
+        OutputDirInUse: naming the folder and the process (``pid@host``) that holds it.
     """
     output_dir.mkdir(parents=True, exist_ok=True)
     handle = open(output_dir / LOCK_FILE, "a+")  # noqa: SIM115 (held for the run)
@@ -348,10 +355,26 @@ def hold_output_dir(output_dir: Path, wait_seconds: float = 10.0):
                     "stop it, or give this run another trainer.output_dir"
                 ) from None
             time.sleep(0.2)
+        except OSError as error:  # no flock on this file system
+            warnings.warn(f"{output_dir}: runs writing this folder are not locked out ({error})", stacklevel=2)
+            return handle
     handle.seek(0)
     handle.truncate()
-    handle.write(f"{os.getpid()}\n")
+    handle.write(f"{os.getpid()}@{socket.gethostname()}\n")
     handle.flush()
-    # a child forked without exec shares the lock, which would outlive this run: it closes its copy
-    os.register_at_fork(after_in_child=handle.close)
+    _HELD.add(handle)
     return handle
+
+
+#: The lock files this process holds (:func:`hold_output_dir`).
+_HELD: weakref.WeakSet = weakref.WeakSet()
+
+
+def _close_held_in_child() -> None:
+    """In a child forked without exec: close its copies of the held locks, which would otherwise
+    keep a folder locked after this run ended (a copy's close does not unlock the parent's)."""
+    for handle in list(_HELD):
+        handle.close()
+
+
+os.register_at_fork(after_in_child=_close_held_in_child)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -280,7 +281,8 @@ class Worker:
             skeleton.generation_config = generation
         skeleton.generation_config.use_cache = True
         if self.head == "reward":  # transformers reads the score at the last token that is not padding
-            tokenizer = scoring_padding(skeleton.config, tokenizer)
+            skeleton.config = copy.deepcopy(skeleton.config)  # from_config shares the live model's
+            tokenizer = scoring_padding(skeleton.config, tokenizer, skeleton.generation_config)
         path = Path(path)
         skeleton.save_pretrained(path, is_main_process=True)
         if tokenizer is not None:
@@ -290,7 +292,7 @@ class Worker:
         return path
 
 
-def scoring_padding(config, tokenizer=None):
+def scoring_padding(config, tokenizer=None, generation_config=None):
     """Give an exported reward model a padding token that never ends a scored sequence, and return
     the tokenizer to save with it (a copy padding with that token; None without one).
 
@@ -299,13 +301,14 @@ def scoring_padding(config, tokenizer=None):
     token of a finished reply. Where the padding token is that end token (SmolLM2 pads with
     ``<|im_end|>``), transformers would score the token before it, and a reply cut off there alike.
     The first of the padding, unknown, begin-of-text and other special tokens that is not an
-    end-of-text id of the config or tokenizer takes its place, in ``config`` (in place).
+    end-of-text id of the config, the generation config (what generation stops on: Qwen2.5 stops
+    on ``<|endoftext|>`` too, its padding token) or the tokenizer takes its place, in ``config``
+    (in place).
 
-    Raises:
-        ValueError: every candidate is an end-of-text id.
+    Every candidate an end-of-text id: a warning, and the padding stays.
     """
     ends = set()
-    for source in (config, tokenizer):
+    for source in (config, tokenizer, generation_config):
         end = getattr(source, "eos_token_id", None)
         ends.update(end if isinstance(end, (list, tuple)) else [end])
     candidates = [config.pad_token_id]
@@ -319,9 +322,12 @@ def scoring_padding(config, tokenizer=None):
     candidates.append(getattr(config, "bos_token_id", None))
     padding = next((token for token in candidates if token is not None and token not in ends), None)
     if padding is None:
-        raise ValueError(
-            f"no padding token for the reward model: every special token is an end-of-text id {sorted(e for e in ends if e is not None)}"
+        warnings.warn(
+            "the exported reward model pads with an end-of-text token (no other special token): transformers' "
+            "pooling reads a finished reply's score one token early",
+            stacklevel=2,
         )
+        return tokenizer
     config.pad_token_id = int(padding)
     if tokenizer is None or tokenizer.pad_token_id == padding:
         return tokenizer

@@ -217,9 +217,13 @@ def test_a_rank_stops_when_its_launcher_is_killed(tmp_path, monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     assert stop_with_the_launcher() is None  # not under torchrun: nothing watches
     out, err = tmp_path / "rank.out", tmp_path / "rank.err"
+    service = "import time; print('READY http://127.0.0.1:1', flush=True); time.sleep(120)"
     rank = (
-        "import time; from rl2gem.parallel.fsdp import stop_with_the_launcher; "
-        "assert stop_with_the_launcher(0.1) is not None; print('watching', flush=True); time.sleep(120)"
+        "import sys, time; from rl2gem.parallel.fsdp import stop_with_the_launcher; "
+        "from rl2gem.procs import ServiceProcess; "
+        f"server = ServiceProcess([sys.executable, '-c', {service!r}], ready_prefix='READY'); "
+        "assert stop_with_the_launcher(0.1) is not None; print('watching', server.proc.pid, flush=True); "
+        "time.sleep(120)"
     )
     launcher = (
         "import subprocess, sys, time; "
@@ -235,12 +239,18 @@ def test_a_rank_stops_when_its_launcher_is_killed(tmp_path, monkeypatch):
         while "watching" not in (out.read_text() if out.exists() else "") and time.monotonic() < deadline:
             time.sleep(0.1)
         assert _running(pid), err.read_text()
+        server = int(out.read_text().split()[1])  # a service the rank started (an engine server)
+        assert _running(server)
         process.kill()
         process.wait()
         deadline = time.monotonic() + 10
         while _running(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not _running(pid)
+        deadline = time.monotonic() + 5
+        while _running(server) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(server)  # in a session of its own: the rank's exit alone left it running
         assert f"rank 1: its launcher (pid {process.pid}) is gone" in err.read_text()
     finally:
         if _running(pid):

@@ -2,19 +2,22 @@
 that gives the training scores, RewardModel scores episodes (replace / add), and PPO runs on it."""
 
 import copy
+import json
+import shutil
 
 import pytest
 import torch
 from helpers import logged_steps, torchrun
 from rl2gem.trainers import rm
 from safetensors.torch import load_file
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
 
 from rl2gem.data import load_preferences
 from rl2gem.rollout import RolloutBatch
 from rl2gem.rollout.tito import ChatRenderer, Episode, Sequence
 from rl2gem.training import RewardModel
 from rl2gem.training.pairs import tokenize_pairs
+from rl2gem.training.worker import scoring_padding
 
 ARGS = [
     "data.batch_size=8",
@@ -97,6 +100,42 @@ def test_the_export_is_a_sequence_classifier_with_the_training_scores(runs, pair
     # a reply cut off before its end-of-turn token is another sequence, with another score
     cut = reward_model.score_ids([p.chosen.ids[:-1] for p in items])
     assert all(abs(a - b) > 1e-6 for a, b in zip(cut, chosen, strict=True))
+
+
+def test_a_reward_model_that_pads_with_its_end_token_is_scored_as_transformers_pools_it(runs, tmp_path):
+    """An export whose padding token is the end-of-turn token (trainers/rm.py's before this
+    version, or a model trained with pad = eos) was trained on the token before it: RewardModel
+    scores it there, as transformers does, and warns that a cut-off reply then scores alike."""
+    folder = tmp_path / "old"
+    shutil.copytree(runs / "one" / "checkpoint-3" / "hf", folder)
+    config = json.loads((folder / "config.json").read_text())
+    eos = AutoTokenizer.from_pretrained(folder).eos_token_id
+    (folder / "config.json").write_text(json.dumps({**config, "pad_token_id": eos}))
+    with pytest.warns(UserWarning, match="pads with an end-of-text token"):
+        old = RewardModel(str(folder))
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    sequences = [
+        old.renderer.conversation(
+            [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+        ).input_ids
+    ]
+    assert sequences[0][-1] == eos
+    with torch.no_grad():
+        pooled = float(model(input_ids=torch.tensor(sequences)).logits[0, 0])
+    assert old.score_ids(sequences) == pytest.approx([pooled], abs=1e-5)
+    assert old.score_ids(sequences) == pytest.approx(old.score_ids([sequences[0][:-1]]), abs=1e-6)
+
+
+def test_the_exports_padding_is_no_token_generation_stops_on(tiny_dir):
+    """Qwen2.5-Instruct pads with ``<|endoftext|>``, which its generation also stops on: the export's
+    padding must be neither that nor the end-of-turn token (here SmolLM2's ids: end 2, unknown 0)."""
+    config, tokenizer = AutoConfig.from_pretrained(tiny_dir), AutoTokenizer.from_pretrained(tiny_dir)
+    assert tokenizer.eos_token_id == tokenizer.pad_token_id == 2 and tokenizer.unk_token_id == 0
+    saved = scoring_padding(config, tokenizer, GenerationConfig(eos_token_id=[2, 0]))
+    assert config.pad_token_id == saved.pad_token_id == tokenizer.bos_token_id == 1
+    assert tokenizer.pad_token_id == 2  # the trainer's own tokenizer is left as it was
+    config = AutoConfig.from_pretrained(tiny_dir)
+    assert scoring_padding(config, tokenizer, GenerationConfig(eos_token_id=2)).pad_token_id == config.pad_token_id == 0
 
 
 def _episode(renderer, prompt: str, reply: str, env_reward: float) -> Episode:

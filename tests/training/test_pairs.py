@@ -10,7 +10,7 @@ from rl2gem.data import PreferencePair
 from rl2gem.models import resolve_model
 from rl2gem.parallel.packing import plan_pair_micro_batches
 from rl2gem.rollout.tito import ChatRenderer
-from rl2gem.training.forward import sequence_sums
+from rl2gem.training.forward import score_positions, sequence_sums
 from rl2gem.training.pairs import pair_sequences, tokenize_pairs
 
 
@@ -88,3 +88,8 @@ def test_sequence_sums_by_hand():
     assert sums.tolist() == [2.0, 3.0 + 5.0 + 6.0]
     sums.sum().backward()
     assert values.grad.tolist() == [0, 1, 1, 0, 1, 1]
+
+
+def test_score_positions_skip_trailing_padding_like_transformers():
+    assert score_positions([[5, 6, 2], [7, 2, 2], [2, 2]], pad_token_id=2) == [1, 3, 6]  # all padding: the first token
+    assert score_positions([[5, 6, 2], [7]]) == score_positions([[5, 6, 2], [7]], pad_token_id=None) == [2, 3]
