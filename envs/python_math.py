@@ -20,7 +20,7 @@ __all__ = ["make_python_math", "INSTRUCTION"]
 
 INSTRUCTION = (
     "Solve the following math problem. You may run Python code to compute or check intermediate results "
-    "(the python tool below; print what you need to see). "
+    "(the python tool; print what you need to see). "
     "Put your final answer in \\boxed{}, for example: \\boxed{42}."
 )
 

@@ -235,22 +235,27 @@ def action_turns(action_mask: torch.Tensor) -> list[list[tuple[int, int]]]:
     return turns
 
 
-def _turn_rloo_tokens(rewards, action_mask, group, gamma: float = 1.0):
-    """:func:`turn_rloo` on token rows (one row = one episode): each action token gets its turn's advantage."""
+def _turn_rloo_tokens(rewards, action_mask, group, gamma: float = 1.0, turn_ids=None):
+    """:func:`turn_rloo` on token rows (one row = one episode): each action token gets its turn's
+    advantage. A turn is a run of action tokens (:func:`action_turns`), or with ``turn_ids``
+    (int64 ``[B, T]``, the turn of each action token, -1 elsewhere) the tokens of one id, which
+    may span several runs (a managed context's summary and the action after it)."""
     r, m = _check(rewards, action_mask, group)
-    turns = action_turns(m)
-    width = max((len(t) for t in turns), default=0)
-    turn_rewards = torch.zeros(r.shape[0], width, device=r.device)
-    turn_mask = torch.zeros(r.shape[0], width, dtype=torch.bool, device=r.device)
-    for b, runs in enumerate(turns):
-        for k, (start, end) in enumerate(runs):
-            turn_rewards[b, k], turn_mask[b, k] = r[b, start:end].sum(), True
+    if turn_ids is None:
+        turn_ids = torch.full(r.shape, -1, dtype=torch.long, device=r.device)
+        for b, runs in enumerate(action_turns(m)):
+            for k, (start, end) in enumerate(runs):
+                turn_ids[b, start:end] = k
+    turn_ids = torch.as_tensor(turn_ids, dtype=torch.long, device=r.device)
+    turn_ids = torch.where(m, turn_ids, torch.full_like(turn_ids, -1))
+    width = int(turn_ids.max().item()) + 1 if turn_ids.numel() else 0
+    if width == 0:
+        return torch.zeros_like(r)
+    taken, slot = turn_ids >= 0, turn_ids.clamp(min=0)
+    turn_rewards = torch.zeros(r.shape[0], width, device=r.device).scatter_add_(1, slot, r * taken)
+    turn_mask = torch.zeros(r.shape[0], width, device=r.device).scatter_add_(1, slot, taken.float()) > 0
     per_turn = turn_rloo(turn_rewards, turn_mask, group, gamma)
-    out = torch.zeros_like(r)
-    for b, runs in enumerate(turns):
-        for k, (start, end) in enumerate(runs):
-            out[b, start:end] = per_turn[b, k]
-    return out
+    return torch.where(taken, per_turn.gather(1, slot), torch.zeros_like(r))
 
 
 def _last_action_token(m: torch.Tensor) -> torch.Tensor:
@@ -515,7 +520,7 @@ def compute_advantages(
     if fn is not None:
         return fn(rewards, action_mask, group), None
     if estimator == "turn_rloo":
-        return _turn_rloo_tokens(rewards, action_mask, group, gamma), None
+        return _turn_rloo_tokens(rewards, action_mask, group, gamma, options.get("turn_ids")), None
     if estimator == "reinforce_pp":
         return reinforce_pp(rewards, action_mask, group, gamma), None
     return rebn(rewards, action_mask, group, gamma), None

@@ -156,6 +156,11 @@ class RolloutConfig:
             raise ValueError(f"max_groups_factor must be >= 1, got {self.max_groups_factor!r}")
         if self.env_errors not in ENV_ERROR_POLICIES:
             raise ValueError(f"env_errors must be one of {ENV_ERROR_POLICIES}, got {self.env_errors!r}")
+        if self.context.max_tokens is not None and self.context.max_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"context.max_tokens={self.context.max_tokens} leaves no room for a prompt beside an action of "
+                f"max_new_tokens={self.max_new_tokens} tokens"
+            )
 
     @classmethod
     def from_mapping(cls, section: Any, *, known: Iterable[str] | None = None, **overrides: Any) -> RolloutConfig:
@@ -329,6 +334,7 @@ class Rollout:
         self._ready: list[_Group] = []  # completed but not yet returned (partial rollouts)
         self._restart: list[int] = []  # group ids to relaunch (in flight at a checkpoint)
         self._env_errors_seen: set[tuple[str, str]] = set()  # (type, message) of each env error warned
+        self._warned: set[str] = set()  # the other warnings given once
         self._unchanged: set[int] = set()  # versions whose weights are the previous version's
         self._gate = asyncio.Event()
         self._gate.set()
@@ -448,6 +454,14 @@ class Rollout:
         sequence = Sequence()
         sequence.extend_context(renderer.prompt_ids(messages, tools))
         episode.sequences.append(sequence)
+        if not config.context.fits(len(sequence), config.max_new_tokens) and "first prompt" not in self._warned:
+            self._warned.add("first prompt")
+            warnings.warn(
+                f"rollout.context.max_tokens={config.context.max_tokens} is less than an episode's first prompt "
+                f"({len(sequence)} tokens) and an action (max_new_tokens={config.max_new_tokens}): its first segment "
+                "runs past the limit, and the episode ends after its first turn (truncated: context)",
+                stacklevel=2,
+            )
         while True:
             budget = config.max_length - len(sequence)
             if budget <= 0:
@@ -460,6 +474,15 @@ class Rollout:
             ids, logprobs, versions, finish = await self._generate(sequence.input_ids, max_new, episode)
             sequence.extend_action(ids, logprobs, versions)
             text = renderer.decode(ids)
+            if finish == "length" and max_new < config.max_new_tokens:
+                # the episode's token budget, not the model, cut this action: the env never sees it
+                # (a fragment scored as an invalid move, or a guess, the model did not make)
+                episode.finish_reasons.append(finish)
+                episode.action_lengths.append(len(ids))
+                episode.truncated = True
+                episode.info = {**episode.info, "truncated_reason": "max_length"}
+                episode.messages = messages + [{"role": "assistant", "content": text}]
+                break
             where = f"astep (seed {episode.info.get('seed')}, turn {episode.turns + 1})"
             observation, reward, terminated, truncated, info = await self._on_env(env, env.astep(text), where)
             episode.turns += 1
@@ -523,6 +546,7 @@ class Rollout:
                     sequence.input_ids, min(context.summary_max_new_tokens, room), episode, summary=True
                 )
                 sequence.extend_action(ids, logprobs, versions)
+                sequence.summary = True
                 episode.summaries += 1
                 summary = {"role": "assistant", "content": renderer.decode(ids)}
                 kept = task + [summary, {"role": "user", "content": CONTINUE_PROMPT}]

@@ -68,6 +68,8 @@ class Sequence:
         logprobs: rollout log-probability of each action token (0.0 elsewhere).
         versions: policy (weight) version that produced each action token (-1 elsewhere).
         rewards: the reward of each turn on the last token of its action (0.0 elsewhere).
+        summary: its last action is the model's summary of its progress (a managed context's,
+            ``rollout.context.policy=summarize``), not a turn of the episode.
     """
 
     input_ids: list[int] = dataclasses.field(default_factory=list)
@@ -75,6 +77,7 @@ class Sequence:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
     rewards: list[float] = dataclasses.field(default_factory=list)
+    summary: bool = False
 
     def __len__(self) -> int:
         return len(self.input_ids)

@@ -16,6 +16,7 @@ import torch
 from rl2gem.algorithms import (
     CRITIC_ESTIMATORS,
     OFF_POLICY_ESTIMATORS,
+    action_turns,
     compute_advantages,
     kl_estimate,
 )
@@ -59,6 +60,8 @@ class Sample:
         sequence: its place among its episode's sequences (a context split or segment starts the next).
         cut_off: its episode has an action cut off at its token limit (RL; DAPO's overlong
             filtering, :func:`without_cut_off`, leaves it out of the step).
+        summary: its last action is a managed context's summary, not a turn (RL; per-turn
+            credit counts it in the turn it leads to: :func:`turn_ids`).
     """
 
     ids: list[int]
@@ -72,6 +75,7 @@ class Sample:
     episode: Hashable = None
     sequence: int = 0
     cut_off: bool = False
+    summary: bool = False
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -157,6 +161,7 @@ def episode_samples(batch, estimator: str) -> list[Sample]:
                 sample = Sample(s.input_ids, s.action_mask, s.logprobs, None, rewards, s.versions)
                 sample.group, sample.episode, sample.sequence = g, episode_id, k
                 sample.cut_off = Overlong.cut_off(episode)
+                sample.summary = getattr(s, "summary", False)  # (a partial rollout checkpointed before the field)
                 samples.append(sample)
             episode_id += 1
     return samples
@@ -189,13 +194,37 @@ def estimate_advantages(
     group_ids = torch.tensor([groups.setdefault(row[0].group, len(groups)) for row in episodes])
     rewards = padded_rows([[r for s in row for r in s.rewards] for row in episodes])
     mask = padded_rows([[m for s in row for m in s.mask] for row in episodes]).bool()
-    advantages, _ = compute_advantages(estimator, rewards, mask, group_ids, gamma=gamma, lam=lam)
+    turns = {"turn_ids": turn_ids(episodes, mask.shape[1])} if estimator == "turn_rloo" else {}
+    advantages, _ = compute_advantages(estimator, rewards, mask, group_ids, gamma=gamma, lam=lam, **turns)
     for e, row in enumerate(episodes):
         start = 0
         for sample in row:
             sample.advantages = advantages[e, start : start + len(sample)].tolist()
             start += len(sample)
     return samples
+
+
+def turn_ids(episodes: Sequence[Sequence[Sample]], width: int) -> torch.Tensor:
+    """The turn of each action token of each episode (its samples in order, one row each,
+    ``width`` tokens): int64 ``[E, width]``, -1 off action tokens. Each run of action tokens is a
+    turn, except a managed context's summary (:attr:`Sample.summary`), which joins the turn it
+    leads to (the last one's when none follows): summarising neither takes a turn index, so that
+    turn ``k`` is each episode's ``k``-th action, nor a discount step."""
+    ids = torch.full((len(episodes), width), -1, dtype=torch.long)
+    for e, row in enumerate(episodes):
+        runs, start = [], 0  # (first token, end, is a summary) of each action run, in the row
+        for sample in row:
+            sample_runs = action_turns(torch.tensor([sample.mask]))[0]
+            for k, (first, end) in enumerate(sample_runs):
+                runs.append((start + first, start + end, sample.summary and k == len(sample_runs) - 1))
+            start += len(sample)
+        turn = 0
+        for first, end, summary in runs:
+            ids[e, first:end] = turn
+            turn += not summary
+        if runs and runs[-1][2] and turn > 0:  # a last summary, no turn after it: the last turn's
+            ids[e, runs[-1][0] : runs[-1][1]] = turn - 1
+    return ids
 
 
 def episode_rows(samples: Sequence[Sample]) -> list[list[int]]:

@@ -83,7 +83,7 @@ def test_truncation_keeps_the_task_and_the_latest_whole_turns():
         ContextConfig(max_tokens=100, policy="forget")
     with pytest.raises(ValueError, match="not context settings"):
         ContextConfig.from_value({"max_token": 100})
-    assert RolloutConfig.from_mapping({"context": {"max_tokens": 64}}).context == ContextConfig(max_tokens=64)
+    assert RolloutConfig.from_mapping({"context": {"max_tokens": 512}}).context == ContextConfig(max_tokens=512)
 
 
 def _segments_are_what_the_engine_saw(batch, inputs):
@@ -159,6 +159,8 @@ def test_summarize_trains_the_summary_and_continues_from_it(tokenizer):
     _segments_are_what_the_engine_saw(batch, inputs)
     for episode in batch.episodes:
         assert episode.turns == 4 and episode.summaries == episode.segments >= 1
+        # each segment but the last ends with a summary; per-turn credit counts it in the next turn
+        assert [sequence.summary for sequence in episode.sequences] == [True] * episode.summaries + [False]
         for old, new in zip(episode.sequences, episode.sequences[1:], strict=False):
             summary_length = old.action_mask[::-1].index(0)  # the old segment ends with the summary
             assert 1 <= summary_length <= 6
@@ -206,3 +208,12 @@ def test_summarize_falls_back_to_truncate_where_the_summary_leaves_no_room(token
         for sequence in episode.sequences[1:]:
             prompt = sequence.input_ids[: sequence.action_mask.index(1)]
             assert len(prompt) + 8 <= 112 and CONTINUE_PROMPT not in tokenizer.decode(prompt)
+
+
+def test_a_context_limit_below_the_first_prompt_is_warned_about_and_one_below_an_action_refused(tokenizer):
+    with pytest.raises(ValueError, match="context.max_tokens=64 leaves no room for a prompt beside an action of"):
+        RolloutConfig(max_new_tokens=64, context={"max_tokens": 64})
+    with pytest.warns(UserWarning, match=r"rollout.context.max_tokens=40 is less than an episode's first prompt"):
+        batch, _ = play(tokenizer, ContextConfig(max_tokens=40, policy="truncate"))
+    for episode in batch.episodes:
+        assert episode.turns == 1 and episode.info["truncated_reason"] == "context"

@@ -504,3 +504,40 @@ def test_a_request_queued_at_the_pause_does_not_hold_the_collect(tokenizer):
     contract). Waiting for every request out to answer stalled each collect for 5 s."""
     _, _, seconds = two_partial_collects(tokenizer, cut=False)
     assert seconds < 2.0
+
+
+class BudgetEngine(ScriptedEngine):
+    """A scripted engine that keeps to the request's ``max_new_tokens`` (finish ``length`` when it cuts)."""
+
+    async def generate(self, input_ids, sampling_params=None, **kw):
+        ids = self.scripts[len(self.calls) % len(self.scripts)][: sampling_params.max_new_tokens]
+        full = len(self.scripts[len(self.calls) % len(self.scripts)])
+        self.calls.append(list(input_ids))
+        reason = {"type": "stop", "matched": ids[-1]} if len(ids) == full else {"type": "length", "length": len(ids)}
+        return GenerateOutput(list(ids), [-0.1] * len(ids), reason, len(input_ids), self.weight_version)
+
+
+def test_an_action_the_episodes_token_budget_cuts_is_not_played(tokenizer):
+    """With 5 tokens of ``max_length`` left the second action was cut to a fragment, which the env
+    then scored as an invalid move (a guess the model did not make). The env never sees it now: the
+    episode ends truncated (``max_length``), the fragment kept as the action it trained on."""
+    scripts = [action_ids(tokenizer, r"\boxed{5}"), action_ids(tokenizer, r"My guess is \boxed{7} because 5 was low")]
+
+    def play(max_length):
+        engine = BudgetEngine(scripts)
+
+        async def main():
+            config = RolloutConfig(responses_per_prompt=1, max_length=max_length, max_new_tokens=64)
+            rollout = Rollout(engine, tokenizer, "rl2/GuessTheNumber-v0", config)
+            batch = await rollout.collect(1)
+            await rollout.close()
+            return batch.episodes[0]
+
+        return asyncio.run(main()), engine
+
+    _, engine = play(4096)
+    ep, engine = play(len(engine.calls[1]) + 5)
+    assert len(engine.calls) == 2 and ep.turns == 1 and ep.finish_reasons == ["stop", "length"]
+    assert ep.truncated and ep.info["truncated_reason"] == "max_length" and ep.info["num_invalid_actions"] == 0
+    [sequence] = ep.sequences
+    assert sequence.action_mask[-5:] == [1] * 5 and len(sequence) == len(engine.calls[1]) + 5

@@ -7,6 +7,7 @@ import torch
 
 from rl2gem.algorithms import CRITIC_ESTIMATORS, compute_advantages
 from rl2gem.training import Sample, apply_critic_estimator
+from rl2gem.training.samples import estimate_advantages, turn_ids
 
 
 def random_samples(seed: int) -> list[Sample]:
@@ -90,3 +91,23 @@ def test_a_micro_batch_without_action_tokens_gets_zero_advantages(estimator):
     returns = apply_critic_estimator(samples, torch.randn(6), torch.zeros(6), estimator, **options)
     assert returns.tolist() == [0.0] * 6
     assert all(s.advantages == [0.0] * 3 and s.returns == [0.0] * 3 for s in samples)
+
+
+def test_a_context_summary_joins_the_turn_it_leads_to_in_per_turn_credit():
+    """Episode A: action (reward 0), its context's summary (in the same sequence, then a new
+    segment), action (reward 1). Episode B of the same group: two actions, rewards 0 and 0. With
+    gamma 0.5 the summary took a turn index and a discount step: A's returns were 0.25, 0.5, 1.
+    Turns are each episode's actions: A's returns 0.5 and 1, B's 0 and 0, so every token of A
+    (its summary's too: the turn it leads to) has advantage 0.5 on turn 1 and 1 on turn 2."""
+    first = Sample([1, 2, 3, 4, 5, 6], [0, 1, 0, 0, 1, 1], None, None, [0.0] * 6, None, group=0, episode=0)
+    first.summary = True  # its last action run, tokens 4-5, is the summary
+    second = Sample([1, 2, 3], [0, 1, 1], None, None, [0.0, 0.0, 1.0], None, group=0, episode=0, sequence=1)
+    other = Sample([1, 2, 3, 4], [0, 1, 0, 1], None, None, [0.0, 0.0, 0.0, 0.0], None, group=0, episode=1)
+    estimate_advantages([first, second, other], "turn_rloo", gamma=0.5)
+    assert first.advantages == [0.0, 0.5, 0.0, 0.0, 1.0, 1.0]
+    assert second.advantages == [0.0, 1.0, 1.0]
+    assert other.advantages == [0.0, -0.5, 0.0, -1.0]
+    assert turn_ids([[first, second], [other]], 9).tolist() == [
+        [-1, 0, -1, -1, 1, 1, -1, 1, 1],
+        [-1, 0, -1, 1, -1, -1, -1, -1, -1],
+    ]
