@@ -132,7 +132,7 @@ class Tracker:
         if self._mlflow is not None:
             self._mlflow.log(clean, step)
 
-    def report(self, final: Mapping[str, float], checkpoint: str | Path, keys: tuple[str, ...]) -> Path:
+    def report(self, final: Mapping[str, float], checkpoint: str | Path | None, keys: tuple[str, ...]) -> Path:
         """End of a run: close the loggers, plot ``keys`` to ``curves.png``, print their table per
         step, the final evaluation and where the metrics, plot and checkpoint are (from
         ``metrics.jsonl``; without the ``jsonl`` logger, from this process's rows). Returns the plot."""
@@ -140,12 +140,15 @@ class Tracker:
         self.close()
         source = self.path if jsonl else self.rows
         png = plot_metrics(source, self.dir / "curves.png", keys=keys)
-        checkpoint = Path(checkpoint)
         print("\n" + metrics_table(source, keys=keys))
         print("\nfinal eval: " + "  ".join(f"{k.split('/', 1)[-1]} {v:.3f}" for k, v in final.items()))
+        saved = (
+            "none (no step trained)"
+            if checkpoint is None
+            else f"{checkpoint} (Hugging Face export: {Path(checkpoint) / 'hf'})"
+        )
         print(
-            f"metrics: {self.path if jsonl else 'not kept (no jsonl logger)'}\nplot: {png}\n"
-            f"checkpoint: {checkpoint} (Hugging Face export: {checkpoint / 'hf'})",
+            f"metrics: {self.path if jsonl else 'not kept (no jsonl logger)'}\nplot: {png}\ncheckpoint: {saved}",
             flush=True,
         )
         return png

@@ -153,7 +153,7 @@ class Trainer:
                 if self.rank == 0:
                     print(f"the run finished at step {self.step}: nothing left to do", flush=True)
                 return {}
-        if t.eval_at_start and self.step == 0:
+        if t.eval_at_start and self.step == 0 < self.total_steps:  # with no step the final one is it
             self.log({**self._evaluate(), **self.memory.metrics()})
         last: dict[str, float] = {}
         bar = tqdm(
@@ -174,7 +174,8 @@ class Trainer:
         final = self._evaluate()
         final.update(self.memory.metrics())
         self.log(final)
-        checkpoint = self.save(finished=True)
+        # no step trained (trainer.total_steps=0: an evaluation of the start): no copy of the start
+        checkpoint = self.save(finished=True) if self.step > 0 else None
         if self.tracker is not None:
             self.tracker.report(final, checkpoint, keys=self.report_keys)
         return {**last, **final}

@@ -229,3 +229,16 @@ def test_the_held_out_items_come_from_data_test_or_the_train_mapping():
     assert held_out(data("a.jsonl", {"test": "t.jsonl"})) == ({"test": "t.jsonl"}, "test")
     interpolated = OmegaConf.create({"folder": "runs", "train": "a.jsonl", "test": "${folder}/t.jsonl"})
     assert held_out(interpolated) == ("runs/t.jsonl", "test")  # a new string at each access: kept
+
+
+def test_no_steps_is_one_evaluation_of_the_start_and_no_checkpoint(tiny_dir, episodes, tmp_path, capsys):
+    """``trainer.total_steps=0`` (a baseline's evaluation) evaluated the start twice and wrote a full
+    copy of the start model as ``checkpoint-0`` (2.2 GB for SmolLM2)."""
+    out = tmp_path / "zero"
+    arguments = [f"data.train={episodes}", f"actor.model={tiny_dir}", "trainer.total_steps=0", "trainer.eval_n=2"]
+    arguments += ["trainer.eval_env=rl2/GuessTheNumber-Easy-v0", f"trainer.output_dir={out}", "trainer.progress=false"]
+    assert sft.main(arguments) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if "eval/success" in row] == [0]
+    assert not list(out.glob("checkpoint-*")) and not (out / "latest").exists()
+    assert "checkpoint: none (no step trained)" in capsys.readouterr().out
