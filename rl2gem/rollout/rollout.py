@@ -44,6 +44,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
+from rl2gem.registry import standard_kwargs
 from rl2gem.rollout.context import CONTINUE_PROMPT, SUMMARY_PROMPT, ContextConfig, truncated_messages
 from rl2gem.rollout.engines.base import Engine, EngineError, SamplingParams, mix_seed
 from rl2gem.rollout.tito import ChatRenderer, Episode, Sequence
@@ -318,6 +319,14 @@ class Rollout:
             import rl2gem
 
             env_id, kwargs = env, dict(env_kwargs or {})
+            if self.config.tools_in_template:  # the template renders the tools: not the env's text too
+                if kwargs.get("tool_prompt") is not None:
+                    warnings.warn(
+                        f"{env_id} with tool_prompt={kwargs['tool_prompt']!r} and tools_in_template=True: the tool "
+                        "schemas are rendered twice (the system turn and the env's text); leave tool_prompt out",
+                        stacklevel=2,
+                    )
+                kwargs = standard_kwargs(env_id, kwargs, tools_in_template=True)
             self._env_fn = lambda: rl2gem.make(env_id, **kwargs)
         else:
             self._env_fn = env

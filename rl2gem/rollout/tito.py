@@ -219,13 +219,14 @@ class ChatRenderer:
 
     Args:
         tokenizer: a transformers tokenizer with a chat template (or pass ``chat_template``).
-        chat_template: a Jinja template overriding the tokenizer's.
+        chat_template: a template overriding the tokenizer's: a built-in name (``chatml_tools``...),
+            a Jinja file or the Jinja text (:func:`load_chat_template`; a name was taken as the text).
         system_prompt: prepended as a system message when given.
     """
 
     def __init__(self, tokenizer, chat_template: str | None = None, system_prompt: str | None = None):
         self.tokenizer = tokenizer
-        self.chat_template = chat_template
+        self.chat_template = chat_template = load_chat_template(chat_template)
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; pass chat_template=")
         self.system_prompt = system_prompt

@@ -541,3 +541,27 @@ def test_an_action_the_episodes_token_budget_cuts_is_not_played(tokenizer):
     assert ep.truncated and ep.info["truncated_reason"] == "max_length" and ep.info["num_invalid_actions"] == 0
     [sequence] = ep.sequences
     assert sequence.action_mask[-5:] == [1] * 5 and len(sequence) == len(engine.calls[1]) + 5
+
+
+def test_tools_in_the_template_are_not_also_written_into_the_envs_text(tokenizer):
+    """``tools_in_template=True`` renders the tool schemas in the system turn: an env id given to
+    Rollout wrote them into its prompt too (the command lines set ``tool_prompt=None``, Rollout did
+    not); an explicit ``tool_prompt`` that still writes them is warned about."""
+
+    def first_prompt(env_kwargs):
+        engine = ScriptedEngine([action_ids(tokenizer, r"\boxed{1}")])
+
+        async def main():
+            config = RolloutConfig(responses_per_prompt=1, max_new_tokens=16, tools_in_template=True)
+            rollout = Rollout(
+                engine, tokenizer, "rl2/PythonMath-v0", config, chat_template="chatml_tools", env_kwargs=env_kwargs
+            )
+            await rollout.collect(1)
+            await rollout.close()
+
+        asyncio.run(main())
+        return tokenizer.decode(engine.calls[0])
+
+    assert first_prompt({}).count('"name": "python"') == 1
+    with pytest.warns(UserWarning, match="the tool schemas are rendered twice"):
+        assert first_prompt({"tool_prompt": "append"}).count('"name": "python"') > 1
