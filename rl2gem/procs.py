@@ -28,6 +28,8 @@ from aiohttp import web
 
 __all__ = [
     "ServiceProcess",
+    "EXIT_ON_STDIN_EOF",
+    "exit_when_stdin_closes",
     "exit_without_finalization",
     "kill_services",
     "free_port",
@@ -217,6 +219,35 @@ def _healthy(url: str) -> bool:
             return r.status == 200
     except Exception:
         return False
+
+
+#: Set to ``1`` by a parent that hands a child its stdin's pipe: :func:`exit_when_stdin_closes`
+#: then ends the child (and what it started) once the parent is gone.
+EXIT_ON_STDIN_EOF = "RL2GEM_EXIT_ON_STDIN_EOF"
+
+
+def exit_when_stdin_closes() -> threading.Thread | None:
+    """When :data:`EXIT_ON_STDIN_EOF` is ``1`` in the environment: a daemon thread reads stdin to its
+    end, then kills the services this process started (:func:`kill_services`) and exits at once.
+    Returns the thread (None without the variable).
+
+    The tuner starts each trial in a session of its own (so that a pruned one stops whole) with its
+    stdin a pipe it holds: when the tuner is killed, the pipe closes, and the trial (torchrun's ranks
+    inherit the pipe) ends instead of training on beside the resumed study."""
+    if os.environ.get(EXIT_ON_STDIN_EOF) != "1":
+        return None
+
+    def watch() -> None:
+        with contextlib.suppress(OSError):
+            while os.read(0, 65536):  # the descriptor, not sys.stdin: a read blocked on its buffer's
+                pass  # lock aborts the interpreter's shutdown ("could not acquire lock for <stdin>")
+        print(f"pid {os.getpid()}: its parent's pipe closed; this process stops", file=sys.stderr, flush=True)
+        kill_services()
+        os._exit(1)
+
+    watcher = threading.Thread(target=watch, name="rl2gem-stdin-watch", daemon=True)
+    watcher.start()
+    return watcher
 
 
 def stop_on_stdin_eof(stop: asyncio.Event) -> None:

@@ -44,7 +44,7 @@ from omegaconf import OmegaConf
 
 from rl2gem.config import ConfigError, command_line_config, load_config
 from rl2gem.parallel.fsdp import ranks_per_node
-from rl2gem.procs import run_main
+from rl2gem.procs import EXIT_ON_STDIN_EOF, run_main
 from rl2gem.training.trainer import check_common_keys
 
 CONFIG = Path(__file__).with_name("config") / "tune.yaml"
@@ -57,6 +57,14 @@ HEARTBEAT_SECONDS = 2
 FAILURES_IN_A_ROW = 3
 
 
+#: The fields of each parameter type of ``space``.
+SPEC_FIELDS = {
+    "float": {"type", "low", "high", "log", "step", "grid"},
+    "int": {"type", "low", "high", "log", "step", "grid"},
+    "categorical": {"type", "choices"},
+}
+
+
 def distributions(space) -> dict[str, optuna.distributions.BaseDistribution]:
     """optuna distributions of a ``space`` mapping (config key -> spec).
 
@@ -67,6 +75,20 @@ def distributions(space) -> dict[str, optuna.distributions.BaseDistribution]:
     for key, spec in dict(space).items():
         spec = dict(spec)
         kind = spec.get("type")
+        unknown = sorted(set(spec) - SPEC_FIELDS.get(kind, set(spec)))
+        if unknown:  # a typo ("logg: true") searched on a linear scale without a word
+            raise ConfigError(
+                f"space.{key}: {unknown} are not fields of a {kind} parameter ({sorted(SPEC_FIELDS[kind])})"
+            )
+        if kind == "int" and not isinstance(spec.get("step", 1), int):
+            raise ConfigError(f"space.{key}: an int parameter's step must be an integer, got {spec['step']!r}")
+        if kind == "categorical" and not all(
+            isinstance(c, (str, int, float, bool, type(None))) for c in spec.get("choices", [])
+        ):
+            raise ConfigError(
+                f"space.{key}: categorical choices must be numbers, strings, booleans or null (optuna's), "
+                f"got {OmegaConf.to_container(spec['choices']) if OmegaConf.is_config(spec['choices']) else spec['choices']}"
+            )
         try:
             if kind == "float":
                 out[key] = optuna.distributions.FloatDistribution(
@@ -82,6 +104,8 @@ def distributions(space) -> dict[str, optuna.distributions.BaseDistribution]:
                 raise ConfigError(f"space.{key}: type must be float, int or categorical, got {kind!r}")
         except KeyError as e:
             raise ConfigError(f"space.{key}: a {kind} parameter needs {e.args[0]!r}") from None
+        except ConfigError:
+            raise
         except ValueError as e:
             raise ConfigError(f"space.{key}: {e}") from None
     if not out:
@@ -126,12 +150,26 @@ def check_config(cfg) -> None:
             ranks_per_node(cfg.nproc_per_node)
         except ValueError as error:
             raise ConfigError(f"nproc_per_node: {error} (or 0: plain python)") from None
+    space = distributions(cfg.space)
     for i, params in enumerate(cfg.enqueue):
         unknown = set(params) - set(cfg.space)
         if unknown:
             raise ConfigError(f"enqueue[{i}]: {sorted(unknown)} not in space (keys: {sorted(cfg.space)})")
+        for key, value in params.items():
+            if not _contains(space[key], value):
+                raise ConfigError(f"enqueue[{i}]: {key}={value!r} is outside space.{key} ({space[key]})")
     script(cfg)
     check_trials(cfg)
+
+
+def _contains(dist: optuna.distributions.BaseDistribution, value) -> bool:
+    """Whether ``value`` is one of ``dist``'s: a choice, or a number within its range (a value that
+    is no number is left to the trainer's own check, which names the type it expects)."""
+    if isinstance(dist, optuna.distributions.CategoricalDistribution):
+        return value in dist.choices
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return True
+    return dist.low <= value <= dist.high
 
 
 def check_trials(cfg) -> None:
@@ -274,9 +312,12 @@ class Objective:
         run_dir.mkdir(parents=True)
         start, seen, last = time.monotonic(), 0, None
         with open(run_dir / "trial.log", "w") as log:
+            # its own session (a pruned trial stops whole), its stdin a pipe this process holds: the
+            # trial ends when the tuner does, however (rl2gem.procs.exit_when_stdin_closes)
             proc = subprocess.Popen(
-                trial_command(self.cfg, overrides), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+                trial_command(self.cfg, overrides), stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, env={**os.environ, EXIT_ON_STDIN_EOF: "1"},
+            )  # fmt: skip
             try:
                 while True:
                     exited = proc.poll() is not None
@@ -299,6 +340,7 @@ class Objective:
             finally:
                 if proc.poll() is None:
                     stop(proc)
+                proc.stdin.close()
                 if not self.cfg.keep_checkpoints:
                     for checkpoint in run_dir.glob("checkpoint-*"):
                         shutil.rmtree(checkpoint, ignore_errors=True)
@@ -426,6 +468,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    marker = out / "study_name"  # trial-<n> folders are per study: two studies in one folder overwrote each other's
+    if marker.exists() and marker.read_text().strip() != str(cfg.study_name):
+        print(
+            f"config error: output_dir={out} holds study {marker.read_text().strip()!r}; "
+            f"give study {cfg.study_name!r} another output_dir",
+            file=sys.stderr,
+        )
+        return 2
+    marker.write_text(f"{cfg.study_name}\n")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = open_study(cfg, out)
     objective = Objective(cfg, out)
@@ -434,8 +485,10 @@ def main(argv: list[str] | None = None) -> int:
         points = grid_points(cfg)
         if points is not None and finished(study) >= points:
             break  # every grid point tried
+        done = {t.number for t in study.trials if t.state.is_finished()}
         study.optimize(objective, n_trials=1, catch=(RuntimeError,))
-        t = study.trials[-1]
+        # the trial that ran (the last in the study may be one queued by enqueue)
+        t = next(t for t in reversed(study.trials) if t.state.is_finished() and t.number not in done)
         value = t.value if t.value is not None else t.intermediate_values.get(max(t.intermediate_values, default=0))
         print(f"trial {t.number}: {t.state.name.lower()} {cfg.metric}={value} {t.params}", flush=True)
         failures = failures + 1 if t.state == optuna.trial.TrialState.FAIL else 0

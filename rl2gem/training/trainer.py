@@ -35,6 +35,7 @@ from rl2gem.config import ConfigError, command_line_config, config_error_exit_co
 from rl2gem.data import DataUnavailable, missing_data_files
 from rl2gem.models import causal_lm_problem, model_problem
 from rl2gem.parallel.fsdp import stop_with_the_launcher
+from rl2gem.procs import exit_when_stdin_closes
 from rl2gem.registry import env_config_problem, env_id_problem
 from rl2gem.tracking import LOGGERS, Tracker, flat_config
 from rl2gem.training.metrics import PeakMemory
@@ -287,6 +288,7 @@ def launch(
     if cfg is None:
         return config_error_exit_code()
     stop_with_the_launcher()
+    exit_when_stdin_closes()  # a tuner's trial: ends with the tuner
     rank = int(os.environ.get("RANK", "0"))
     try:
         lock = hold_output_dir(Path(cfg.trainer.output_dir)) if rank == 0 else None

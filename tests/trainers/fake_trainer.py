@@ -10,6 +10,9 @@ import sys
 import time
 from pathlib import Path
 
+from rl2gem.procs import exit_when_stdin_closes
+
+exit_when_stdin_closes()  # as the trainers' launch() does: a trial ends with its tuner
 args = dict(a.split("=", 1) for a in sys.argv[1:])
 out = Path(args["trainer.output_dir"])
 out.mkdir(parents=True, exist_ok=True)

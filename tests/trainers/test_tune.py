@@ -60,6 +60,12 @@ def test_search_space_and_config_errors(monkeypatch):
         ({"a": {"type": "float", "low": 1}}, "needs 'high'"),
         ({"a": {"type": "float", "low": 0, "high": 1, "log": True}}, "space.a"),
         ({}, "space is empty"),
+        # a typo was ignored (a linear scale searched), a fractional int step read as 0, a list choice
+        # crashed the study after it opened, a missing type named the key twice
+        ({"a": {"type": "float", "low": 1e-5, "high": 1e-3, "logg": True}}, r"\['logg'\] are not fields of a float"),
+        ({"a": {"type": "int", "low": 1, "high": 4, "step": 0.5}}, "step must be an integer, got 0.5"),
+        ({"a": {"type": "categorical", "choices": [["q_proj"], "all-linear"]}}, "choices must be numbers, strings"),
+        ({"a": {"low": 0, "high": 1}}, r"^space.a: type must be"),
     ]:
         with pytest.raises(ConfigError, match=message):
             tune.distributions(bad)
@@ -198,6 +204,21 @@ def test_enqueued_settings_run_first_and_only_once(tmp_path):
     cfg = load_config(tune.CONFIG, ["space={x: {type: float, low: 0, high: 1}}", "enqueue=[{y: 1}]"])
     with pytest.raises(ConfigError, match=r"enqueue\[0\]: \['y'\] not in space"):
         tune.check_config(cfg)
+    cfg = load_config(tune.CONFIG, ["space={x: {type: categorical, choices: [4, 8]}}", "enqueue=[{x: 6}]"])
+    with pytest.raises(ConfigError, match=r"enqueue\[0\]: x=6 is outside space.x"):
+        tune.check_config(cfg)
+
+
+def test_the_progress_line_names_the_trial_that_ran_and_a_second_study_needs_its_own_folder(tmp_path):
+    """With a point enqueued the line named the queued trial ("trial 1: waiting"); a second study
+    in the same folder overwrote the first one's trial folders (its best.yaml then held the other
+    study's values)."""
+    stdout = tune_run(
+        *study_args(tmp_path, "n_trials=2", "pruner=none", "enqueue=[{x: 7.0}, {x: 1.5}]", "base=[steps=1]")
+    )
+    assert "trial 0: complete eval/score=10.0 {'x': 7.0}" in stdout and "waiting" not in stdout
+    r = run_module("rl2gem.trainers.tune", *study_args(tmp_path, "study_name=other", "n_trials=1"))
+    assert r.returncode == 2 and f"output_dir={tmp_path} holds study 'tune'" in r.stderr
 
 
 def test_a_pruned_trial_stops_every_process_under_it(tmp_path):
@@ -210,9 +231,19 @@ def test_a_pruned_trial_stops_every_process_under_it(tmp_path):
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
+def _running(argument: str) -> bool:
+    """Whether a process (not a zombie) has ``argument`` in its command line."""
+    for process in psutil.process_iter(["cmdline", "status"]):
+        if process.info["status"] != psutil.STATUS_ZOMBIE and any(
+            argument in part for part in process.info["cmdline"] or []
+        ):
+            return True
+    return False
+
+
 def test_a_killed_study_resumes_and_reruns_the_interrupted_trial(tmp_path):
     out = tmp_path / "study"
-    args = study_args(out, "n_trials=2", "pruner=none", "base=[seconds_per_step=0.5]")
+    args = study_args(out, "n_trials=2", "pruner=none", "base=[seconds_per_step=0.5, steps=12]")
     proc = subprocess.Popen(
         [sys.executable, "-m", "rl2gem.trainers.tune", *args],
         cwd=ROOT,
@@ -229,7 +260,12 @@ def test_a_killed_study_resumes_and_reruns_the_interrupted_trial(tmp_path):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # tune; its trial runs in a session of its own
         proc.wait()
-    subprocess.run(["pkill", "-9", "-f", str(out / "trial-1")], check=False)
+    # the interrupted trial (in a session of its own) ends with its tuner: it trained on beside the
+    # resumed study
+    deadline = time.time() + 3  # well before its 12 steps of 0.5 s end
+    while _running(str(out / "trial-1")) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _running(str(out / "trial-1"))
     before = trials(out)
     assert [t.state.name for t in before] == ["COMPLETE", "RUNNING"]
     time.sleep(2 * tune.HEARTBEAT_SECONDS + 1)  # the killed trial's heartbeat goes stale
