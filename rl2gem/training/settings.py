@@ -69,6 +69,14 @@ class LoraSettings:
         names = [targets] if isinstance(targets, str) else list(targets) if isinstance(targets, Sequence) else None
         if not names or not all(isinstance(name, str) and name for name in names):
             out.append(f"lora.target_modules: expected all-linear or a non-empty list of module names, got {targets!r}")
+        elif isinstance(targets, str) and "," in targets:  # one module named "q_proj,v_proj" for peft
+            out.append(f"lora.target_modules: a list is written [{targets}], got the one name {targets!r}")
+        elif any(name in ("lm_head", "embed_tokens") for name in names):
+            out.append(
+                f"lora.target_modules: {sorted(set(names) & {'lm_head', 'embed_tokens'})} cannot be adapted here "
+                "(the LM head and the embeddings are tied or not linear layers the merge handles); "
+                "adapt the decoder layers' projections"
+            )
         return out
 
 
@@ -200,4 +208,6 @@ class WorkerSettings:
                 out.append(f"{key}: expected an int >= {low}, got {value!r}")
         if self.scheduler not in SCHEDULES:
             out.append(f"scheduler: expected one of {list(SCHEDULES)}, got {self.scheduler!r}")
+        if isinstance(self.tp_size, int) and self.tp_size > 1 and _number(self.lora.rank) and self.lora.rank > 0:
+            out.append(f"lora.rank: LoRA with tp_size={self.tp_size} is not supported: use tp_size 1 (FSDP shards the base)")
         return out + self.lora.problems()

@@ -62,6 +62,18 @@ CASES = [
     ("actor.scheduler=bogus", "config error: actor.scheduler: expected one of ['constant', 'linear', 'cosine']"),
     ("actor.lora.dropout=1.5", "config error: actor.lora.dropout: expected a number in [0, 1), got 1.5"),
     (
+        "actor.lora.rank=4 actor.lora.target_modules=q_proj,v_proj",
+        "config error: actor.lora.target_modules: a list is written [q_proj,v_proj], got the one name 'q_proj,v_proj'",
+    ),
+    (
+        "actor.lora.rank=4 actor.lora.target_modules=[lm_head]",
+        "config error: actor.lora.target_modules: ['lm_head'] cannot be adapted here",
+    ),
+    (
+        "actor.lora.rank=4 actor.tp_size=2",
+        "config error: actor.lora.rank: LoRA with tp_size=2 is not supported",
+    ),
+    (
         "actor.lora.target_modules=[]",
         "config error: actor.lora.target_modules: expected all-linear or a non-empty list of module names, got []",
     ),
