@@ -209,5 +209,7 @@ class WorkerSettings:
         if self.scheduler not in SCHEDULES:
             out.append(f"scheduler: expected one of {list(SCHEDULES)}, got {self.scheduler!r}")
         if isinstance(self.tp_size, int) and self.tp_size > 1 and _number(self.lora.rank) and self.lora.rank > 0:
-            out.append(f"lora.rank: LoRA with tp_size={self.tp_size} is not supported: use tp_size 1 (FSDP shards the base)")
+            out.append(
+                f"lora.rank: LoRA with tp_size={self.tp_size} is not supported: use tp_size 1 (FSDP shards the base)"
+            )
         return out + self.lora.problems()
