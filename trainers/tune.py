@@ -462,21 +462,26 @@ def write_plots(study: optuna.Study, out: Path) -> list[Path]:
     return written
 
 
+def claim_folder(out: Path, study_name: str) -> str | None:
+    """Make ``out`` (created if missing) the folder of study ``study_name``, or say why not: it
+    holds another study (its ``trial-<n>`` folders would be overwritten, and its ``best.yaml``
+    would read this study's)."""
+    out.mkdir(parents=True, exist_ok=True)
+    marker = out / "study_name"
+    if marker.exists() and (held := marker.read_text().strip()) != study_name:
+        return f"output_dir={out} holds study {held!r}; give study {study_name!r} another output_dir"
+    marker.write_text(f"{study_name}\n")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = command_line_config(CONFIG, check_config, argv)
     if cfg is None:
         return 2
     out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    marker = out / "study_name"  # trial-<n> folders are per study: two studies in one folder overwrote each other's
-    if marker.exists() and marker.read_text().strip() != str(cfg.study_name):
-        print(
-            f"config error: output_dir={out} holds study {marker.read_text().strip()!r}; "
-            f"give study {cfg.study_name!r} another output_dir",
-            file=sys.stderr,
-        )
+    if problem := claim_folder(out, str(cfg.study_name)):
+        print(f"config error: {problem}", file=sys.stderr)
         return 2
-    marker.write_text(f"{cfg.study_name}\n")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = open_study(cfg, out)
     objective = Objective(cfg, out)
