@@ -29,6 +29,7 @@ from aiohttp import web
 __all__ = [
     "ServiceProcess",
     "EXIT_ON_STDIN_EOF",
+    "exit_when",
     "exit_when_stdin_closes",
     "exit_without_finalization",
     "kill_services",
@@ -237,15 +238,27 @@ def exit_when_stdin_closes() -> threading.Thread | None:
     if os.environ.get(EXIT_ON_STDIN_EOF) != "1":
         return None
 
-    def watch() -> None:
+    def closed() -> str:
         with contextlib.suppress(OSError):
             while os.read(0, 65536):  # the descriptor, not sys.stdin: a read blocked on its buffer's
                 pass  # lock aborts the interpreter's shutdown ("could not acquire lock for <stdin>")
-        print(f"pid {os.getpid()}: its parent's pipe closed; this process stops", file=sys.stderr, flush=True)
+        return f"pid {os.getpid()}: its parent's pipe closed; this process stops"
+
+    return exit_when(closed, "rl2gem-stdin-watch")
+
+
+def exit_when(wait: Callable[[], str], name: str) -> threading.Thread:
+    """A daemon thread (``name``) that calls ``wait``; when it returns (the process must end: its
+    parent is gone), says what it returned on stderr, kills the services this process started
+    (:func:`kill_services`) and exits at once, as if killed. Returns the thread."""
+
+    def watch() -> None:
+        why = wait()
+        print(why, file=sys.stderr, flush=True)
         kill_services()
         os._exit(1)
 
-    watcher = threading.Thread(target=watch, name="rl2gem-stdin-watch", daemon=True)
+    watcher = threading.Thread(target=watch, name=name, daemon=True)
     watcher.start()
     return watcher
 

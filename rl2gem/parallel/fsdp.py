@@ -21,7 +21,6 @@
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -34,7 +33,7 @@ from rl2gem.models import decoder_layers
 from rl2gem.parallel.attention import enable_attention
 from rl2gem.parallel.ring_attention import enable_ring_attention, recompute_context
 from rl2gem.parallel.tensor_parallel import check_tp, parallelize
-from rl2gem.procs import kill_services
+from rl2gem.procs import exit_when
 
 __all__ = [
     "HEADS",
@@ -122,17 +121,12 @@ def stop_with_the_launcher(poll_seconds: float = 1.0) -> threading.Thread | None
     if "TORCHELASTIC_RUN_ID" not in os.environ or parent <= 1:
         return None
 
-    def watch() -> None:
+    def adopted() -> str:
         while os.getppid() == parent:
             time.sleep(poll_seconds)
-        rank = os.environ.get("RANK", "?")
-        print(f"rank {rank}: its launcher (pid {parent}) is gone; this rank stops", file=sys.stderr, flush=True)
-        kill_services()
-        os._exit(1)
+        return f"rank {os.environ.get('RANK', '?')}: its launcher (pid {parent}) is gone; this rank stops"
 
-    watcher = threading.Thread(target=watch, name="rl2gem-launcher-watch", daemon=True)
-    watcher.start()
-    return watcher
+    return exit_when(adopted, "rl2gem-launcher-watch")
 
 
 #: where launchers put a process's rank on its node: torchrun, SLURM's srun, Open MPI, MPICH
